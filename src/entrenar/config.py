@@ -1,0 +1,226 @@
+"""Model configuration, presets, and the mapping to transformers' ``config.json``.
+
+One ``ModelConfig`` describes every LLaMA / Qwen2 / SmolLM2 shape we support. Nothing in the
+model hard-codes eps, theta, RoPE pairing or bias choice: each comes from here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROPE_STYLES = ("neox", "gptj")
+ARCHITECTURES = ("llama", "qwen2")
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rope_theta: float = 10000.0
+    rope_style: str = "neox"  # neox: pairs (i, i+d/2) as HF LLaMA/Qwen2; gptj: pairs (2i, 2i+1)
+    rope_scaling: dict[str, Any] | None = None  # None | {"rope_type": "linear"|"llama3", "factor": ..}
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False  # Q/K/V projection biases (Qwen2)
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE
+    tie_word_embeddings: bool = False
+    max_position_embeddings: int = 4096
+    architecture: str = "llama"  # which transformers class config.json names
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+    pad_token_id: int | None = None
+    initializer_range: float = 0.02
+    extra: dict[str, Any] = field(default_factory=dict)  # config.json keys we carry but do not use
+
+    def __post_init__(self) -> None:
+        if self.head_dim is None:
+            self.head_dim = self.hidden_size // self.num_heads
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(msg: str) -> None:
+            raise ValueError(f"invalid model config: {msg}")
+
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
+                     "num_kv_heads", "head_dim"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) <= 0:
+                bad(f"{name} must be a positive integer, got {getattr(self, name)!r}")
+        if self.num_heads % self.num_kv_heads:
+            bad(f"num_heads {self.num_heads} is not a multiple of num_kv_heads {self.num_kv_heads}")
+        if self.head_dim % 2:
+            bad(f"head_dim {self.head_dim} must be even for RoPE")
+        if self.rope_style not in ROPE_STYLES:
+            bad(f"rope_style {self.rope_style!r} not in {ROPE_STYLES}")
+        if self.architecture not in ARCHITECTURES:
+            bad(f"architecture {self.architecture!r} not in {ARCHITECTURES}")
+        if not (0 < self.rms_norm_eps < 1e-2):
+            bad(f"rms_norm_eps {self.rms_norm_eps} out of range")
+        if self.rope_scaling is not None:
+            kind = self.rope_scaling.get("rope_type", self.rope_scaling.get("type"))
+            if kind not in ("linear", "llama3", "default"):
+                bad(f"rope_scaling type {kind!r} not supported (linear | llama3)")
+
+    # ---- sizes -------------------------------------------------------------------------
+    def num_parameters(self) -> int:
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        if self.attention_bias:
+            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+        if self.qk_norm:
+            attn += 2 * d
+        mlp = 3 * h * self.intermediate_size
+        per_layer = attn + mlp + 2 * h
+        emb = self.vocab_size * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.num_layers * per_layer + emb + head + h
+
+    def matmul_parameters(self) -> int:
+        """Parameters that take part in a matmul per token (all linears incl. the LM head)."""
+        h, d = self.hidden_size, self.head_dim
+        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        return self.num_layers * (attn + 3 * h * self.intermediate_size) + self.vocab_size * h
+
+    def flops_per_token(self, seq_len: int) -> float:
+        """Training FLOPs per token: 6 x matmul params + attention (causal-agnostic, as PaLM)."""
+        attn = 12 * self.num_layers * self.num_heads * self.head_dim * seq_len
+        return 6 * self.matmul_parameters() + attn
+
+    # ---- transformers config.json ------------------------------------------------------
+    def to_hf_dict(self) -> dict[str, Any]:
+        arch = "Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"
+        d: dict[str, Any] = dict(self.extra)
+        d.update(
+            architectures=[arch],
+            model_type=self.architecture,
+            vocab_size=self.vocab_size,
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=self.num_layers,
+            num_attention_heads=self.num_heads,
+            num_key_value_heads=self.num_kv_heads,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            rope_scaling=self.rope_scaling,
+            rms_norm_eps=self.rms_norm_eps,
+            tie_word_embeddings=self.tie_word_embeddings,
+            max_position_embeddings=self.max_position_embeddings,
+            hidden_act="silu",
+            initializer_range=self.initializer_range,
+            bos_token_id=self.bos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+        )
+        # transformers' LLaMA puts a bias on o_proj too when attention_bias is set; Qwen2 biases
+        # exactly Q/K/V. So Q/K/V bias is expressed as qwen2 and its absence as llama.
+        if self.architecture == "llama":
+            if self.attention_bias:
+                raise ValueError("Q/K/V bias without an o_proj bias is the qwen2 architecture; "
+                                 "set architecture='qwen2'")
+            d["attention_bias"] = False
+            d["mlp_bias"] = False
+        elif not self.attention_bias:
+            raise ValueError("a Qwen2 config.json cannot express attention_bias=false; use llama")
+        if self.rope_style != "neox":
+            d["entrenar_rope_style"] = self.rope_style  # transformers has no gptj pairing for llama
+        if self.qk_norm:
+            d["entrenar_qk_norm"] = True
+        return d
+
+    @classmethod
+    def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
+        model_type = d.get("model_type", "llama")
+        if model_type not in ARCHITECTURES:
+            raise ValueError(f"config.json model_type {model_type!r} is not supported "
+                             f"(supported: {', '.join(ARCHITECTURES)})")
+        known = {
+            "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
+            "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+            "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
+            "max_position_embeddings", "hidden_act", "attention_bias", "mlp_bias",
+            "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
+            "entrenar_rope_style", "entrenar_qk_norm",
+        }
+        if d.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"hidden_act {d['hidden_act']!r} not supported (silu only)")
+        if d.get("mlp_bias"):
+            raise ValueError("mlp_bias=true is not supported")
+        if model_type == "llama" and d.get("attention_bias"):
+            raise ValueError("LLaMA attention_bias=true (bias on o_proj too) is not supported")
+        rope_scaling = d.get("rope_scaling")
+        if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
+            rope_scaling = None
+        heads = d["num_attention_heads"]
+        return cls(
+            vocab_size=d["vocab_size"],
+            hidden_size=d["hidden_size"],
+            intermediate_size=d["intermediate_size"],
+            num_layers=d["num_hidden_layers"],
+            num_heads=heads,
+            num_kv_heads=d.get("num_key_value_heads") or heads,
+            head_dim=d.get("head_dim") or d["hidden_size"] // heads,
+            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_style=d.get("entrenar_rope_style", "neox"),
+            rope_scaling=rope_scaling,
+            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
+            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
+            qk_norm=bool(d.get("entrenar_qk_norm", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type != "qwen2")),
+            max_position_embeddings=d.get("max_position_embeddings", 4096),
+            architecture=model_type,
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=d.get("eos_token_id"),
+            pad_token_id=d.get("pad_token_id"),
+            initializer_range=d.get("initializer_range", 0.02),
+            extra={k: v for k, v in d.items() if k not in known},
+        )
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_hf_dict(), indent=2) + "\n")
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelConfig:
+        return cls.from_hf_dict(json.loads(Path(path).read_text()))
+
+    def replace(self, **changes: Any) -> ModelConfig:
+        return dataclasses.replace(self, **changes)
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # tests and from-scratch smoke runs; vocab of the SmolLM2 tokenizer so packed shards fit
+    "tiny": ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=176, num_layers=2,
+                        num_heads=4, num_kv_heads=2, rope_theta=10000.0, rms_norm_eps=1e-5,
+                        tie_word_embeddings=True, max_position_embeddings=2048),
+    "llama-370m": ModelConfig(vocab_size=32000, hidden_size=1024, intermediate_size=3072,
+                              num_layers=24, num_heads=16, num_kv_heads=8, rope_theta=10000.0,
+                              rms_norm_eps=1e-5, tie_word_embeddings=False,
+                              max_position_embeddings=4096),
+    "smollm2-135m": ModelConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                                num_layers=30, num_heads=9, num_kv_heads=3, rope_theta=100000.0,
+                                rms_norm_eps=1e-5, tie_word_embeddings=True,
+                                max_position_embeddings=8192, bos_token_id=1, eos_token_id=2),
+    "qwen2.5-0.5b": ModelConfig(vocab_size=151936, hidden_size=896, intermediate_size=4864,
+                                num_layers=24, num_heads=14, num_kv_heads=2, rope_theta=1e6,
+                                rms_norm_eps=1e-6, attention_bias=True, tie_word_embeddings=True,
+                                max_position_embeddings=32768, architecture="qwen2",
+                                bos_token_id=151643, eos_token_id=151645),
+    "qwen2.5-coder-7b": ModelConfig(vocab_size=152064, hidden_size=3584, intermediate_size=18944,
+                                    num_layers=28, num_heads=28, num_kv_heads=4, rope_theta=1e6,
+                                    rms_norm_eps=1e-6, attention_bias=True,
+                                    tie_word_embeddings=False, max_position_embeddings=32768,
+                                    architecture="qwen2", bos_token_id=151643,
+                                    eos_token_id=151645),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
+    return dataclasses.replace(PRESETS[name])

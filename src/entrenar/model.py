@@ -1,0 +1,304 @@
+"""The decoder: one readable file for LLaMA, Qwen2 and SmolLM2.
+
+Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...), so loading
+an HF checkpoint is a rename-free copy. Every numeric choice (eps, theta, RoPE pairing and
+scaling, Q/K/V bias, qk-norm, tied head) comes from ``ModelConfig``.
+
+Shapes: B batch, T sequence, H heads, K kv heads, D head_dim, C hidden.
+Labels passed to ``loss`` are already shifted: ``labels[:, t]`` is the target of position t.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .kernels import Ops, get_ops
+
+
+def _record(trace: dict | None, name: str, x: torch.Tensor) -> None:
+    """Keep an intermediate for `verify` (per-op bisection). Costs nothing when trace is None."""
+    if trace is not None:
+        trace[name] = x.detach()
+
+
+# ---- RoPE tables --------------------------------------------------------------------------
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies (float64), with linear or llama3 scaling from the config."""
+    d = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        inv_freq = inv_freq / scaling["factor"]
+    elif kind == "llama3":
+        factor = scaling["factor"]
+        low, high = scaling.get("low_freq_factor", 1.0), scaling.get("high_freq_factor", 4.0)
+        old_ctx = scaling.get("original_max_position_embeddings", 8192)
+        wavelen = 2 * math.pi / inv_freq
+        low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_ctx / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        inv_freq = torch.where(medium, smoothed, scaled)
+    return inv_freq
+
+
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
+    """cos, sin of shape [B, T, D/2]; computed in float64, returned in fp32 (fp64 for fp64 runs)."""
+    inv_freq = rope_inv_freq(cfg).to(positions.device)
+    angles = positions.to(torch.float64)[..., None] * inv_freq
+    out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    return angles.cos().to(out_dtype), angles.sin().to(out_dtype)
+
+
+# ---- modules ------------------------------------------------------------------------------
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
+        return ops.rms_norm(x, self.weight, self.eps)
+
+
+@dataclass
+class KVCache:
+    """Per-layer key/value tensors [B, K, T, D] grown by concatenation during decoding."""
+
+    keys: list = field(default_factory=list)
+    values: list = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return 0 if not self.keys else self.keys[0].shape[2]
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if layer == len(self.keys):
+            self.keys.append(k)
+            self.values.append(v)
+        else:
+            self.keys[layer] = torch.cat([self.keys[layer], k], dim=2)
+            self.values[layer] = torch.cat([self.values[layer], v], dim=2)
+        return self.keys[layer], self.values[layer]
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.cfg, self.layer = cfg, layer
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
+        self.o_proj = nn.Linear(cfg.num_heads * d, h, bias=False)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
+
+    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None,
+                trace: dict | None = None):
+        cfg, B, T = self.cfg, x.shape[0], x.shape[1]
+        p = f"layers.{self.layer}."
+        q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        _record(trace, p + "q_proj", q)
+        _record(trace, p + "k_proj", k)
+        _record(trace, p + "v_proj", v)
+        if cfg.qk_norm:
+            q, k = self.q_norm(q, ops), self.k_norm(k, ops)
+        q, k = ops.rope(q, k, cos, sin, cfg.rope_style)
+        _record(trace, p + "q_rope", q)
+        _record(trace, p + "k_rope", k)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
+        if cache is not None:
+            k, v = cache.update(self.layer, k, v)
+        if trace is not None:  # probabilities only for bisection; the fast path never builds them
+            kk = k.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)
+            scores = (q @ kk.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+            if mask is None:
+                Tk = k.shape[2]
+                causal = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
+                scores = scores.masked_fill(~causal, float("-inf"))
+            else:
+                scores = scores.masked_fill(~mask, float("-inf"))
+            _record(trace, p + "attn_probs", scores.float().softmax(-1).to(q.dtype))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
+                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+        y = y.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
+        _record(trace, p + "attn_out", y)
+        return self.o_proj(y)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x, ops: Ops, trace: dict | None = None, prefix: str = ""):
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        _record(trace, prefix + "gate_proj", gate)
+        _record(trace, prefix + "up_proj", up)
+        act = ops.swiglu(gate, up)
+        _record(trace, prefix + "act", act)
+        return self.down_proj(act)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer: int):
+        super().__init__()
+        self.layer = layer
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None,
+                trace: dict | None = None):
+        p = f"layers.{self.layer}."
+        h = self.input_layernorm(x, ops)
+        _record(trace, p + "input_norm", h)
+        a = self.self_attn(h, cos, sin, mask, ops, cache, trace)
+        _record(trace, p + "o_proj", a)
+        x = x + a
+        _record(trace, p + "attn_residual", x)
+        h = self.post_attention_layernorm(x, ops)
+        _record(trace, p + "post_attention_norm", h)
+        m = self.mlp(h, ops, trace, p)
+        _record(trace, p + "down_proj", m)
+        x = x + m
+        _record(trace, p + "mlp_residual", x)
+        return x
+
+
+class Backbone(nn.Module):
+    """HF's ``model.`` prefix: embeddings, blocks, final norm."""
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(Block(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, kernels: str = "torch"):
+        super().__init__()
+        self.cfg = cfg
+        self.kernels = kernels
+        self.model = Backbone(cfg)
+        # A tied head has no tensor of its own (as in HF safetensors): it reads embed_tokens.
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
+                                                                      bias=False)
+        self.activation_checkpointing = False
+
+    @property
+    def ops(self) -> Ops:
+        return get_ops(self.kernels)
+
+    @property
+    def head_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+
+    def init_weights(self, seed: int | None = None) -> None:
+        """Random init for pretraining: N(0, initializer_range), scaled residual projections."""
+        gen = torch.Generator().manual_seed(seed) if seed is not None else None
+        std = self.cfg.initializer_range
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                nn.init.ones_(p)
+            elif name.endswith(".bias"):
+                nn.init.zeros_(p)
+            else:
+                s = std / math.sqrt(2 * self.cfg.num_layers) if name.endswith(("o_proj.weight",
+                                                                              "down_proj.weight")) else std
+                with torch.no_grad():
+                    p.copy_(torch.randn(p.shape, generator=gen) * s)
+
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if input_ids.numel() and (int(input_ids.max()) >= self.cfg.vocab_size or int(input_ids.min()) < 0):
+            raise ValueError(f"token id {int(input_ids.max())} out of range for vocab_size "
+                             f"{self.cfg.vocab_size} (tokenizer and model disagree?)")
+
+    def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                      trace: dict | None = None) -> torch.Tensor:
+        """Final-norm hidden states [B, T, C].
+
+        doc_ids [B, T]: attention stays inside runs of equal id (packed sequences); positions
+        restart at each new document unless position_ids is given.
+        """
+        if not input_ids.is_cuda:
+            self._check_ids(input_ids)
+        B, T = input_ids.shape
+        past = cache.length if cache is not None else 0
+        if position_ids is None:
+            if doc_ids is not None:
+                position_ids = positions_from_doc_ids(doc_ids)
+            else:
+                position_ids = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
+        dtype = self.model.embed_tokens.weight.dtype
+        if torch.is_autocast_enabled(input_ids.device.type):
+            dtype = torch.get_autocast_dtype(input_ids.device.type)
+        cos, sin = rope_tables(self.cfg, position_ids, dtype)
+        mask = None
+        if doc_ids is not None:
+            same = doc_ids[:, :, None] == doc_ids[:, None, :]
+            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
+            mask = (same & causal)[:, None]  # [B, 1, T, T]
+        elif past and T > 1:
+            mask = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
+        ops = self.ops
+        x = self.model.embed_tokens(input_ids)
+        _record(trace, "embed", x)
+        for block in self.model.layers:
+            if self.activation_checkpointing and self.training and torch.is_grad_enabled():
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, ops, cache, trace,
+                                                      use_reentrant=False)
+            else:
+                x = block(x, cos, sin, mask, ops, cache, trace)
+            _record(trace, f"layers.{block.layer}", x)
+        x = self.model.norm(x, ops)
+        _record(trace, "norm", x)
+        return x
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                trace: dict | None = None) -> torch.Tensor:
+        """Logits [B, T, V]. Training uses ``loss`` instead, which never builds them on GPU."""
+        h = self.hidden_states(input_ids, position_ids, doc_ids, cache, trace)
+        return F.linear(h, self.head_weight)
+
+    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
+             doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(summed cross-entropy over non-ignored labels, number of such labels).
+
+        The one loss function for train and eval: callers divide by the token count of the
+        whole step (all micro-batches), never per micro-batch.
+        """
+        h = self.hidden_states(input_ids, position_ids, doc_ids)
+        flat_labels = labels.reshape(-1)
+        n = (flat_labels != -100).sum()
+        loss = self.ops.linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight,
+                                             flat_labels, ignore_index=-100, reduction="sum")
+        return loss, n
+
+
+def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 at every change of doc id along the sequence."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
