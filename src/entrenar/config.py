@@ -109,6 +109,9 @@ class ModelConfig:
             head_dim=self.head_dim,
             rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling,
+            # transformers >= 5 reads rope_parameters; the legacy keys above serve older versions
+            rope_parameters={"rope_type": "default", **(self.rope_scaling or {}),
+                             "rope_theta": self.rope_theta},
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
             max_position_embeddings=self.max_position_embeddings,
@@ -146,7 +149,7 @@ class ModelConfig:
             "rope_theta", "rope_scaling", "rms_norm_eps", "tie_word_embeddings",
             "max_position_embeddings", "hidden_act", "attention_bias", "mlp_bias",
             "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
-            "entrenar_rope_style", "entrenar_qk_norm",
+            "entrenar_rope_style", "entrenar_qk_norm", "rope_parameters",
         }
         if d.get("hidden_act", "silu") != "silu":
             raise ValueError(f"hidden_act {d['hidden_act']!r} not supported (silu only)")
@@ -155,6 +158,10 @@ class ModelConfig:
         if model_type == "llama" and d.get("attention_bias"):
             raise ValueError("LLaMA attention_bias=true (bias on o_proj too) is not supported")
         rope_scaling = d.get("rope_scaling")
+        rope_theta = d.get("rope_theta", 10000.0)
+        if d.get("rope_parameters"):  # transformers >= 5 writes theta and scaling here
+            rope_scaling = {k: v for k, v in d["rope_parameters"].items() if k != "rope_theta"}
+            rope_theta = d["rope_parameters"].get("rope_theta", rope_theta)
         if rope_scaling is not None and rope_scaling.get("rope_type", rope_scaling.get("type")) == "default":
             rope_scaling = None
         heads = d["num_attention_heads"]
@@ -166,13 +173,13 @@ class ModelConfig:
             num_heads=heads,
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
-            rope_theta=float(d.get("rope_theta", 10000.0)),
+            rope_theta=float(rope_theta),
             rope_style=d.get("entrenar_rope_style", "neox"),
             rope_scaling=rope_scaling,
             rms_norm_eps=float(d.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
             attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
             qk_norm=bool(d.get("entrenar_qk_norm", False)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", model_type != "qwen2")),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),  # transformers' default
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             architecture=model_type,
             bos_token_id=d.get("bos_token_id"),

@@ -1,0 +1,98 @@
+"""`entrenar inspect MODEL` and `entrenar convert MODEL OUT_DIR`."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..cli import add_command
+
+    p = add_command(sub, "inspect", cmd_inspect,
+                    "config plus one row per tensor: name shape stored-dtype mean std min max")
+    p.add_argument("model", help="packaged name, .gguf file, HF directory or run directory")
+    p = add_command(sub, "convert", cmd_convert, "any readable model -> HF directory")
+    p.add_argument("model", help="packaged name, .gguf file, HF directory or run directory")
+    p.add_argument("out_dir", help="HF directory to create (must not exist)")
+    p.add_argument("--dtype", choices=("keep", "fp32", "bf16"), default="keep",
+                   help="keep = stored float dtype (float32 for quantized GGUF)")
+
+
+def tensor_rows(state: dict[str, torch.Tensor], info: dict[str, Any]) -> list[dict[str, Any]]:
+    """One row per tensor; statistics in float64 over the (dequantized) values."""
+    rows = []
+    stored = info.get("stored_dtypes", {})
+    for name, t in state.items():
+        x = t.detach().to(torch.float64)
+        rows.append({
+            "name": name, "shape": list(t.shape), "dtype": stored.get(name, str(t.dtype)),
+            "mean": x.mean().item(), "std": x.std(unbiased=False).item() if x.numel() > 1 else 0.0,
+            "min": x.min().item(), "max": x.max().item(),
+        })
+    return rows
+
+
+def cmd_inspect(args: argparse.Namespace) -> dict:
+    from . import load_state
+
+    cfg, state, info = load_state(args.model)
+    rows = tensor_rows(state, info)
+    config = dataclasses.asdict(cfg)
+    if not args.json:
+        print(f"# {info['path']} ({info['format']})")
+        for k, v in config.items():
+            if k != "extra" or v:
+                print(f"{k:>26}: {v}")
+        print(f"{'parameters':>26}: {cfg.num_parameters():,}")
+        w = max(len(r["name"]) for r in rows)
+        print(f"{'name':<{w}}  {'shape':<14} {'dtype':<8} {'mean':>11} {'std':>11} {'min':>11} {'max':>11}")
+        for r in rows:
+            shape = "x".join(map(str, r["shape"]))
+            print(f"{r['name']:<{w}}  {shape:<14} {r['dtype']:<8} {r['mean']:>11.4g} {r['std']:>11.4g} "
+                  f"{r['min']:>11.4g} {r['max']:>11.4g}")
+    return {"model": str(info["path"]), "format": info["format"], "config": config,
+            "num_parameters": cfg.num_parameters(), "tensors": rows}
+
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def cmd_convert(args: argparse.Namespace) -> dict:
+    from . import load_model, save_hf_dir
+
+    out = Path(args.out_dir)
+    if out.exists():
+        raise InputError(f"{out}: output directory already exists; choose a new path")
+    if not out.parent.is_dir():
+        raise InputError(f"{out.parent}: parent directory of OUT_DIR does not exist")
+    model = load_model(args.model, dtype=_DTYPES.get(args.dtype))
+    tokenizer = None
+    if importlib.util.find_spec("entrenar.tokenizer") is not None:
+        from ..tokenizer import load_tokenizer  # type: ignore[import-not-found]
+
+        tokenizer = load_tokenizer(args.model)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)  # a leftover of an interrupted convert to the same OUT_DIR
+    try:
+        save_hf_dir(model, tmp, tokenizer=tokenizer)
+        os.replace(tmp, out)  # nothing half-written under OUT_DIR
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
+    files = sorted(p.name for p in out.iterdir())
+    if not args.json:
+        print(f"wrote {out} ({', '.join(files)}; dtype {', '.join(dtypes)})")
+    return {"out_dir": str(out), "files": files, "dtype": dtypes, "tokenizer": tokenizer is not None,
+            "num_parameters": model.cfg.num_parameters()}
