@@ -17,7 +17,7 @@ from entrenar.model import CausalLM
 
 
 def tiny_cfg(qwen: bool = True, **kw) -> ModelConfig:
-    base = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2)
+    base = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
     if qwen:
         base.update(attention_bias=True, architecture="qwen2", tie_word_embeddings=True, rms_norm_eps=1e-6)
     base.update(kw)
@@ -257,7 +257,7 @@ def test_adapter_for_other_base_names_tensor(tmp_path):
                      r"shape \[\d+, \d+\], this model needs \[\d+, \d+\]", str(e.value)), str(e.value)
 
 
-@pytest.mark.parametrize("kw", [dict(rank=0, alpha=8), dict(rank=4, alpha=-1), dict(rank=4, alpha=8, dropout=1.0)])
+@pytest.mark.parametrize("kw", [{"rank": 0, "alpha": 8}, {"rank": 4, "alpha": -1}, {"rank": 4, "alpha": 8, "dropout": 1.0}])
 def test_bad_lora_hyperparameters(kw):
     with pytest.raises(InputError):
         ep.apply_lora(tiny_model(), **kw)
@@ -281,8 +281,8 @@ def test_auto_lr_rule():
     assert ep.auto_lr("qlora", 256, False) [0] == table[256]
     # rslora with a fixed alpha: rank-independent (rsLoRA's claim)
     fixed = {r: ep.auto_lr("lora", r, True, alpha=16)[0] for r in (8, 64, 256)}
-    assert len(set(round(v, 12) for v in fixed.values())) == 1
-    lr, reason = ep.auto_lr("lora", 256, False)
+    assert len({round(v, 12) for v in fixed.values()}) == 1
+    _lr, reason = ep.auto_lr("lora", 256, False)
     assert "r=256" in reason and "5e-05" in reason
     with pytest.raises(InputError):
         ep.auto_lr("lora", 0, False)
