@@ -1,0 +1,116 @@
+"""`entrenar data pack | sft-from-code | check`."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from .sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
+
+
+def _load_tokenizer(spec: str) -> Any:
+    from ..tokenizer import load_tokenizer
+
+    tok = load_tokenizer(spec)
+    if getattr(tok, "name", None) is None:
+        try:
+            tok.name = spec  # the report names the tokenizer as the user gave it
+        except AttributeError:
+            pass  # a tokenizer object with fixed attributes keeps its own name (or none)
+    return tok
+
+
+def cmd_pack(args: argparse.Namespace) -> dict[str, Any]:
+    from .corpus import pack
+
+    tok = _load_tokenizer(args.model)
+    index = pack(args.inputs, tok, args.out, val_fraction=args.val_fraction, seed=args.seed,
+                 shard_tokens=args.shard_tokens, tokenizer_spec=args.model, progress=not args.json)
+    splits = {s: {"documents": v["documents"], "tokens": v["tokens"], "shards": len(v["shards"])}
+              for s, v in index["splits"].items()}
+    if not args.json:
+        print(f"packed {index['documents']} documents, {index['tokens']} tokens ({index['dtype']}) into "
+              f"{args.out}: " + ", ".join(f"{s} {v['documents']} docs / {v['tokens']} tokens"
+                                         for s, v in splits.items()))
+    result = {"out": str(args.out), "documents": index["documents"], "tokens": index["tokens"],
+              "dtype": index["dtype"], "source_sha256": index["source_sha256"], "splits": splits}
+    if args.val_fraction > 0 and splits["val"]["documents"] == 0:
+        result["warning"] = (f"--val-fraction {args.val_fraction} put no document in val "
+                             f"({index['documents']} documents); raise it for a validation split")
+        print(f"warning: {result['warning']}", file=sys.stderr)
+    return result
+
+
+def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
+    from .from_code import sft_from_code
+
+    system_prompt = None
+    if args.system_prompt_file:
+        path = Path(args.system_prompt_file)
+        if not path.is_file():
+            raise InputError(f"{path}: no such file (--system-prompt-file)")
+        system_prompt = path.read_text(encoding="utf-8")
+    stats = sft_from_code(args.dirs, args.out, system_prompt=system_prompt, excludes=args.exclude)
+    if not args.json:
+        print(f"wrote {stats['rows']} rows to {stats['out']} from {stats['files']} files "
+              f"({stats['files_unparsable']} unparsable, skipped); {stats['functions']} functions, "
+              f"{stats['functions_with_docstring']} with docstrings, {stats['stubs_skipped']} stubs skipped")
+    return stats
+
+
+def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
+    from .sft import load_sft
+
+    if not 0.0 <= args.max_skip_fraction <= 1.0:
+        raise InputError(f"--max-skip-fraction must be in [0, 1], got {args.max_skip_fraction}")
+    tok = _load_tokenizer(args.model)
+    _, report = load_sft(args.data, tok, args.max_seq_len, truncation=args.truncation,
+                         skip_invalid=args.skip_invalid, max_skip_fraction=None)
+    # The report is shown before the guard decides, so a failing data set still shows its numbers.
+    print("\n".join(report.summary_lines()), file=sys.stderr if args.json else sys.stdout, flush=True)
+    report.check(args.max_skip_fraction)
+    return {"report": report.to_dict()}
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..cli import add_command
+
+    def dispatch(args: argparse.Namespace) -> dict:
+        return args.data_func(args)
+
+    p = add_command(sub, "data", dispatch, "prepare and check training data")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="{pack,sft-from-code,check}")
+
+    def add(name: str, func, help: str) -> argparse.ArgumentParser:
+        q = data_sub.add_parser(name, help=help, description=help)
+        q.add_argument("--json", action="store_true", help="print one JSON object as the last stdout line")
+        q.set_defaults(data_func=func)
+        return q
+
+    q = add("pack", cmd_pack, "corpus (text, .py, JSONL with a text field) -> token shards + index.json")
+    q.add_argument("--model", required=True, help="MODEL whose tokenizer encodes the corpus")
+    q.add_argument("--out", required=True, help="output directory for shards and index.json")
+    q.add_argument("--val-fraction", type=float, default=0.0, help="fraction of documents for val (0)")
+    q.add_argument("--seed", type=int, default=0, help="seed of the train/val split (0)")
+    q.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file (64 Mi)")
+    q.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
+
+    q = add("sft-from-code", cmd_sft_from_code, "Python source -> docstring-to-function SFT JSONL")
+    q.add_argument("--out", required=True, help="output JSONL file")
+    q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
+    q.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip .py files whose path relative to DIR matches (repeatable)")
+    q.add_argument("dirs", nargs="+", metavar="DIR", help="directories of Python source")
+
+    q = add("check", cmd_check, "validate SFT JSONL against a model's chat template; report loss tokens")
+    q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")
+    q.add_argument("--data", required=True, help="SFT JSONL file")
+    q.add_argument("--max-seq-len", type=int, required=True, help="the training sequence length")
+    q.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="skip",
+                   help="a response cut by --max-seq-len: skip the sample or keep it cut (skip)")
+    q.add_argument("--skip-invalid", action="store_true", help="skip and count invalid rows instead of exit 2")
+    q.add_argument("--max-skip-fraction", type=float, default=DEFAULT_MAX_SKIP_FRACTION,
+                   help=f"GUARD-DATA above this fraction of skipped rows ({DEFAULT_MAX_SKIP_FRACTION})")

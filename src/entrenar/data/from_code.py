@@ -1,0 +1,162 @@
+"""`entrenar data sft-from-code`: an instruction data set from real Python source.
+
+For every function or method with a docstring: the user asks for a function with that signature
+and docstring, and the assistant answers with the function's source (decorators included,
+dedented). Files are visited in sorted relative-path order and functions in source order, so the
+output is identical on every run. Files that do not parse are skipped and counted, not fatal.
+"""
+
+from __future__ import annotations
+
+import ast
+import fnmatch
+import json
+import os
+import tokenize
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+
+# Directory names never descended into: caches, VCS data, and installed third-party packages
+# (the standard library's directory holds site-packages, which is not the standard library).
+DEFAULT_EXCLUDED_DIRS = ("__pycache__", "site-packages", "dist-packages", "node_modules")
+MAX_UNPARSABLE_LISTED = 20
+
+
+def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    prefix = "async def" if isinstance(node, ast.AsyncFunctionDef) else "def"
+    returns = f" -> {ast.unparse(node.returns)}" if node.returns is not None else ""
+    return f"{prefix} {node.name}({ast.unparse(node.args)}){returns}:"
+
+
+def _source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
+    """The function's lines (decorators included) with the def line's indentation removed."""
+    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+    indent = node.col_offset
+    out = []
+    for line in lines[first - 1:node.end_lineno]:
+        if not line.strip():
+            out.append("\n")
+        elif line[:indent].strip() == "":
+            out.append(line[indent:])
+        else:  # a continuation line of a string indented less than the def: keep it as it is
+            out.append(line)
+    return "".join(out).rstrip() + "\n"
+
+
+def _is_stub(node: ast.FunctionDef | ast.AsyncFunctionDef) -> bool:
+    """A body that is only the docstring (plus pass / ... / raise NotImplementedError)."""
+    for stmt in node.body[1:]:
+        if isinstance(stmt, ast.Pass):
+            continue
+        if isinstance(stmt, ast.Expr) and isinstance(stmt.value, ast.Constant) and stmt.value.value is Ellipsis:
+            continue
+        if isinstance(stmt, ast.Raise) and "NotImplementedError" in ast.unparse(stmt):
+            continue
+        return False
+    return True
+
+
+def _user_message(node: ast.FunctionDef | ast.AsyncFunctionDef, docstring: str, owner: str | None) -> str:
+    doc_lines = docstring.replace('"""', '\\"\\"\\"').splitlines()
+    if len(doc_lines) == 1:
+        quoted = f'    """{doc_lines[0]}"""'
+    else:
+        rest = "\n".join(("    " + line) if line.strip() else "" for line in doc_lines[1:])
+        quoted = f'    """{doc_lines[0]}\n{rest}\n    """'
+    where = f" It is a method of the class `{owner}`." if owner else ""
+    return (f"Write a Python function with this signature and docstring.{where} Reply with the complete "
+            f"function only.\n\n```python\n{_signature(node)}\n{quoted}\n```")
+
+
+def _functions(tree: ast.AST) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str | None]]:
+    """Every function and method (nested ones too) in source order, with its enclosing class."""
+    found: list[tuple[Any, str | None]] = []
+
+    def visit(node: ast.AST, owner: str | None) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                found.append((child, owner))
+                visit(child, None)
+            elif isinstance(child, ast.ClassDef):
+                visit(child, child.name)
+            else:
+                visit(child, owner)
+
+    visit(tree, None)
+    found.sort(key=lambda item: (item[0].lineno, item[0].col_offset))
+    return found
+
+
+def python_files(root: Path, excludes: list[str]) -> list[Path]:
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(d for d in dirnames if not d.startswith(".") and d not in DEFAULT_EXCLUDED_DIRS)
+        for name in filenames:
+            if name.endswith(".py"):
+                path = Path(dirpath) / name
+                rel = path.relative_to(root).as_posix()
+                if not any(fnmatch.fnmatch(rel, pat) for pat in excludes):
+                    files.append(path)
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def sft_from_code(dirs: list[str], out: str | Path, system_prompt: str | None = None,
+                  excludes: list[str] | None = None, skip_stubs: bool = True) -> dict[str, Any]:
+    """Write the JSONL; returns counts (files, unparsable files, functions, rows)."""
+    excludes = list(excludes or [])
+    roots = []
+    for d in dirs:
+        p = Path(d)
+        if not p.is_dir():
+            raise InputError(f"{d}: not a directory (sft-from-code reads Python source directories)")
+        roots.append(p)
+    if system_prompt is not None and not system_prompt.strip():
+        raise InputError("the system prompt file is empty")
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
+    stats = {"files": 0, "files_unparsable": 0, "unparsable": [], "functions": 0,
+             "functions_with_docstring": 0, "stubs_skipped": 0, "rows": 0}
+    try:
+        with open(tmp, "w", encoding="utf-8") as f:
+            for root in roots:
+                for path in python_files(root, excludes):
+                    stats["files"] += 1
+                    rel = f"{root.name}/{path.relative_to(root).as_posix()}"
+                    try:
+                        with tokenize.open(path) as src:  # honours PEP 263 encoding declarations
+                            text = src.read()
+                        tree = ast.parse(text, filename=str(path))
+                    except (SyntaxError, UnicodeDecodeError, ValueError) as e:
+                        stats["files_unparsable"] += 1
+                        if len(stats["unparsable"]) < MAX_UNPARSABLE_LISTED:
+                            stats["unparsable"].append(f"{rel}: {type(e).__name__}: {e}")
+                        continue
+                    lines = text.splitlines(keepends=True)
+                    for node, owner in _functions(tree):
+                        stats["functions"] += 1
+                        doc = ast.get_docstring(node, clean=True)
+                        if not doc or not doc.strip():
+                            continue
+                        stats["functions_with_docstring"] += 1
+                        if skip_stubs and _is_stub(node):
+                            stats["stubs_skipped"] += 1
+                            continue
+                        messages = [{"role": "user", "content": _user_message(node, doc, owner)},
+                                    {"role": "assistant", "content": _source(lines, node)}]
+                        if system_prompt is not None:
+                            messages.insert(0, {"role": "system", "content": system_prompt})
+                        row = {"messages": messages, "source": f"{rel}:{node.lineno}"}
+                        f.write(json.dumps(row, ensure_ascii=False) + "\n")
+                        stats["rows"] += 1
+        if stats["rows"] == 0:
+            raise InputError(f"no documented functions found in {', '.join(dirs)} "
+                             f"({stats['files']} .py files, {stats['files_unparsable']} unparsable)")
+        os.replace(tmp, out)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    stats["out"] = str(out)
+    return stats

@@ -1,0 +1,551 @@
+"""Supervised fine-tuning data: validated JSONL -> chat-template ids + shifted labels, a report, loaders.
+
+Row forms (one JSON object per line; blank lines are ignored):
+  {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+  {"prompt": "...", "completion": "..."}
+  {"instruction": "...", "input": "...", "output": "..."}     ("input" optional)
+
+Every row is rendered with the model's chat template (``tokenizer.encode_chat``). The loss is on
+assistant tokens only, including each assistant turn's end-of-turn token, never on padding.
+``max_seq_len`` is the only length limit: a sample whose prompt does not fit is skipped with a
+warning naming its line; a sample whose response is cut is skipped (``truncation="skip"``) or kept
+cut (``"keep"``), counted either way. ``DataReport`` says what happened; ``DataReport.check``
+raises GUARD-DATA (exit 2) when nothing trainable remains, when too much was skipped, or when an
+end-of-turn token is not trained.
+
+Labels are shifted: ``labels[t]`` is the target of position t (``ids[t+1]`` when that token is an
+assistant token, else -100).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import numpy as np
+import torch
+
+from ..errors import GuardError, InputError
+
+logger = logging.getLogger("entrenar.data")
+
+IGNORE_INDEX = -100
+ROLES = ("system", "user", "assistant")
+TRUNCATION_POLICIES = ("skip", "keep")
+DEFAULT_MAX_SKIP_FRACTION = 0.5
+MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is logged at the end
+
+# Skip reasons (stable keys of DataReport.skipped).
+INVALID_REASONS = ("malformed_json", "not_an_object", "unknown_format", "unknown_role", "empty_content",
+                   "no_assistant_message", "not_ending_with_assistant")
+LENGTH_REASONS = ("prompt_too_long", "response_truncated")
+
+
+class ChatEncoder(Protocol):
+    eot_id: int
+    pad_id: int | None
+
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> Any: ...
+
+
+@dataclass
+class SFTExample:
+    """One kept sample. ``labels`` is shifted and has the length of ``input_ids``."""
+
+    input_ids: np.ndarray  # int32 [L]
+    labels: np.ndarray  # int32 [L], -100 where not trained
+    line: int  # 1-based line in the source file
+    prompt_tokens: int  # tokens before the first assistant token
+    truncated: bool  # response cut by max_seq_len (only with truncation="keep")
+
+    @property
+    def loss_tokens(self) -> int:
+        return int((self.labels != IGNORE_INDEX).sum())
+
+    def __len__(self) -> int:
+        return len(self.input_ids)
+
+
+class RowError(Exception):
+    """A row that fails validation: reason key + message (without file:line)."""
+
+    def __init__(self, reason: str, message: str):
+        super().__init__(message)
+        self.reason = reason
+
+
+# ---- validation ---------------------------------------------------------------------------------
+def row_to_messages(row: Any) -> list[dict[str, str]]:
+    """A parsed JSONL row -> validated chat messages, or RowError naming the problem."""
+    if not isinstance(row, dict):
+        raise RowError("not_an_object", f"row is a JSON {type(row).__name__}, not an object")
+    if "messages" in row:
+        messages = row["messages"]
+        if not isinstance(messages, list) or not messages:
+            raise RowError("unknown_format", '"messages" must be a non-empty list of {"role", "content"} objects')
+        out = []
+        for i, m in enumerate(messages):
+            if not isinstance(m, dict):
+                raise RowError("unknown_format", f"messages[{i}] is not an object")
+            role = m.get("role")
+            if role not in ROLES:
+                raise RowError("unknown_role", f"messages[{i}] has unknown role {role!r}; "
+                                               f"roles are {', '.join(ROLES)}")
+            content = m.get("content")
+            if not isinstance(content, str):
+                raise RowError("empty_content" if content is None else "unknown_format",
+                               f"messages[{i}] ({role}) content must be a string, got "
+                               f"{type(content).__name__}")
+            if not content.strip():
+                raise RowError("empty_content", f"messages[{i}] ({role}) has empty content")
+            out.append({"role": role, "content": content})
+        if not any(m["role"] == "assistant" for m in out):
+            raise RowError("no_assistant_message", "conversation has no assistant message, so nothing "
+                                                   "would be trained")
+        if out[-1]["role"] != "assistant":
+            raise RowError("not_ending_with_assistant",
+                           f"conversation ends with a {out[-1]['role']} message, not an assistant turn")
+        return out
+    if "prompt" in row or "completion" in row:
+        return [_field_message(row, "prompt", "user"), _field_message(row, "completion", "assistant")]
+    if "instruction" in row or "output" in row:
+        user = _field_message(row, "instruction", "user")
+        extra = row.get("input")
+        if extra is not None and not isinstance(extra, str):
+            raise RowError("unknown_format", f'"input" must be a string, got {type(extra).__name__}')
+        if extra and extra.strip():
+            user["content"] = user["content"] + "\n\n" + extra
+        return [user, _field_message(row, "output", "assistant")]
+    raise RowError("unknown_format", f"row has keys {sorted(row)[:8]}; expected \"messages\", "
+                                     f"\"prompt\"+\"completion\" or \"instruction\"+\"output\"")
+
+
+def _field_message(row: dict, key: str, role: str) -> dict[str, str]:
+    value = row.get(key)
+    if value is None:
+        raise RowError("empty_content", f"row lacks {key!r}")
+    if not isinstance(value, str):
+        raise RowError("unknown_format", f"{key!r} must be a string, got {type(value).__name__}")
+    if not value.strip():
+        raise RowError("empty_content", f"{key!r} is empty")
+    return {"role": role, "content": value}
+
+
+def iter_rows(path: Path) -> Iterator[tuple[int, str]]:
+    """(1-based line number, line text) for non-blank lines."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if line.strip():
+                    yield lineno, line
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}: not UTF-8 text ({e}); SFT data must be UTF-8 JSONL") from e
+
+
+# ---- tokenizing one sample ----------------------------------------------------------------------
+def assistant_runs(mask: Sequence[bool]) -> list[tuple[int, int]]:
+    """Maximal [start, end) runs of True."""
+    runs, start = [], None
+    for i, m in enumerate(mask):
+        if m and start is None:
+            start = i
+        elif not m and start is not None:
+            runs.append((start, i))
+            start = None
+    if start is not None:
+        runs.append((start, len(mask)))
+    return runs
+
+
+def shifted_labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """labels[t] = ids[t+1] where token t+1 is trained, else -100; the last position has no target."""
+    labels = np.full(len(ids), IGNORE_INDEX, dtype=np.int32)
+    labels[:-1] = np.where(mask[1:], ids[1:], IGNORE_INDEX)
+    return labels
+
+
+def eot_trained(example: SFTExample, eot_id: int) -> bool:
+    """True when the sample's last trained token (the final assistant turn's end) is the end-of-turn id."""
+    trained = np.nonzero(example.labels != IGNORE_INDEX)[0]
+    return bool(len(trained)) and int(example.labels[trained[-1]]) == eot_id
+
+
+# ---- report ----------------------------------------------------------------------------------------
+@dataclass
+class DataReport:
+    """What loading an SFT file kept and skipped, and how many tokens carry the loss."""
+
+    path: str
+    max_seq_len: int
+    truncation: str
+    rows_read: int = 0
+    kept: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)
+    truncated_kept: int = 0
+    kept_untruncated: int = 0
+    eot_trained: int = 0
+    eot_not_trained_lines: list[int] = field(default_factory=list)
+    loss_tokens_total: int = 0
+    loss_tokens_min: int | None = None
+    loss_tokens_max: int | None = None
+    tokens_total: int = 0
+    longest_prompt_tokens: int = 0
+    longest_prompt_line: int | None = None
+    longest_sample_tokens: int = 0
+    tokenizer: str | None = None
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def skipped_total(self) -> int:
+        return sum(self.skipped.values())
+
+    @property
+    def skip_fraction(self) -> float:
+        return self.skipped_total / self.rows_read if self.rows_read else 0.0
+
+    @property
+    def loss_tokens_mean(self) -> float | None:
+        return self.loss_tokens_total / self.kept if self.kept else None
+
+    def skip(self, reason: str) -> None:
+        self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def add(self, ex: SFTExample, eot_ok: bool) -> None:
+        n = ex.loss_tokens
+        self.kept += 1
+        self.loss_tokens_total += n
+        self.loss_tokens_min = n if self.loss_tokens_min is None else min(self.loss_tokens_min, n)
+        self.loss_tokens_max = n if self.loss_tokens_max is None else max(self.loss_tokens_max, n)
+        self.tokens_total += len(ex)
+        self.longest_sample_tokens = max(self.longest_sample_tokens, len(ex))
+        if ex.truncated:
+            self.truncated_kept += 1
+        else:
+            self.kept_untruncated += 1
+            if eot_ok:
+                self.eot_trained += 1
+            elif len(self.eot_not_trained_lines) < MAX_LOGGED_WARNINGS:
+                self.eot_not_trained_lines.append(ex.line)
+
+    def to_dict(self) -> dict[str, Any]:
+        mean = self.loss_tokens_mean
+        return {
+            "path": self.path, "tokenizer": self.tokenizer, "max_seq_len": self.max_seq_len,
+            "truncation": self.truncation, "rows_read": self.rows_read, "kept": self.kept,
+            "skipped_total": self.skipped_total, "skipped": dict(sorted(self.skipped.items())),
+            "skip_fraction": round(self.skip_fraction, 6), "truncated_kept": self.truncated_kept,
+            "kept_untruncated": self.kept_untruncated, "eot_trained": self.eot_trained,
+            "eot_not_trained_lines": self.eot_not_trained_lines,
+            "loss_tokens": {"total": self.loss_tokens_total, "min": self.loss_tokens_min,
+                            "mean": None if mean is None else round(mean, 3), "max": self.loss_tokens_max},
+            "tokens_total": self.tokens_total,
+            "longest_prompt": {"tokens": self.longest_prompt_tokens, "line": self.longest_prompt_line},
+            "longest_sample_tokens": self.longest_sample_tokens,
+            "warnings": self.warnings,
+        }
+
+    def check(self, max_skip_fraction: float = DEFAULT_MAX_SKIP_FRACTION) -> None:
+        """GUARD-DATA (exit 2) when this data cannot train what the user thinks it trains."""
+        where = f"{self.path} at --max-seq-len {self.max_seq_len}"
+        reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        if self.kept == 0 or self.loss_tokens_total == 0:
+            raise GuardError(
+                "GUARD-DATA", f"{where}: no loss tokens remain ({self.rows_read} rows read, "
+                f"{self.skipped_total} skipped; reasons {reasons}); training would learn nothing.",
+                _remedy(self.skipped), exit_code=2, details=self.to_dict())
+        if self.skip_fraction > max_skip_fraction:
+            raise GuardError(
+                "GUARD-DATA", f"{where}: {self.skipped_total} of {self.rows_read} rows "
+                f"({self.skip_fraction:.1%}) were skipped, more than --max-skip-fraction "
+                f"{max_skip_fraction} (reasons {reasons}).",
+                _remedy(self.skipped) + " Or raise --max-skip-fraction if this is intended.",
+                exit_code=2, details=self.to_dict())
+        if self.eot_trained != self.kept_untruncated:
+            raise GuardError(
+                "GUARD-DATA", f"{where}: the end-of-turn token is not a label in "
+                f"{self.kept_untruncated - self.eot_trained} of {self.kept_untruncated} untruncated samples "
+                f"(lines {self.eot_not_trained_lines}); the model would never learn to stop.",
+                "The chat template's assistant mask must include the end-of-turn token, and padding must "
+                "be masked by position, never by comparing ids with pad_id (pad may equal eos).",
+                exit_code=2, details=self.to_dict())
+
+    def summary_lines(self) -> list[str]:
+        d = self.to_dict()
+        lt = d["loss_tokens"]
+        lines = [
+            (f"data: {self.path} (tokenizer {self.tokenizer}, --max-seq-len {self.max_seq_len}, "
+            f"--truncation {self.truncation})"),
+            f"  rows read {self.rows_read}, kept {self.kept}, skipped {self.skipped_total} "
+            f"({self.skip_fraction:.1%})" + (f": {d['skipped']}" if self.skipped else ""),
+            (f"  loss tokens total {lt['total']}, min {lt['min']}, mean {lt['mean']}, max {lt['max']}; "
+            f"tokens total {self.tokens_total}"),
+            (f"  end-of-turn trained in {self.eot_trained} of {self.kept_untruncated} untruncated kept samples; "
+            f"truncated kept {self.truncated_kept}"),
+            (f"  longest prompt {self.longest_prompt_tokens} tokens (line {self.longest_prompt_line}); "
+            f"longest kept sample {self.longest_sample_tokens} tokens"),
+        ]
+        return lines
+
+
+def _remedy(skipped: dict[str, int]) -> str:
+    parts = []
+    if skipped.get("prompt_too_long") or skipped.get("response_truncated"):
+        parts.append("raise --max-seq-len (see `entrenar data check` for the longest prompt) or shorten "
+                     "the prompts; --truncation keep trains cut responses")
+    if any(skipped.get(r) for r in INVALID_REASONS):
+        parts.append("fix the invalid rows (run without --skip-invalid to see each file:line)")
+    return ("; ".join(parts) or "check the data file") + "."
+
+
+# ---- loading --------------------------------------------------------------------------------------
+def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncation: str = "skip",
+             skip_invalid: bool = False,
+             max_skip_fraction: float | None = DEFAULT_MAX_SKIP_FRACTION) -> tuple[list[SFTExample], DataReport]:
+    """Read, validate and tokenize an SFT JSONL file.
+
+    Invalid rows raise InputError (exit 2) naming file:line, or with ``skip_invalid`` are counted.
+    With ``max_skip_fraction`` not None, ``DataReport.check`` runs at the end (GUARD-DATA, exit 2);
+    the error's ``details`` hold the report.
+    """
+    path = Path(path)
+    if truncation not in TRUNCATION_POLICIES:
+        raise InputError(f"--truncation must be one of {', '.join(TRUNCATION_POLICIES)}, got {truncation!r}")
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise InputError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
+    if not path.is_file():
+        raise InputError(f"{path}: no such file (SFT data is a JSONL file)")
+    eot_id = int(tokenizer.eot_id)
+    report = DataReport(str(path), max_seq_len, truncation,
+                        tokenizer=getattr(tokenizer, "name", None) or type(tokenizer).__name__)
+    examples: list[SFTExample] = []
+    logged: dict[str, int] = {}
+
+    def warn(reason: str, msg: str) -> None:
+        logged[reason] = logged.get(reason, 0) + 1
+        if logged[reason] <= MAX_LOGGED_WARNINGS:
+            logger.warning(msg)
+            report.warnings.append(msg)
+
+    for lineno, text in iter_rows(path):
+        report.rows_read += 1
+        where = f"{path}:{lineno}"
+        try:
+            try:
+                row = json.loads(text)
+            except json.JSONDecodeError as e:
+                raise RowError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})") from e
+            messages = row_to_messages(row)
+        except RowError as e:
+            if not skip_invalid:
+                raise InputError(f"{where}: {e} (fix the row, or pass --skip-invalid to skip and count "
+                                 f"invalid rows)") from e
+            report.skip(e.reason)
+            warn(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
+            continue
+
+        enc = tokenizer.encode_chat(messages)
+        ids = np.asarray(enc.ids, dtype=np.int64)
+        mask = np.asarray(enc.assistant_mask, dtype=bool)
+        assert len(ids) == len(mask), "encode_chat: ids and assistant_mask differ in length"
+        trained = np.nonzero(mask)[0]
+        # A validated row has assistant content, so an empty mask is a chat-template bug, not bad data.
+        assert len(trained), f"{where}: the chat template marked no assistant tokens"
+        prompt_len, end = int(trained[0]), int(trained[-1]) + 1  # tokens after the last turn train nothing
+        if prompt_len > report.longest_prompt_tokens:
+            report.longest_prompt_tokens, report.longest_prompt_line = prompt_len, lineno
+        if prompt_len >= max_seq_len:
+            report.skip("prompt_too_long")
+            warn("prompt_too_long",
+                 f"{where}: prompt is {prompt_len} tokens and leaves no room for the response within "
+                 f"--max-seq-len {max_seq_len}; sample SKIPPED. Remedy: raise --max-seq-len to at least "
+                 f"{end} (prompt + response) or shorten the prompt.")
+            continue
+        truncated = end > max_seq_len
+        if truncated and truncation == "skip":
+            report.skip("response_truncated")
+            warn("response_truncated",
+                 f"{where}: prompt + response is {end} tokens, more than --max-seq-len {max_seq_len}; sample "
+                 f"skipped (--truncation skip). Remedy: raise --max-seq-len to {end}, or --truncation keep "
+                 f"to train the cut response.")
+            continue
+        end = min(end, max_seq_len)
+        ids, mask = ids[:end], mask[:end]
+        ex = SFTExample(ids.astype(np.int32), shifted_labels(ids, mask), lineno, prompt_len, truncated)
+        assert ex.loss_tokens > 0, f"{where}: a kept sample has no loss tokens"
+        examples.append(ex)
+        report.add(ex, eot_trained(ex, eot_id))
+
+    for reason, n in logged.items():
+        if n > MAX_LOGGED_WARNINGS:
+            logger.warning(f"{path}: {n - MAX_LOGGED_WARNINGS} more rows skipped for {reason} (not shown)")
+    if report.rows_read == 0:
+        raise InputError(f"{path}: no rows (the file is empty); SFT data needs one JSON object per line")
+    if max_skip_fraction is not None:
+        report.check(max_skip_fraction)
+    return examples, report
+
+
+# ---- batching --------------------------------------------------------------------------------------
+class SFTLoader:
+    """Batches of SFT examples: padded (one sample per row) or packed (several per row).
+
+    Packed rows carry ``doc_ids`` (0, 1, ... per sample; padding its own id) so attention stays inside
+    each sample, and ``position_ids`` restarting at 0 per sample. ``batch_size`` is samples per batch
+    when padded and rows (of up to ``max_seq_len`` tokens) per batch when packed. Padding is always
+    masked by position (labels -100), never by comparing ids with ``pad_id``.
+
+    ``next_batch`` runs endlessly over epochs, each in an order drawn from ``(seed, epoch)``; a batch
+    may take samples from two epochs. ``iter_epoch`` is one pass in file order (for eval).
+    """
+
+    kind = "sft"
+
+    def __init__(self, examples: Sequence[SFTExample], batch_size: int, seed: int = 0, pack: bool = False,
+                 max_seq_len: int | None = None, pad_id: int = 0):
+        if not examples:
+            raise InputError("SFT loader: no examples (every row was skipped?)")
+        if batch_size < 1:
+            raise InputError(f"batch size must be >= 1, got {batch_size}")
+        if pack and max_seq_len is None:
+            raise InputError("packed SFT batches need max_seq_len (the row length)")
+        longest = max(len(e) for e in examples)
+        if max_seq_len is not None and longest > max_seq_len:
+            raise InputError(f"an example has {longest} tokens, more than max_seq_len {max_seq_len}; load the "
+                             f"data with the same --max-seq-len as training")
+        self.examples = list(examples)
+        self.batch_size, self.seed, self.pack = batch_size, seed, pack
+        self.max_seq_len, self.pad_id = max_seq_len, pad_id
+        self._epoch, self._position = 0, 0
+        self._order_epoch, self._order = -1, np.arange(0)
+        self.fingerprint = _fingerprint(self.examples)
+
+    @property
+    def epoch(self) -> int:
+        return self._epoch
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def _epoch_order(self, epoch: int) -> np.ndarray:
+        if self._order_epoch != epoch:
+            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
+            self._order_epoch = epoch
+        return self._order
+
+    def _peek(self) -> SFTExample:
+        return self.examples[int(self._epoch_order(self._epoch)[self._position])]
+
+    def _advance(self) -> None:
+        self._position += 1
+        if self._position == len(self.examples):
+            self._epoch, self._position = self._epoch + 1, 0
+
+    def next_batch(self) -> dict[str, Any]:
+        if not self.pack:
+            chosen = []
+            for _ in range(self.batch_size):
+                chosen.append(self._peek())
+                self._advance()
+            return collate_padded(chosen, self.pad_id)
+        rows = []
+        for _ in range(self.batch_size):
+            row, used = [], 0
+            while not row or used + len(self._peek()) <= self.max_seq_len:
+                ex = self._peek()
+                row.append(ex)
+                used += len(ex)
+                self._advance()
+            rows.append(row)
+        return collate_packed(rows, self.pad_id)
+
+    def iter_epoch(self) -> Iterator[dict[str, Any]]:
+        """One pass over all examples in file order; the last batch may be smaller. State untouched."""
+        if not self.pack:
+            for i in range(0, len(self.examples), self.batch_size):
+                yield collate_padded(self.examples[i:i + self.batch_size], self.pad_id)
+            return
+        rows, row, used = [], [], 0
+        for ex in self.examples:
+            if row and used + len(ex) > self.max_seq_len:
+                rows.append(row)
+                row, used = [], 0
+                if len(rows) == self.batch_size:
+                    yield collate_packed(rows, self.pad_id)
+                    rows = []
+            row.append(ex)
+            used += len(ex)
+        rows.append(row)
+        yield collate_packed(rows, self.pad_id)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kind": self.kind, "epoch": self._epoch, "position": self._position, "seed": self.seed,
+                "rng": "numpy.random.default_rng([seed, epoch]).permutation", "pack": self.pack,
+                "batch_size": self.batch_size, "max_seq_len": self.max_seq_len,
+                "num_examples": len(self.examples), "fingerprint": self.fingerprint}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        for key in ("kind", "pack", "batch_size", "max_seq_len", "num_examples", "fingerprint"):
+            if sd.get(key) != self.state_dict()[key]:
+                raise InputError(f"cannot resume the SFT loader: saved {key}={sd.get(key)!r}, now "
+                                 f"{self.state_dict()[key]!r} (the data or batching changed since the "
+                                 f"checkpoint; resume with the same data file, --max-seq-len and batch settings)")
+        if not 0 <= sd["position"] < len(self.examples) or sd["epoch"] < 0:
+            raise InputError(f"cannot resume the SFT loader: position {sd['position']} / epoch {sd['epoch']} "
+                             f"out of range for {len(self.examples)} examples")
+        self.seed, self._epoch, self._position = int(sd["seed"]), int(sd["epoch"]), int(sd["position"])
+        self._order_epoch = -1
+
+
+def _fingerprint(examples: Sequence[SFTExample]) -> str:
+    h = hashlib.sha256()
+    for ex in examples:
+        h.update(np.int64(ex.line).tobytes())
+        h.update(ex.input_ids.tobytes())
+        h.update(ex.labels.tobytes())
+    return h.hexdigest()[:16]
+
+
+def collate_padded(examples: Sequence[SFTExample], pad_id: int) -> dict[str, Any]:
+    """One sample per row, right-padded to the longest; padding has label -100 (by position)."""
+    T = max(len(e) for e in examples)
+    input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
+    labels = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
+    for i, ex in enumerate(examples):
+        input_ids[i, :len(ex)] = torch.from_numpy(ex.input_ids.astype(np.int64))
+        labels[i, :len(ex)] = torch.from_numpy(ex.labels.astype(np.int64))
+    return {"input_ids": input_ids, "labels": labels, "sample_ids": [e.line for e in examples]}
+
+
+def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int) -> dict[str, Any]:
+    """Several samples per row; doc_ids keep attention inside a sample, positions restart per sample."""
+    T = max(sum(len(e) for e in row) for row in rows)
+    B = len(rows)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
+    doc_ids = torch.zeros((B, T), dtype=torch.long)
+    position_ids = torch.zeros((B, T), dtype=torch.long)
+    sample_ids = []
+    for b, row in enumerate(rows):
+        at = 0
+        for d, ex in enumerate(row):
+            n = len(ex)
+            input_ids[b, at:at + n] = torch.from_numpy(ex.input_ids.astype(np.int64))
+            labels[b, at:at + n] = torch.from_numpy(ex.labels.astype(np.int64))
+            doc_ids[b, at:at + n] = d
+            position_ids[b, at:at + n] = torch.arange(n)
+            sample_ids.append(ex.line)
+            at += n
+        doc_ids[b, at:] = len(row)  # padding is a document of its own: no sample attends to it
+        position_ids[b, at:] = torch.arange(T - at)
+    return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids, "position_ids": position_ids,
+            "sample_ids": sample_ids}
+
+
+def loss_token_stats(batch: dict[str, Any]) -> int:
+    """Number of loss tokens in a batch (the trainer's GUARD-ZERO-LOSS-TOKENS input)."""
+    return int((batch["labels"] != IGNORE_INDEX).sum())
