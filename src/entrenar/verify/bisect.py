@@ -1,0 +1,572 @@
+"""Parity bisection: the path under test against an oracle, logits -> layer -> op.
+
+The path under test is our model on the run's device, dtype and kernels. The oracle is either
+our eager model in float64 on the CPU with the torch reference ops (``reference``: same
+weights, so any difference comes from the compute path) or Hugging Face ``transformers``
+(``hf``: a separately written implementation that also loads the weights itself, so it catches
+loader bugs such as BF16 bits decoded as F16).
+
+Every comparison is relL2 = ||test - ref|| / ||ref|| in float64. Each probe sequence runs on
+its own. Pass 1 keeps only the layer-level hidden states (embedding, each block, final norm);
+if one is over its bound, pass 2 re-runs both paths keeping the ops of the first such block,
+and the first op over its bound is the answer. One backward pass compares gradients per
+parameter group.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from ..model import CausalLM
+from .probe import ProbeSequence
+
+# Ops inside one block, in execution order (names recorded by CausalLM.forward(trace=...)).
+OP_ORDER = ("input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_probs", "attn_out",
+            "o_proj", "attn_residual", "post_attention_norm", "gate_proj", "up_proj", "act", "down_proj",
+            "mlp_residual")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """relL2 bounds (and CE difference in nats) for one dtype of the path under test.
+
+    fp32: DESIGN.md's 1e-5 on logits; hidden states and ops get the same 1e-5 (fp32 rounding
+    is ~1e-7 per op, so a defect is orders of magnitude above it); gradients 1e-4, since the
+    backward sums over tokens and amplifies cancellation.
+    bf16: DESIGN.md's 2e-2 on logits and 0.05 nats of CE. bf16 rounds each op to ~4e-3 relative,
+    and the error compounds over blocks, so hidden states and ops get 5e-2; gradients 1e-1.
+    A seeded defect (wrong RoPE pairing, dropped bias, eps, causality) is >= 0.1 at its op.
+    """
+
+    dtype: str
+    logits: float
+    ce: float
+    hidden: float
+    op: float
+    grad: float
+
+
+BOUNDS: dict[str, Bounds] = {
+    "fp64": Bounds("fp64", logits=1e-10, ce=1e-9, hidden=1e-10, op=1e-10, grad=1e-9),
+    "fp32": Bounds("fp32", logits=1e-5, ce=1e-4, hidden=1e-5, op=1e-5, grad=1e-4),
+    "bf16": Bounds("bf16", logits=2e-2, ce=5e-2, hidden=5e-2, op=5e-2, grad=1e-1),
+    "fp16": Bounds("fp16", logits=2e-2, ce=5e-2, hidden=5e-2, op=5e-2, grad=1e-1),
+}
+
+DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
+          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
+          "fp64": torch.float64, "float64": torch.float64}
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
+
+# What a divergence first seen at an op most likely means (the seed bugs, named).
+HINTS = {
+    "embed": "weights decoded wrongly at load (dtype tag, dequantization, transposition); compare with "
+             "`entrenar verify --against hf`",
+    "input_norm": "RMSNorm eps or the rmsnorm kernel (Qwen2 needs eps 1e-6, LLaMA 1e-5: read it from the "
+                  "config)",
+    "q_proj": "Q/K/V projection: a dropped Q/K/V bias or wrong projection weights",
+    "k_proj": "Q/K/V projection: a dropped Q/K/V bias or wrong projection weights",
+    "v_proj": "Q/K/V projection: a dropped Q/K/V bias or wrong projection weights",
+    "q_rope": "RoPE: pairing (neox split-half vs gptj adjacent), theta, scaling or positions",
+    "k_rope": "RoPE: pairing (neox split-half vs gptj adjacent), theta, scaling or positions",
+    "attn_probs": "attention probabilities: the mask (causality, document mask) or the softmax reduction",
+    "attn_out": "attention output: softmax-weighted sum of V (GQA head mapping, attention kernel)",
+    "o_proj": "o_proj weights or an extra/missing bias",
+    "attn_residual": "the attention residual connection",
+    "post_attention_norm": "RMSNorm eps or the rmsnorm kernel",
+    "gate_proj": "MLP gate projection weights",
+    "up_proj": "MLP up projection weights",
+    "act": "the SwiGLU activation kernel (silu(gate) * up)",
+    "down_proj": "MLP down projection weights",
+    "mlp_residual": "the MLP residual connection",
+    "norm": "the final RMSNorm",
+    "logits": "the LM head (tied vs untied embedding, head weights)",
+    "ce": "the cross-entropy of the logits (labels shift, ignore index)",
+}
+
+
+def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
+    """||test - ref|| / ||ref|| in float64 (inf if ref is zero and test is not)."""
+    a = test.detach().to("cpu", torch.float64).reshape(-1)
+    b = ref.detach().to("cpu", torch.float64).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch {tuple(test.shape)} vs {tuple(ref.shape)}")
+    num, den = torch.linalg.vector_norm(a - b).item(), torch.linalg.vector_norm(b).item()
+    if not math.isfinite(num):
+        return math.inf
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
+
+
+def dtype_name(dtype: torch.dtype | str) -> str:
+    if isinstance(dtype, str):
+        if dtype not in DTYPES:
+            raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
+        return DTYPE_NAMES[DTYPES[dtype]]
+    return DTYPE_NAMES[dtype]
+
+
+def hint(name: str) -> str:
+    key = name.rsplit(".", 1)[-1] if name.startswith("layers.") else name.split(":")[0]
+    return HINTS.get(key, HINTS.get(name.split(".")[0], "a difference in the compute path"))
+
+
+# ---- traces --------------------------------------------------------------------------------
+class FilteredTrace(dict):
+    """A trace dict that keeps only wanted names, moved to CPU float64 at once (saves device memory)."""
+
+    def __init__(self, keep: Callable[[str], bool]):
+        super().__init__()
+        self.keep = keep
+
+    def __setitem__(self, name: str, value: torch.Tensor) -> None:
+        if self.keep(name):
+            super().__setitem__(name, value.detach().to("cpu", torch.float64))
+
+
+def layer_names(num_layers: int) -> list[str]:
+    return ["embed", *(f"layers.{i}" for i in range(num_layers)), "norm"]
+
+
+def _keep_layers(name: str) -> bool:
+    return name in ("embed", "norm") or re.fullmatch(r"layers\.\d+", name) is not None
+
+
+def _keep_block(layer: int) -> Callable[[str], bool]:
+    prefix = f"layers.{layer}."
+    return lambda name: name.startswith(prefix)
+
+
+def _targets(ids: torch.Tensor) -> torch.Tensor:
+    """Shifted labels for one sequence: labels[:, t] = ids[:, t + 1], last position ignored."""
+    labels = torch.full_like(ids, -100)
+    labels[:, :-1] = ids[:, 1:]
+    return labels
+
+
+def _grad_group(name: str) -> str:
+    """Parameter name -> group: embed, layers.i.attn, layers.i.mlp, layers.i.norms, norm, lm_head."""
+    name = name.removeprefix("base_model.model.")
+    m = re.match(r"model\.layers\.(\d+)\.(self_attn|mlp|input_layernorm|post_attention_layernorm)", name)
+    if m:
+        kind = {"self_attn": "attn", "mlp": "mlp"}.get(m.group(2), "norms")
+        return f"layers.{m.group(1)}.{kind}"
+    if name.startswith("model.embed_tokens"):
+        return "embed"
+    if name.startswith("model.norm"):
+        return "norm"
+    if name.startswith("lm_head"):
+        return "lm_head"
+    return name
+
+
+class OurPath:
+    """Our CausalLM on some device/dtype/kernels (the path under test, or the float64 reference)."""
+
+    def __init__(self, model: CausalLM, autocast_dtype: torch.dtype | None = None, label: str = ""):
+        self.model = model
+        self.device = next(model.parameters()).device
+        self.autocast_dtype = autocast_dtype
+        self.label = label or f"{self.device.type} {DTYPE_NAMES.get(self.param_dtype, self.param_dtype)} " \
+                              f"kernels={getattr(model, 'kernels', '?')}"
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        return next(self.model.parameters()).dtype
+
+    def _autocast(self):
+        if self.autocast_dtype is None or self.autocast_dtype == self.param_dtype:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.autocast_dtype)
+
+    def forward(self, ids: torch.Tensor, keep: Callable[[str], bool]) -> tuple[torch.Tensor, dict]:
+        trace = FilteredTrace(keep)
+        with torch.no_grad(), self._autocast():
+            logits = self.model(ids.to(self.device), trace=trace)
+        return logits[0].to("cpu", torch.float64), dict(trace)
+
+    def grads(self, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        """One backward of the training loss (model.loss, the kernel path training uses)."""
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        saved = {n: p.grad for n, p in params.items()}
+        for p in params.values():
+            p.grad = None
+        try:
+            ids = ids.to(self.device)
+            with torch.enable_grad(), self._autocast():
+                loss_sum, n = self.model.loss(ids, _targets(ids))
+                loss = loss_sum / n
+            loss.backward()
+            grads = {n: p.grad.detach().to("cpu", torch.float64) for n, p in params.items()
+                     if p.grad is not None}
+        finally:
+            for n, p in params.items():
+                p.grad = saved[n]
+        return float(loss.detach()), grads
+
+
+class HFPath:
+    """A transformers model as the oracle; hooks record the same names our trace uses."""
+
+    def __init__(self, hf_model: Any, label: str = "transformers"):
+        self.model = hf_model
+        self.label = label
+        self.device = next(hf_model.parameters()).device
+        if hasattr(hf_model, "set_attn_implementation"):
+            hf_model.set_attn_implementation("eager")  # attention probabilities come back only from eager
+        else:
+            hf_model.config._attn_implementation = "eager"
+        cfg = hf_model.config
+        self.num_heads = cfg.num_attention_heads
+        self.num_kv_heads = cfg.num_key_value_heads or self.num_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
+
+    @contextlib.contextmanager
+    def _hooks(self, trace: dict, keep: Callable[[str], bool], B: int, T: int) -> Iterator[None]:
+        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
+        base = self.model.model
+        handles = []
+
+        def rec(name: str, x: torch.Tensor, shape: tuple | None = None, transpose: bool = False) -> None:
+            if keep(name):
+                if transpose:
+                    x = x.transpose(1, 2)
+                if shape is not None:
+                    x = x.reshape(shape)
+                trace[name] = x.detach().to("cpu", torch.float64)
+
+        def out_hook(name: str, shape: tuple | None = None, index: int | None = None):
+            def hook(_mod, _inp, out):
+                rec(name, out[index] if index is not None else (out[0] if isinstance(out, tuple) else out),
+                    shape)
+            return hook
+
+        def in_hook(name: str):
+            def hook(_mod, inp):
+                rec(name, inp[0])
+            return hook
+
+        handles.append(base.embed_tokens.register_forward_hook(out_hook("embed")))
+        for i, layer in enumerate(base.layers):
+            p = f"layers.{i}."
+            attn, mlp = layer.self_attn, layer.mlp
+            handles += [
+                layer.input_layernorm.register_forward_hook(out_hook(p + "input_norm")),
+                attn.q_proj.register_forward_hook(out_hook(p + "q_proj", (B, T, H, D))),
+                attn.k_proj.register_forward_hook(out_hook(p + "k_proj", (B, T, K, D))),
+                attn.v_proj.register_forward_hook(out_hook(p + "v_proj", (B, T, K, D))),
+                attn.register_forward_hook(out_hook(p + "attn_probs", index=1)),
+                attn.o_proj.register_forward_pre_hook(in_hook(p + "attn_out")),
+                attn.o_proj.register_forward_hook(out_hook(p + "o_proj")),
+                layer.post_attention_layernorm.register_forward_pre_hook(in_hook(p + "attn_residual")),
+                layer.post_attention_layernorm.register_forward_hook(out_hook(p + "post_attention_norm")),
+                mlp.gate_proj.register_forward_hook(out_hook(p + "gate_proj")),
+                mlp.up_proj.register_forward_hook(out_hook(p + "up_proj")),
+                mlp.down_proj.register_forward_pre_hook(in_hook(p + "act")),
+                mlp.down_proj.register_forward_hook(out_hook(p + "down_proj")),
+                layer.register_forward_hook(out_hook(p + "mlp_residual")),
+                layer.register_forward_hook(out_hook(f"layers.{i}")),
+            ]
+        handles.append(base.norm.register_forward_hook(out_hook("norm")))
+        # q, k after RoPE live inside the attention forward: wrap the modeling module's function.
+        modeling = sys.modules[type(base.layers[0].self_attn).__module__]
+        original = modeling.apply_rotary_pos_emb
+        calls = [0]
+
+        def recording_rope(q, k, *args, **kwargs):
+            q2, k2 = original(q, k, *args, **kwargs)
+            i = calls[0]
+            calls[0] += 1
+            rec(f"layers.{i}.q_rope", q2, transpose=True)
+            rec(f"layers.{i}.k_rope", k2, transpose=True)
+            return q2, k2
+
+        modeling.apply_rotary_pos_emb = recording_rope
+        try:
+            yield
+        finally:
+            modeling.apply_rotary_pos_emb = original
+            for h in handles:
+                h.remove()
+
+    def forward(self, ids: torch.Tensor, keep: Callable[[str], bool]) -> tuple[torch.Tensor, dict]:
+        trace: dict = {}
+        B, T = ids.shape
+        with torch.no_grad(), self._hooks(trace, keep, B, T):
+            logits = self.model(input_ids=ids.to(self.device), use_cache=False).logits
+        return logits[0].to("cpu", torch.float64), trace
+
+    def grads(self, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
+        for p in params.values():
+            p.grad = None
+        ids = ids.to(self.device)
+        with torch.enable_grad():
+            logits = self.model(input_ids=ids, use_cache=False).logits
+            loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:], reduction="mean")
+        loss.backward()
+        grads = {n: p.grad.detach().to("cpu", torch.float64) for n, p in params.items() if p.grad is not None}
+        for p in params.values():
+            p.grad = None
+        return float(loss.detach()), grads
+
+
+# ---- building the oracles --------------------------------------------------------------------
+def reference_model(model: CausalLM) -> CausalLM:
+    """Same weights as ``model`` in float64 on the CPU with the torch reference ops."""
+    sd = model.state_dict()
+    ref_keys = set()
+    with torch.device("meta"):
+        ref = CausalLM(model.cfg, kernels="torch")
+    ref_keys = set(ref.state_dict())
+    if set(sd) == ref_keys:
+        ref.load_state_dict({k: v.detach().to("cpu", torch.float64) for k, v in sd.items()}, assign=True)
+    else:  # a wrapped model (LoRA adapters): copy the whole module tree instead
+        import copy
+
+        ref = copy.deepcopy(model).to("cpu", torch.float64)
+        ref.kernels = "torch"
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(True)
+    return ref
+
+
+def hf_from_model(model: CausalLM) -> Any:
+    """A transformers model holding ``model``'s weights (fp32): checks compute, not loading."""
+    import transformers
+
+    cfg_dict = model.cfg.to_hf_dict()
+    if "entrenar_rope_style" in cfg_dict or "entrenar_qk_norm" in cfg_dict:
+        raise ValueError("transformers cannot express this config (gptj RoPE or qk-norm): use --against reference")
+    cls = transformers.Qwen2ForCausalLM if model.cfg.architecture == "qwen2" else transformers.LlamaForCausalLM
+    conf_cls = transformers.Qwen2Config if model.cfg.architecture == "qwen2" else transformers.LlamaConfig
+    hf_cfg = conf_cls(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
+    hf = cls(hf_cfg)
+    sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
+    missing, unexpected = hf.load_state_dict(sd, strict=False)
+    missing = [k for k in missing if not (k == "lm_head.weight" and model.cfg.tie_word_embeddings)]
+    assert not missing and not unexpected, f"weights do not map onto transformers: {missing} {unexpected}"
+    if model.cfg.tie_word_embeddings:
+        hf.tie_weights()
+    return hf.float().eval()
+
+
+def hf_from_source(path: Any) -> Any:
+    """transformers loading the model file itself (fp32, CPU): an independent loader."""
+    from pathlib import Path
+
+    import transformers
+
+    path = Path(path)
+    if path.suffix == ".gguf":
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                               dtype=torch.float32)
+    else:
+        hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    return hf.float().eval()
+
+
+# ---- comparisons -----------------------------------------------------------------------------
+def _entries(names: list[str], test: dict, ref: dict, bound: float) -> list[dict]:
+    out = []
+    for name in names:
+        if name not in test or name not in ref:
+            out.append({"name": name, "rel_l2": None, "bound": bound, "ok": True, "note": "not recorded"})
+            continue
+        r = rel_l2(test[name], ref[name])
+        out.append({"name": name, "rel_l2": r, "bound": bound, "ok": r <= bound})
+    return out
+
+
+def _ce(logits: torch.Tensor, ids: torch.Tensor) -> float:
+    if logits.shape[0] < 2:
+        return float("nan")
+    return float(F.cross_entropy(logits[:-1], ids[0, 1:].to(logits.device), reduction="mean"))
+
+
+def compare_sequence(test: Any, ref: Any, seq: ProbeSequence, num_layers: int, bounds: Bounds) -> dict:
+    """Logits, CE, per-layer hidden states and (if a layer breaks) per-op relL2 for one sequence."""
+    t_logits, t_trace = test.forward(seq.input_ids, _keep_layers)
+    r_logits, r_trace = ref.forward(seq.input_ids, _keep_layers)
+    ce_t, ce_r = _ce(t_logits, seq.input_ids), _ce(r_logits, seq.input_ids)
+    logits_rel = rel_l2(t_logits, r_logits)
+    max_abs = float((t_logits - r_logits).abs().max()) if t_logits.numel() else 0.0
+    ce_diff = abs(ce_t - ce_r)
+    layers = _entries(layer_names(num_layers), t_trace, r_trace, bounds.hidden)
+    del t_trace, r_trace
+    res: dict[str, Any] = {
+        "name": seq.name, "tokens": seq.length,
+        "logits_rel_l2": logits_rel, "logits_max_abs": max_abs,
+        "ce_test": ce_t, "ce_ref": ce_r, "ce_diff": ce_diff,
+        "logits_ok": logits_rel <= bounds.logits and math.isfinite(max_abs),
+        "ce_ok": ce_diff <= bounds.ce if math.isfinite(ce_diff) else seq.length < 2,
+        "layers": layers, "first_bad_layer": None, "ops": [], "first_divergent": None,
+    }
+    bad = next((e for e in layers if not e["ok"]), None)
+    if bad is not None:
+        res["first_bad_layer"] = bad["name"]
+        if bad["name"].startswith("layers."):
+            li = int(bad["name"].split(".")[1])
+            _, t_ops = test.forward(seq.input_ids, _keep_block(li))
+            _, r_ops = ref.forward(seq.input_ids, _keep_block(li))
+            res["ops"] = _entries([f"layers.{li}.{op}" for op in OP_ORDER], t_ops, r_ops, bounds.op)
+            first_op = next((e for e in res["ops"] if not e["ok"]), None)
+            res["first_divergent"] = dict(first_op or bad)
+        else:
+            res["first_divergent"] = dict(bad)
+    elif not res["logits_ok"]:
+        res["first_divergent"] = {"name": "logits", "rel_l2": logits_rel, "bound": bounds.logits}
+    elif not res["ce_ok"]:
+        res["first_divergent"] = {"name": "ce", "rel_l2": ce_diff, "bound": bounds.ce}
+    res["ok"] = res["first_divergent"] is None
+    return res
+
+
+def compare_grads(test: Any, ref: Any, seq: ProbeSequence, bounds: Bounds) -> dict:
+    loss_t, g_t = test.grads(seq.input_ids)
+    loss_r, g_r = ref.grads(seq.input_ids)
+    groups: dict[str, tuple[list, list]] = {}
+    for name, g in g_t.items():
+        if name in g_r:
+            t_list, r_list = groups.setdefault(_grad_group(name), ([], []))
+            t_list.append(g.reshape(-1))
+            r_list.append(g_r[name].reshape(-1))
+    entries = []
+    for group, (t_list, r_list) in groups.items():
+        r = rel_l2(torch.cat(t_list), torch.cat(r_list))
+        entries.append({"name": group, "rel_l2": r, "bound": bounds.grad, "ok": r <= bounds.grad})
+    missing = sorted(set(g_r) - set(g_t))
+    worst = max(entries, key=lambda e: e["rel_l2"]) if entries else None
+    return {"sequence": seq.name, "loss_test": loss_t, "loss_ref": loss_r, "groups": entries,
+            "missing_in_test": missing, "worst": worst,
+            "ok": bool(entries) and all(e["ok"] for e in entries) and not missing}
+
+
+def _position(name: str, num_layers: int) -> tuple[int, int]:
+    """Order of a divergence point in the forward: embed < layer 0 ops < layer 1 ... < norm < logits."""
+    if name == "embed":
+        return (0, 0)
+    m = re.fullmatch(r"layers\.(\d+)(?:\.(\w+))?", name)
+    if m:
+        op = m.group(2)
+        return (1 + int(m.group(1)), OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER))
+    order = {"norm": 1, "logits": 2, "ce": 3}
+    return (1 + num_layers + order.get(name, 4), 0)
+
+
+def verify_paths(test: Any, ref: Any, probe: list[ProbeSequence], num_layers: int, bounds: Bounds,
+                 grads: bool = True, meta: dict | None = None) -> dict:
+    """Run the whole comparison; ``first_divergent`` names the earliest op over its bound."""
+    t0 = time.time()
+    seqs = [compare_sequence(test, ref, s, num_layers, bounds) for s in probe]
+    grad_report = compare_grads(test, ref, probe[-1], bounds) if grads else None
+    first = None
+    for s in seqs:
+        fd = s["first_divergent"]
+        if fd is not None:
+            cand = {**fd, "sequence": s["name"]}
+            if first is None or _position(fd["name"], num_layers) < _position(first["name"], num_layers):
+                first = cand
+    if first is None and grad_report is not None and not grad_report["ok"]:
+        bad = next((e for e in grad_report["groups"] if not e["ok"]), None)
+        first = ({"name": f"grad:{bad['name']}", "rel_l2": bad["rel_l2"], "bound": bad["bound"]} if bad else
+                 {"name": "grad:missing", "rel_l2": None, "bound": bounds.grad,
+                  "note": f"no gradient for {grad_report['missing_in_test'][:5]}"})
+        first["sequence"] = grad_report["sequence"]
+    if first is not None:
+        first["hint"] = hint(first["name"])
+    ok = first is None
+    return {**(meta or {}), "test_path": test.label, "reference_path": ref.label,
+            "bounds": asdict(bounds), "sequences": seqs, "grads": grad_report,
+            "first_divergent": first, "ok": ok, "exit_code": 0 if ok else 1,
+            "seconds": round(time.time() - t0, 2)}
+
+
+def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSequence] | None = None,
+                 dtype: torch.dtype | str | None = None, against: str = "reference", hf_model: Any = None,
+                 seq_len: int = 512, grads: bool = True, meta: dict | None = None) -> dict:
+    """Verify ``model`` as it stands (its device, dtype, kernels) against an oracle.
+
+    ``dtype`` (default: the weights' dtype) picks the bounds and, if it differs from the
+    weights, runs the model under autocast. ``against="hf"`` uses ``hf_model`` if given (e.g.
+    transformers loading the same file), else builds one from ``model``'s weights.
+    """
+    from .probe import build_probe
+
+    if probe is None:
+        probe = build_probe(tokenizer, seq_len)
+    param_dtype = next(model.parameters()).dtype
+    run_dtype = DTYPES[dtype] if isinstance(dtype, str) else (dtype or param_dtype)
+    was_training = model.training
+    model.eval()
+    try:
+        test = OurPath(model, autocast_dtype=run_dtype)
+        test.label = f"{test.device.type} {DTYPE_NAMES[run_dtype]} kernels={getattr(model, 'kernels', '?')}"
+        if against == "reference":
+            ref = OurPath(reference_model(model), label="cpu fp64 kernels=torch (reference)")
+        elif against == "hf":
+            ref = HFPath(hf_model if hf_model is not None else hf_from_model(model),
+                         label="transformers cpu fp32 (eager attention)")
+        else:
+            raise ValueError(f"against {against!r} not in ('reference', 'hf')")
+        return verify_paths(test, ref, probe, model.cfg.num_layers, BOUNDS[DTYPE_NAMES[run_dtype]], grads=grads,
+                            meta={"against": against, "dtype": DTYPE_NAMES[run_dtype], **(meta or {})})
+    finally:
+        model.train(was_training)
+
+
+# ---- the table -------------------------------------------------------------------------------
+def _fmt(x: Any) -> str:
+    if x is None:
+        return "-"
+    if isinstance(x, float):
+        return "nan" if math.isnan(x) else f"{x:.3e}"
+    return str(x)
+
+
+def format_report(rep: dict) -> str:
+    lines = [f"verify: {rep.get('model', '')}  test: {rep['test_path']}  vs  reference: {rep['reference_path']}"]
+    b = rep["bounds"]
+    lines.append(f"bounds ({b['dtype']}): logits relL2 <= {b['logits']:g}, CE diff <= {b['ce']:g} nats, "
+                 f"hidden <= {b['hidden']:g}, op <= {b['op']:g}, grad <= {b['grad']:g}")
+    for s in rep["sequences"]:
+        lines.append("")
+        lines.append(f"[{s['name']}: {s['tokens']} tokens]  logits relL2 {_fmt(s['logits_rel_l2'])}  "
+                     f"max|diff| {_fmt(s['logits_max_abs'])}  CE test {s['ce_test']:.5f}  ref {s['ce_ref']:.5f}  "
+                     f"diff {_fmt(s['ce_diff'])}  {'ok' if s['ok'] else 'FAIL'}")
+        lines.append(f"  {'hidden state':<34} {'relL2':>10}  bound")
+        for e in s["layers"]:
+            lines.append(f"  {e['name']:<34} {_fmt(e['rel_l2']):>10}  {e['bound']:g}{'' if e['ok'] else '  <-- over'}")
+        if s["ops"]:
+            lines.append(f"  ops of {s['first_bad_layer']}:")
+            for e in s["ops"]:
+                lines.append(f"    {e['name']:<32} {_fmt(e['rel_l2']):>10}  {e['bound']:g}"
+                             f"{'' if e['ok'] else '  <-- over'}{'  (' + e['note'] + ')' if e.get('note') else ''}")
+    g = rep.get("grads")
+    if g:
+        lines.append("")
+        lines.append(f"gradients ({g['sequence']}): loss test {g['loss_test']:.5f} ref {g['loss_ref']:.5f}")
+        for e in g["groups"]:
+            lines.append(f"  {e['name']:<34} {_fmt(e['rel_l2']):>10}  {e['bound']:g}{'' if e['ok'] else '  <-- over'}")
+        if g["missing_in_test"]:
+            lines.append(f"  no gradient in the path under test for: {', '.join(g['missing_in_test'][:8])}")
+    lines.append("")
+    fd = rep["first_divergent"]
+    if fd is None:
+        lines.append("PASS: every bound holds")
+    else:
+        lines.append(f"FAIL: first divergence at {fd['name']} ({fd['sequence']} probe): relL2 {_fmt(fd['rel_l2'])} "
+                     f"> {fd['bound']:g}. Likely cause: {fd['hint']}")
+    return "\n".join(lines)

@@ -1,0 +1,69 @@
+"""The training preflight: a seconds-long verify before step 1.
+
+The training loop calls ``preflight(model, tokenizer, device, dtype, kernels)`` with the model as
+it will train (device, weights, kernels; ``dtype`` is the compute dtype, autocast when it
+differs from the weights). The probe (a < 32-token sequence and a ``seq_len`` one) runs through
+it and through the same weights in float64 on the CPU with the torch reference ops. A broken
+bound raises ``GuardError('GUARD-PARITY', ...)`` (exit 3) naming the first op/layer that
+diverges; otherwise the numbers come back for ``RUN/preflight.json``.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+import torch
+
+from ..errors import GuardError
+from .bisect import DTYPE_NAMES, DTYPES, verify_model
+from .probe import build_probe
+
+GUARD_ID = "GUARD-PARITY"
+
+
+def _summary(rep: dict) -> dict:
+    seqs = []
+    for s in rep["sequences"]:
+        worst = max((e for e in s["layers"] if e["rel_l2"] is not None), key=lambda e: e["rel_l2"], default=None)
+        seqs.append({"name": s["name"], "tokens": s["tokens"], "logits_rel_l2": s["logits_rel_l2"],
+                     "logits_max_abs": s["logits_max_abs"], "ce_test": s["ce_test"], "ce_ref": s["ce_ref"],
+                     "ce_diff": s["ce_diff"], "worst_layer": worst, "first_divergent": s["first_divergent"],
+                     "ok": s["ok"]})
+    out = {"ok": rep["ok"], "test_path": rep["test_path"], "reference_path": rep["reference_path"],
+           "bounds": rep["bounds"], "sequences": seqs, "first_divergent": rep["first_divergent"]}
+    if rep.get("grads"):
+        out["grads_worst"] = rep["grads"]["worst"]
+        out["grads_ok"] = rep["grads"]["ok"]
+    return out
+
+
+def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device,
+              dtype: torch.dtype | str, kernels: str, *, seq_len: int = 64, grads: bool = False) -> dict:
+    """Check the run's forward (and optionally one backward) against float64; raise GUARD-PARITY.
+
+    Returns a JSON-able dict: ok, seconds, device, dtype, kernels, per-probe-sequence logits
+    relL2 / max |diff| / CE of each side / CE difference / worst layer, bounds.
+    """
+    t0 = time.time()
+    run_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
+    model_kernels = getattr(model, "kernels", kernels)
+    probe = build_probe(tokenizer, seq_len)
+    rep = verify_model(model, probe=probe, dtype=run_dtype, against="reference", grads=grads)
+    result = {"check": "parity", "device": str(device), "dtype": DTYPE_NAMES[run_dtype], "kernels": model_kernels,
+              **_summary(rep), "seconds": round(time.time() - t0, 2)}
+    if model_kernels != kernels:
+        result["note"] = f"model.kernels={model_kernels!r} differs from the run's kernels={kernels!r}"
+    if not rep["ok"]:
+        fd = rep["first_divergent"]
+        rel = "n/a" if fd.get("rel_l2") is None else f"{fd['rel_l2']:.3e}"
+        raise GuardError(
+            GUARD_ID,
+            f"the training path ({device}, {DTYPE_NAMES[run_dtype]}, kernels={model_kernels}) diverges from the "
+            f"float64 reference first at {fd['name']} on the {fd['sequence']} probe (relL2 {rel} > bound "
+            f"{fd['bound']:g}); likely cause: {fd['hint']}.",
+            remedy=f"fix the op named above; `entrenar verify --model MODEL --device {torch.device(device).type} "
+                   f"--dtype {DTYPE_NAMES[run_dtype]} --kernels {model_kernels}` prints the full per-layer and "
+                   f"per-op table. --no-preflight skips this check (logged), at your own risk.",
+            details=result)
+    return result

@@ -1,0 +1,275 @@
+"""`verify` bisection on tiny random Qwen2-shaped models: clean paths pass, seeded defects are named.
+
+Each defect is injected into the path under test only: the model under test runs with
+kernels="triton", whose ops (and attention) the test replaces by a defective version; the
+float64 oracle always runs the clean torch reference ops. That is exactly the situation of the
+seed bugs (a fast GPU path wrong, the CPU path right).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+
+import pytest
+import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+
+import entrenar.model as model_mod
+from entrenar.config import ModelConfig
+from entrenar.errors import GuardError
+from entrenar.kernels import TORCH_OPS, Ops
+from entrenar.kernels.rmsnorm import rms_norm_reference
+from entrenar.kernels.rope import rope_reference
+from entrenar.model import Attention, CausalLM
+from entrenar.verify import BOUNDS, format_report, preflight, rel_l2, verify_model
+from entrenar.verify.probe import build_probe
+
+SEQ_LEN = 128
+
+
+def byte_tokenizer() -> Tokenizer:
+    """A byte-level tokenizer (256 ids, one per byte): real text, tiny vocab."""
+    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    return tok
+
+
+def tiny_qwen2(seed: int = 0, num_layers: int = 2) -> CausalLM:
+    """Qwen2-shaped: Q/K/V bias, eps 1e-6, theta 1e6, GQA, tied head; biases and norms non-trivial."""
+    cfg = ModelConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_layers=num_layers, num_heads=4,
+                      num_kv_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True,
+                      tie_word_embeddings=True, architecture="qwen2")
+    m = CausalLM(cfg)
+    m.init_weights(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
+            elif name.endswith("norm.weight"):
+                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
+    return m
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return byte_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def probe(tok):
+    return build_probe(tok, SEQ_LEN)
+
+
+FAST_OPS = dataclasses.replace(TORCH_OPS)  # same functions, its own identity: "the fast path"
+
+
+def fast_path(monkeypatch, model: CausalLM, ops: Ops = FAST_OPS) -> CausalLM:
+    """Route the model under test through ``ops`` (kernels='triton'); the oracle keeps TORCH_OPS."""
+    monkeypatch.setattr(model_mod, "get_ops", lambda kind: TORCH_OPS if kind == "torch" else ops)
+    model.kernels = "triton"
+    return model
+
+
+def first(rep: dict) -> str:
+    return rep["first_divergent"]["name"] if rep["first_divergent"] else None
+
+
+def ops_of(rep: dict, seq: str = "long") -> dict[str, dict]:
+    s = next(s for s in rep["sequences"] if s["name"] == seq)
+    return {e["name"].split(".", 2)[2]: e for e in s["ops"]}
+
+
+# ---- probe ---------------------------------------------------------------------------------------
+def test_probe_has_short_and_long_sequences(tok):
+    probe = build_probe(tok, 512)
+    assert [s.name for s in probe] == ["short", "long"]
+    assert probe[0].length < 32 and probe[1].length == 512
+    assert len(build_probe(tok, 4000)[1].input_ids[0]) == 4000  # cycled text
+    with pytest.raises(ValueError):
+        build_probe(tok, 16)
+
+
+def test_rel_l2():
+    ref = torch.tensor([3.0, 4.0])
+    assert rel_l2(ref, ref) == 0.0
+    assert rel_l2(torch.tensor([3.0, 5.0]), ref) == pytest.approx(0.2)
+    assert rel_l2(torch.tensor([1.0]), torch.tensor([0.0])) == math.inf
+    assert rel_l2(torch.tensor([float("nan")]), torch.tensor([1.0])) == math.inf
+
+
+# ---- clean paths pass --------------------------------------------------------------------------------
+def test_clean_fp32_passes_against_reference_and_hf(tok, probe, monkeypatch):
+    model = fast_path(monkeypatch, tiny_qwen2())
+    rep = verify_model(model, probe=probe, against="reference")
+    assert rep["ok"] and rep["exit_code"] == 0, format_report(rep)
+    for s in rep["sequences"]:
+        assert s["logits_rel_l2"] < 1e-6 and s["ce_diff"] < 1e-6
+    assert {g["name"] for g in rep["grads"]["groups"]} >= {"embed", "layers.0.attn", "layers.1.mlp", "norm"}
+    assert rep["grads"]["worst"]["rel_l2"] < 1e-5
+    rep = verify_model(model, probe=probe, against="hf")
+    assert rep["ok"], format_report(rep)
+    assert "PASS" in format_report(rep)
+
+
+def test_clean_bf16_passes_bf16_bounds_and_fails_fp32_bounds(probe, monkeypatch):
+    model = tiny_qwen2().to(torch.bfloat16)
+    rep = verify_model(model, probe=probe, against="reference", grads=False)
+    assert rep["dtype"] == "bf16" and rep["ok"], format_report(rep)
+    worst = max(s["logits_rel_l2"] for s in rep["sequences"])
+    assert BOUNDS["fp32"].logits < worst < BOUNDS["bf16"].logits  # bf16 noise is visible, and bounded
+
+
+def test_every_op_is_compared_against_hf(probe, monkeypatch):
+    """The hf oracle's hooks record every op our trace records (so per-op bisection works vs hf)."""
+    model = fast_path(monkeypatch, tiny_qwen2(), dataclasses.replace(
+        FAST_OPS, swiglu=lambda g, u: torch.nn.functional.silu(g) * u * 1.01))
+    rep = verify_model(model, probe=probe, against="hf", grads=False)
+    ops = ops_of(rep)
+    assert all(e["rel_l2"] is not None for e in ops.values()), ops
+    assert first(rep) == "layers.0.act"
+    assert ops["up_proj"]["ok"] and not ops["act"]["ok"]
+
+
+# ---- the six seed defects (five here; BF16-as-F16 at load is in test_verify_load.py) -------------------
+def test_rope_pairs_swapped_is_named_q_rope(probe, monkeypatch):
+    swapped = dataclasses.replace(FAST_OPS, rope=lambda q, k, cos, sin, style: rope_reference(
+        q, k, cos, sin, "gptj" if style == "neox" else "neox"))
+    rep = verify_model(fast_path(monkeypatch, tiny_qwen2(), swapped), probe=probe)
+    assert rep["exit_code"] == 1
+    assert first(rep) == "layers.0.q_rope", format_report(rep)
+    ops = ops_of(rep)
+    assert ops["v_proj"]["ok"] and ops["q_proj"]["ok"] and ops["k_proj"]["ok"]
+    assert not ops["k_rope"]["ok"] and ops["q_rope"]["rel_l2"] > 0.1
+    assert "RoPE" in rep["first_divergent"]["hint"]
+
+
+def _drop_qkv_bias(monkeypatch):
+    original = Attention.forward
+
+    def forward_without_bias(self, x, cos, sin, mask, ops, cache=None, trace=None):
+        if ops is TORCH_OPS:
+            return original(self, x, cos, sin, mask, ops, cache, trace)
+        projections = (self.q_proj, self.k_proj, self.v_proj)
+        saved = [m.bias for m in projections]
+        for m in projections:
+            m.bias = None
+        try:
+            return original(self, x, cos, sin, mask, ops, cache, trace)
+        finally:
+            for m, b in zip(projections, saved):
+                m.bias = b
+
+    monkeypatch.setattr(Attention, "forward", forward_without_bias)
+
+
+def test_qkv_bias_dropped_is_named_q_proj(probe, monkeypatch):
+    _drop_qkv_bias(monkeypatch)
+    rep = verify_model(fast_path(monkeypatch, tiny_qwen2()), probe=probe)
+    assert first(rep) == "layers.0.q_proj", format_report(rep)
+    ops = ops_of(rep)
+    assert ops["input_norm"]["ok"] and not ops["k_proj"]["ok"] and not ops["v_proj"]["ok"]
+    assert "bias" in rep["first_divergent"]["hint"]
+    assert rep["grads"]["missing_in_test"]  # the dropped biases get no gradient either
+
+
+def test_rmsnorm_eps_1e5_on_1e6_model_is_named_input_norm(probe, monkeypatch):
+    model = tiny_qwen2()
+    assert model.cfg.rms_norm_eps == 1e-6
+    hard_coded = dataclasses.replace(FAST_OPS, rms_norm=lambda x, w, eps: rms_norm_reference(x, w, 1e-5))
+    rep = verify_model(fast_path(monkeypatch, model, hard_coded), probe=probe)
+    assert first(rep) == "layers.0.input_norm", format_report(rep)
+    assert "eps" in rep["first_divergent"]["hint"]
+
+
+def test_noncausal_attention_is_named_attn_probs(probe, monkeypatch):
+    original = Attention.forward
+
+    def bidirectional(self, x, cos, sin, mask, ops, cache=None, trace=None):
+        if ops is not TORCH_OPS and mask is None:
+            mask = torch.ones(x.shape[0], 1, x.shape[1], x.shape[1], dtype=torch.bool)
+        return original(self, x, cos, sin, mask, ops, cache, trace)
+
+    monkeypatch.setattr(Attention, "forward", bidirectional)
+    rep = verify_model(fast_path(monkeypatch, tiny_qwen2()), probe=probe)
+    assert first(rep) == "layers.0.attn_probs", format_report(rep)
+    ops = ops_of(rep)
+    assert ops["q_rope"]["ok"] and ops["k_rope"]["ok"] and not ops["attn_out"]["ok"]
+
+
+def _softmax_reading_garbage_below_32(monkeypatch):
+    """An attention whose row softmax reduces over 32 lanes: rows shorter than 32 read stale lanes."""
+
+    def partial_warp_softmax(scores: torch.Tensor) -> torch.Tensor:
+        n = scores.shape[-1]
+        if n >= 32:
+            return scores.softmax(-1)
+        gen = torch.Generator().manual_seed(7)
+        stale = torch.rand(*scores.shape[:-1], 32 - n, generator=gen).to(scores) * 3.0
+        lanes = torch.cat([scores, stale], dim=-1)
+        m = lanes.max(-1, keepdim=True).values
+        return (scores - m).exp() / (lanes - m).exp().sum(-1, keepdim=True)
+
+    original = Attention.forward
+
+    def attention(self, x, cos, sin, mask, ops, cache=None, trace=None):
+        if ops is TORCH_OPS:
+            return original(self, x, cos, sin, mask, ops, cache, trace)
+        cfg, B, T = self.cfg, x.shape[0], x.shape[1]
+        p = f"layers.{self.layer}."
+        q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
+        k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
+        for name, t in (("q_proj", q), ("k_proj", k), ("v_proj", v)):
+            model_mod._record(trace, p + name, t)
+        q, k = ops.rope(q, k, cos, sin, cfg.rope_style)
+        model_mod._record(trace, p + "q_rope", q)
+        model_mod._record(trace, p + "k_rope", k)
+        rep = cfg.num_heads // cfg.num_kv_heads
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(rep, 1), v.transpose(1, 2).repeat_interleave(
+            rep, 1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+        causal = torch.ones(T, T, dtype=torch.bool).tril()
+        probs = partial_warp_softmax(scores.masked_fill(~causal, float("-inf")))
+        model_mod._record(trace, p + "attn_probs", probs)
+        y = (probs @ v).transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
+        model_mod._record(trace, p + "attn_out", y)
+        return self.o_proj(y)
+
+    monkeypatch.setattr(Attention, "forward", attention)
+
+
+def test_softmax_garbage_below_32_shows_on_short_probe_only(probe, monkeypatch):
+    _softmax_reading_garbage_below_32(monkeypatch)
+    rep = verify_model(fast_path(monkeypatch, tiny_qwen2()), probe=probe)
+    short, long = rep["sequences"]
+    assert short["name"] == "short" and short["tokens"] < 32
+    assert not short["ok"] and long["ok"], format_report(rep)
+    assert short["first_divergent"]["name"] == "layers.0.attn_probs"
+    assert rep["first_divergent"]["sequence"] == "short"
+    assert long["logits_rel_l2"] < BOUNDS["fp32"].logits
+
+
+# ---- preflight -------------------------------------------------------------------------------------
+def test_preflight_passes_clean_model(tok, monkeypatch):
+    model = fast_path(monkeypatch, tiny_qwen2())
+    model.train()
+    out = preflight(model, tok, "cpu", "fp32", "triton")
+    assert out["ok"] and out["dtype"] == "fp32" and out["kernels"] == "triton"
+    assert [s["name"] for s in out["sequences"]] == ["short", "long"]
+    assert out["sequences"][1]["tokens"] == 64
+    assert model.training  # preflight leaves the training mode as it was
+
+
+def test_preflight_raises_guard_naming_the_op(tok, monkeypatch):
+    _drop_qkv_bias(monkeypatch)
+    model = fast_path(monkeypatch, tiny_qwen2())
+    with pytest.raises(GuardError) as err:
+        preflight(model, tok, "cpu", torch.float32, "triton")
+    e = err.value
+    assert e.exit_code == 3 and e.guard_id == "GUARD-PARITY"
+    assert "layers.0.q_proj" in str(e) and "bias" in str(e)
+    assert e.details["first_divergent"]["name"] == "layers.0.q_proj"
