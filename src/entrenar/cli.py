@@ -16,6 +16,7 @@ from typing import Any, Callable
 COMMAND_MODULES = [
     "entrenar.formats.commands",  # inspect, convert
     "entrenar.data.commands",  # data pack, data sft-from-code, data check
+    "entrenar.merge",  # merge
 ]
 
 

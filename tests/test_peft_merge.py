@@ -1,0 +1,102 @@
+"""`entrenar merge`: merged logits equal base+adapter; QLoRA merges onto the NF4 weights it trained on."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from test_peft import IDS, randomize_adapters, rel, tiny_model
+
+from entrenar import cli
+from entrenar import merge as em
+from entrenar import peft as ep
+from entrenar.formats import load_model, save_hf_dir
+
+
+@pytest.fixture()
+def base_dir(tmp_path):
+    m = tiny_model()
+    save_hf_dir(m, tmp_path / "base")
+    return tmp_path / "base"
+
+
+def _adapter(base_dir, out, quantize_nf4: bool, seed: int = 3):
+    m = load_model(base_dir, dtype=torch.float32)
+    ep.apply_lora(m, rank=4, alpha=8, quantize_nf4=quantize_nf4)
+    randomize_adapters(m, seed)
+    m.eval()
+    with torch.no_grad():
+        logits = m(IDS)
+    ep.save_adapter(m, out, str(base_dir))
+    return logits
+
+
+def test_lora_merge_equals_base_plus_adapter(base_dir, tmp_path):
+    expected = _adapter(base_dir, tmp_path / "ad", quantize_nf4=False)
+    result = em.merge(base_dir, tmp_path / "ad", tmp_path / "merged")
+    assert result["adapters_merged"] == 14
+    merged = load_model(tmp_path / "merged", dtype=torch.float32)
+    assert not any(isinstance(x, (ep.LoRALinear, ep.NF4Linear)) for x in merged.modules())
+    with torch.no_grad():
+        assert rel(merged(IDS), expected) <= 1e-5
+    base = load_model(base_dir, dtype=torch.float32)
+    with torch.no_grad():
+        assert rel(base(IDS), expected) > 1e-3
+
+
+def test_qlora_merge_onto_trained_equals_adapter_model(base_dir, tmp_path):
+    expected = _adapter(base_dir, tmp_path / "ad", quantize_nf4=True)
+    result = em.merge(base_dir, tmp_path / "ad", tmp_path / "merged", onto="trained")
+    assert result["trained_against"] == "nf4" and result["logit_rel_l2_vs_trained"] <= 1e-5
+    merged = load_model(tmp_path / "merged", dtype=torch.float32)
+    with torch.no_grad():
+        assert rel(merged(IDS), expected) <= 1e-5
+
+
+def test_qlora_merge_onto_original_reports_difference(base_dir, tmp_path):
+    expected = _adapter(base_dir, tmp_path / "ad", quantize_nf4=True)
+    result = em.merge(base_dir, tmp_path / "ad", tmp_path / "orig", onto="original")
+    assert result["logit_rel_l2_vs_trained"] > 1e-3
+    assert "NF4" in result["note"]
+    merged = load_model(tmp_path / "orig", dtype=torch.float32)
+    with torch.no_grad():
+        assert rel(merged(IDS), expected) > 1e-3
+
+
+def test_qlora_merge_onto_original_weights_mutation_is_caught(base_dir, tmp_path, monkeypatch):
+    """Mutation: the default merge uses the 16-bit weights (the peers' bug) -> the trained-merge check fires."""
+    _adapter(base_dir, tmp_path / "ad", quantize_nf4=True)
+    real = em.merge_in_place
+    monkeypatch.setattr(em, "merge_in_place", lambda model, onto="trained", original=None, dtype=None:
+                        real(model, "original", original, dtype))
+    with pytest.raises(em.GuardError, match="GUARD-MERGE"):
+        em.merge(base_dir, tmp_path / "ad", tmp_path / "bad")
+    assert not (tmp_path / "bad").exists()
+
+
+def test_merged_dir_loads_in_transformers(base_dir, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    expected = _adapter(base_dir, tmp_path / "ad", quantize_nf4=False)
+    em.merge(base_dir, tmp_path / "ad", tmp_path / "merged")
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "merged"), dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert rel(hf(IDS).logits, expected) <= 1e-5
+
+
+def test_merge_cli_exit_codes(base_dir, tmp_path, capsys):
+    other = tiny_model(hidden_size=32, intermediate_size=48)
+    ep.apply_lora(other, rank=4, alpha=8)
+    ep.save_adapter(other, tmp_path / "other", "other")
+    code = cli.main(["merge", "--base", str(base_dir), "--adapter", str(tmp_path / "other"),
+                     "--out", str(tmp_path / "m"), "--json"])
+    assert code == 2
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert "lora_A.weight" in out["error"] or "lora_B.weight" in out["error"]
+    assert not (tmp_path / "m").exists()
+    _adapter(base_dir, tmp_path / "ad", quantize_nf4=True)
+    code = cli.main(["merge", "--base", str(base_dir), "--adapter", str(tmp_path / "ad"),
+                     "--out", str(tmp_path / "m2"), "--onto", "original", "--json"])
+    assert code == 0
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert out["ok"] and out["logit_rel_l2_vs_trained"] > 1e-3
