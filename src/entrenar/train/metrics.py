@@ -1,0 +1,112 @@
+"""metrics.jsonl / eval.jsonl writers, the progress display, tokens/s, MFU and peak memory."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any, TextIO
+
+import torch
+
+# Dense peak FLOP/s per GPU by name fragment: (bf16, tf32, fp32). For MFU only.
+PEAK_FLOPS = {
+    "H200": (989.4e12, 494.7e12, 66.9e12),
+    "H100": (989.4e12, 494.7e12, 66.9e12),
+    "A100": (312e12, 156e12, 19.5e12),
+    "L4": (121e12, 60e12, 30.3e12),
+    "A10": (125e12, 62.5e12, 31.2e12),
+}
+
+
+def peak_flops(device: torch.device, dtype: str) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    for key, (bf16, tf32, fp32) in PEAK_FLOPS.items():
+        if key in name:
+            if dtype == "bf16":
+                return bf16
+            return tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32
+    return None
+
+
+def peak_memory_mb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 2**20
+    rss_kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
+    return rss_kb / 1024
+
+
+class JsonlLog:
+    """Append-only JSON lines; on resume, lines beyond the resumed step are dropped (atomically)."""
+
+    def __init__(self, path: Path):
+        self.path = path
+
+    def truncate_after(self, step: int) -> None:
+        if not self.path.exists():
+            return
+        kept = [line for line in self.path.read_text().splitlines()
+                if line.strip() and json.loads(line).get("step", 0) <= step]
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text("".join(line + "\n" for line in kept))
+        os.replace(tmp, self.path)
+
+    def write(self, record: dict[str, Any]) -> None:
+        with open(self.path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _fmt_time(seconds: float) -> str:
+    if not math.isfinite(seconds):
+        return "?"
+    s = int(seconds)
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+class Progress:
+    """tqdm bar (loss, tok/s, ETA) on a terminal; plain lines every `every` steps otherwise."""
+
+    def __init__(self, total: int, start: int, stream: TextIO | None = None, every: int | None = None):
+        self.stream = stream or sys.stderr
+        self.total, self.start = total, start
+        self.every = every or max(1, total // 20)
+        self.t0 = time.perf_counter()
+        self.bar = None
+        if self.stream.isatty():
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=start, file=self.stream, dynamic_ncols=True, unit="step")
+
+    def update(self, step: int, loss: float, tok_s: float, extra: str = "") -> None:
+        if self.bar is not None:
+            self.bar.update(1)
+            self.bar.set_postfix_str(f"loss {loss:.4f} tok/s {tok_s:,.0f}" + (f" {extra}" if extra else ""))
+            return
+        if step % self.every == 0 or step == self.total or step == self.start + 1:
+            done = step - self.start
+            rate = done / max(time.perf_counter() - self.t0, 1e-9)
+            eta = (self.total - step) / rate if rate > 0 else float("inf")
+            print(f"step {step}/{self.total} loss {loss:.4f} tok/s {tok_s:,.0f} eta {_fmt_time(eta)}"
+                  + (f" {extra}" if extra else ""), file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if self.bar is not None:
+            self.bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()

@@ -1,0 +1,445 @@
+"""The training loop on a tiny model with an in-test loader of the data interface (COMMON.md).
+
+Covers: exact resume after SIGKILL (mid-epoch, at an epoch boundary, with accumulation), a kill
+while a checkpoint is written, determinism, accumulation equivalence, train == eval loss, and
+each guard firing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrenar.config import ModelConfig
+from entrenar.errors import GuardError, InputError
+from entrenar.model import CausalLM
+from entrenar.train import checkpoint as ckpt_mod
+from entrenar.train import guards, loop
+from entrenar.train.loop import TrainConfig, evaluate, forward_backward, train
+from entrenar.train.metrics import read_jsonl
+
+TESTS = Path(__file__).resolve().parent
+VOCAB = 97
+
+
+def tiny_cfg() -> ModelConfig:
+    return ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=128)
+
+
+def tiny_model(seed: int = 0) -> CausalLM:
+    m = CausalLM(tiny_cfg())
+    m.init_weights(seed)
+    return m
+
+
+def make_samples(n: int, seed: int = 1, min_len: int = 5, max_len: int = 17) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        length = int(torch.randint(min_len, max_len + 1, (1,), generator=g))
+        out.append(torch.randint(1, VOCAB, (length,), generator=g).tolist())
+    return out
+
+
+class ListLoader:
+    """A loader with the project's interface over token lists: right-padded batches, shifted labels
+    (the last position and padding are -100), epochs in a seed-determined order, drop_last."""
+
+    def __init__(self, samples: list[list[int]], batch_size: int, seed: int = 0, prompt_len: int = 0):
+        self.samples, self.batch_size, self.seed, self.prompt_len = samples, batch_size, seed, prompt_len
+        self.epoch, self.pos = 0, 0
+
+    def _order(self, epoch: int) -> list[int]:
+        g = torch.Generator().manual_seed(self.seed * 1000 + epoch)
+        return torch.randperm(len(self.samples), generator=g).tolist()
+
+    def _collate(self, idx: list[int]) -> dict:
+        seqs = [self.samples[i] for i in idx]
+        T = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        labels = torch.full((len(seqs), T), -100, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.tensor(s)
+            labels[r, :len(s) - 1] = torch.tensor(s[1:])
+            labels[r, :self.prompt_len] = -100
+        return {"input_ids": ids, "labels": labels, "sample_ids": list(idx)}
+
+    def next_batch(self) -> dict:
+        if self.pos + self.batch_size > len(self.samples):
+            self.epoch, self.pos = self.epoch + 1, 0
+        idx = self._order(self.epoch)[self.pos:self.pos + self.batch_size]
+        self.pos += self.batch_size
+        return self._collate(idx)
+
+    def iter_epoch(self):
+        for i in range(0, len(self.samples) - self.batch_size + 1, self.batch_size):
+            yield self._collate(list(range(i, i + self.batch_size)))
+
+    def state_dict(self) -> dict:
+        return {"epoch": self.epoch, "pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.epoch, self.pos = sd["epoch"], sd["pos"]
+
+
+def quiet(_msg: str) -> None:
+    pass
+
+
+def run(run_dir: Path, steps: int, batch_size: int = 2, grad_accum: int = 1, n_samples: int = 16,
+        save_every: int = 0, resume: str | None = None, eval_every: int = 0, model: CausalLM | None = None,
+        train_samples=None, eval_samples=None, **overrides) -> dict:
+    """One training run on the tiny model (used in-process and by the subprocess tests)."""
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    samples = train_samples if train_samples is not None else make_samples(n_samples)
+    evals = eval_samples if eval_samples is not None else make_samples(8, seed=99)
+    settings = {"steps": steps, "batch_size": batch_size, "grad_accum": grad_accum, "seq_len": 32, "lr": 3e-3,
+                "warmup": 2, "save_every": save_every, "eval_every": eval_every, "keep": 3, "seed": 5, "clip": 1.0}
+    cfg = TrainConfig(**{**settings, **overrides})
+    return train(model if model is not None else tiny_model(), ListLoader(samples, batch_size, seed=3),
+                 ListLoader(evals, 4), cfg, run_dir, resume=resume, preflight={}, log=quiet)
+
+
+SUBPROCESS = """
+import os, signal, sys
+sys.path.insert(0, {tests!r})
+import test_train_loop as T
+from entrenar.train import checkpoint, loop
+kill_step, kill_in_ckpt = {kill_step!r}, {kill_in_ckpt!r}
+if kill_step is not None:  # SIGKILL right after step kill_step is logged
+    orig_update = loop.Progress.update
+    def update(self, step, *a, **k):
+        orig_update(self, step, *a, **k)
+        if step == kill_step:
+            os.kill(os.getpid(), signal.SIGKILL)
+    loop.Progress.update = update
+if kill_in_ckpt is not None:  # SIGKILL while checkpoint kill_in_ckpt is being written (before COMPLETE)
+    orig_write = checkpoint._write_bytes
+    def write(path, data):
+        if path.name == "COMPLETE" and path.parent.name.startswith(checkpoint.step_dir_name(kill_in_ckpt)):
+            os.kill(os.getpid(), signal.SIGKILL)
+        orig_write(path, data)
+    checkpoint._write_bytes = write
+T.run({run_dir!r}, {steps}, batch_size={bs}, grad_accum={ga}, save_every={save_every}, resume={resume!r})
+"""
+
+
+def run_subprocess(run_dir: Path, steps: int, bs: int, ga: int, save_every: int, kill_step=None,
+                   kill_in_ckpt=None, resume=None) -> int:
+    code = SUBPROCESS.format(tests=str(TESTS), run_dir=str(run_dir), steps=steps, bs=bs, ga=ga,
+                             save_every=save_every, kill_step=kill_step, kill_in_ckpt=kill_in_ckpt,
+                             resume=resume)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    if proc.returncode not in (0, -signal.SIGKILL):
+        raise AssertionError(f"training subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    return proc.returncode
+
+
+def losses(run_dir: Path) -> list[float]:
+    return [r["loss"] for r in read_jsonl(Path(run_dir) / "metrics.jsonl")]
+
+
+# ---- exact resume -------------------------------------------------------------------------
+@pytest.mark.parametrize("bs,ga,save_every,kill_step,steps", [
+    (2, 1, 4, 5, 10),   # checkpoint at 4: mid-epoch (8 steps per epoch), killed after step 5
+    (2, 1, 8, 9, 11),   # checkpoint at 8: exactly the epoch boundary, killed after step 9
+    (2, 2, 2, 3, 7),    # accumulation G=2 (4 steps per epoch), checkpoint at 2, killed after 3
+], ids=["mid-epoch", "epoch-boundary", "grad-accum"])
+def test_exact_resume_after_sigkill(tmp_path, bs, ga, save_every, kill_step, steps):
+    straight = tmp_path / "straight"
+    run(straight, steps, batch_size=bs, grad_accum=ga, save_every=save_every)
+    killed = tmp_path / "killed"
+    rc = run_subprocess(killed, steps, bs, ga, save_every, kill_step=kill_step)
+    assert rc == -signal.SIGKILL
+    assert len(losses(killed)) == kill_step  # it did run past its last checkpoint before dying
+    run_subprocess(killed, steps, bs, ga, save_every, resume="auto")
+    a, b = losses(straight), losses(killed)
+    assert len(a) == len(b) == steps
+    assert a == b, "per-step losses differ after resume (must be bit-identical in fp32)"
+    ea = [r["loss"] for r in read_jsonl(straight / "eval.jsonl")]
+    eb = [r["loss"] for r in read_jsonl(killed / "eval.jsonl")]
+    assert ea == eb
+    torch.testing.assert_close(ckpt_mod.load_checkpoint(straight / "checkpoints" / "latest")["model"],
+                               ckpt_mod.load_checkpoint(killed / "checkpoints" / "latest")["model"],
+                               rtol=0, atol=0)
+
+
+def test_kill_while_checkpointing_leaves_previous_usable(tmp_path, capsys):
+    straight = tmp_path / "straight"
+    run(straight, 7, save_every=2)
+    killed = tmp_path / "killed"
+    assert run_subprocess(killed, 7, 2, 1, 2, kill_in_ckpt=4) == -signal.SIGKILL
+    root = killed / "checkpoints"
+    assert (root / "step-0000004.tmp").is_dir() and not (root / "step-0000004.tmp" / "COMPLETE").exists()
+    assert os.readlink(root / "latest") == "step-0000002"
+    # an explicitly named incomplete checkpoint is refused (exit 2)
+    with pytest.raises(InputError, match="COMPLETE"):
+        ckpt_mod.find_resume(killed, str(root / "step-0000004.tmp"), quiet)
+    messages: list[str] = []
+    assert ckpt_mod.find_resume(killed, "auto", messages.append) == root / "step-0000002"
+    assert any("ignoring incomplete" in m and "step-0000004.tmp" in m for m in messages)
+    run_subprocess(killed, 7, 2, 1, 2, resume="auto")
+    assert losses(straight) == losses(killed)
+
+
+def test_resume_not_restoring_data_state_is_caught(tmp_path, monkeypatch):
+    """Mutation: a resume that forgets the loader position replays data -> losses differ."""
+    straight = tmp_path / "s"
+    run(straight, 6, save_every=3)
+    part = tmp_path / "p"
+    run(part, 3, save_every=3)
+    monkeypatch.setattr(ListLoader, "load_state_dict", lambda self, sd: None)
+    run(part, 6, save_every=3, resume="auto")
+    assert losses(straight)[:3] == losses(part)[:3]
+    assert losses(straight)[3:] != losses(part)[3:]
+
+
+def test_resume_refuses_config_change(tmp_path):
+    run(tmp_path, 2, save_every=2)
+    with pytest.raises(InputError, match="allow-config-change"):
+        run(tmp_path, 4, batch_size=4, save_every=2, resume="auto")
+    out = run(tmp_path, 4, batch_size=4, save_every=2, resume="auto", allow_config_change=True)
+    assert out["start_step"] == 2
+
+
+# ---- determinism, checkpoint contents -----------------------------------------------------
+def test_same_seed_twice_identical_metrics_and_optimizer_sha(tmp_path):
+    run(tmp_path / "a", 4)
+    run(tmp_path / "b", 4)
+    strip = ("tok_s", "mem_mb")
+    ma = [{k: v for k, v in r.items() if k not in strip} for r in read_jsonl(tmp_path / "a" / "metrics.jsonl")]
+    mb = [{k: v for k, v in r.items() if k not in strip} for r in read_jsonl(tmp_path / "b" / "metrics.jsonl")]
+    assert ma == mb
+    meta_a = json.loads((tmp_path / "a" / "checkpoints" / "latest" / "meta.json").read_text())
+    meta_b = json.loads((tmp_path / "b" / "checkpoints" / "latest" / "meta.json").read_text())
+    assert len(meta_a["sha256"]["optimizer.pt"]) == 64
+    assert meta_a["sha256"]["optimizer.pt"] == meta_b["sha256"]["optimizer.pt"]
+    run(tmp_path / "c", 4, model=tiny_model(seed=1))  # a different init does change the run
+    assert losses(tmp_path / "c") != losses(tmp_path / "a")
+
+
+def test_checkpoint_contents_and_corruption_detected(tmp_path):
+    run(tmp_path, 6, save_every=1)
+    root = tmp_path / "checkpoints"
+    assert [d.name for d in ckpt_mod.complete_checkpoints(root)] == ["step-0000004", "step-0000005",
+                                                                     "step-0000006"]  # keep 3
+    c = ckpt_mod.load_checkpoint(root / "latest")
+    st = c["trainer_state"]
+    assert st["step"] == 6 and st["tokens"] > 0 and st["data"] == {"epoch": 0, "pos": 12}
+    assert set(st["rng"]) == {"python", "numpy", "torch", "cuda"}
+    assert c["run_config"]["grad_accum"] == 1 and c["run_config"]["seed"] == 5
+    opt = root / "latest" / "optimizer.pt"
+    data = bytearray(opt.read_bytes())
+    data[-10] ^= 0xFF
+    opt.write_bytes(bytes(data))
+    with pytest.raises(InputError, match="sha256"):
+        ckpt_mod.load_checkpoint(root / "latest")
+
+
+# ---- numerics ------------------------------------------------------------------------------
+def _grads_after_step(batch_size: int, grad_accum: int, samples, normalise_per_micro: bool = False):
+    model = tiny_model(3)
+    loader = ListLoader(samples, batch_size, seed=0)
+    micro = [loader.next_batch() for _ in range(grad_accum)]
+    total = sum(loop.loss_token_count(b) for b in micro)
+    if normalise_per_micro:  # the classic bug: mean per micro-batch, then averaged over G
+        for b in micro:
+            s, n = loop.batch_loss(model, b, torch.device("cpu"), "fp32")
+            (s / n / grad_accum).backward()
+    else:
+        forward_backward(model, micro, torch.device("cpu"), "fp32", total)
+    return torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+def test_grad_accum_equivalence_unequal_lengths(tmp_path):
+    samples = make_samples(8, seed=7, min_len=3, max_len=30)  # very unequal loss-token counts
+    g4 = _grads_after_step(4, 1, samples)
+    g1x4 = _grads_after_step(1, 4, samples)
+    assert _rel(g1x4, g4) < 1e-6
+    # whole runs: bs=4 vs bs=1 x G=4 give the same losses and parameters
+    a = run(tmp_path / "a", 3, batch_size=4, n_samples=8, train_samples=samples)
+    b = run(tmp_path / "b", 3, batch_size=1, grad_accum=4, train_samples=samples)
+    assert a["final_train_loss"] == pytest.approx(b["final_train_loss"], rel=1e-6)
+    for x, y in zip(losses(tmp_path / "a"), losses(tmp_path / "b")):
+        assert x == pytest.approx(y, rel=1e-6)
+    pa = ckpt_mod.load_checkpoint(tmp_path / "a" / "checkpoints" / "latest")["model"]
+    pb = ckpt_mod.load_checkpoint(tmp_path / "b" / "checkpoints" / "latest")["model"]
+    for k in pa:
+        assert _rel(pb[k], pa[k]) < 1e-5, k
+
+
+def test_grad_accum_per_microbatch_mean_is_caught():
+    """Mutation: normalising each micro-batch by its own token count breaks the equivalence."""
+    samples = make_samples(8, seed=7, min_len=3, max_len=30)
+    assert _rel(_grads_after_step(1, 4, samples, normalise_per_micro=True), _grads_after_step(4, 1, samples)) > 1e-3
+
+
+def test_train_loss_equals_eval_loss_on_same_batch():
+    samples = make_samples(4, seed=11)
+    model = tiny_model(1)
+    batch = ListLoader(samples, 4).next_batch()
+    n = loop.loss_token_count(batch)
+    train_loss = forward_backward(model, [batch], torch.device("cpu"), "fp32", n)
+    ev = evaluate(model, [batch])
+    assert ev["tokens"] == n
+    assert train_loss == ev["loss"]
+    assert ev["ppl"] == pytest.approx(math.exp(train_loss))
+
+
+def test_schedule_and_weight_decay_groups():
+    from entrenar.train.optim import Schedule, build_optimizer
+    model = tiny_model()
+    opt = build_optimizer(model, 1e-3, 0.1)
+    decayed = {id(p) for g in opt.param_groups if g["weight_decay"] > 0 for p in g["params"]}
+    for name, p in model.named_parameters():
+        assert (id(p) in decayed) == (p.dim() >= 2), name
+    s = Schedule(1.0, warmup=4, total=20, kind="cosine", min_ratio=0.1)
+    assert [s.lr_at(i) for i in range(4)] == [0.25, 0.5, 0.75, 1.0]
+    assert s.lr_at(20) == pytest.approx(0.1) and s.lr_at(12) == pytest.approx(0.55)
+    lin = Schedule(1.0, warmup=0, total=10, kind="linear", min_ratio=0.0)
+    assert lin.lr_at(5) == pytest.approx(0.5)
+    assert Schedule(2.0, 0, 10, "constant").lr_at(9) == 2.0
+
+
+# ---- guards ---------------------------------------------------------------------------------
+def _nan_at_call(monkeypatch, call: int) -> None:
+    orig = CausalLM.loss
+    calls = {"n": 0}
+
+    def loss(self, *a, **k):
+        s, n = orig(self, *a, **k)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == call:
+                return s * float("nan"), n
+        return s, n
+    monkeypatch.setattr(CausalLM, "loss", loss)
+
+
+def test_guard_nonfinite_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
+    _nan_at_call(monkeypatch, 4)  # the 4th training forward: step 4
+    with pytest.raises(GuardError) as e:
+        run(tmp_path, 8, save_every=0)
+    assert e.value.guard_id == "GUARD-NONFINITE" and e.value.exit_code == 3
+    assert "step 4" in str(e.value) and "samples" in str(e.value)
+    assert e.value.details["sample_ids"] and len(e.value.details["sample_ids"]) == 2
+    good = ckpt_mod.load_checkpoint(tmp_path / "checkpoints" / "latest")
+    assert good["meta"]["step"] == 3
+    assert all(math.isfinite(float(t.abs().max())) for t in good["model"].values())
+    assert len(losses(tmp_path)) == 3
+
+
+def test_guard_nonfinite_skip_counts(tmp_path, monkeypatch):
+    _nan_at_call(monkeypatch, 2)
+    out = run(tmp_path, 4, on_nonfinite="skip")
+    assert out["counters"]["nonfinite_skipped"] == 1
+    rows = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["skipped"] for r in rows] == [False, True, False, False]
+    assert all(math.isfinite(float(t.abs().max())) for t in
+               ckpt_mod.load_checkpoint(tmp_path / "checkpoints" / "latest")["model"].values())
+
+
+def test_guard_init_loss_fires_on_corrupted_weights(tmp_path):
+    model = tiny_model()
+    with torch.no_grad():  # "corrupted" load: weights of the wrong scale, as a mis-tagged dtype gives
+        for p in model.parameters():
+            p.normal_(0, 1.0)
+    ev = evaluate(model, ListLoader(make_samples(8, seed=99), 4).iter_epoch())
+    assert ev["loss"] >= math.log(VOCAB)
+    with pytest.raises(GuardError) as e:
+        run(tmp_path, 2, model=model, check_init_loss=True)
+    assert e.value.guard_id == "GUARD-INIT-LOSS" and e.value.exit_code == 3
+    assert "no better than uniform" in str(e.value) and "RoPE" in str(e.value)
+    assert not (tmp_path / "metrics.jsonl").exists()  # stopped before any step
+
+
+def test_guard_init_loss_passes_a_trained_model(tmp_path):
+    samples = make_samples(16)
+    model = tiny_model()
+    run(tmp_path / "pre", 30, model=model, train_samples=samples, eval_samples=samples[:8])
+    out = run(tmp_path / "ft", 1, model=model, check_init_loss=True, train_samples=samples,
+              eval_samples=samples[:8])
+    assert out["eval"][0]["loss"] < math.log(VOCAB)
+    pre = json.loads((tmp_path / "ft" / "preflight.json").read_text())
+    assert pre["step0"]["eval"]["loss"] < pre["step0"]["ln_vocab"]
+
+
+def test_guard_zero_loss_tokens(tmp_path):
+    samples = make_samples(8, max_len=6)
+    with pytest.raises(GuardError) as e:  # every label masked as "prompt": nothing to learn from
+        train(tiny_model(), ListLoader(samples, 2, prompt_len=10), None,
+              TrainConfig(steps=2, batch_size=2, seq_len=32), tmp_path, log=quiet)
+    assert e.value.guard_id == "GUARD-ZERO-LOSS-TOKENS" and "step 1" in str(e.value)
+    with pytest.raises(GuardError, match="GUARD-ZERO-LOSS-TOKENS"):
+        evaluate(tiny_model(), ListLoader(samples, 2, prompt_len=10).iter_epoch())
+    # one empty sample among others: counted and reported, the step averages over real tokens only
+    mixed = [[5, 6]] + make_samples(7, seed=4, min_len=8)  # [5, 6] with prompt_len 2 has no loss token
+    out = train(tiny_model(), ListLoader(mixed, 8, prompt_len=2), None,
+                TrainConfig(steps=1, batch_size=8, seq_len=32), tmp_path / "m", log=quiet)
+    assert out["counters"]["zero_loss_samples"] == 1
+
+
+def test_spike_detector_unit():
+    g = guards.SpikeGuard("stop", window=128, sigma=6.0)
+    for i in range(40):
+        assert g.check(2.0 + 0.01 * math.sin(i), 1.0 + 0.01 * math.cos(i), i, [])[0] == "ok"
+    with pytest.raises(GuardError, match="GUARD-SPIKE"):
+        g.check(2.5, 1.0, 41, [7])
+    w = guards.SpikeGuard("warn")
+    for i in range(20):
+        w.check(2.0 + 0.01 * (i % 3), 1.0, i, [])
+    verdict, msg = w.check(2.0, 30.0, 21, [3])
+    assert verdict == "warn" and "grad_norm" in msg
+    assert w.check(2.0, 1.0, 22, [])[0] == "ok"
+
+
+def test_guard_spike_in_loop(tmp_path, monkeypatch):
+    orig = CausalLM.loss
+    calls = {"n": 0}
+
+    def loss(self, *a, **k):
+        s, n = orig(self, *a, **k)
+        if self.training:
+            calls["n"] += 1
+            if calls["n"] == 24:
+                return s * 50.0, n  # a spike: one step with a 50x loss (and gradient)
+        return s, n
+    monkeypatch.setattr(CausalLM, "loss", loss)
+    out = run(tmp_path / "skip", 26, on_spike="skip", lr=1e-4)
+    assert out["counters"]["spike_skipped"] == 1
+    assert [r["step"] for r in read_jsonl(tmp_path / "skip" / "metrics.jsonl") if r["skipped"]] == [24]
+    calls["n"] = 0
+    with pytest.raises(GuardError) as e:
+        run(tmp_path / "stop", 26, on_spike="stop", lr=1e-4)
+    assert e.value.guard_id == "GUARD-SPIKE" and "step 24" in str(e.value)
+
+
+def test_guard_eval_anomaly_on_leaked_eval_set(tmp_path):
+    samples = make_samples(4, seed=21, min_len=6, max_len=8)
+    with pytest.raises(GuardError) as e:  # the eval set is the training set: memorised -> ppl ~ 1
+        run(tmp_path, 150, batch_size=4, lr=2e-2, warmup=0, weight_decay=0.0, schedule="constant",
+            eval_every=10, train_samples=samples, eval_samples=samples)
+    assert e.value.guard_id == "GUARD-EVAL-ANOMALY"
+    assert "leaked" in str(e.value)
+
+
+def test_eval_anomaly_unit():
+    guards.check_eval_anomaly(2.0, 2.2, 10)  # normal
+    with pytest.raises(GuardError, match="GUARD-EVAL-ANOMALY"):
+        guards.check_eval_anomaly(0.01, 2.0, 10)  # 200x below train: the original eval bug
+    with pytest.raises(GuardError, match="perplexity"):
+        guards.check_eval_anomaly(0.001, None, 10)
