@@ -1,0 +1,103 @@
+"""Shared fixtures. The packaged real models load once per session (fp32, read-only: tests that
+train or mutate a model must ``copy.deepcopy`` it first). Commands that load them run under
+``flock /tmp/entrenar-real.lock``."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+SMOLLM = "smollm2-135m-instruct"
+QWEN = "qwen2.5-coder-0.5b-instruct"
+
+
+@pytest.fixture(scope="session")
+def smollm_path() -> Path:
+    """The packaged SmolLM2-135M-Instruct GGUF (llama architecture, Q4_1 + Q8_0 + F32)."""
+    from entrenar.formats.registry import packaged_path
+
+    return packaged_path(SMOLLM)
+
+
+@pytest.fixture(scope="session")
+def qwen_path() -> Path:
+    """The packaged Qwen2.5-Coder-0.5B-Instruct GGUF, assembled once into the cache directory."""
+    from entrenar.formats.registry import packaged_path
+
+    return packaged_path(QWEN)
+
+
+@pytest.fixture(scope="session")
+def smollm_model(smollm_path):
+    """Our CausalLM of the packaged SmolLM2 (fp32, eval mode). Do not modify it in place."""
+    from entrenar.formats import load_model
+
+    return load_model(smollm_path, dtype=torch.float32)
+
+
+@pytest.fixture(scope="session")
+def qwen_model(qwen_path):
+    """Our CausalLM of the packaged Qwen2.5-Coder-0.5B (fp32, ~2 GB, eval mode). Do not modify it."""
+    from entrenar.formats import load_model
+
+    return load_model(qwen_path, dtype=torch.float32)
+
+
+# ---- tiny random transformers models (the oracle), shared by parity / loading / mutation tests ----
+def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """||out - ref|| / ||ref|| in float64."""
+    out, ref = out.detach().double(), ref.detach().double()
+    return ((out - ref).norm() / ref.norm()).item()
+
+
+TINY_BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,
+                 "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 512}
+
+
+def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
+    """A random transformers LlamaForCausalLM / Qwen2ForCausalLM (fp32, eval).
+
+    Every tensor is randomized -- norm weights around 1, biases nonzero -- so no parameter can be
+    dropped or swapped without changing the logits. Embeddings stay small (std 0.02 as HF's init)
+    so RMSNorm's eps matters to the output.
+    """
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    kw = {**TINY_BASE, **overrides}
+    if arch == "llama":
+        cfg, cls = LlamaConfig(**kw), LlamaForCausalLM
+    elif arch == "qwen2":
+        cfg, cls = Qwen2Config(**kw), Qwen2ForCausalLM
+    else:
+        raise ValueError(arch)
+    torch.manual_seed(seed)
+    model = cls(cfg).eval()
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name:
+                p.copy_(0.02 * noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+    return model
+
+
+@pytest.fixture()
+def tiny_hf_dir(tmp_path):
+    """Factory: (transformers model, directory it was saved to with save_pretrained)."""
+    counter = iter(range(1000))
+
+    def make(arch: str = "llama", seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+        model = make_hf_model(arch, seed, **overrides).to(dtype)
+        out = tmp_path / f"hf-{arch}-{next(counter)}"
+        model.save_pretrained(out)
+        return model, out
+
+    return make
