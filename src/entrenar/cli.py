@@ -15,6 +15,7 @@ from typing import Any, Callable
 # Modules with a `register(subparsers)` function, in help order.
 COMMAND_MODULES = [
     "entrenar.formats.commands",  # inspect, convert
+    "entrenar.verify.commands",  # verify, qa
     "entrenar.data.commands",  # data pack, data sft-from-code, data check
     "entrenar.merge",  # merge
 ]

@@ -1,0 +1,126 @@
+"""`entrenar verify` and `entrenar qa`."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from typing import Any
+
+import torch
+
+from ..errors import InputError
+from .bisect import DTYPES, format_report, hf_from_source, verify_model
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    from ..cli import add_command
+
+    p = add_command(sub, "verify", cmd_verify,
+                    "the model's fast path (device/dtype/kernels) vs a float64 reference or transformers: "
+                    "logits, CE, per-layer and per-op relL2, gradients; exit 1 naming the first op over its bound")
+    p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
+    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--kernels", default="torch", choices=("torch", "triton"))
+    p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
+    p.add_argument("--against", default="reference", choices=("reference", "hf"),
+                   help="reference: our eager model in float64 on the CPU, same weights; hf: transformers "
+                        "loading the same file itself (also catches loader bugs)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens in the long probe sequence (>= 32)")
+    p.add_argument("--no-grads", action="store_true", help="skip the backward-pass comparison")
+
+    p = add_command(sub, "qa", cmd_qa, "golden prompts generated greedily; gates on empty, repetitive, "
+                                       "unterminated, unparseable or gibberish answers; exit 1 on failure")
+    p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
+    p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--kernels", default="torch", choices=("torch", "triton"))
+
+
+def _device(name: str) -> torch.device:
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise InputError(f"--device {name!r}: {e}") from e
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: no CUDA device is available; use --device cpu")
+    return dev
+
+
+def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dtype, kernels: str):
+    from ..formats import load_model
+
+    model = load_model(spec, dtype=dtype, device=device, kernels=kernels)
+    if adapter:
+        from ..peft import load_adapter
+
+        model = load_adapter(model, adapter)
+        model.to(device)
+    return model
+
+
+def run_verify(spec: str, device: str = "cpu", dtype: str = "fp32", kernels: str = "torch",
+               against: str = "reference", seq_len: int = 512, adapter: str | None = None,
+               grads: bool = True) -> dict:
+    """Load MODEL on the path under test, load the oracle, compare; the report dict (exit_code 0/1)."""
+    from ..formats.registry import resolve_model
+    from ..tokenizer import load_tokenizer
+    from .probe import build_probe
+
+    if seq_len < 32:
+        raise InputError(f"--seq-len {seq_len}: must be >= 32 so the long probe passes a 32-wide reduction")
+    t0 = time.time()
+    dev = _device(device)
+    path = resolve_model(spec)
+    tokenizer = load_tokenizer(spec)
+    probe = build_probe(tokenizer, seq_len)
+    model = _load(spec, adapter, dev, DTYPES[dtype], kernels)
+    for s in probe:
+        tokenizer.check_ids(s.input_ids[0].tolist(), model.cfg.vocab_size)
+    hf_model = None
+    if against == "hf":
+        hf_model = hf_from_source(path)
+        if adapter:
+            from peft import PeftModel
+
+            hf_model = PeftModel.from_pretrained(hf_model, adapter).merge_and_unload().eval()
+    rep = verify_model(model, probe=probe, dtype=DTYPES[dtype], against=against, hf_model=hf_model, grads=grads,
+                       meta={"model": str(spec), "path": str(path), "adapter": adapter, "device": str(dev),
+                             "kernels": kernels, "seq_len": seq_len})
+    rep["total_seconds"] = round(time.time() - t0, 2)
+    return rep
+
+
+def jsonable(x: Any) -> Any:
+    """Non-finite floats as strings: the --json line stays strict JSON (no Infinity / NaN)."""
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {k: jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [jsonable(v) for v in x]
+    return x
+
+
+def cmd_verify(args: argparse.Namespace) -> dict:
+    rep = run_verify(args.model, args.device, args.dtype, args.kernels, args.against, args.seq_len, args.adapter,
+                     grads=not args.no_grads)
+    if not args.json:
+        print(format_report(rep), flush=True)
+    return jsonable(rep)
+
+
+def cmd_qa(args: argparse.Namespace) -> dict:
+    from ..tokenizer import load_tokenizer
+    from .qa import format_qa, run_qa
+
+    dev = _device(args.device)
+    tokenizer = load_tokenizer(args.model)
+    model = _load(args.model, args.adapter, dev, DTYPES[args.dtype], args.kernels)
+    rep: dict[str, Any] = run_qa(model, tokenizer)
+    rep.update(model=args.model, adapter=args.adapter)
+    if not args.json:
+        print(format_qa(rep), flush=True)
+    return rep

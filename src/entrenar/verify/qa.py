@@ -1,0 +1,203 @@
+"""`entrenar qa`: golden prompts, generated greedily, and gates on what comes out.
+
+Prompts: plain continuation and chat-templated, prose and code. Gates per answer:
+- ``non_empty``: some visible text came out;
+- ``no_repetition``: no fragment (>= 3 chars, >= 2 letters) repeated 3+ times in a row;
+- ``stops`` (chat): generation ended with end-of-turn / EOS within the token budget;
+- ``code_parses`` (chat code): every fenced Python block parses with ``ast``;
+- ``coherent``: not gibberish (mostly word-like text, no leaked template markup) and it
+  contains the expected answer. A chat answer failing this while the plain prompt's passes is
+  the seed's ChatML failure (template tokens not understood), reported as such.
+
+The budget is small (a few dozen tokens per prompt) so qa runs in seconds on a CPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass(frozen=True)
+class GoldenPrompt:
+    name: str
+    kind: str  # "plain" | "chat"
+    topic: str  # "prose" | "code"
+    prompt: str
+    expect: tuple[str, ...]  # the answer contains one of these (case-insensitive)
+    max_new_tokens: int
+    system: str | None = None
+
+
+GOLDEN: tuple[GoldenPrompt, ...] = (
+    GoldenPrompt("plain-prose", "plain", "prose", "The capital of France is the city of", ("Paris",), 12),
+    GoldenPrompt("plain-code", "plain", "code",
+                 "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n", ("return",), 16),
+    GoldenPrompt("chat-prose", "chat", "prose", "What is the capital of France? Answer in one short sentence.",
+                 ("Paris",), 40),
+    GoldenPrompt("chat-code", "chat", "code",
+                 "Write a Python function add(a, b) that returns a + b. Reply with one short code block only.",
+                 ("def add",), 64),
+)
+
+_FENCE = re.compile(r"```[ \t]*(?P<lang>[A-Za-z0-9_+-]*)[ \t]*\n(?P<body>.*?)(?:```|\Z)", re.DOTALL)
+_REPEAT = re.compile(r"(.{3,}?)\1{2,}", re.DOTALL)
+_MARKUP = re.compile(r"<\|[a-z_]+\|>|<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>")
+
+
+def repeated_fragment(text: str) -> str | None:
+    """The first fragment (>= 3 chars with >= 2 letters) repeated 3+ times in a row, else None."""
+    for m in _REPEAT.finditer(text):
+        frag = m.group(1)
+        if sum(c.isalpha() for c in frag) >= 2:
+            return frag
+        # a run of punctuation/digits: look further inside it for a wordy fragment
+        inner = repeated_fragment(text[m.start() + 1:m.end()]) if m.end() - m.start() > 3 else None
+        if inner:
+            return inner
+    return None
+
+
+def python_blocks(text: str) -> list[str]:
+    """Fenced code blocks tagged python/py (or untagged) -- an unterminated last block included."""
+    return [m.group("body") for m in _FENCE.finditer(text) if m.group("lang").lower() in ("", "python", "py",
+                                                                                          "python3")]
+
+
+def parse_errors(blocks: list[str]) -> list[str]:
+    errors = []
+    for b in blocks:
+        try:
+            ast.parse(b)
+        except SyntaxError as e:
+            errors.append(f"line {e.lineno}: {e.msg}")
+    return errors
+
+
+def gibberish_reasons(text: str) -> list[str]:
+    """Why ``text`` looks like gibberish (empty list: it reads like text or code)."""
+    reasons = []
+    if _MARKUP.search(text):
+        reasons.append("chat-template markup leaked into the answer")
+    visible = [c for c in text if not c.isspace()]
+    if visible:
+        odd = sum(not (c.isalnum() or c in "\"'`.,;:!?()[]{}<>-_=+*/\\#%&|^~@$") for c in visible)
+        if odd / len(visible) > 0.2:
+            reasons.append(f"{odd}/{len(visible)} characters are neither letters, digits nor punctuation")
+    words = re.findall(r"[A-Za-z]+", text)
+    if len(words) >= 4:
+        wordlike = sum(1 for w in words if len(w) <= 20 and (len(w) <= 2 or re.search(r"[aeiouyAEIOUY]", w)))
+        if wordlike / len(words) < 0.7:
+            reasons.append(f"only {wordlike}/{len(words)} letter runs look like words")
+    return reasons
+
+
+@dataclass
+class PromptResult:
+    name: str
+    kind: str
+    topic: str
+    prompt: str
+    output: str
+    new_tokens: int
+    stop_reason: str
+    seconds: float
+    gates: dict[str, bool] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return all(self.gates.values())
+
+
+def _prompt_ids(tokenizer: Any, gp: GoldenPrompt) -> list[int]:
+    if gp.kind == "chat":
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("the tokenizer has no chat template")
+        messages = ([{"role": "system", "content": gp.system}] if gp.system else []) + \
+            [{"role": "user", "content": gp.prompt}]
+        return list(tokenizer.encode_chat(messages, add_generation_prompt=True).ids)
+    return tokenizer.encode(gp.prompt, add_special=True)
+
+
+def check_answer(gp: GoldenPrompt, output: str, stopped: bool) -> tuple[dict[str, bool], list[str]]:
+    """The gates for one answer (pure function of the text; unit-tested on hand-made strings)."""
+    gates: dict[str, bool] = {}
+    notes: list[str] = []
+    gates["non_empty"] = bool(output.strip())
+    frag = repeated_fragment(output)
+    gates["no_repetition"] = frag is None
+    if frag is not None:
+        notes.append(f"fragment repeated 3+ times in a row: {frag!r}")
+    if gp.kind == "chat":
+        gates["stops"] = stopped
+        if not stopped:
+            notes.append(f"no end-of-turn within {gp.max_new_tokens} new tokens")
+    if gp.kind == "chat" and gp.topic == "code":
+        blocks = python_blocks(output)
+        errors = parse_errors(blocks) if blocks else ["no fenced python code block"]
+        gates["code_parses"] = not errors
+        notes += [f"code: {e}" for e in errors]
+    reasons = gibberish_reasons(output)
+    found = any(e.lower() in output.lower() for e in gp.expect)
+    if not found:
+        reasons.append(f"expected one of {list(gp.expect)} in the answer")
+    gates["coherent"] = not reasons
+    notes += reasons
+    return gates, notes
+
+
+def run_qa(model: torch.nn.Module, tokenizer: Any, prompts: tuple[GoldenPrompt, ...] = GOLDEN) -> dict:
+    """Generate each golden prompt greedily, gate it, and report (exit_code 1 if any gate fails)."""
+    from ..generate import generate
+
+    t0 = time.time()
+    stop_ids = set(getattr(tokenizer, "stop_ids", set()) or
+                   {i for i in (tokenizer.eos_id, tokenizer.eot_id) if i is not None})
+    results: list[PromptResult] = []
+    was_training = model.training
+    model.eval()
+    try:
+        for gp in prompts:
+            ids = _prompt_ids(tokenizer, gp)
+            t = time.time()
+            gen = generate(model, tokenizer, ids, gp.max_new_tokens, temperature=0.0)
+            new = list(gen.token_ids)
+            stopped = bool(new) and new[-1] in stop_ids and len(new) <= gp.max_new_tokens
+            text = tokenizer.decode([i for i in new if i not in stop_ids], skip_special=False)
+            gates, notes = check_answer(gp, text, stopped)
+            results.append(PromptResult(gp.name, gp.kind, gp.topic, gp.prompt, text, len(new),
+                                        str(gen.stop_reason), round(time.time() - t, 2), gates, notes))
+    finally:
+        model.train(was_training)
+    plain_ok = all(r.gates["coherent"] for r in results if r.kind == "plain")
+    chat_bad = [r for r in results if r.kind == "chat" and not r.gates["coherent"]]
+    diagnosis = None
+    if plain_ok and chat_bad:
+        diagnosis = ("chat answers fail while plain continuations are fine: the chat template / special tokens "
+                     "are not what the model was trained with (the seed's ChatML failure)")
+    elif not plain_ok:
+        diagnosis = "plain continuations fail too: the weights or the forward are wrong (run `entrenar verify`)"
+    ok = all(r.ok for r in results)
+    return {"prompts": [{**r.__dict__, "ok": r.ok} for r in results], "diagnosis": diagnosis,
+            "ok": ok, "exit_code": 0 if ok else 1, "seconds": round(time.time() - t0, 2)}
+
+
+def format_qa(rep: dict) -> str:
+    lines = []
+    for p in rep["prompts"]:
+        failed = [g for g, v in p["gates"].items() if not v]
+        lines.append(f"[{'ok' if p['ok'] else 'FAIL'}] {p['name']} ({p['new_tokens']} tokens, "
+                     f"{p['stop_reason']}, {p['seconds']}s){'  failed: ' + ', '.join(failed) if failed else ''}")
+        lines.append("    " + p["output"].strip().replace("\n", "\n    ")[:600])
+        for n in p["notes"]:
+            lines.append(f"    ! {n}")
+    if rep.get("diagnosis"):
+        lines.append(f"diagnosis: {rep['diagnosis']}")
+    lines.append("PASS" if rep["ok"] else "FAIL")
+    return "\n".join(lines)
