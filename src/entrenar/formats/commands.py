@@ -67,6 +67,19 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
+def _has_tokenizer(spec: str) -> bool:
+    """Whether the source carries a tokenizer (GGUF vocabulary metadata or tokenizer.json).
+    A weights-only source converts to a weights-only directory."""
+    from .registry import resolve_model
+
+    path = resolve_model(spec)
+    if path.is_dir():
+        return (path / "tokenizer.json").is_file()
+    from .gguf import open_reader
+
+    return "tokenizer.ggml.tokens" in open_reader(path).fields
+
+
 def cmd_convert(args: argparse.Namespace) -> dict:
     from . import load_model, save_hf_dir
 
@@ -77,7 +90,7 @@ def cmd_convert(args: argparse.Namespace) -> dict:
         raise InputError(f"{out.parent}: parent directory of OUT_DIR does not exist")
     model = load_model(args.model, dtype=_DTYPES.get(args.dtype))
     tokenizer = None
-    if importlib.util.find_spec("entrenar.tokenizer") is not None:
+    if importlib.util.find_spec("entrenar.tokenizer") is not None and _has_tokenizer(args.model):
         from ..tokenizer import load_tokenizer  # type: ignore[import-not-found]
 
         tokenizer = load_tokenizer(args.model)
