@@ -172,13 +172,13 @@ def _hf_model(m: CausalLM):
     return hf.float().eval()
 
 
-@pytest.mark.parametrize("qwen,rslora", [(True, False), (False, True)])
-def test_peft_loads_our_adapter(tmp_path, qwen, rslora):
+def _peft_vs_ours(tmp_path, qwen: bool, rslora: bool) -> tuple[float, float]:
+    """(relL2 of peft.PeftModel on our saved adapter vs our base+adapter logits, ours vs base)."""
     peft = pytest.importorskip("peft")
     m = tiny_model(qwen)
     hf = _hf_model(m)
-    ep.apply_lora(m, rank=4, alpha=8, rslora=rslora, targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,"
-                                                              "down_proj")
+    ep.apply_lora(m, rank=4, alpha=8, rslora=rslora,
+                  targets="q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj")
     randomize_adapters(m)
     m.eval()
     with torch.no_grad():
@@ -186,13 +186,59 @@ def test_peft_loads_our_adapter(tmp_path, qwen, rslora):
     ep.save_adapter(m, tmp_path, "tiny-base")
     cfg = json.loads((tmp_path / "adapter_config.json").read_text())
     assert cfg["peft_type"] == "LORA" and cfg["r"] == 4 and cfg["task_type"] == "CAUSAL_LM"
+    assert cfg["use_rslora"] is rslora and cfg["bias"] == "none"
     pm = peft.PeftModel.from_pretrained(hf, str(tmp_path)).eval()
     with torch.no_grad():
         theirs = pm(IDS).logits
-    assert rel(theirs, ours) <= 1e-5
     base = tiny_model(qwen)
     with torch.no_grad():
-        assert rel(base(IDS), ours) > 1e-3  # the adapter is not a no-op
+        return rel(theirs, ours), rel(base(IDS), ours)
+
+
+@pytest.mark.parametrize("qwen,rslora", [(True, False), (False, True)])
+def test_peft_loads_our_adapter(tmp_path, qwen, rslora):
+    peft_vs_ours, ours_vs_base = _peft_vs_ours(tmp_path, qwen, rslora)
+    assert peft_vs_ours <= 1e-5
+    assert ours_vs_base > 1e-3  # the adapter is not a no-op
+
+
+def test_peft_key_prefix_mutation_is_caught(tmp_path, monkeypatch):
+    """Mutation: keys saved without PEFT's 'base_model.model.' prefix -> peft loads no adapter weights."""
+    monkeypatch.setattr(ep, "PEFT_PREFIX", "")
+    with pytest.warns(UserWarning):
+        peft_vs_ours, _ = _peft_vs_ours(tmp_path, True, False)
+    assert peft_vs_ours > 1e-3
+
+
+def test_rslora_scale_mutation_is_caught(tmp_path, monkeypatch):
+    """Mutation: --rslora ignored (alpha/r instead of alpha/sqrt(r)) -> peft's logits disagree with ours."""
+    real_init = ep.LoRALinear.__init__
+
+    def init(self, base_layer, rank, alpha, dropout=0.0, rslora=False):
+        real_init(self, base_layer, rank, alpha, dropout, rslora)
+        self.scaling = alpha / rank
+
+    monkeypatch.setattr(ep.LoRALinear, "__init__", init)
+    peft_vs_ours, _ = _peft_vs_ours(tmp_path, False, True)
+    assert peft_vs_ours > 1e-3
+
+
+def test_nonzero_b_init_mutation_is_caught(monkeypatch):
+    """Mutation: B initialised like A (not zeros) -> the step-0 identity test sees the change."""
+    real_init = ep.LoRALinear.__init__
+
+    def init(self, *a, **kw):
+        real_init(self, *a, **kw)
+        nn.init.kaiming_uniform_(self.lora_B.weight, a=5 ** 0.5)
+
+    monkeypatch.setattr(ep.LoRALinear, "__init__", init)
+    m = tiny_model()
+    with torch.no_grad():
+        base = m(IDS)
+    ep.apply_lora(m, rank=8, alpha=16)
+    m.eval()
+    with torch.no_grad():
+        assert not torch.equal(m(IDS), base)
 
 
 def test_we_load_adapter_peft_wrote(tmp_path):
