@@ -106,14 +106,6 @@ def test_gguf_f32_matches_transformers(arch, tied, tmp_path):
     assert _logits_rel(hf_model, ours) <= 1e-5
 
 
-def test_gguf_llama_qk_permutation_is_undone(tmp_path, monkeypatch):
-    """Without the inverse permutation the llama GGUF's logits are wrong (the test above would fail)."""
-    hf_model = make_hf_model("llama")
-    path = write_gguf(tmp_path / "m.gguf", hf_model)
-    monkeypatch.setattr(ggufmod, "unpermute_qk", lambda w, n_head: w)
-    assert _logits_rel(hf_model, load_model(path)) > 1e-2
-
-
 def test_gguf_dtypes_and_dequantization(tmp_path):
     """F32/F16/BF16 keep their dtype (BF16 bit for bit); Q8_0 dequantizes to float32, values match
     gguf's own dequantizer; shapes come out in torch order."""
