@@ -18,6 +18,8 @@ COMMAND_MODULES = [
     "entrenar.verify.commands",  # verify, qa
     "entrenar.data.commands",  # data pack, data sft-from-code, data check
     "entrenar.merge",  # merge
+    "entrenar.train.commands",  # pretrain, finetune, eval, plot
+    "entrenar.generate",  # generate
 ]
 
 

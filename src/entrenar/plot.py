@@ -1,0 +1,120 @@
+"""`entrenar plot RUN` -> RUN/curves.png: train and eval loss, learning rate, grad norm, tokens/s vs step.
+
+Uses matplotlib when importable; otherwise draws the same four panels (no text) with numpy and
+zlib so the command never needs a plotting stack.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import zlib
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import InputError
+
+
+def _read(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    rows = []
+    for i, line in enumerate(path.read_text().splitlines(), 1):
+        if line.strip():
+            try:
+                rows.append(json.loads(line))
+            except json.JSONDecodeError as e:
+                raise InputError(f"{path}:{i}: not JSON ({e.msg})") from e
+    return rows
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    xs, ys = [], []
+    for r in rows:
+        v = r.get(key)
+        if isinstance(v, (int, float)) and math.isfinite(v):
+            xs.append(r["step"])
+            ys.append(float(v))
+    return xs, ys
+
+
+def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
+    metrics_path = run_dir / "metrics.jsonl"
+    if not metrics_path.is_file():
+        raise InputError(f"{run_dir}: no metrics.jsonl (not a training run directory, or no step finished yet)")
+    metrics, evals = _read(metrics_path), _read(run_dir / "eval.jsonl")
+    if not metrics:
+        raise InputError(f"{metrics_path}: empty; no step has finished yet")
+    out = out or run_dir / "curves.png"
+    panels = [
+        ("loss", [("train loss", *_series(metrics, "loss")), ("eval loss", *_series(evals, "loss"))], False),
+        ("learning rate", [("lr", *_series(metrics, "lr"))], False),
+        ("grad norm (global L2, before clipping)", [("grad norm", *_series(metrics, "grad_norm"))], True),
+        ("tokens / s", [("tok/s", *_series(metrics, "tok_s"))], False),
+    ]
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        backend = "numpy"
+        _draw_png(panels, out)
+    else:
+        backend = "matplotlib"
+        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+        for ax, (title, lines, logy) in zip(axes.flat, panels):
+            for label, xs, ys in lines:
+                if xs:
+                    ax.plot(xs, ys, marker="o" if label == "eval loss" else None, ms=3, lw=1.2, label=label)
+            ax.set_title(title)
+            ax.set_xlabel("step")
+            if logy and any(y > 0 for _, _, ys in lines for y in ys):
+                ax.set_yscale("log")
+            if len(lines) > 1:
+                ax.legend()
+            ax.grid(alpha=0.3)
+        fig.suptitle(str(run_dir))
+        fig.tight_layout()
+        fig.savefig(out, dpi=100)
+        plt.close(fig)
+    last_eval = evals[-1]["loss"] if evals else None
+    return {"out": str(out), "backend": backend, "steps": len(metrics), "evals": len(evals),
+            "first_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"], "last_eval_loss": last_eval}
+
+
+def _draw_png(panels: list, out: Path, w: int = 400, h: int = 250) -> None:
+    """Four panels of polylines on a white canvas, written as an RGB PNG."""
+    img = np.full((2 * h, 2 * w, 3), 255, dtype=np.uint8)
+    colors = [(31, 119, 180), (255, 127, 14)]
+    for k, (_, lines, logy) in enumerate(panels):
+        oy, ox = (k // 2) * h, (k % 2) * w
+        img[oy + h - 20, ox + 20:ox + w - 10] = 0  # x axis
+        img[oy + 10:oy + h - 20, ox + 20] = 0  # y axis
+        pts = [(x, (math.log10(y) if logy and y > 0 else y)) for _, xs, ys in lines for x, y in zip(xs, ys)]
+        if not pts:
+            continue
+        x0, x1 = min(p[0] for p in pts), max(p[0] for p in pts)
+        y0, y1 = min(p[1] for p in pts), max(p[1] for p in pts)
+        for c, (_, xs, ys) in enumerate(lines):
+            prev = None
+            for x, y in zip(xs, ys):
+                y = math.log10(y) if logy and y > 0 else y
+                px = ox + 22 + int((x - x0) / max(x1 - x0, 1e-12) * (w - 40))
+                py = oy + h - 22 - int((y - y0) / max(y1 - y0, 1e-12) * (h - 40))
+                if prev is not None:
+                    n = max(abs(px - prev[0]), abs(py - prev[1]), 1)
+                    for t in range(n + 1):
+                        img[prev[1] + (py - prev[1]) * t // n, prev[0] + (px - prev[0]) * t // n] = colors[c % 2]
+                prev = (px, py)
+    raw = b"".join(b"\x00" + row.tobytes() for row in img)
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
+
+    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2 * w, 2 * h, 8, 2, 0, 0, 0))
+           + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
+    out.write_bytes(png)
