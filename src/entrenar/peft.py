@@ -95,8 +95,9 @@ class LoRALinear(nn.Module):
         self.rank, self.alpha, self.rslora = rank, alpha, rslora
         self.scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         device = next(itertools.chain(base_layer.parameters(), base_layer.buffers())).device
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device)
+        # fp32 whatever the base dtype: adapters are the master weights AdamW updates
+        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device=device, dtype=torch.float32)
+        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device=device, dtype=torch.float32)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
         nn.init.zeros_(self.lora_B.weight)

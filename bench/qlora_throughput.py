@@ -1,0 +1,222 @@
+"""QLoRA training throughput, same GPU, same process family: entrenar vs bitsandbytes NF4 + PEFT.
+
+    PYTHONPATH=src python bench/qlora_throughput.py [--steps 10] [--warmup 3] [--batch 2] [--seq 2048]
+                                                     [--rank 16] [--preset qwen2.5-coder-7b] [--out DIR]
+
+Qwen2.5-Coder-7B shapes with random weights (N(0, 0.02)), every decoder linear NF4 with double-quantized
+scales, LoRA rank 16 / alpha 32 on q,k,v,o,gate,up,down, batch 2 x 2048, activation checkpointing,
+bf16 autocast, fp32 adapters, fused AdamW. Each side runs in its own subprocess (``--only``) so peak
+memory (torch.cuda.max_memory_allocated, weights included) is not polluted by the other. Needs CUDA,
+bitsandbytes (its wheel) and peft. Writes results.json / results.md under --out (default bench/out).
+
+Differences kept on purpose (each side as users run it): the peer computes full logits and HF's
+cross-entropy; entrenar uses its fused linear cross-entropy. Neither side calls
+prepare_model_for_kbit_training (it would upcast embeddings / norms to fp32 and add memory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+def make_batch(vocab: int, batch: int, seq: int, device: str, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (batch, seq + 1), generator=gen)
+    input_ids = ids[:, :-1].contiguous()
+    shifted = ids[:, 1:].contiguous()  # entrenar: labels already shifted
+    return input_ids.to(device), shifted.to(device)
+
+
+@torch.no_grad()
+def _init_normal(model: torch.nn.Module, std: float = 0.02) -> None:
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight"):
+            p.fill_(1.0)
+        elif name.endswith(".bias"):
+            p.zero_()
+        else:
+            p.normal_(0.0, std)
+
+
+def run_entrenar(args) -> dict:
+    from entrenar import peft as ep
+    from entrenar.config import preset
+    from entrenar.model import CausalLM
+
+    cfg = preset(args.preset)
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = CausalLM(cfg, kernels="triton")
+    torch.set_default_dtype(torch.float32)
+    _init_normal(model)
+    ep.apply_lora(model, rank=args.rank, alpha=2 * args.rank, targets=TARGETS, quantize_nf4=True)
+    model.activation_checkpointing = True
+    model.train()
+    gc.collect()
+    torch.cuda.empty_cache()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    counts = ep.count_parameters(model)
+    input_ids, labels = make_batch(cfg.vocab_size, args.batch, args.seq, "cuda")
+
+    def step() -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss_sum, n = model.loss(input_ids, labels)
+            loss = loss_sum / n
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return _time(step, args, {"trainable": counts["trainable"], "total": counts["total"]})
+
+
+def _quantize_linears_bnb(model: torch.nn.Module) -> int:
+    import bitsandbytes as bnb
+
+    n = 0
+    for path, mod in list(model.named_modules()):
+        if not (isinstance(mod, torch.nn.Linear) and ".layers." in f".{path}"):
+            continue
+        new = bnb.nn.Linear4bit(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                compute_dtype=torch.bfloat16, compress_statistics=True, quant_type="nf4",
+                                device="meta")
+        new.weight = bnb.nn.Params4bit(mod.weight.data, requires_grad=False,
+                                       compress_statistics=True, quant_type="nf4")
+        if mod.bias is not None:
+            new.bias = torch.nn.Parameter(mod.bias.data.clone(), requires_grad=False)
+        new = new.to("cuda")  # Params4bit quantizes on the move to CUDA
+        parent_path, _, leaf = path.rpartition(".")
+        setattr(model.get_submodule(parent_path), leaf, new)
+        del mod
+        n += 1
+    return n
+
+
+def run_peer(args) -> dict:
+    import bitsandbytes as bnb
+    import peft
+    import transformers
+
+    from entrenar.config import preset
+
+    cfg = preset(args.preset)
+    d = cfg.to_hf_dict()
+    hf_cfg = transformers.Qwen2Config(**{k: v for k, v in d.items() if k not in ("architectures", "model_type")})
+    hf_cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    torch.set_default_dtype(torch.bfloat16)
+    with torch.device("cuda"):
+        model = transformers.Qwen2ForCausalLM(hf_cfg)
+    torch.set_default_dtype(torch.float32)
+    _init_normal(model)
+    n_quant = _quantize_linears_bnb(model)
+    gc.collect()
+    torch.cuda.empty_cache()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.enable_input_require_grads()
+    lcfg = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS, lora_dropout=0.0,
+                           task_type="CAUSAL_LM")
+    model = peft.get_peft_model(model, lcfg)
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    input_ids, _ = make_batch(cfg.vocab_size, args.batch, args.seq, "cuda")
+
+    def step() -> float:
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            out = model(input_ids=input_ids, labels=input_ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(out.loss)
+
+    trainable = sum(p.numel() for p in params)
+    return _time(step, args, {"trainable": trainable, "bnb_linears": n_quant,
+                              "bitsandbytes": bnb.__version__, "peft": peft.__version__,
+                              "transformers": transformers.__version__})
+
+
+def _time(step, args, extra: dict) -> dict:
+    losses = [step() for _ in range(args.warmup)]
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        losses.append(step())
+    torch.cuda.synchronize()
+    dt = time.perf_counter() - t0
+    tokens = args.batch * args.seq * args.steps
+    return {"tok_s": tokens / dt, "step_s": dt / args.steps,
+            "peak_mem_gib": torch.cuda.max_memory_allocated() / 2**30,
+            "first_loss": losses[0], "last_loss": losses[-1], **extra}
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="qwen2.5-coder-7b")
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=2048)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--only", choices=("entrenar", "peer"), help="run one side in this process (internal)")
+    ap.add_argument("--out", default="bench/out")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("qlora_throughput needs a CUDA GPU", file=sys.stderr)
+        return 2
+    if args.only:
+        result = run_entrenar(args) if args.only == "entrenar" else run_peer(args)
+        print(json.dumps(result))
+        return 0
+
+    results = {}
+    for side in ("entrenar", "peer"):
+        cmd = [sys.executable, __file__, "--only", side] + [
+            f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "seq", "rank", "steps", "warmup")]
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        if proc.returncode != 0:
+            results[side] = {"error": proc.stderr[-3000:]}
+        else:
+            results[side] = json.loads(proc.stdout.strip().splitlines()[-1])
+        print(side, json.dumps(results[side])[:2000], flush=True)
+    card = torch.cuda.get_device_name(0)
+    meta = {"gpu": card, "torch": torch.__version__, "python": platform.python_version(),
+            "shape": args.preset, "batch": args.batch, "seq": args.seq, "rank": args.rank,
+            "steps": args.steps, "warmup": args.warmup}
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "qlora_results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    lines = [f"QLoRA {args.preset} shapes, r={args.rank}, batch {args.batch} x {args.seq}, activation "
+             f"checkpointing, bf16, {card}", "",
+             "| side | tokens/s | peak GiB | step s | first loss | last loss |", "|---|---|---|---|---|---|"]
+    for side, r in results.items():
+        if "error" in r:
+            lines.append(f"| {side} | error | | | | |")
+        else:
+            lines.append(f"| {side} | {r['tok_s']:.0f} | {r['peak_mem_gib']:.2f} | {r['step_s']:.3f} | "
+                         f"{r['first_loss']:.3f} | {r['last_loss']:.3f} |")
+    if all("tok_s" in r for r in results.values()):
+        lines.append("")
+        lines.append(f"speed-up {results['entrenar']['tok_s'] / results['peer']['tok_s']:.2f}x, memory "
+                     f"{results['entrenar']['peak_mem_gib'] / results['peer']['peak_mem_gib']:.2f}x")
+    (out / "qlora_results.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
