@@ -187,7 +187,7 @@ def main() -> int:
     for side in ("entrenar", "peer"):
         cmd = [sys.executable, __file__, "--only", side] + [
             f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "seq", "rank", "steps", "warmup")]
-        proc = subprocess.run(cmd, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if proc.returncode != 0:
             results[side] = {"error": proc.stderr[-3000:]}
         else:
@@ -200,8 +200,8 @@ def main() -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "qlora_results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
-    lines = [f"QLoRA {args.preset} shapes, r={args.rank}, batch {args.batch} x {args.seq}, activation "
-             f"checkpointing, bf16, {card}", "",
+    lines = [(f"QLoRA {args.preset} shapes, r={args.rank}, batch {args.batch} x {args.seq}, activation "
+             f"checkpointing, bf16, {card}"), "",
              "| side | tokens/s | peak GiB | step s | first loss | last loss |", "|---|---|---|---|---|---|"]
     for side, r in results.items():
         if "error" in r:
