@@ -315,9 +315,17 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_spec: str | Path | 
     return out
 
 
+def adapter_path(adapter_dir: str | Path) -> Path:
+    """An adapter directory, or a LoRA run directory (its final/ adapter)."""
+    d = Path(adapter_dir)
+    if not (d / ADAPTER_CONFIG).is_file() and (d / "final" / ADAPTER_CONFIG).is_file():
+        return d / "final"
+    return d
+
+
 def read_adapter_config(adapter_dir: str | Path) -> tuple[dict[str, Any], dict[str, Any]]:
     """(adapter_config.json, our note or {}) with the checks that apply to any LoRA adapter."""
-    d = Path(adapter_dir)
+    d = adapter_path(adapter_dir)
     cfg_path = d / ADAPTER_CONFIG
     if not cfg_path.is_file():
         raise InputError(f"{d}: no {ADAPTER_CONFIG} (not a PEFT adapter directory)")
@@ -360,7 +368,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool |
     """
     from safetensors import safe_open
 
-    d = Path(adapter_dir)
+    d = adapter_path(adapter_dir)
     cfg, note = read_adapter_config(d)
     weights = d / ADAPTER_WEIGHTS
     if not weights.is_file():

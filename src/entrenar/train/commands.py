@@ -381,6 +381,10 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available; use --device cpu")
     model, tok, path = load_any_model(args.model, args.device, args.kernels)
+    if args.adapter:  # base + adapter without merging
+        from ..peft import load_adapter
+
+        model = load_adapter(model, args.adapter).eval()
     if data.is_dir():
         from ..data.corpus import PretrainLoader, read_index
 
@@ -478,6 +482,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     p = add_command(sub, "eval", cmd_eval, "token-weighted loss and perplexity of MODEL|RUN on data")
     p.add_argument("--model", required=True, help="MODEL or RUN directory (its final model or adapter)")
+    p.add_argument("--adapter", default=None, help="LoRA/QLoRA adapter directory applied on --model unmerged")
     p.add_argument("--data", required=True, help="token shards directory or SFT .jsonl")
     p.add_argument("--split", choices=("train", "val"), default=None, help="shards split (val if present)")
     p.add_argument("--seq-len", type=int, default=512, help="window length for shards (512)")
