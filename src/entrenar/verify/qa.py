@@ -86,9 +86,11 @@ def gibberish_reasons(text: str) -> list[str]:
         reasons.append("chat-template markup leaked into the answer")
     visible = [c for c in text if not c.isspace()]
     if visible:
-        odd = sum(not (c.isalnum() or c in "\"'`.,;:!?()[]{}<>-_=+*/\\#%&|^~@$") for c in visible)
+        # the golden prompts are English: byte-level mojibake (Ġ, â, Ċ ...) is not an answer
+        odd = sum(not ((c.isascii() and c.isprintable()) or c in "\u2018\u2019\u201c\u201d\u2013\u2014\u2026\u2022")
+                  for c in visible)
         if odd / len(visible) > 0.2:
-            reasons.append(f"{odd}/{len(visible)} characters are neither letters, digits nor punctuation")
+            reasons.append(f"{odd}/{len(visible)} characters are outside printable ASCII")
     words = re.findall(r"[A-Za-z]+", text)
     if len(words) >= 4:
         wordlike = sum(1 for w in words if len(w) <= 20 and (len(w) <= 2 or re.search(r"[aeiouyAEIOUY]", w)))

@@ -1,0 +1,33 @@
+"""`verify` on the packaged pretrained models: fp32 passes against the float64 reference and transformers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from entrenar.verify import format_report, verify_model
+from entrenar.verify.bisect import hf_from_source
+from entrenar.verify.probe import build_probe
+
+PACKAGED = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("name", PACKAGED)
+def test_verify_packaged_fp32(name):
+    from entrenar.formats import load_model, resolve_model
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(name)
+    model = load_model(name, dtype=torch.float32)
+    probe = build_probe(tok, 64)
+    assert probe[0].length < 32 and probe[1].length == 64
+    rep = verify_model(model, probe=probe, against="reference", meta={"model": name})
+    assert rep["ok"] and rep["exit_code"] == 0, format_report(rep)
+    assert rep["grads"]["ok"] and len(rep["grads"]["groups"]) == 3 * model.cfg.num_layers + 2
+    for s in rep["sequences"]:
+        assert s["ce_ref"] < 8.0  # a real pretrained model on real text, far below ln(vocab) ~ 11
+    hf = hf_from_source(resolve_model(name))
+    rep = verify_model(model, probe=probe, against="hf", hf_model=hf, grads=False, meta={"model": name})
+    assert rep["ok"] and rep["exit_code"] == 0, format_report(rep)
+    assert all(e["rel_l2"] is not None for s in rep["sequences"] for e in s["layers"])
