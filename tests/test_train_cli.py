@@ -1,0 +1,208 @@
+"""`entrenar pretrain | finetune | eval | plot` end to end on tiny models (byte-level shards).
+
+Bad input exits 2 before anything is written; a SIGKILLed CLI run resumes bit-identically through
+the real PretrainLoader; the run directory has every DESIGN.md file; `eval` reproduces the loop's
+eval loss; final/ loads in transformers; a corrupted start trips GUARD-INIT-LOSS (exit 3).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrenar import cli
+from entrenar.config import ModelConfig
+from entrenar.data.corpus import pack
+from entrenar.formats import save_hf_dir
+from entrenar.model import CausalLM
+from entrenar.train.metrics import read_jsonl
+
+STDLIB = Path(json.__file__).parent  # json/*.py: ~40 kB of text
+
+
+class ByteTokenizer:
+    """Bytes as ids 0..255, eos 256, bos 257: enough for `data pack`."""
+
+    eos_id, bos_id, add_bos = 256, 257, False
+
+    def encode(self, text: str, add_special: bool = True) -> list[int]:
+        return list(text.encode("utf-8"))
+
+    def __len__(self) -> int:
+        return 258
+
+
+@pytest.fixture(scope="module")
+def byte_shards(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("shards") / "json"
+    pack([str(STDLIB)], ByteTokenizer(), out, val_fraction=0.3, seed=1)
+    return out
+
+
+@pytest.fixture(scope="module")
+def byte_model_dir(tmp_path_factory) -> Path:
+    """An HF dir whose architecture `pretrain --model DIR` trains from a random init."""
+    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    m = CausalLM(cfg)
+    m.init_weights(0)
+    return save_hf_dir(m, tmp_path_factory.mktemp("bytemodel") / "m")
+
+
+def main(argv: list[str], capsys=None) -> tuple[int, dict | None, str]:
+    code = cli.main(argv)
+    out, err = capsys.readouterr() if capsys else ("", "")
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    return code, (json.loads(last) if last.startswith("{") else None), err
+
+
+def pretrain_args(model: Path, data: Path, out: Path, steps: int = 8, extra: tuple = ()) -> list[str]:
+    return ["pretrain", "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(steps),
+            "--seq-len", "32", "--batch-size", "2", "--grad-accum", "2", "--lr", "3e-3", "--warmup", "2",
+            "--eval-every", "4", "--eval-batches", "3", "--save-every", "3", "--seed", "4", "--json", *extra]
+
+
+# ---- bad input: exit 2, nothing written -------------------------------------------------------------
+@pytest.mark.parametrize("case", ["missing-data", "no-such-model", "resume-incomplete", "batch-size-0",
+                                  "sft-missing-data"])
+def test_bad_input_exits_2_and_writes_nothing(case, tmp_path, byte_model_dir, byte_shards, capsys):
+    out = tmp_path / "run"
+    if case == "missing-data":
+        argv = pretrain_args(byte_model_dir, tmp_path / "nope", out)
+    elif case == "no-such-model":
+        argv = pretrain_args(tmp_path / "no-model", byte_shards, out)
+    elif case == "batch-size-0":
+        argv = pretrain_args(byte_model_dir, byte_shards, out)
+        argv[argv.index("--batch-size") + 1] = "0"
+    elif case == "sft-missing-data":
+        argv = ["finetune", "--model", str(byte_model_dir), "--data", str(tmp_path / "x.jsonl"), "--out", str(out),
+                "--json"]
+    else:  # a checkpoint directory interrupted before its COMPLETE marker
+        bad = tmp_path / "elsewhere" / "checkpoints" / "step-0000003.tmp"
+        bad.mkdir(parents=True)
+        (bad / "model.safetensors").write_bytes(b"partial")
+        argv = pretrain_args(byte_model_dir, byte_shards, out, extra=("--resume", str(bad)))
+    code, result, err = main(argv, capsys)
+    assert code == 2, err
+    assert result is not None and result["ok"] is False and result["exit_code"] == 2
+    assert not out.exists(), "bad input must not create the run directory"
+    expect = {"missing-data": "index.json", "no-such-model": "no such file", "batch-size-0": "--batch-size",
+              "resume-incomplete": "COMPLETE", "sft-missing-data": "no such file"}[case]
+    assert expect in err
+
+
+def test_out_not_empty_without_resume_is_refused(tmp_path, byte_model_dir, byte_shards, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "something").write_text("x")
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out), capsys)
+    assert code == 2 and "--resume auto" in err
+
+
+# ---- a full CLI run, SIGKILL, resume -----------------------------------------------------------------
+KILL = """
+import os, signal, sys
+from entrenar.train import loop
+orig = loop.Progress.update
+def update(self, step, *a, **k):
+    orig(self, step, *a, **k)
+    if step == {kill}:
+        os.kill(os.getpid(), signal.SIGKILL)
+loop.Progress.update = update
+from entrenar import cli
+sys.exit(cli.main({argv!r}))
+"""
+
+
+def test_cli_pretrain_sigkill_resume_is_exact_and_run_dir_complete(tmp_path, byte_model_dir, byte_shards, capsys):
+    straight, killed = tmp_path / "straight", tmp_path / "killed"
+    code, result, _ = main(pretrain_args(byte_model_dir, byte_shards, straight, steps=8), capsys)
+    assert code == 0 and result["ok"]
+    argv = pretrain_args(byte_model_dir, byte_shards, killed, steps=8)
+    proc = subprocess.run([sys.executable, "-c", KILL.format(kill=5, argv=argv)], capture_output=True, text=True,
+                          timeout=300, check=False)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    assert [r["step"] for r in read_jsonl(killed / "metrics.jsonl")] == [1, 2, 3, 4, 5]
+    code, result, err = main(argv + ["--resume", "auto"], capsys)
+    assert code == 0, err
+    assert "resume: continuing from" in err and "step-0000003" in err
+    a, b = read_jsonl(straight / "metrics.jsonl"), read_jsonl(killed / "metrics.jsonl")
+    assert [r["loss"] for r in a] == [r["loss"] for r in b]
+    assert [r["grad_norm"] for r in a] == [r["grad_norm"] for r in b]
+    assert [r["loss"] for r in read_jsonl(straight / "eval.jsonl")] == \
+        [r["loss"] for r in read_jsonl(killed / "eval.jsonl")]
+
+    # the run directory of DESIGN.md
+    for name in ("run.json", "data_report.json", "preflight.json", "metrics.jsonl", "eval.jsonl",
+                 "final/config.json", "final/model.safetensors", "checkpoints/latest/COMPLETE"):
+        assert (straight / name).exists(), name
+    run = json.loads((straight / "run.json").read_text())
+    assert run["seed"] == 4 and run["config"]["grad_accum"] == 2 and run["versions"]["torch"]
+    assert "git_commit" in run
+    assert json.loads((killed / "run.json").read_text())["resumed"]
+    row = a[0]
+    assert set(row) >= {"step", "loss", "lr", "grad_norm", "tokens", "tok_s", "mfu", "mem_mb"}
+    assert row["loss_tokens"] == 2 * 2 * 32  # batch 2 x accumulation 2 x seq 32, every label counted
+
+    # `entrenar eval` on the finished run reproduces the loop's last eval (the same loss function)
+    last_eval = read_jsonl(straight / "eval.jsonl")[-1]
+    code, ev, err = main(["eval", "--model", str(straight), "--data", str(byte_shards), "--seq-len", "32",
+                          "--batch-size", "2", "--max-batches", "3", "--json"], capsys)
+    assert code == 0, err
+    assert ev["loss"] == pytest.approx(last_eval["loss"], rel=1e-6) and ev["tokens"] == last_eval["tokens"]
+    assert ev["ppl"] == pytest.approx(math.exp(ev["loss"]))
+
+    # `entrenar plot`
+    code, pl, err = main(["plot", str(straight), "--json"], capsys)
+    assert code == 0, err
+    png = (straight / "curves.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 5000 and pl["steps"] == 8
+
+
+def test_final_dir_loads_in_transformers(tmp_path, byte_model_dir, byte_shards, capsys):
+    transformers = pytest.importorskip("transformers")
+    out = tmp_path / "run"
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=2, extra=("--no-preflight",)), capsys)
+    assert code == 0, err
+    assert "SKIPPED (--no-preflight)" in err
+    assert json.loads((out / "preflight.json").read_text())["verify"] == {"skipped": "--no-preflight"}
+    from entrenar.formats import load_model
+
+    ours = load_model(out / "final", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out / "final"), torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 258, (2, 19), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        a, b = ours(ids), hf(ids).logits
+    assert float((a - b).norm() / b.norm()) < 1e-5
+
+
+def test_cli_finetune_corrupted_model_trips_init_loss(tmp_path, capsys):
+    """A 'pretrained' model whose weights are garbage: step-0 eval loss >= ln V -> exit 3, named."""
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    m = CausalLM(cfg)
+    with torch.no_grad():
+        for p in m.parameters():
+            p.normal_(0, 1.0, generator=torch.Generator().manual_seed(1))
+    model_dir = save_hf_dir(m, tmp_path / "corrupt", tok)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "completion": f"{w}!"}) + "\n"
+                            for w in ("one", "two", "three", "four", "five", "six")))
+    out = tmp_path / "run"
+    code, result, err = main(["finetune", "--model", str(model_dir), "--data", str(data), "--out", str(out),
+                              "--steps", "2", "--batch-size", "2", "--max-seq-len", "64", "--val-fraction", "0.34",
+                              "--no-preflight", "--json"], capsys)
+    assert code == 3, err
+    assert result["guard"] == "GUARD-INIT-LOSS" and "no better than uniform" in err
+    assert not (out / "metrics.jsonl").exists() and not (out / "final").exists()
+    assert json.loads((out / "data_report.json").read_text())["val_examples"] == 2
