@@ -1,0 +1,226 @@
+"""Text generation: one prefill of the prompt, then one token at a time from the KV cache.
+
+Greedy when temperature is 0, else sampling from softmax(logits / temperature) restricted to
+the top-p nucleus, drawn with a seeded torch.Generator (same seed, same tokens). Stops at EOS or
+the end-of-turn token (that token is returned in token_ids but not in text) or after
+max_new_tokens. Text is streamed through `on_text` as soon as it decodes to whole characters.
+
+`entrenar generate --model MODEL --prompt TEXT [--chat] ...` is the command-line face.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import InputError
+from .model import CausalLM, KVCache
+
+
+@dataclass
+class GenerationResult:
+    token_ids: list[int]  # generated ids, incl. the stop token when one ended generation
+    text: str  # decoded generated text, without the stop token
+    stop_reason: str  # "eos" | "end_of_turn" | "max_new_tokens"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    seconds: float = 0.0
+    seed: int | None = None
+    step_logits: list[torch.Tensor] = field(default_factory=list, repr=False)  # only if keep_logits
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float,
+                generator: torch.Generator | None) -> int:
+    """Next token id from one row of logits [V]: argmax at temperature 0, else nucleus sampling."""
+    if temperature == 0.0:
+        return int(torch.argmax(logits))
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the top token always stays
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
+class TextStream:
+    """Decodes the growing id list and hands out only new, complete characters."""
+
+    def __init__(self, tokenizer, on_text: Callable[[str], None] | None):
+        self.tokenizer, self.on_text = tokenizer, on_text
+        self.ids: list[int] = []
+        self.sent = ""
+
+    def push(self, token_id: int) -> None:
+        self.ids.append(token_id)
+        self._emit(final=False)
+
+    def _emit(self, final: bool) -> None:
+        text = self.tokenizer.decode(self.ids)
+        if not final and text.endswith("\ufffd"):
+            return  # a multi-byte character is split across tokens: wait for the rest
+        if text.startswith(self.sent):
+            new = text[len(self.sent):]
+            if new and self.on_text is not None:
+                self.on_text(new)
+            self.sent = text
+
+    def finish(self) -> str:
+        self._emit(final=True)
+        return self.tokenizer.decode(self.ids)
+
+
+def generate(model: CausalLM, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
+             temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
+             on_text: Callable[[str], None] | None = None, *, use_cache: bool = True,
+             keep_logits: bool = False, stop_ids: Sequence[int] | None = None) -> GenerationResult:
+    """Continue `prompt_ids`. use_cache=False re-runs the whole sequence every step (the oracle
+    for the KV cache); keep_logits keeps each step's float32 logits for that comparison."""
+    prompt_ids = [int(i) for i in prompt_ids]
+    if not prompt_ids:
+        raise InputError("the prompt is empty (0 tokens); give some prompt text")
+    if max_new_tokens < 1:
+        raise InputError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
+    if not temperature >= 0:  # also rejects NaN
+        raise InputError(f"temperature is {temperature}; it must be >= 0 (0 = greedy)")
+    if not 0.0 < top_p <= 1.0:
+        raise InputError(f"top_p is {top_p}; it must be in (0, 1]")
+    cfg = model.cfg
+    tokenizer.check_ids(prompt_ids, cfg.vocab_size)
+    if len(prompt_ids) + max_new_tokens > cfg.max_position_embeddings:
+        raise InputError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
+                         f"model's context of {cfg.max_position_embeddings} positions; shorten one of them")
+    stops = set(tokenizer.stop_ids if stop_ids is None else stop_ids)
+    device = model.head_weight.device
+    generator = None
+    if temperature > 0:
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,)).item())
+        generator = torch.Generator(device=device).manual_seed(seed)
+
+    stream = TextStream(tokenizer, on_text)
+    out: list[int] = []
+    step_logits: list[torch.Tensor] = []
+    stop_reason = "max_new_tokens"
+    was_training = model.training
+    model.eval()
+    start = time.perf_counter()
+    try:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt_ids], dtype=torch.long, device=device)
+            cache = KVCache() if use_cache else None
+            logits = model(ids, cache=cache)[0, -1]
+            for _ in range(max_new_tokens):
+                if keep_logits:
+                    step_logits.append(logits.float().cpu())
+                nxt = sample_next(logits, temperature, top_p, generator)
+                out.append(nxt)
+                if nxt in stops:
+                    stop_reason = "eos" if nxt == tokenizer.eos_id else "end_of_turn"
+                    break
+                stream.push(nxt)
+                if len(out) == max_new_tokens:
+                    break
+                if use_cache:
+                    step = torch.tensor([[nxt]], dtype=torch.long, device=device)
+                    logits = model(step, cache=cache)[0, -1]
+                else:
+                    ids = torch.cat([ids, torch.tensor([[nxt]], dtype=torch.long, device=device)], dim=1)
+                    logits = model(ids)[0, -1]
+    finally:
+        model.train(was_training)
+    seconds = time.perf_counter() - start
+    text = stream.finish()
+    return GenerationResult(out, text, stop_reason, len(prompt_ids), len(out), seconds, seed, step_logits)
+
+
+# ---- command line ------------------------------------------------------------------------------
+def register(sub: argparse._SubParsersAction) -> None:
+    from .cli import add_command
+
+    p = add_command(sub, "generate", cmd_generate, "generate text from a prompt (KV-cache decoding)")
+    p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
+    p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
+    p.add_argument("--device", default="auto", help="cpu, cuda, cuda:N or auto")
+    add_model_source_args(p)
+
+
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """Arguments that change which weights generate runs (e.g. a LoRA adapter) go here."""
+    p.add_argument("--adapter", default=None,
+                   help="LoRA/QLoRA adapter directory (PEFT format, or a LoRA run) applied on --model unmerged")
+
+
+def load_generation_model(args: argparse.Namespace, device: str) -> CausalLM:
+    """The model to generate with. Arguments from add_model_source_args are applied here."""
+    from .formats import load_model
+
+    model = load_model(args.model, device=device)
+    if getattr(args, "adapter", None):
+        from .peft import load_adapter
+
+        model = load_adapter(model, args.adapter).eval()
+    return model
+
+
+def _device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise InputError(f"--device {name}: CUDA is not available on this machine; use --device cpu")
+    return name
+
+
+def prompt_ids_for(tokenizer, prompt: str, chat: bool, system: str | None) -> list[int]:
+    """Token ids of the prompt: raw text (BOS per the model), or a chat with the generation prompt."""
+    if not prompt.strip():
+        raise InputError("--prompt is empty; give some prompt text")
+    if system is not None and not chat:
+        raise InputError("--system needs --chat (a system message only exists in a chat)")
+    if not chat:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.encode_chat(messages, add_generation_prompt=True).ids
+
+
+def cmd_generate(args: argparse.Namespace) -> dict:
+    from .tokenizer import load_tokenizer
+
+    if args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens is {args.max_new_tokens}; it must be at least 1")
+    if not args.prompt.strip():
+        raise InputError("--prompt is empty; give some prompt text")
+    tokenizer = load_tokenizer(args.model)
+    prompt_ids = prompt_ids_for(tokenizer, args.prompt, args.chat, args.system)
+    model = load_generation_model(args, _device(args.device))
+    tokenizer.check_ids(prompt_ids, model.cfg.vocab_size)
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
+                      args.seed, on_text=None if args.json else show)
+    if not args.json:
+        sys.stdout.write("\n")
+        print(f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "
+              f"stop: {result.stop_reason}, {result.tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+            "tokens_per_s": round(result.tokens_per_s, 3), "seed": result.seed}
