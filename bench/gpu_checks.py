@@ -70,9 +70,11 @@ def model_parity(name: str, batch: int, seq: int) -> list[dict]:
 
     ref_logits, ref_loss, ref_grads = run(ref, False)
     rows = []
-    for label, dtype, autocast in (("triton bf16 weights", torch.bfloat16, False),
-                                   ("triton fp32 weights + bf16 autocast", torch.float32, True)):
-        model = CausalLM(cfg, kernels="triton")
+    torch_bf16_logits = None
+    for label, kernels, dtype, autocast in (("torch kernels bf16 weights (eager baseline)", "torch", torch.bfloat16, False),
+                                            ("triton bf16 weights", "triton", torch.bfloat16, False),
+                                            ("triton fp32 weights + bf16 autocast", "triton", torch.float32, True)):
+        model = CausalLM(cfg, kernels=kernels)
         model.load_state_dict(state)
         model = model.to(device=device, dtype=dtype)
         logits, loss, grads = run(model, autocast)
@@ -82,6 +84,11 @@ def model_parity(name: str, batch: int, seq: int) -> list[dict]:
         row = {"model": name, "run": label, "logits_rel": rel_l2(logits, ref_logits),
                "loss": loss, "ref_loss": ref_loss, "loss_diff": abs(loss - ref_loss), "grad_rel_all": flat,
                "grad_rel_worst": worst_val, "grad_worst_param": worst_name}
+        if kernels == "torch":
+            torch_bf16_logits = logits
+        elif dtype == torch.bfloat16:
+            # same bf16 weights, eager ops vs Triton kernels: what the kernels themselves add
+            row["logits_rel_vs_eager_bf16"] = rel_l2(logits, torch_bf16_logits)
         row["ok"] = row["logits_rel"] <= 2e-2 and row["loss_diff"] <= 0.05 and row["grad_rel_all"] <= 5e-2
         row["worst_param_ok"] = worst_val <= 5e-2
         rows.append(row)
@@ -114,13 +121,14 @@ def main() -> None:
     lines += ["", ("| model | run | logits relL2 (<=2e-2) | loss diff (<=0.05) | grad relL2 all (<=5e-2) | "
               "worst param grad relL2 | ok |"), "|---|---|---:|---:|---:|---:|---|"]
     for r in result["parity"]:
-        lines.append(f"| {r['model']} | {r['run']} | {r['logits_rel']:.2e} | {r['loss_diff']:.2e} "
+        extra = (f" (vs eager bf16: {r['logits_rel_vs_eager_bf16']:.1e})" if "logits_rel_vs_eager_bf16" in r else "")
+        lines.append(f"| {r['model']} | {r['run']} | {r['logits_rel']:.2e}{extra} | {r['loss_diff']:.2e} "
                      f"({r['loss']:.4f} vs {r['ref_loss']:.4f}) | {r['grad_rel_all']:.2e} | "
                      f"{r['grad_rel_worst']:.2e} ({r['grad_worst_param']}) | {'PASS' if r['ok'] else 'FAIL'} |")
     text = "\n".join(lines)
     (out_dir / "gpu_checks.md").write_text(text + "\n")
     print(text)
-    ok = all(r["ok"] for r in result["parity"]) and result.get("kernel_tests", {"ok": True})["ok"]
+    ok = all(r["ok"] for r in result["parity"] if "triton" in r["run"]) and result.get("kernel_tests", {"ok": True})["ok"]
     sys.exit(0 if ok else 1)
 
 

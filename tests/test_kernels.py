@@ -323,3 +323,22 @@ def test_model_triton_matches_torch_kernels(name):
     assert grads_fast.keys() == grads_ref.keys()
     worst = max((rel_l2(grads_fast[k], grads_ref[k]), k) for k in grads_ref)
     assert worst[0] <= 1e-5, worst
+
+
+def test_model_triton_under_bf16_autocast_matches_torch_kernels():
+    """fp32 weights + bf16 autocast (the default GPU precision): same bf16 rounding points as the reference."""
+    cfg = TINY["qwen2-tied"]
+    ref = CausalLM(cfg, kernels="torch").to(DEVICE)
+    ref.init_weights(seed=4)
+    fast = CausalLM(cfg, kernels="triton").to(DEVICE)
+    fast.load_state_dict(ref.state_dict())
+    ids = torch.randint(0, cfg.vocab_size, (2, 31), device=DEVICE)
+    labels = torch.randint(0, cfg.vocab_size, (2, 31), device=DEVICE)
+    out = []
+    for model in (ref, fast):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
+            loss, _ = model.loss(ids, labels)
+        loss.backward()
+        out.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
+    assert abs(out[0][0] - out[1][0]) <= 1e-2 * abs(out[0][0])
+    assert rel_l2(out[1][1], out[0][1]) <= 2e-2
