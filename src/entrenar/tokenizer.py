@@ -251,10 +251,15 @@ class ChatTokenizer:
                 spans.append((start, end))
         return spans
 
+    def prepends_bos(self, rendered: str) -> bool:
+        """Whether a rendered chat needs BOS in front: only if the model adds BOS and the template
+        did not already write it (so never two)."""
+        return self.add_bos and not rendered.startswith(self.bos_token)
+
     def _ids_and_offsets(self, text: str) -> tuple[list[int], list[tuple[int, int]]]:
         enc = self._offsets_tokenizer.encode(text, add_special_tokens=False)
         ids, offsets = list(enc.ids), list(enc.offsets)
-        if self.add_bos and not (self.bos_token and text.startswith(self.bos_token)):
+        if self.prepends_bos(text):
             ids, offsets = [self.bos_id] + ids, [(0, 0)] + offsets
         return ids, offsets
 
