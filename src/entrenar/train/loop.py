@@ -344,5 +344,5 @@ def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Trai
         save_final(model, run_dir / "final")
     return {"steps": cfg.steps, "start_step": start_step, "tokens": tokens, "final_train_loss": last_loss,
             "tok_s": (tokens - tokens_at_start) / elapsed if elapsed > 0 else None,
-            "eval": eval_history, "counters": counters, "spikes": spikes.count,
+            "eval": eval_history, "counters": {**counters, "spikes": spikes.count},
             "run_dir": str(run_dir)}
