@@ -443,3 +443,39 @@ def test_eval_anomaly_unit():
         guards.check_eval_anomaly(0.01, 2.0, 10)  # 200x below train: the original eval bug
     with pytest.raises(GuardError, match="perplexity"):
         guards.check_eval_anomaly(0.001, None, 10)
+
+
+# ---- mutations: each re-introduces a bug and shows the matching test above would go red ----------
+def test_eval_over_batches_is_token_weighted_like_train():
+    """Two batches of very different token counts: eval == the train step's loss; the mean of
+    per-batch means (the 'eval 1500x below train' family of bugs) is not."""
+    model = tiny_model(2)
+    b1 = ListLoader(make_samples(2, seed=1, min_len=3, max_len=4), 2).next_batch()
+    b2 = ListLoader(make_samples(2, seed=2, min_len=30, max_len=31), 2).next_batch()
+    total = loop.loss_token_count(b1) + loop.loss_token_count(b2)
+    train_loss = forward_backward(model, [b1, b2], torch.device("cpu"), "fp32", total)
+    assert evaluate(model, [b1, b2])["loss"] == pytest.approx(train_loss, rel=1e-6)
+    means = [evaluate(model, [b])["loss"] for b in (b1, b2)]
+    assert abs(sum(means) / 2 - train_loss) > 1e-3
+
+
+def test_mutation_checkpoint_without_sha_check_misses_corruption(tmp_path, monkeypatch):
+    run(tmp_path, 1)
+    opt = tmp_path / "checkpoints" / "latest" / "optimizer.pt"
+    data = bytearray(opt.read_bytes())
+    data[-10] ^= 0xFF
+    opt.write_bytes(bytes(data))
+    monkeypatch.setattr(ckpt_mod, "sha256_file", lambda path: "x")
+    meta = tmp_path / "checkpoints" / "latest" / "meta.json"
+    m = json.loads(meta.read_text())
+    m["sha256"] = {k: "x" for k in m["sha256"]}
+    meta.write_text(json.dumps(m))
+    ckpt_mod.load_checkpoint(tmp_path / "checkpoints" / "latest")  # no error: the corruption goes unseen
+
+
+def test_mutation_disabled_nonfinite_guard_trains_on_nan(tmp_path, monkeypatch):
+    _nan_at_call(monkeypatch, 2)
+    monkeypatch.setattr(guards, "check_nonfinite", lambda *a, **k: False)
+    run(tmp_path, 3)  # no GuardError: the NaN step is applied
+    params = ckpt_mod.load_checkpoint(tmp_path / "checkpoints" / "latest")["model"]
+    assert not all(math.isfinite(float(t.abs().max())) for t in params.values())
