@@ -236,9 +236,11 @@ class ChatTokenizer:
                 content = content.strip()  # templates that `| trim` the content
                 start = text.find(content, cursor)
             if start < 0:
-                raise InputError(f"{self.source}: message {i} ({msg.get('role')}) does not appear verbatim in "
-                                 f"the rendered chat, so its span cannot be located; the template rewrites "
-                                 f"message content")
+                if msg.get("role") != "assistant":
+                    continue  # a template may drop or rewrite other messages; only answers need a span
+                raise InputError(f"{self.source}: assistant message {i} does not appear verbatim in the "
+                                 f"rendered chat, so its span (the loss mask) cannot be located; the "
+                                 f"template rewrites assistant content")
             end = start + len(content)
             cursor = end
             if msg.get("role") == "assistant":
