@@ -191,7 +191,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
     out = Path(args.out)
     lr = 3e-4 if args.lr is None else float(args.lr)
     extra = {"command": "pretrain", "model": args.model, "init": args.init, "data": args.data,
-             "kernels": args.kernels}
+             "kernels": args.kernels, "no_preflight": args.no_preflight}
     cfg = _train_config(args, args.seq_len, lr, extra)
     _check_out(out, args.resume)
     if not _is_preset(args.model):
@@ -303,7 +303,8 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
         except ValueError as e:
             raise InputError(f"--lr must be a number or 'auto', got {args.lr!r}") from e
     extra = {"command": "finetune", "mode": args.mode, "model": args.model, "data": args.data, "val": args.val,
-             "val_fraction": args.val_fraction, "kernels": args.kernels, "truncation": args.truncation,
+             "val_fraction": args.val_fraction, "kernels": args.kernels, "no_preflight": args.no_preflight,
+             "truncation": args.truncation,
              "pack": args.pack, "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout,
                                          "rslora": args.rslora, "targets": args.targets}}
     cfg = _train_config(args, args.max_seq_len, lr, extra)
