@@ -522,3 +522,17 @@ def test_lora_plugs_into_the_same_loop_and_resumes_exactly(tmp_path):
     ckpt = ckpt_mod.load_checkpoint(part / "checkpoints" / "latest")
     assert ckpt["model"] and all("lora_" in k for k in ckpt["model"])  # only the adapter is checkpointed
     assert (saved[0] / "adapter_config.json").is_file()
+
+
+def test_spike_guard_early_phase_compares_with_starting_loss():
+    """Before the window has 16 steps, a loss > 2x the run's start (a pretrained model thrown off its
+    minimum by the first update) is a spike; ordinary early wobble is not."""
+    g = guards.SpikeGuard("warn")
+    g.set_reference(1.0)  # step-0 eval loss
+    assert g.check(1.1, 1.0, 1, [])[0] == "ok"
+    assert g.check(1.4, 1.0, 2, [])[0] == "ok"
+    verdict, msg = g.check(3.2, 5.0, 3, [9])
+    assert verdict == "warn" and "starting loss" in msg and g.count == 1
+    mutated = guards.SpikeGuard("warn", early_factor=float("inf"))  # mutation: no early-phase rule
+    mutated.set_reference(1.0)
+    assert [mutated.check(x, 1.0, i, [])[0] for i, x in enumerate([1.1, 3.2, 3.3])] == ["ok", "ok", "ok"]

@@ -95,21 +95,40 @@ class SpikeDetector:
 class SpikeGuard:
     """GUARD-SPIKE over loss and grad-norm. Returns 'ok' | 'warn' | 'skip'; raises for stop."""
 
-    def __init__(self, policy: str = "warn", window: int = 128, sigma: float = 6.0, min_history: int = 16):
+    def __init__(self, policy: str = "warn", window: int = 128, sigma: float = 6.0, min_history: int = 16,
+                 early_factor: float = 2.0):
         if policy not in SPIKE_POLICIES:
             raise ValueError(f"spike policy {policy!r} not in {SPIKE_POLICIES}")
-        self.policy = policy
+        self.policy, self.min_history, self.early_factor = policy, min_history, early_factor
         self.loss = SpikeDetector("loss", window, sigma, min_history)
         self.grad_norm = SpikeDetector("grad_norm", window, sigma, min_history)
         self.count = 0
+        # Before the window holds min_history losses a z-score is meaningless, so the loss is
+        # compared with the run's starting loss instead: early_factor x above it is a spike (a
+        # learning rate that throws a pretrained model off its minimum at step 1).
+        self.reference: float | None = None
+        self.first_seen = False
+
+    def set_reference(self, loss: float) -> None:
+        if math.isfinite(loss):
+            self.reference = loss if self.reference is None else max(self.reference, loss)
 
     def check(self, loss: float, grad_norm: float, step: int, sample_ids: list) -> tuple[str, str]:
-        spikes = [(d.name, v, z) for d, v in ((self.loss, loss), (self.grad_norm, grad_norm))
-                  if (z := d.update(v)) is not None]
+        early = len(self.loss.values) < self.min_history
+        if not self.first_seen:  # reference = max(step-0 eval loss, first train loss)
+            self.first_seen = True
+            self.set_reference(loss)
+        if early and self.reference is not None and self.reference > 0 and loss > self.early_factor * self.reference:
+            spikes = [("loss", loss, None)]
+        else:
+            spikes = [(d.name, v, z) for d, v in ((self.loss, loss), (self.grad_norm, grad_norm))
+                      if (z := d.update(v)) is not None]
         if not spikes:
             return "ok", ""
         self.count += 1
-        msg = "; ".join(f"{name} {v:.4g} is {z:.1f} sigma above its rolling mean" for name, v, z in spikes)
+        msg = "; ".join(f"{name} {v:.4g} is {z:.1f} sigma above its rolling mean" if z is not None else
+                        f"{name} {v:.4g} is {v / self.reference:.1f}x the run's starting loss {self.reference:.4g} "
+                        f"(within the first {self.min_history} steps)" for name, v, z in spikes)
         msg = f"GUARD-SPIKE at step {step}: {msg} (samples {sample_ids})"
         if self.policy == "stop":
             raise GuardError("GUARD-SPIKE", msg + ".",
@@ -119,12 +138,14 @@ class SpikeGuard:
         return self.policy, msg
 
     def state_dict(self) -> dict:
-        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(), "count": self.count}
+        return {"loss": self.loss.state_dict(), "grad_norm": self.grad_norm.state_dict(), "count": self.count,
+                "reference": self.reference, "first_seen": self.first_seen}
 
     def load_state_dict(self, sd: dict) -> None:
         self.loss.load_state_dict(sd["loss"])
         self.grad_norm.load_state_dict(sd["grad_norm"])
         self.count = int(sd["count"])
+        self.reference, self.first_seen = sd.get("reference"), bool(sd.get("first_seen", True))
 
 
 def check_eval_anomaly(eval_loss: float, recent_train_loss: float | None, step: int,

@@ -242,6 +242,7 @@ def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Trai
             eval_log.write({"step": 0, **ev})
             eval_history.append({"step": 0, **ev})
             step0["eval"] = ev
+            spikes.set_reference(ev["loss"])  # GUARD-SPIKE's early-phase reference (with the first step's)
             log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} tokens); "
                 f"ln(vocab) = {step0['ln_vocab']:.4f}")
         elif cfg.check_init_loss:  # no eval set: judge the start on the first train batch, unconsumed
