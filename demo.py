@@ -96,7 +96,8 @@ def main() -> None:
     print(prompt)
     print("---")
     if has_command("generate"):
-        entrenar("generate", "--model", str(run), "--prompt", prompt, "--chat", "--max-new-tokens", "80")
+        gen = entrenar("generate", "--model", str(run), "--prompt", prompt, "--chat", "--max-new-tokens", "80")
+        print(gen.get("text", gen))
     else:  # `entrenar generate` not in this build: greedy decoding with the KV cache, same model
         import torch
 
