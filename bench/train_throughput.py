@@ -22,10 +22,14 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from entrenar.config import ModelConfig, preset
 from entrenar.kernels import cross_entropy, rmsnorm, rope, swiglu
-from entrenar.model import CausalLM
+from entrenar.model import Attention, CausalLM
+
+ORIGINAL_ATTENTION_FORWARD = Attention.forward
 
 PEAK_BF16_TFLOPS = 989.0  # H100/H200 SXM dense bf16, the issue's MFU denominator
 
@@ -107,22 +111,30 @@ def bench_model(cfg_name, cfg, args, device, results, liger_state):
     rows = []
     default_chunk = cross_entropy._CHUNK_BYTES
 
-    def ours(kernels, dtype, autocast, label, compile_blocks=False, chunk_bytes=None):
+    def ours(kernels, dtype, autocast, label, compile_blocks=False, chunk_bytes=None, backend=None,
+             fused_qkv=False):
         if chunk_bytes:
             cross_entropy._CHUNK_BYTES = chunk_bytes
+        if fused_qkv:
+            Attention.forward = fused_qkv_forward
         model = build_entrenar(cfg, state, kernels, dtype, device)
         if compile_blocks:
             for block in model.model.layers:
                 block.compile()
 
         def step():
-            loss_sum, n = model.loss(input_ids, labels)
+            if backend is None:
+                loss_sum, n = model.loss(input_ids, labels)
+            else:
+                with sdpa_kernel(backend):
+                    loss_sum, n = model.loss(input_ids, labels)
             return loss_sum / n
 
         try:
             return run_training(label, model, step, cfg, batch, seq, args.steps, args.warmup, device, autocast)
         finally:
             cross_entropy._CHUNK_BYTES = default_chunk
+            Attention.forward = ORIGINAL_ATTENTION_FORWARD
 
     def hf(label, use_liger):
         model = build_hf(cfg, state, torch.bfloat16, device)
@@ -137,11 +149,20 @@ def bench_model(cfg_name, cfg, args, device, results, liger_state):
         ("entrenar triton, bf16 weights", lambda l: ours("triton", torch.bfloat16, False, l)),
         ("entrenar triton, bf16 weights, CE chunk 128 MiB",
          lambda l: ours("triton", torch.bfloat16, False, l, chunk_bytes=128 << 20)),
+        ("entrenar triton, bf16 weights, CE chunk 256 MiB",
+         lambda l: ours("triton", torch.bfloat16, False, l, chunk_bytes=256 << 20)),
+        ("entrenar triton, bf16 weights, sdpa FLASH backend",
+         lambda l: ours("triton", torch.bfloat16, False, l, backend=SDPBackend.FLASH_ATTENTION)),
+        ("entrenar triton, bf16 weights, fused QKV (bench prototype)",
+         lambda l: ours("triton", torch.bfloat16, False, l, fused_qkv=True)),
         ("entrenar torch kernels, bf16 weights", lambda l: ours("torch", torch.bfloat16, False, l)),
         ("transformers sdpa, bf16 weights", lambda l: hf(l, False)),
     ]
     if liger_state["ok"]:
         plan.append(("transformers + Liger, bf16 weights", lambda l: hf(l, True)))
+        # run-to-run spread: the two headline rows again, alternating, in the same process
+        plan.append(("entrenar triton, bf16 weights (repeat)", lambda l: ours("triton", torch.bfloat16, False, l)))
+        plan.append(("transformers + Liger, bf16 weights (repeat)", lambda l: hf(l, True)))
     if args.compile and cfg_name == args.models.split(",")[0]:
         plan.append(("entrenar triton + compile/block, bf16 weights",
                      lambda l: ours("triton", torch.bfloat16, False, l, compile_blocks=True)))
@@ -158,6 +179,29 @@ def bench_model(cfg_name, cfg, args, device, results, liger_state):
         gc.collect()
         torch.cuda.empty_cache()
     results["training"].extend(rows)
+
+
+def fused_qkv_forward(self, x, cos, sin, mask, ops, cache=None, trace=None):
+    """Bench prototype of Attention.forward with one Q/K/V matmul (weights concatenated per call).
+
+    Saves the two grad-accumulation adds on the norm output and the small K/V matmuls; the training
+    path (no cache, no doc mask, no trace) only.
+    """
+    assert cache is None and mask is None and trace is None
+    cfg, B, T = self.cfg, x.shape[0], x.shape[1]
+    d = cfg.head_dim
+    nq, nk = cfg.num_heads * d, cfg.num_kv_heads * d
+    weight = torch.cat([self.q_proj.weight, self.k_proj.weight, self.v_proj.weight])
+    bias = (torch.cat([self.q_proj.bias, self.k_proj.bias, self.v_proj.bias])
+            if self.q_proj.bias is not None else None)
+    qkv = F.linear(x, weight, bias)
+    q = qkv[..., :nq].view(B, T, cfg.num_heads, d)
+    k = qkv[..., nq:nq + nk].view(B, T, cfg.num_kv_heads, d)
+    v = qkv[..., nq + nk:].view(B, T, cfg.num_kv_heads, d)
+    q, k = ops.rope(q, k, cos, sin, cfg.rope_style)
+    y = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=T > 1,
+                                       enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+    return self.o_proj(y.transpose(1, 2).reshape(B, T, nq))
 
 
 def apply_liger(cfg):
