@@ -32,14 +32,17 @@ def bf16_dir(tmp_path_factory):
     cfg = transformers.Qwen2Config(vocab_size=272, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                    num_attention_heads=4, num_key_value_heads=2, rope_theta=1e6, rms_norm_eps=1e-6,
                                    tie_word_embeddings=True, max_position_embeddings=1024)
-    torch.manual_seed(0)
     model = transformers.Qwen2ForCausalLM(cfg)
+    gen = torch.Generator().manual_seed(0)  # every tensor drawn here: the fixture is the same on every run
     with torch.no_grad():
         for name, p in model.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
             if name.endswith(".bias"):
-                p.normal_(0, 0.5)
+                p.copy_(0.5 * noise)
             elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn_like(p))
+                p.copy_(1 + 0.1 * noise)
+            else:
+                p.copy_(0.02 * noise)
     model.to(torch.bfloat16).save_pretrained(d)
     byte_tokenizer().save(str(d / "tokenizer.json"))
     return d
@@ -76,11 +79,11 @@ def test_bf16_decoded_as_f16_is_caught_against_hf_at_embedding(bf16_dir, capsys,
     assert code == 1 and not rep["ok"]
     assert rep["first_divergent"]["name"] == "embed"
     assert "load" in rep["first_divergent"]["hint"]
-    # Against our own reference the same misread weights agree with themselves: this is why
-    # `--against hf` exists.
+    # Against our own reference the misread embedding agrees with itself exactly (the reference
+    # shares the load): this is why `--against hf` exists.
     code, rep = _run(capsys, ["verify", "--model", str(bf16_dir), "--against", "reference", "--seq-len", "64",
                               "--no-grads"])
-    assert code == 0, rep["first_divergent"]
+    assert all(s["layers"][0]["name"] == "embed" and s["layers"][0]["rel_l2"] == 0.0 for s in rep["sequences"])
 
 
 def test_verify_table_and_bad_input(bf16_dir, capsys):
@@ -88,3 +91,33 @@ def test_verify_table_and_bad_input(bf16_dir, capsys):
     out = capsys.readouterr().out
     assert code == 0 and "PASS" in out and "layers.1" in out and "logits relL2" in out
     assert main(["verify", "--model", str(bf16_dir), "--seq-len", "8"]) == 2
+
+
+def test_verify_with_lora_adapter_against_reference_and_peft(bf16_dir, tmp_path, capsys):
+    """--adapter: our LoRA on the path under test; transformers + peft (merged) as the oracle."""
+    from entrenar.formats import load_model
+    from entrenar.peft import apply_lora, lora_modules, save_adapter
+
+    model = apply_lora(load_model(str(bf16_dir), dtype=torch.float32), rank=4, alpha=8.0)
+    gen = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for m in lora_modules(model).values():  # B = 0 would make the adapter a no-op
+            m.lora_B.weight.copy_(torch.randn(m.lora_B.weight.shape, generator=gen) * 0.05)
+    adapter = save_adapter(model, tmp_path / "adapter", str(bf16_dir))
+    code, rep = _run(capsys, ["verify", "--model", str(bf16_dir), "--adapter", str(adapter), "--seq-len", "48"])
+    assert code == 0 and rep["ok"], rep["first_divergent"]
+    assert rep["grads"]["groups"] and not rep["grads"]["missing_in_test"]
+    code, rep = _run(capsys, ["verify", "--model", str(bf16_dir), "--adapter", str(adapter), "--seq-len", "48",
+                              "--against", "hf"])
+    assert code == 0 and rep["ok"], rep["first_divergent"]
+    # the adapter matters: without it the same model disagrees with transformers + adapter
+    from peft import PeftModel
+
+    from entrenar.verify import verify_model
+    from entrenar.verify.bisect import hf_from_source
+    from entrenar.verify.probe import build_probe
+
+    hf = PeftModel.from_pretrained(hf_from_source(bf16_dir), str(adapter)).merge_and_unload()
+    rep = verify_model(load_model(str(bf16_dir), dtype=torch.float32), probe=build_probe(byte_tokenizer(), 48),
+                       against="hf", hf_model=hf, grads=False)
+    assert not rep["ok"] and rep["first_divergent"]["name"].startswith("layers.0.")

@@ -326,7 +326,6 @@ class HFPath:
 def reference_model(model: CausalLM) -> CausalLM:
     """Same weights as ``model`` in float64 on the CPU with the torch reference ops."""
     sd = model.state_dict()
-    ref_keys = set()
     with torch.device("meta"):
         ref = CausalLM(model.cfg, kernels="torch")
     ref_keys = set(ref.state_dict())
@@ -338,8 +337,9 @@ def reference_model(model: CausalLM) -> CausalLM:
         ref = copy.deepcopy(model).to("cpu", torch.float64)
         ref.kernels = "torch"
     ref.eval()
-    for p in ref.parameters():
-        p.requires_grad_(True)
+    trainable = {n: p.requires_grad for n, p in model.named_parameters()}
+    for n, p in ref.named_parameters():  # the same trainable set (LoRA: adapters only)
+        p.requires_grad_(trainable.get(n, True))
     return ref
 
 
