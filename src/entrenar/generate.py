@@ -21,6 +21,8 @@ import torch
 from .errors import InputError
 from .model import CausalLM, KVCache
 
+DEFAULT_MAX_NEW_TOKENS = 256
+
 
 @dataclass
 class GenerationResult:
@@ -152,7 +154,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
-    p.add_argument("--max-new-tokens", type=int, default=256)
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default {DEFAULT_MAX_NEW_TOKENS}, or what is left of the model's context if less")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
@@ -202,7 +205,7 @@ def prompt_ids_for(tokenizer, prompt: str, chat: bool, system: str | None) -> li
 def cmd_generate(args: argparse.Namespace) -> dict:
     from .tokenizer import load_tokenizer
 
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens is {args.max_new_tokens}; it must be at least 1")
     if not args.prompt.strip():
         raise InputError("--prompt is empty; give some prompt text")
@@ -210,12 +213,15 @@ def cmd_generate(args: argparse.Namespace) -> dict:
     prompt_ids = prompt_ids_for(tokenizer, args.prompt, args.chat, args.system)
     model = load_generation_model(args, _device(args.device))
     tokenizer.check_ids(prompt_ids, model.cfg.vocab_size)
+    max_new = args.max_new_tokens
+    if max_new is None:  # the default, not a request: it may shrink to the context that is left
+        max_new = min(DEFAULT_MAX_NEW_TOKENS, model.cfg.max_position_embeddings - len(prompt_ids))
 
     def show(piece: str) -> None:
         sys.stdout.write(piece)
         sys.stdout.flush()
 
-    result = generate(model, tokenizer, prompt_ids, args.max_new_tokens, args.temperature, args.top_p,
+    result = generate(model, tokenizer, prompt_ids, max_new, args.temperature, args.top_p,
                       args.seed, on_text=None if args.json else show)
     if not args.json:
         sys.stdout.write("\n")

@@ -1,0 +1,292 @@
+"""Generation: KV-cache decoding equals full re-forward, greedy equals transformers' generate
+(tiny random models and both packaged models), seeded sampling is reproducible, streaming gives
+the same text, and `entrenar generate` turns bad input into exit 2."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import make_hf_model, rel_l2
+from test_tokenizer import QWEN, SMOLLM, tiny_tokenizer
+
+from entrenar.cli import main as cli_main
+from entrenar.config import ModelConfig
+from entrenar.errors import InputError
+from entrenar.generate import TextStream, generate, sample_next
+from entrenar.model import CausalLM, KVCache
+from entrenar.tokenizer import ChatTokenizer
+
+
+def tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0) -> CausalLM:
+    """A random CausalLM; nonzero Q/K/V biases for qwen2 so the bias path is exercised."""
+    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+                      num_kv_heads=2, attention_bias=arch == "qwen2", architecture=arch,
+                      tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=256)
+    model = CausalLM(cfg)
+    model.init_weights(seed)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.mul_(10.0)  # sharper logits, so greedy choices are not near-ties
+    return model.eval()
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return tiny_tokenizer()
+
+
+PROMPT = "<|im_start|>user\nthe in the er<|im_end|>\n<|im_start|>assistant\n"
+
+
+# ---- KV cache ------------------------------------------------------------------------------------
+def _kv_vs_full(model, tokenizer, prompt_ids, steps):
+    cached = generate(model, tokenizer, prompt_ids, steps, keep_logits=True, stop_ids=[])
+    full = generate(model, tokenizer, prompt_ids, steps, keep_logits=True, stop_ids=[], use_cache=False)
+    return cached, full
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_kv_cache_equals_full_reforward(tok, arch):
+    model = tiny_model(len(tok), arch)
+    cached, full = _kv_vs_full(model, tok, tok.encode(PROMPT), 24)
+    assert cached.token_ids == full.token_ids
+    assert len(cached.step_logits) == 24
+    errs = [rel_l2(a, b) for a, b in zip(cached.step_logits, full.step_logits)]
+    assert max(errs) <= 1e-5, errs
+
+
+def test_kv_cache_mutation_is_caught(tok, monkeypatch):
+    """Mutation: the cache forgets the past (returns only the new keys/values)."""
+    model = tiny_model(len(tok))
+    original = KVCache.update
+
+    def forgetful(self, layer, k, v):
+        original(self, layer, k, v)
+        return k, v
+
+    monkeypatch.setattr(KVCache, "update", forgetful)
+    cached, full = _kv_vs_full(model, tok, tok.encode(PROMPT), 6)
+    errs = [rel_l2(a, b) for a, b in zip(cached.step_logits, full.step_logits)]
+    assert max(errs[1:]) > 1e-3
+
+
+# ---- greedy vs transformers (tiny) ----------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+def test_greedy_matches_transformers_tiny(tok, arch, tmp_path):
+    from entrenar.formats import load_model
+
+    hf = make_hf_model(arch, seed=3, vocab_size=len(tok))
+    hf.save_pretrained(tmp_path)
+    ours = load_model(tmp_path, dtype=torch.float32)
+    prompt = tok.encode(PROMPT)
+    result = generate(ours, tok, prompt, 20, stop_ids=[])
+    with torch.no_grad():
+        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
+                          pad_token_id=tok.pad_id, min_new_tokens=20)
+    assert result.token_ids == ref[0, len(prompt):].tolist()
+
+
+# ---- stopping, streaming, sampling ---------------------------------------------------------------
+def test_stops_at_end_of_turn(tok):
+    model = tiny_model(len(tok))
+    sampled = {"temperature": 1.0, "seed": 11}  # a random model's greedy text repeats one token
+    free = generate(model, tok, tok.encode(PROMPT), 12, stop_ids=[], **sampled).token_ids
+    k = next(i for i in range(2, 12) if free[i] not in free[:i])
+    stopper = tiny_tokenizer()
+    stopper.eot_id = free[k]  # pretend that token ends the turn
+    result = generate(model, stopper, tok.encode(PROMPT), 12, **sampled)
+    assert result.token_ids == free[: k + 1] and result.stop_reason == "end_of_turn"
+    assert result.text == tok.decode(free[:k])  # the stop token is not part of the text
+    stopper.eos_id = free[k]
+    assert generate(model, stopper, tok.encode(PROMPT), 12, **sampled).stop_reason == "eos"
+
+
+def test_ignoring_stop_tokens_mutation_is_caught(tok, monkeypatch):
+    """Mutation: generation ignores EOS/end-of-turn -> it runs on to max_new_tokens."""
+    model = tiny_model(len(tok))
+    free = generate(model, tok, tok.encode(PROMPT), 8, stop_ids=[], temperature=1.0, seed=11).token_ids
+    monkeypatch.setattr(ChatTokenizer, "stop_ids", property(lambda self: set()))
+    stopper = tiny_tokenizer()
+    stopper.eot_id = free[2]
+    result = generate(model, stopper, tok.encode(PROMPT), 8, temperature=1.0, seed=11)
+    assert result.stop_reason == "max_new_tokens" and len(result.token_ids) == 8
+
+
+def test_streamed_text_equals_result_text(tok):
+    model = tiny_model(len(tok))
+    pieces: list[str] = []
+    result = generate(model, tok, tok.encode(PROMPT), 30, stop_ids=[], on_text=pieces.append)
+    assert "".join(pieces) == result.text == tok.decode(result.token_ids)
+
+
+def test_stream_holds_split_multibyte_characters(tok):
+    text = "ab 日本語 🙂 é!"
+    ids = tok.encode(text)
+    assert len(ids) > len(text)  # the tiny vocabulary spells these characters byte by byte
+    pieces: list[str] = []
+    stream = TextStream(tok, pieces.append)
+    for i in ids:
+        stream.push(i)
+    assert stream.finish() == text
+    assert "".join(pieces) == text and not any("\ufffd" in p for p in pieces)
+
+
+def test_sampling_is_reproducible_with_a_seed(tok):
+    model = tiny_model(len(tok))
+    prompt = tok.encode(PROMPT)
+    a = generate(model, tok, prompt, 20, temperature=0.9, top_p=0.95, seed=1234, stop_ids=[])
+    b = generate(model, tok, prompt, 20, temperature=0.9, top_p=0.95, seed=1234, stop_ids=[])
+    c = generate(model, tok, prompt, 20, temperature=0.9, top_p=0.95, seed=1235, stop_ids=[])
+    assert a.token_ids == b.token_ids and a.seed == 1234
+    assert a.token_ids != c.token_ids
+    greedy = generate(model, tok, prompt, 20, stop_ids=[])
+    nucleus_of_one = generate(model, tok, prompt, 20, temperature=1.0, top_p=1e-6, seed=7, stop_ids=[])
+    assert nucleus_of_one.token_ids == greedy.token_ids
+
+
+def test_top_p_keeps_the_smallest_nucleus():
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    gen = torch.Generator().manual_seed(0)
+    draws = {sample_next(logits, 1.0, 0.75, gen) for _ in range(400)}
+    assert draws == {0, 1}  # 0.5 < 0.75 needs the second token; 0.8 >= 0.75 stops there
+
+
+def test_generate_rejects_bad_arguments(tok):
+    model = tiny_model(len(tok))
+    with pytest.raises(InputError, match="empty"):
+        generate(model, tok, [], 4)
+    with pytest.raises(InputError, match="max_new_tokens"):
+        generate(model, tok, [1, 2], 0)
+    with pytest.raises(InputError, match="out of range"):
+        generate(model, tok, [1, len(tok) + 5], 4)
+    with pytest.raises(InputError, match="temperature"):
+        generate(model, tok, [1], 4, temperature=-1)
+    with pytest.raises(InputError, match="top_p"):
+        generate(model, tok, [1], 4, top_p=0.0)
+    with pytest.raises(InputError, match="context"):
+        generate(model, tok, [1] * 250, 10)
+
+
+# ---- command line ---------------------------------------------------------------------------------
+def _tiny_dir(root: Path, name: str, model_vocab: int | None = None, template: str | None = None) -> Path:
+    from entrenar.formats import save_hf_dir
+
+    kw = {} if template is None else {"chat_template": template}
+    tokenizer = tiny_tokenizer(**kw)
+    model = tiny_model(model_vocab or len(tokenizer))
+    return save_hf_dir(model, root / name, tokenizer=tokenizer)
+
+
+def _run(argv, capsys) -> tuple[int, dict | None, str, str]:
+    rc = cli_main(["generate", *argv])
+    out, err = capsys.readouterr()
+    lines = out.strip().splitlines()
+    return rc, (json.loads(lines[-1]) if "--json" in argv and lines else None), out, err
+
+
+def test_cli_generate_json_and_stream(tmp_path, capsys):
+    d = _tiny_dir(tmp_path, "ok")
+    rc, js, _, _ = _run(["--model", str(d), "--prompt", "the", "--chat", "--system", "be brief",
+                         "--max-new-tokens", "7", "--json"], capsys)
+    assert rc == 0 and js["ok"]
+    assert set(js) >= {"prompt_tokens", "completion_tokens", "text", "token_ids", "stop_reason", "tokens_per_s"}
+    tok = tiny_tokenizer()
+    expected_prompt = tok.encode_chat([{"role": "system", "content": "be brief"}, {"role": "user", "content": "the"}],
+                                      add_generation_prompt=True).ids
+    assert js["prompt_tokens"] == len(expected_prompt)
+    assert js["completion_tokens"] == len(js["token_ids"]) <= 7
+    rc, _, out, _ = _run(["--model", str(d), "--prompt", "the", "--chat", "--system", "be brief",
+                          "--max-new-tokens", "7"], capsys)
+    assert rc == 0 and out == js["text"] + "\n"  # streamed to stdout, then a newline
+    a = _run(["--model", str(d), "--prompt", "the", "--temperature", "1.0", "--seed", "5",
+              "--max-new-tokens", "8", "--json"], capsys)[1]
+    b = _run(["--model", str(d), "--prompt", "the", "--temperature", "1.0", "--seed", "5",
+              "--max-new-tokens", "8", "--json"], capsys)[1]
+    assert a["token_ids"] == b["token_ids"] and a["seed"] == 5
+
+
+@pytest.mark.parametrize("case", ["empty-prompt", "zero-new-tokens", "template-raises", "id-out-of-range",
+                                  "system-without-chat"])
+def test_cli_bad_input_exits_2(tmp_path, capsys, case):
+    d = _tiny_dir(tmp_path, "ok")
+    argv = {"empty-prompt": ["--prompt", ""],
+            "zero-new-tokens": ["--prompt", "hi", "--max-new-tokens", "0"],
+            "template-raises": ["--prompt", "hi", "--chat"],
+            "id-out-of-range": ["--prompt", "hi <|im_end|>"],
+            "system-without-chat": ["--prompt", "hi", "--system", "x"]}[case]
+    if case == "template-raises":
+        d = _tiny_dir(tmp_path, "raises", template="{{ raise_exception('this model takes no chat') }}")
+    if case == "id-out-of-range":
+        d = _tiny_dir(tmp_path, "small", model_vocab=len(tiny_tokenizer()) - 2)  # <|im_end|> >= vocab_size
+    rc, js, _, err = _run(["--model", str(d), *argv, "--json"], capsys)
+    assert rc == 2 and js["ok"] is False, err
+    expect = {"empty-prompt": "empty", "zero-new-tokens": "max-new-tokens", "template-raises": "takes no chat",
+              "id-out-of-range": "out of range", "system-without-chat": "--chat"}[case]
+    assert expect in err
+
+
+def test_cli_exit_code_in_a_real_process(tmp_path):
+    d = _tiny_dir(tmp_path, "ok")
+    proc = subprocess.run([sys.executable, "-m", "entrenar", "generate", "--model", str(d), "--prompt", "hi",
+                           "--max-new-tokens", "0", "--json"], capture_output=True, text=True, timeout=300,
+                          check=False)
+    assert proc.returncode == 2, proc.stderr
+    assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False
+
+
+# ---- packaged models vs transformers (same GGUF weights, fp32) ------------------------------------
+CHAT_PROMPTS = ["What is the capital of France?",
+                "Write a Python function that checks if a number is prime.",
+                "Name three primary colors."]
+
+
+def _hf_from_gguf(path: Path):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                dtype=torch.float32).eval()
+
+
+def _greedy_parity(model, hf, name):
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(name)
+    for prompt in CHAT_PROMPTS:
+        ids = tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True).ids
+        ours = generate(model, tok, ids, 32)
+        with torch.no_grad():
+            ref = hf.generate(torch.tensor([ids]), max_new_tokens=32, do_sample=False,
+                              eos_token_id=sorted(tok.stop_ids), pad_token_id=tok.pad_id)
+        assert ours.token_ids == ref[0, len(ids):].tolist(), (prompt, ours.text)
+        assert ours.text.strip()
+
+
+@pytest.mark.real_model
+def test_greedy_matches_transformers_smollm(smollm_model, smollm_path):
+    _greedy_parity(smollm_model, _hf_from_gguf(smollm_path), SMOLLM)
+
+
+@pytest.mark.real_model
+def test_greedy_matches_transformers_qwen(qwen_model, qwen_path):
+    _greedy_parity(qwen_model, _hf_from_gguf(qwen_path), QWEN)
+
+
+@pytest.mark.real_model
+def test_kv_cache_equals_full_reforward_smollm(smollm_model):
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer(SMOLLM)
+    ids = tok.encode_chat([{"role": "user", "content": "Count to five."}], add_generation_prompt=True).ids
+    cached, full = _kv_vs_full(smollm_model, tok, ids, 12)
+    assert cached.token_ids == full.token_ids
+    errs = [rel_l2(a, b) for a, b in zip(cached.step_logits, full.step_logits)]
+    assert max(errs) <= 1e-5, errs
