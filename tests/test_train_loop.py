@@ -162,7 +162,7 @@ def test_exact_resume_after_sigkill(tmp_path, bs, ga, save_every, kill_step, ste
     rc = run_subprocess(killed, steps, bs, ga, save_every, kill_step=kill_step)
     assert rc == -signal.SIGKILL
     assert len(losses(killed)) == kill_step  # it did run past its last checkpoint before dying
-    run_subprocess(killed, steps, bs, ga, save_every, resume="auto")
+    run(killed, steps, batch_size=bs, grad_accum=ga, save_every=save_every, resume="auto")  # a fresh model
     a, b = losses(straight), losses(killed)
     assert len(a) == len(b) == steps
     assert a == b, "per-step losses differ after resume (must be bit-identical in fp32)"
@@ -188,7 +188,7 @@ def test_kill_while_checkpointing_leaves_previous_usable(tmp_path, capsys):
     messages: list[str] = []
     assert ckpt_mod.find_resume(killed, "auto", messages.append) == root / "step-0000002"
     assert any("ignoring incomplete" in m and "step-0000004.tmp" in m for m in messages)
-    run_subprocess(killed, 7, 2, 1, 2, resume="auto")
+    run(killed, 7, save_every=2, resume="auto")
     assert losses(straight) == losses(killed)
 
 
