@@ -128,7 +128,7 @@ class _RMSNormFunction(torch.autograd.Function):
         rows = _rows_per_program(block, x2.device)
         n_tiles = triton.cdiv(n_rows, rows)
         sms = torch.cuda.get_device_properties(x2.device).multi_processor_count if x2.is_cuda else 1
-        n_programs = max(1, min(n_tiles, 16 * sms))  # a few tiles each: more loads in flight
+        n_programs = max(1, min(n_tiles, 4 * sms))  # 16 * sms measured slower in the model (2.6 -> 5.5 ms/step)
         tiles_per_program = triton.cdiv(n_tiles, n_programs) if n_tiles else 1
         n_programs = max(1, triton.cdiv(n_tiles, tiles_per_program))
         dw_partial = _common.empty((n_programs, n_cols), torch.float32, x2.device)
