@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent
-OUT = Path(os.environ.get("DEMO_DIR", ROOT / "demo-run"))
+OUT = Path(os.environ.get("DEMO_DIR", ROOT / "demo-out"))  # ignored by git
 STDLIB = Path(os.__file__).parent
 MODEL = "smollm2-135m-instruct"
 STEPS = int(os.environ.get("DEMO_STEPS", "40"))
