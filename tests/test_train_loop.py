@@ -536,3 +536,24 @@ def test_spike_guard_early_phase_compares_with_starting_loss():
     mutated = guards.SpikeGuard("warn", early_factor=float("inf"))  # mutation: no early-phase rule
     mutated.set_reference(1.0)
     assert [mutated.check(x, 1.0, i, [])[0] for i, x in enumerate([1.1, 3.2, 3.3])] == ["ok", "ok", "ok"]
+
+
+def test_progress_bar_on_a_terminal_plain_lines_otherwise():
+    import io
+
+    from entrenar.train.metrics import Progress
+
+    class Terminal(io.StringIO):
+        def isatty(self) -> bool:
+            return True
+
+    tty, pipe = Terminal(), io.StringIO()
+    for stream in (tty, pipe):
+        p = Progress(total=4, start=0, stream=stream, every=2)
+        for step in range(1, 5):
+            p.update(step, 2.5 - 0.1 * step, 1234.0, "lr 1e-3")
+        p.close()
+    assert "loss 2.1000 tok/s 1,234" in tty.getvalue() and "it/s" not in pipe.getvalue()
+    assert "\r" in tty.getvalue()  # a bar redrawn in place
+    lines = pipe.getvalue().splitlines()
+    assert [line.split()[1] for line in lines] == ["1/4", "2/4", "4/4"] and all("eta" in x for x in lines)
