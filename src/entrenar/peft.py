@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
@@ -309,6 +310,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_spec: str | Path | 
     tensors = adapter_state_dict(model)
     tmp = out / (ADAPTER_WEIGHTS + ".tmp")
     save_file(tensors, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # safetensors creates it owner-only
     tmp.replace(out / ADAPTER_WEIGHTS)
     (out / ADAPTER_CONFIG).write_text(json.dumps(adapter_config, indent=2) + "\n")
     (out / ADAPTER_NOTE).write_text(json.dumps(note, indent=2, default=str) + "\n")
