@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -65,6 +66,10 @@ def test_check_answer_gates():
     assert all(gates.values())
     gates, _ = check_answer(CHAT_CODE, "```python\ndef add(a, b)\n    return a + b\n```", stopped=True)
     assert not gates["code_parses"]
+    gates, _ = check_answer(CHAT_CODE, "def add(a, b): return a + b", stopped=True)  # unfenced code
+    assert gates["code_parses"] and gates["coherent"]
+    gates, _ = check_answer(CHAT_CODE, "You can add them with def add and a plus sign.", stopped=True)
+    assert not gates["code_parses"]
     gates, _ = check_answer(PLAIN_PROSE, " Paris, which is on the Seine", stopped=False)
     assert all(gates.values()) and "stops" not in gates
 
@@ -73,17 +78,16 @@ def test_check_answer_gates():
 PACKAGED = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
 
-@pytest.fixture(scope="module")
-def loaded():
-    cache = {}
+MODEL_FIXTURES = {"smollm2-135m-instruct": "smollm_model", "qwen2.5-coder-0.5b-instruct": "qwen_model"}
+
+
+@pytest.fixture
+def loaded(request):
+    """(model, tokenizer) of a packaged model; the model is conftest's shared session copy (read-only)."""
+    from entrenar.tokenizer import load_tokenizer
 
     def get(name):
-        if name not in cache:
-            from entrenar.formats import load_model
-            from entrenar.tokenizer import load_tokenizer
-
-            cache[name] = (load_model(name, dtype=torch.float32), load_tokenizer(name))
-        return cache[name]
+        return request.getfixturevalue(MODEL_FIXTURES[name]), load_tokenizer(name)
 
     return get
 
@@ -104,15 +108,13 @@ def test_qa_fails_on_corrupted_o_proj(loaded):
     from entrenar.verify.qa import format_qa, run_qa
 
     model, tok = loaded("smollm2-135m-instruct")
+    model = copy.deepcopy(model)  # the shared model stays intact
     w = model.model.layers[0].self_attn.o_proj.weight
-    saved = w.detach().clone()
     gen = torch.Generator().manual_seed(0)
-    try:
-        with torch.no_grad():
-            w.copy_(w.reshape(-1)[torch.randperm(w.numel(), generator=gen)].reshape(w.shape))
-        rep = run_qa(model, tok)
-    finally:
-        with torch.no_grad():
-            w.copy_(saved)
+    with torch.no_grad():
+        w.copy_(w.reshape(-1)[torch.randperm(w.numel(), generator=gen)].reshape(w.shape))
+    rep = run_qa(model, tok)
     assert not rep["ok"] and rep["exit_code"] == 1, format_qa(rep)
-    assert json.loads(json.dumps(rep))["diagnosis"]
+    failed = {g for p in rep["prompts"] for g, ok in p["gates"].items() if not ok}
+    assert {"coherent", "no_repetition"} <= failed
+    assert json.loads(json.dumps(rep))["diagnosis"].startswith("plain continuations fail")

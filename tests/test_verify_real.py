@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
 from entrenar.verify import format_report, verify_model
 from entrenar.verify.bisect import hf_from_source
@@ -12,14 +11,17 @@ from entrenar.verify.probe import build_probe
 PACKAGED = ["smollm2-135m-instruct", "qwen2.5-coder-0.5b-instruct"]
 
 
+MODEL_FIXTURES = {"smollm2-135m-instruct": "smollm_model", "qwen2.5-coder-0.5b-instruct": "qwen_model"}
+
+
 @pytest.mark.real_model
 @pytest.mark.parametrize("name", PACKAGED)
-def test_verify_packaged_fp32(name):
-    from entrenar.formats import load_model, resolve_model
+def test_verify_packaged_fp32(name, request):
+    from entrenar.formats import resolve_model
     from entrenar.tokenizer import load_tokenizer
 
     tok = load_tokenizer(name)
-    model = load_model(name, dtype=torch.float32)
+    model = request.getfixturevalue(MODEL_FIXTURES[name])  # conftest's shared fp32 copy; verify leaves it as is
     probe = build_probe(tok, 64)
     assert probe[0].length < 32 and probe[1].length == 64
     rep = verify_model(model, probe=probe, against="reference", meta={"model": name})

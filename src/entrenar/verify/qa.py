@@ -36,8 +36,7 @@ class GoldenPrompt:
 
 GOLDEN: tuple[GoldenPrompt, ...] = (
     GoldenPrompt("plain-prose", "plain", "prose", "The capital of France is the city of", ("Paris",), 12),
-    GoldenPrompt("plain-code", "plain", "code",
-                 "def add(a, b):\n    \"\"\"Return the sum of a and b.\"\"\"\n", ("return",), 16),
+    GoldenPrompt("plain-code", "plain", "code", "def add(a, b):\n    return", ("a + b", "a+b", "b + a"), 12),
     GoldenPrompt("chat-prose", "chat", "prose", "What is the capital of France? Answer in one short sentence.",
                  ("Paris",), 40),
     GoldenPrompt("chat-code", "chat", "code",
@@ -141,8 +140,8 @@ def check_answer(gp: GoldenPrompt, output: str, stopped: bool) -> tuple[dict[str
         if not stopped:
             notes.append(f"no end-of-turn within {gp.max_new_tokens} new tokens")
     if gp.kind == "chat" and gp.topic == "code":
-        blocks = python_blocks(output)
-        errors = parse_errors(blocks) if blocks else ["no fenced python code block"]
+        blocks = python_blocks(output) or [output]  # no fence: the whole answer must be the code
+        errors = parse_errors(blocks)
         gates["code_parses"] = not errors
         notes += [f"code: {e}" for e in errors]
     reasons = gibberish_reasons(output)
