@@ -8,6 +8,7 @@ Slow on the CPU (the transformers GGUF load of Qwen takes ~1-2 min): run under
 
 from __future__ import annotations
 
+import importlib.util
 import json
 
 import numpy as np
@@ -86,6 +87,8 @@ def test_gguf_to_hf_dir_roundtrip(smollm_model, smollm_path, tmp_path, capsys):
     assert cli.main(["convert", str(smollm_path), str(out), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert doc["ok"] and doc["dtype"] == ["float32"]
+    if importlib.util.find_spec("entrenar.tokenizer") is not None:  # the GGUF vocabulary travels along
+        assert doc["tokenizer"] and (out / "tokenizer.json").is_file()
     ids = _sequences(smollm_model.cfg.vocab_size)[1]
     with torch.no_grad():
         ref = smollm_model(ids)
