@@ -342,3 +342,11 @@ def test_model_triton_under_bf16_autocast_matches_torch_kernels():
         out.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert abs(out[0][0] - out[1][0]) <= 1e-2 * abs(out[0][0])
     assert rel_l2(out[1][1], out[0][1]) <= 2e-2
+
+
+@pytest.mark.skipif(DEVICE != "cpu", reason="the CPU refusal only")
+def test_cpu_tensors_without_interpreter_are_refused_by_name(monkeypatch):
+    monkeypatch.setattr(_common, "_INTERPRETER_AT_IMPORT", False)
+    x = torch.randn(3, 64)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        rmsnorm.rms_norm(x, torch.ones(64), 1e-6)

@@ -16,6 +16,10 @@ def interpreter_on() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
+# @triton.jit reads TRITON_INTERPRET when the kernel modules are imported (this module is imported first).
+_INTERPRETER_AT_IMPORT = interpreter_on()
+
+
 def check_device(*tensors: torch.Tensor) -> None:
     """Triton runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1; anything else is refused loudly."""
     devices = {t.device for t in tensors}
@@ -24,7 +28,7 @@ def check_device(*tensors: torch.Tensor) -> None:
     (device,) = devices
     if device.type == "cuda":
         return
-    if device.type == "cpu" and interpreter_on():
+    if device.type == "cpu" and _INTERPRETER_AT_IMPORT:
         return
     raise RuntimeError(f"kernels='triton' needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 set "
                        f"before entrenar is imported; got {device}. Use kernels='torch' here.")
