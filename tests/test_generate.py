@@ -80,19 +80,44 @@ def test_kv_cache_mutation_is_caught(tok, monkeypatch):
 
 
 # ---- greedy vs transformers (tiny) ----------------------------------------------------------------
-@pytest.mark.parametrize("arch", ["qwen2", "llama"])
-def test_greedy_matches_transformers_tiny(tok, arch, tmp_path):
+def _hf_greedy(hf, prompt: list[int], n: int, pad_id: int) -> tuple[list[int], list[torch.Tensor]]:
+    with torch.no_grad():
+        out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                          eos_token_id=None, pad_token_id=pad_id, return_dict_in_generate=True,
+                          output_logits=True)
+    return out.sequences[0, len(prompt):].tolist(), [x[0].float() for x in out.logits]
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tok, tmp_path_factory):
+    """(transformers Qwen2 model, our CausalLM loaded from its save_pretrained directory)."""
     from entrenar.formats import load_model
 
-    hf = make_hf_model(arch, seed=3, vocab_size=len(tok))
-    hf.save_pretrained(tmp_path)
-    ours = load_model(tmp_path, dtype=torch.float32)
+    hf = make_hf_model("qwen2", seed=3, vocab_size=len(tok))
+    d = tmp_path_factory.mktemp("tiny-qwen2")
+    hf.save_pretrained(d)
+    return hf, load_model(d, dtype=torch.float32)
+
+
+def test_greedy_matches_transformers_tiny(tok, tiny_pair):
+    hf, ours = tiny_pair
     prompt = tok.encode(PROMPT)
-    result = generate(ours, tok, prompt, 20, stop_ids=[])
-    with torch.no_grad():
-        ref = hf.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False, eos_token_id=None,
-                          pad_token_id=tok.pad_id, min_new_tokens=20)
-    assert result.token_ids == ref[0, len(prompt):].tolist()
+    ref_ids, ref_logits = _hf_greedy(hf, prompt, 16, tok.pad_id)
+    result = generate(ours, tok, prompt, 16, stop_ids=[], keep_logits=True)
+    assert result.token_ids == ref_ids
+    errs = [rel_l2(a, b) for a, b in zip(result.step_logits, ref_logits)]
+    assert len(errs) == 16 and max(errs) <= 1e-5, errs
+
+
+def test_decode_position_mutation_is_caught(tok, tiny_pair, monkeypatch):
+    """Mutation: decoding steps ignore the cache length, so every new token sits at position 0."""
+    hf, ours = tiny_pair
+    prompt = tok.encode(PROMPT)
+    _, ref_logits = _hf_greedy(hf, prompt, 6, tok.pad_id)
+    monkeypatch.setattr(KVCache, "length", property(lambda self: 0))
+    result = generate(ours, tok, prompt, 6, stop_ids=[], keep_logits=True)
+    errs = [rel_l2(a, b) for a, b in zip(result.step_logits, ref_logits)]
+    assert errs[0] <= 1e-5 and max(errs[1:]) > 1e-3, errs
 
 
 # ---- stopping, streaming, sampling ---------------------------------------------------------------
