@@ -44,6 +44,7 @@ MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is l
 INVALID_REASONS = ("malformed_json", "not_an_object", "unknown_format", "unknown_role", "empty_content",
                    "no_assistant_message", "not_ending_with_assistant")
 LENGTH_REASONS = ("prompt_too_long", "response_truncated")
+TEMPLATE_REASONS = ("no_assistant_tokens",)
 
 
 class ChatEncoder(Protocol):
@@ -169,10 +170,14 @@ def shifted_labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return labels
 
 
-def eot_trained(example: SFTExample, eot_id: int) -> bool:
-    """True when the sample's last trained token (the final assistant turn's end) is the end-of-turn id."""
-    trained = np.nonzero(example.labels != IGNORE_INDEX)[0]
-    return bool(len(trained)) and int(example.labels[trained[-1]]) == eot_id
+def eot_trained(example: SFTExample, eot_id: int, assistant_turns: int) -> bool:
+    """True when every assistant turn is one run of labels that ends with the end-of-turn id.
+
+    This also catches an assistant mask on the wrong tokens (a run that is not a turn, a turn
+    without its end-of-turn), which would train the model on text it should only read.
+    """
+    runs = assistant_runs(example.labels != IGNORE_INDEX)
+    return len(runs) == assistant_turns and all(int(example.labels[end - 1]) == eot_id for _, end in runs)
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -267,11 +272,13 @@ class DataReport:
                 exit_code=2, details=self.to_dict())
         if self.eot_trained != self.kept_untruncated:
             raise GuardError(
-                "GUARD-DATA", f"{where}: the end-of-turn token is not a label in "
-                f"{self.kept_untruncated - self.eot_trained} of {self.kept_untruncated} untruncated samples "
-                f"(lines {self.eot_not_trained_lines}); the model would never learn to stop.",
-                "The chat template's assistant mask must include the end-of-turn token, and padding must "
-                "be masked by position, never by comparing ids with pad_id (pad may equal eos).",
+                "GUARD-DATA", f"{where}: in {self.kept_untruncated - self.eot_trained} of "
+                f"{self.kept_untruncated} untruncated samples (lines {self.eot_not_trained_lines}) the labels "
+                f"are not exactly the assistant turns each ending with its end-of-turn token; the model "
+                f"would not learn to stop, or would learn text it should only read.",
+                "The chat template's assistant mask must cover each assistant turn through its end-of-turn "
+                "token (check the tokenizer's assistant spans), and padding must be masked by position, "
+                "never by comparing ids with pad_id (pad may equal eos).",
                 exit_code=2, details=self.to_dict())
 
     def summary_lines(self) -> list[str]:
@@ -321,7 +328,8 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         raise InputError(f"{path}: no such file (SFT data is a JSONL file)")
     eot_id = int(tokenizer.eot_id)
     report = DataReport(str(path), max_seq_len, truncation,
-                        tokenizer=getattr(tokenizer, "name", None) or type(tokenizer).__name__)
+                        tokenizer=str(getattr(tokenizer, "name", None) or getattr(tokenizer, "source", None)
+                                      or type(tokenizer).__name__))
     examples: list[SFTExample] = []
     logged: dict[str, int] = {}
 
@@ -348,13 +356,20 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
             warn(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
             continue
 
-        enc = tokenizer.encode_chat(messages)
+        try:
+            enc = tokenizer.encode_chat(messages)
+        except InputError as e:  # the chat template rejected this conversation
+            raise InputError(f"{where}: {e}") from e
         ids = np.asarray(enc.ids, dtype=np.int64)
         mask = np.asarray(enc.assistant_mask, dtype=bool)
         assert len(ids) == len(mask), "encode_chat: ids and assistant_mask differ in length"
         trained = np.nonzero(mask)[0]
-        # A validated row has assistant content, so an empty mask is a chat-template bug, not bad data.
-        assert len(trained), f"{where}: the chat template marked no assistant tokens"
+        if not len(trained):  # a validated row has assistant content: the template/tokenizer lost it
+            report.skip("no_assistant_tokens")
+            warn("no_assistant_tokens", f"{where}: the chat template marked no assistant tokens in this "
+                                        f"sample ({len(ids)} tokens); sample SKIPPED. Remedy: check that "
+                                        f"the model's chat template writes assistant content verbatim.")
+            continue
         prompt_len, end = int(trained[0]), int(trained[-1]) + 1  # tokens after the last turn train nothing
         if prompt_len > report.longest_prompt_tokens:
             report.longest_prompt_tokens, report.longest_prompt_line = prompt_len, lineno
@@ -378,7 +393,7 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         ex = SFTExample(ids.astype(np.int32), shifted_labels(ids, mask), lineno, prompt_len, truncated)
         assert ex.loss_tokens > 0, f"{where}: a kept sample has no loss tokens"
         examples.append(ex)
-        report.add(ex, eot_trained(ex, eot_id))
+        report.add(ex, eot_trained(ex, eot_id, sum(m["role"] == "assistant" for m in messages)))
 
     for reason, n in logged.items():
         if n > MAX_LOGGED_WARNINGS:
@@ -489,7 +504,7 @@ class SFTLoader:
                 "num_examples": len(self.examples), "fingerprint": self.fingerprint}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
-        for key in ("kind", "pack", "batch_size", "max_seq_len", "num_examples", "fingerprint"):
+        for key in ("kind", "num_examples", "fingerprint"):
             if sd.get(key) != self.state_dict()[key]:
                 raise InputError(f"cannot resume the SFT loader: saved {key}={sd.get(key)!r}, now "
                                  f"{self.state_dict()[key]!r} (the data or batching changed since the "
