@@ -185,7 +185,7 @@ def test_all_prompts_too_long_is_guard_data_exit_2(smol, smol_dir, tmp_path, mon
 
 def test_too_many_skipped_is_guard_data(smol, tmp_path):
     long_system = text_of_tokens(smol, 100)
-    path = write_jsonl(tmp_path / "d.jsonl", [chat("hi", "hello", long_system)] * 2 + [chat("a", "b")])
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("hi", "hello", long_system)] * 2 + [chat("Question?", "Answer.")])
     with pytest.raises(GuardError) as err:
         load_sft(path, smol, 64)
     assert err.value.guard_id == "GUARD-DATA" and "--max-skip-fraction" in str(err.value)
@@ -266,7 +266,14 @@ def test_assistant_mask_off_the_turns_is_guard_data(smol, tmp_path, monkeypatch)
         last = max(i for i, m in enumerate(enc.assistant_mask) if m)
         return type(enc)(enc.ids, [m and i != last for i, m in enumerate(enc.assistant_mask)])
 
-    for mutation in (stray_mask, no_eot):
+    def span_in_system_prompt(self, messages, add_generation_prompt=False):
+        # The shape of a real span bug: a short answer "found" inside the system prompt, so the
+        # system prompt's tail + its end-of-turn are trained and the answer is not.
+        enc = real_encode_chat(self, messages, add_generation_prompt)
+        first_eot = enc.ids.index(self.eot_id)
+        return type(enc)(enc.ids, [first_eot - 3 <= i <= first_eot for i in range(len(enc.ids))])
+
+    for mutation in (stray_mask, no_eot, span_in_system_prompt):
         monkeypatch.setattr(type(smol), "encode_chat", mutation)
         with pytest.raises(GuardError) as err:
             load_sft(path, smol, 256)
@@ -275,7 +282,7 @@ def test_assistant_mask_off_the_turns_is_guard_data(smol, tmp_path, monkeypatch)
 
 def test_truncation_policy_is_explicit_and_counted(smol, tmp_path):
     answer = text_of_tokens(smol, 60)
-    path = write_jsonl(tmp_path / "d.jsonl", [chat("hi", answer), chat("a", "b")])
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("hi", answer), chat("Question?", "Answer.")])
     with pytest.raises(GuardError):  # 1 of 2 skipped is fine, but not with max_skip_fraction 0.4
         load_sft(path, smol, 40, max_skip_fraction=0.4)
     _, report = load_sft(path, smol, 40, truncation="skip")
@@ -322,7 +329,7 @@ MALFORMED = [
 @pytest.mark.parametrize("row,message,reason", MALFORMED, ids=[m[2] + str(i) for i, m in enumerate(MALFORMED)])
 def test_malformed_row_exit_2_with_file_and_line(row, message, reason, smol_dir, tmp_path, capsys, monkeypatch,
                                                  caplog):
-    path = write_jsonl(tmp_path / "bad.jsonl", [chat("hi", "hello"), row, chat("a", "b")])
+    path = write_jsonl(tmp_path / "bad.jsonl", [chat("hi", "hello"), row, chat("Question?", "Answer.")])
     rc = main(["data", "check", "--model", smol_dir, "--data", path, "--max-seq-len", "64"])
     err = capsys.readouterr().err
     assert rc == 2
@@ -353,7 +360,7 @@ def test_missing_and_empty_files_exit_2(smol_dir, tmp_path, capsys):
 
 
 def test_data_check_report_numbers(smol, smol_dir, tmp_path, capsys):
-    path = write_jsonl(tmp_path / "d.jsonl", [chat("hi", "hello"), chat("a", "b c d")])
+    path = write_jsonl(tmp_path / "d.jsonl", [chat("hi", "hello"), chat("Question?", "b c d")])
     rc = main(["data", "check", "--model", smol_dir, "--data", path, "--max-seq-len", "64", "--json"])
     captured = capsys.readouterr()
     assert rc == 0

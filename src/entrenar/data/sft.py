@@ -170,14 +170,23 @@ def shifted_labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return labels
 
 
-def eot_trained(example: SFTExample, eot_id: int, assistant_turns: int) -> bool:
-    """True when every assistant turn is one run of labels that ends with the end-of-turn id.
+def eot_trained(example: SFTExample, eot_id: int, assistant_contents: Sequence[str],
+                decode: Any = None) -> bool:
+    """True when the labels are exactly the assistant turns, each one run ending with end-of-turn.
 
-    This also catches an assistant mask on the wrong tokens (a run that is not a turn, a turn
-    without its end-of-turn), which would train the model on text it should only read.
+    With ``decode`` each run's text must also be its turn's content, which catches an assistant
+    mask on the wrong tokens (e.g. a span located inside the system prompt) that would train the
+    model on text it should only read while its own answer goes untrained.
     """
     runs = assistant_runs(example.labels != IGNORE_INDEX)
-    return len(runs) == assistant_turns and all(int(example.labels[end - 1]) == eot_id for _, end in runs)
+    if len(runs) != len(assistant_contents):
+        return False
+    for (start, end), content in zip(runs, assistant_contents):
+        if int(example.labels[end - 1]) != eot_id:
+            return False
+        if decode is not None and decode(example.labels[start:end - 1].tolist()).strip() != content.strip():
+            return False
+    return True
 
 
 # ---- report ----------------------------------------------------------------------------------------
@@ -393,7 +402,8 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         ex = SFTExample(ids.astype(np.int32), shifted_labels(ids, mask), lineno, prompt_len, truncated)
         assert ex.loss_tokens > 0, f"{where}: a kept sample has no loss tokens"
         examples.append(ex)
-        report.add(ex, eot_trained(ex, eot_id, sum(m["role"] == "assistant" for m in messages)))
+        contents = [m["content"] for m in messages if m["role"] == "assistant"]
+        report.add(ex, not truncated and eot_trained(ex, eot_id, contents, getattr(tokenizer, "decode", None)))
 
     for reason, n in logged.items():
         if n > MAX_LOGGED_WARNINGS:
