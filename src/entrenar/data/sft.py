@@ -419,7 +419,7 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
 class SFTLoader:
     """Batches of SFT examples: padded (one sample per row) or packed (several per row).
 
-    Packed rows carry ``doc_ids`` (0, 1, ... per sample; padding its own id) so attention stays inside
+    Packed rows carry ``doc_ids`` (0, 1, ... per sample; padding -1) so attention stays inside
     each sample, and ``position_ids`` restarting at 0 per sample. ``batch_size`` is samples per batch
     when padded and rows (of up to ``max_seq_len`` tokens) per batch when packed. Padding is always
     masked by position (labels -100), never by comparing ids with ``pad_id``.
@@ -565,7 +565,7 @@ def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int) -> dict[st
             position_ids[b, at:at + n] = torch.arange(n)
             sample_ids.append(ex.line)
             at += n
-        doc_ids[b, at:] = len(row)  # padding is a document of its own: no sample attends to it
+        doc_ids[b, at:] = -1  # padding is a document of its own (-1): no sample attends to it
         position_ids[b, at:] = torch.arange(T - at)
     return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids, "position_ids": position_ids,
             "sample_ids": sample_ids}
