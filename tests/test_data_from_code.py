@@ -1,0 +1,113 @@
+"""`entrenar data sft-from-code`: docstring -> function pairs from Python source."""
+
+from __future__ import annotations
+
+import json
+import textwrap
+
+from entrenar.cli import main
+from entrenar.data.from_code import sft_from_code
+from entrenar.data.sft import row_to_messages
+
+MODULE = textwrap.dedent('''
+    """Module docstring (not a function)."""
+    import functools
+
+
+    def documented(x: int, y: int = 2) -> int:
+        """Add x and y.
+
+        Returns their sum.
+        """
+        return x + y
+
+
+    def undocumented(a):
+        return a
+
+
+    class Box:
+        """A box."""
+
+        @functools.lru_cache
+        def size(self, *, scale=1.0):
+            """The box's size, scaled."""
+            text = """
+    not indented"""
+            return len(text) * scale
+
+        def stub(self):
+            """Subclasses implement this."""
+            raise NotImplementedError
+
+        async def fetch(self, url):
+            """Fetch url."""
+            return url
+''')
+
+
+def make_tree(root):
+    (root / "pkg" / "sub").mkdir(parents=True)
+    (root / "pkg" / "mod.py").write_text(MODULE)
+    (root / "pkg" / "sub" / "a.py").write_text('def first():\n    """First."""\n    return 1\n')
+    (root / "pkg" / "broken.py").write_text("def nope(:\n    pass\n")
+    (root / "pkg" / "__pycache__").mkdir()
+    (root / "pkg" / "__pycache__" / "x.py").write_text('def cached():\n    """Cached."""\n    return 0\n')
+    (root / "pkg" / "site-packages").mkdir()
+    (root / "pkg" / "site-packages" / "third.py").write_text('def third():\n    """Third."""\n    return 3\n')
+    return root / "pkg"
+
+
+def read_rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_rows_for_documented_functions_in_order(tmp_path):
+    pkg = make_tree(tmp_path)
+    stats = sft_from_code([str(pkg)], tmp_path / "out.jsonl")
+    rows = read_rows(tmp_path / "out.jsonl")
+    assert [r["source"] for r in rows] == ["pkg/mod.py:6", "pkg/mod.py:22", "pkg/mod.py:32", "pkg/sub/a.py:1"]
+    assert stats["files"] == 3 and stats["files_unparsable"] == 1 and "broken.py" in stats["unparsable"][0]
+    assert stats["functions"] == 6 and stats["functions_with_docstring"] == 5 and stats["stubs_skipped"] == 1
+    assert stats["rows"] == 4
+    first = rows[0]["messages"]
+    assert [m["role"] for m in first] == ["user", "assistant"]
+    assert "def documented(x: int, y: int=2) -> int:" in first[0]["content"]
+    assert '"""Add x and y.\n\n    Returns their sum.\n    """' in first[0]["content"]
+    assert first[1]["content"] == ('def documented(x: int, y: int = 2) -> int:\n    """Add x and y.\n\n'
+                                   '    Returns their sum.\n    """\n    return x + y\n')
+    method = rows[1]["messages"]
+    assert "method of the class `Box`" in method[0]["content"]
+    # decorators kept, indentation removed, a less-indented string continuation kept as written
+    assert method[1]["content"].startswith("@functools.lru_cache\ndef size(self, *, scale=1.0):\n")
+    assert '\nnot indented"""\n' in method[1]["content"]
+    assert rows[2]["messages"][1]["content"].startswith("async def fetch(self, url):")
+    for r in rows:  # every row is valid SFT input
+        row_to_messages(r)
+
+
+def test_deterministic_and_system_prompt(tmp_path, capsys):
+    pkg = make_tree(tmp_path)
+    sft_from_code([str(pkg)], tmp_path / "a.jsonl")
+    sft_from_code([str(pkg)], tmp_path / "b.jsonl")
+    assert (tmp_path / "a.jsonl").read_bytes() == (tmp_path / "b.jsonl").read_bytes()
+    (tmp_path / "system.txt").write_text("You are a careful Python programmer. " * 200)
+    rc = main(["data", "sft-from-code", "--out", str(tmp_path / "c.jsonl"), "--system-prompt-file",
+               str(tmp_path / "system.txt"), "--exclude", "sub/*", "--json", str(pkg)])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["rows"] == 3 and out["files_unparsable"] == 1
+    rows = read_rows(tmp_path / "c.jsonl")
+    assert all(r["messages"][0] == {"role": "system", "content": (tmp_path / "system.txt").read_text()}
+               for r in rows)
+
+
+def test_bad_inputs_exit_2(tmp_path, capsys):
+    assert main(["data", "sft-from-code", "--out", str(tmp_path / "o.jsonl"), str(tmp_path / "none")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "x.py").write_text("x = 1\n")
+    assert main(["data", "sft-from-code", "--out", str(tmp_path / "o.jsonl"), str(tmp_path / "empty")]) == 2
+    assert "no documented functions" in capsys.readouterr().err
+    assert not (tmp_path / "o.jsonl").exists()
+    assert main(["data", "sft-from-code", "--out", str(tmp_path / "o.jsonl"), "--system-prompt-file",
+                 str(tmp_path / "missing.txt"), str(tmp_path / "empty")]) == 2
