@@ -36,8 +36,18 @@ NF4_LEVELS = (
 )
 
 
+_TABLES: dict[torch.device, torch.Tensor] = {}
+
+
 def nf4_table(device: torch.device | str = "cpu") -> torch.Tensor:
-    return torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+    """The 16 levels (fp32) on ``device``; cached, so a CUDA forward does no host-to-device copy."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    table = _TABLES.get(device)
+    if table is None:
+        table = _TABLES[device] = torch.tensor(NF4_LEVELS, dtype=torch.float32, device=device)
+    return table
 
 
 @dataclass
