@@ -26,7 +26,7 @@ def test_verify_packaged_fp32(name, request):
     assert probe[0].length < 32 and probe[1].length == 64
     rep = verify_model(model, probe=probe, against="reference", meta={"model": name})
     assert rep["ok"] and rep["exit_code"] == 0, format_report(rep)
-    assert rep["grads"]["ok"] and len(rep["grads"]["groups"]) == 3 * model.cfg.num_layers + 2
+    assert rep["grads"]["ok"] and len(rep["grads"]["groups"]) == 3 * model.cfg.num_layers + 2 + (model.lm_head is not None)
     for s in rep["sequences"]:
         assert s["ce_ref"] < 8.0  # a real pretrained model on real text, far below ln(vocab) ~ 11
     hf = hf_from_source(resolve_model(name))

@@ -375,7 +375,7 @@ def hf_from_source(path: Any) -> Any:
                                                                dtype=torch.float32)
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    return hf.float().eval()
+    return hf.eval()  # GGUF: transformers dequantized to float32 itself (and refuses .float())
 
 
 # ---- comparisons -----------------------------------------------------------------------------
