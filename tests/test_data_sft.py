@@ -273,6 +273,15 @@ def test_assistant_mask_off_the_turns_is_guard_data(smol, tmp_path, monkeypatch)
         first_eot = enc.ids.index(self.eot_id)
         return type(enc)(enc.ids, [first_eot - 3 <= i <= first_eot for i in range(len(enc.ids))])
 
+    def double_bos(self, messages, add_generation_prompt=False):
+        enc = real_encode_chat(self, messages, add_generation_prompt)
+        return type(enc)([self.bos_id, self.bos_id] + enc.ids[1:], [False] + enc.assistant_mask)
+
+    with monkeypatch.context() as m:
+        m.setattr(type(smol), "encode_chat", double_bos)
+        with pytest.raises(GuardError, match="BOS twice"):
+            load_sft(path, smol, 256)
+
     for mutation in (stray_mask, no_eot, span_in_system_prompt):
         monkeypatch.setattr(type(smol), "encode_chat", mutation)
         with pytest.raises(GuardError) as err:

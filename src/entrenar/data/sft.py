@@ -204,6 +204,7 @@ class DataReport:
     kept_untruncated: int = 0
     eot_trained: int = 0
     eot_not_trained_lines: list[int] = field(default_factory=list)
+    double_bos_lines: list[int] = field(default_factory=list)
     loss_tokens_total: int = 0
     loss_tokens_min: int | None = None
     loss_tokens_max: int | None = None
@@ -254,7 +255,7 @@ class DataReport:
             "skipped_total": self.skipped_total, "skipped": dict(sorted(self.skipped.items())),
             "skip_fraction": round(self.skip_fraction, 6), "truncated_kept": self.truncated_kept,
             "kept_untruncated": self.kept_untruncated, "eot_trained": self.eot_trained,
-            "eot_not_trained_lines": self.eot_not_trained_lines,
+            "eot_not_trained_lines": self.eot_not_trained_lines, "double_bos_lines": self.double_bos_lines,
             "loss_tokens": {"total": self.loss_tokens_total, "min": self.loss_tokens_min,
                             "mean": None if mean is None else round(mean, 3), "max": self.loss_tokens_max},
             "tokens_total": self.tokens_total,
@@ -279,6 +280,12 @@ class DataReport:
                 f"{max_skip_fraction} (reasons {reasons}).",
                 _remedy(self.skipped) + " Or raise --max-skip-fraction if this is intended.",
                 exit_code=2, details=self.to_dict())
+        if self.double_bos_lines:
+            raise GuardError(
+                "GUARD-DATA", f"{where}: samples start with BOS twice (lines {self.double_bos_lines}); the "
+                f"chat template writes a BOS and the tokenizer adds another.",
+                "Use a tokenizer whose add-BOS rule matches its chat template (encode_chat must not add a "
+                "second BOS).", exit_code=2, details=self.to_dict())
         if self.eot_trained != self.kept_untruncated:
             raise GuardError(
                 "GUARD-DATA", f"{where}: in {self.kept_untruncated - self.eot_trained} of "
@@ -397,6 +404,10 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
                  f"skipped (--truncation skip). Remedy: raise --max-seq-len to {end}, or --truncation keep "
                  f"to train the cut response.")
             continue
+        bos_id = getattr(tokenizer, "bos_id", None)
+        if bos_id is not None and len(ids) > 1 and ids[0] == ids[1] == bos_id \
+                and len(report.double_bos_lines) < MAX_LOGGED_WARNINGS:
+            report.double_bos_lines.append(lineno)
         end = min(end, max_seq_len)
         ids, mask = ids[:end], mask[:end]
         ex = SFTExample(ids.astype(np.int32), shifted_labels(ids, mask), lineno, prompt_len, truncated)
