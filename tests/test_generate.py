@@ -178,6 +178,16 @@ def test_sampling_is_reproducible_with_a_seed(tok):
     assert nucleus_of_one.token_ids == greedy.token_ids
 
 
+def test_unseeded_sampling_mutation_is_caught(tok, monkeypatch):
+    """Mutation: draw from the global RNG instead of the seeded generator -> runs differ."""
+    model = tiny_model(len(tok))
+    original = torch.multinomial
+    monkeypatch.setattr(torch, "multinomial", lambda probs, n, generator=None: original(probs, n))
+    runs = [generate(model, tok, tok.encode(PROMPT), 20, temperature=1.0, seed=1234, stop_ids=[]).token_ids
+            for _ in range(2)]
+    assert runs[0] != runs[1]
+
+
 def test_top_p_keeps_the_smallest_nucleus():
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     gen = torch.Generator().manual_seed(0)
@@ -257,6 +267,15 @@ def test_cli_bad_input_exits_2(tmp_path, capsys, case):
     expect = {"empty-prompt": "empty", "zero-new-tokens": "max-new-tokens", "template-raises": "takes no chat",
               "id-out-of-range": "out of range", "system-without-chat": "--chat"}[case]
     assert expect in err
+
+
+def test_id_range_check_mutation_is_caught(tmp_path, capsys, monkeypatch):
+    """Mutation: no tokenizer-side id check -> the model's own ValueError escapes (exit 1, traceback)."""
+    d = _tiny_dir(tmp_path, "small", model_vocab=len(tiny_tokenizer()) - 2)
+    monkeypatch.setattr(ChatTokenizer, "check_ids", lambda self, ids, vocab_size: None)
+    with pytest.raises(ValueError) as err:
+        cli_main(["generate", "--model", str(d), "--prompt", "hi <|im_end|>", "--json"])
+    assert not isinstance(err.value, InputError)
 
 
 def test_cli_exit_code_in_a_real_process(tmp_path):
