@@ -332,3 +332,9 @@ def test_auto_lr_rule():
     assert "r=256" in reason and "5e-05" in reason
     with pytest.raises(InputError):
         ep.auto_lr("lora", 0, False)
+
+
+def test_lm_head_is_not_a_target():
+    m = tiny_model(qwen=False, tie_word_embeddings=False)
+    with pytest.raises(InputError, match="lm_head"):
+        ep.apply_lora(m, rank=4, alpha=8, targets="lm_head")

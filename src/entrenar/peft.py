@@ -122,10 +122,12 @@ class LoRALinear(nn.Module):
 
 # ---- apply ----------------------------------------------------------------------------------
 def linear_layer_names(model: nn.Module) -> list[str]:
-    """The distinct last-component names of the model's linear layers (q_proj, ..., lm_head)."""
+    """The distinct last-component names of the linear layers inside the decoder layers (q_proj, ...).
+
+    The LM head is not a target: the loss reads ``model.head_weight`` directly (fused cross-entropy)."""
     names: list[str] = []
     for path, mod in model.named_modules():
-        if isinstance(mod, (nn.Linear, NF4Linear)) and ".lora_" not in path and not path.endswith(
+        if isinstance(mod, (nn.Linear, NF4Linear)) and ".layers." in f".{path}" and not path.endswith(
                 ("lora_A", "lora_B")):
             leaf = path.rsplit(".", 1)[-1]
             if leaf == "base_layer":
@@ -180,7 +182,7 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
     decoder = dict(_decoder_linears(model))
     wrapped = []
     for path, mod in list(model.named_modules()):
-        if not isinstance(mod, nn.Linear) or path.rsplit(".", 1)[-1] not in wanted:
+        if path not in decoder or path.rsplit(".", 1)[-1] not in wanted:
             continue
         base: nn.Module = NF4Linear(mod) if quantize_nf4 and path in decoder else mod
         _set_module(model, path, LoRALinear(base, rank, alpha, dropout, rslora))
