@@ -110,7 +110,9 @@ class ModelConfig:
             rope_theta=self.rope_theta,
             rope_scaling=self.rope_scaling,
             # transformers >= 5 reads rope_parameters; the legacy keys above serve older versions
-            rope_parameters={"rope_type": "default", **(self.rope_scaling or {}),
+            rope_parameters={**{k: v for k, v in (self.rope_scaling or {}).items() if k != "type"},
+                             "rope_type": (self.rope_scaling or {}).get(
+                                 "rope_type", (self.rope_scaling or {}).get("type", "default")),
                              "rope_theta": self.rope_theta},
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
