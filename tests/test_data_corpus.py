@@ -116,16 +116,39 @@ def test_pack_is_deterministic_and_splits_by_document(tmp_path):
         stream(tmp_path / "m1", "val").tolist() != stream(tmp_path / "m2", "val").tolist()
 
 
-def test_big_text_files_stream_in_chunks_with_the_same_tokens(tmp_path, monkeypatch):
+def byte_level_bpe(texts: list[str]) -> Tokenizer:
+    from tokenizers import decoders, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(texts, trainers.BpeTrainer(vocab_size=400, special_tokens=["<s>", "</s>"],
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    return tok
+
+
+def test_big_text_files_stream_in_pieces_with_the_same_tokens(tmp_path, monkeypatch):
+    """Files larger than BIG_DOC_BYTES are read in blocks and encoded in pieces, cut only after a
+    newline followed by a letter: the tokens equal whole-text encoding (byte-level BPE, indented code)."""
+    import inspect
+
+    source = inspect.getsource(corpus) + "\n\n    indented\n\tx  \n  \n\n" + inspect.getsource(json)
     tok = WordTokenizer()
-    lines = [" ".join(WORDS[(i * 7 + j) % 40] for j in range(9)) for i in range(400)]
-    (tmp_path / "big.txt").write_text("\n".join(lines))  # no final newline
-    whole = pack([str(tmp_path / "big.txt")], tok, tmp_path / "whole")
+    tok.tokenizer = byte_level_bpe([source])
+    tok.eos_id = tok.tokenizer.token_to_id("</s>")
+    (tmp_path / "big.py").write_text(source)
+    whole = tok.tokenizer.encode(source).ids + [tok.eos_id]
     monkeypatch.setattr(corpus, "BIG_DOC_BYTES", 1000)
-    streamed = pack([str(tmp_path / "big.txt")], tok, tmp_path / "streamed")
-    assert streamed["documents"] == whole["documents"] == 1
-    assert stream(tmp_path / "streamed", "train").tolist() == stream(tmp_path / "whole", "train").tolist()
-    assert streamed["source_sha256"] == whole["source_sha256"]
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 300)
+    assert len(corpus.split_safely(source, 300)) > 5
+    streamed = pack([str(tmp_path / "big.py")], tok, tmp_path / "streamed")
+    assert streamed["documents"] == 1
+    assert stream(tmp_path / "streamed", "train").tolist() == whole
+    # Mutation: cutting after any newline (not only before a letter) splits "\n" + indentation.
+    monkeypatch.setattr(corpus, "_SAFE_CUT", __import__("re").compile(r"\n"))
+    monkeypatch.setattr(corpus, "_SAFE_CUT_BYTES", __import__("re").compile(rb"\n"))
+    pack([str(tmp_path / "big.py")], tok, tmp_path / "mutated")
+    assert stream(tmp_path / "mutated", "train").tolist() != whole
 
 
 def test_pack_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys, monkeypatch):

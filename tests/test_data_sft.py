@@ -387,3 +387,19 @@ def test_load_sft_rejects_bad_arguments(smol, tmp_path):
         load_sft(path, smol, 64, truncation="clip")
     with pytest.raises(InputError, match="--max-seq-len"):
         load_sft(path, smol, 1)
+
+
+def test_safe_cuts_keep_real_tokenization(tok):
+    """pack encodes long texts in pieces cut after a newline followed by a letter; with the real
+    byte-level tokenizers that gives exactly the tokens of the whole text."""
+    import inspect
+    import sysconfig
+    from pathlib import Path
+
+    from entrenar.data import corpus
+
+    license_text = (Path(sysconfig.get_paths()["stdlib"]) / "LICENSE.txt").read_text()
+    text = inspect.getsource(json.decoder) + license_text + "x')\n\n\nclass A:\n  \n\tpass\n" + license_text
+    pieces = corpus.split_safely(text, 500)
+    assert len(pieces) > 20 and "".join(pieces) == text
+    assert [t for p in pieces for t in tok.encode(p, add_special=False)] == tok.encode(text, add_special=False)

@@ -18,6 +18,7 @@ import glob
 import hashlib
 import json
 import os
+import re
 import shutil
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -33,8 +34,17 @@ FORMAT = "entrenar-token-shards-v1"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 / 256 MiB uint32 per shard
-ENCODE_BATCH_CHARS = 1 << 22  # encode ~4 MB of text at a time
-BIG_DOC_BYTES = 1 << 23  # text files larger than this are streamed and encoded in line-aligned chunks
+# Memory is bounded by these (tokenizers needs ~40x the text size while encoding): ~100 MB peak.
+ENCODE_BATCH_CHARS = 1 << 20  # encode ~1 MB of text per call (parallel over its pieces)
+PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces of about this size ...
+BIG_DOC_BYTES = 1 << 20  # ... and a text file larger than this is read in blocks of this size
+# ... cut only after a single newline between a non-space character and an ASCII letter: the
+# byte-level BPE pre-tokenizers (GPT-2/SmolLM split whitespace runs, Qwen2 glues newlines to the
+# punctuation before them) never join a token across such a point, so the pieces encode to exactly
+# the tokens of the whole text (tested with both packaged tokenizers).
+MAX_GROWTH = 16  # how far past its size a block may grow looking for a safe cut
+_SAFE_CUT = re.compile(r"(?<=\S)\n(?=[A-Za-z])")
+_SAFE_CUT_BYTES = re.compile(rb"(?<=\S)\n(?=[A-Za-z])")
 IGNORE_INDEX = -100
 
 
@@ -100,22 +110,50 @@ def iter_jsonl_texts(path: Path, source_hash: Any) -> Iterator[str]:
             yield row["text"]
 
 
-def iter_text_chunks(path: Path, source_hash: Any, chunk_bytes: int) -> Iterator[str]:
-    """A text file in line-aligned pieces of about ``chunk_bytes`` (a cut at a newline byte is
-    always a UTF-8 character boundary)."""
+def iter_text_blocks(path: Path, source_hash: Any, block_bytes: int) -> Iterator[str]:
+    """A text file in blocks of about ``block_bytes`` cut at safe points (see _SAFE_CUT); a block
+    with no safe point grows until one comes (or the file ends)."""
     carry = b""
     with open(path, "rb") as f:
-        while block := f.read(chunk_bytes):
+        while block := f.read(block_bytes):
             source_hash.update(block)
             block = carry + block
-            cut = block.rfind(b"\n") + 1
-            if cut == 0:
+            cut = _last_safe_cut(block, _SAFE_CUT_BYTES)
+            if cut is None and len(block) > MAX_GROWTH * block_bytes:
+                # No safe point in 16 blocks (minified text?): bound memory, cut after a newline or
+                # space (tokens may differ from whole-file encoding right at this cut).
+                cut = max(block.rfind(b"\n"), block.rfind(b" ")) + 1 or None
+            if cut is None:
                 carry = block
                 continue
             carry = block[cut:]
-            yield _decode(block[:cut], str(path))
+            yield _decode(block[:cut], str(path))  # a cut after b"\n" is a UTF-8 character boundary
     if carry:
         yield _decode(carry, str(path))
+
+
+def _last_safe_cut(data: Any, pattern: re.Pattern, start: int = 0, end: int | None = None) -> int | None:
+    last = None
+    for m in pattern.finditer(data, start, len(data) if end is None else end):
+        last = m.end()
+    return last
+
+
+def split_safely(text: str, piece_chars: int) -> list[str]:
+    """Pieces of about piece_chars, cut only at safe points; a text without one stays whole."""
+    pieces, start = [], 0
+    while len(text) - start > piece_chars:
+        window_end = start + piece_chars
+        cut = _last_safe_cut(text, _SAFE_CUT, start + 1, window_end)
+        if cut is None:  # no safe point in this window: take the next one (blocks bound the size)
+            m = _SAFE_CUT.search(text, window_end)
+            if m is None:
+                break
+            cut = m.end()
+        pieces.append(text[start:cut])
+        start = cut
+    pieces.append(text[start:])
+    return pieces
 
 
 def _doc_in_val(text: str, seed: int, val_fraction: float) -> bool:
@@ -129,7 +167,8 @@ def _batch_encoder(tokenizer: TextEncoder) -> Callable[[list[str]], list[list[in
     """Plain encoding (no special tokens) of many texts; tokenizers' parallel batch path when there."""
     inner = getattr(tokenizer, "tokenizer", None)
     if inner is not None and hasattr(inner, "encode_batch"):
-        return lambda texts: [e.ids for e in inner.encode_batch(texts, add_special_tokens=False)]
+        batch = getattr(inner, "encode_batch_fast", inner.encode_batch)  # fast: no offsets, less memory
+        return lambda texts: [e.ids for e in batch(texts, add_special_tokens=False)]
     return lambda texts: [tokenizer.encode(t, add_special=False) for t in texts]
 
 
@@ -227,7 +266,7 @@ def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fra
         writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
         source_hash = hashlib.sha256()
         empty_docs = 0
-        pending: list[tuple[str, str]] = []  # (split, text) waiting for one batched encode
+        pending: list[tuple[str, list[str]]] = []  # (split, pieces) waiting for one batched encode
         pending_chars = 0
 
         def checked(ids: list[int]) -> np.ndarray:
@@ -238,21 +277,36 @@ def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fra
 
         def flush() -> None:
             nonlocal pending_chars
-            for (split, _), ids in zip(pending, encode_batch([t for _, t in pending])):
+            encoded = iter(encode_batch([p for _, pieces in pending for p in pieces]))
+            for split, pieces in pending:
                 writers[split].start_document()
-                writers[split].write(checked(bos + ids + eos))
+                writers[split].write(checked(bos + [t for _ in pieces for t in next(encoded)] + eos))
             pending.clear()
             pending_chars = 0
 
-        def add_small(text: str) -> None:
+        def add_document(text: str) -> None:
             nonlocal pending_chars, empty_docs
             if not text.strip():
                 empty_docs += 1
                 return
-            pending.append(("val" if _doc_in_val(text, seed, val_fraction) else "train", text))
+            pending.append(("val" if _doc_in_val(text, seed, val_fraction) else "train",
+                            split_safely(text, PIECE_CHARS)))
             pending_chars += len(text)
             if pending_chars >= ENCODE_BATCH_CHARS:
                 flush()
+
+        def add_big_file(path: Path) -> None:
+            """One document read block by block; its split is decided by its first block."""
+            flush()
+            writer = None
+            for block in iter_text_blocks(path, source_hash, BIG_DOC_BYTES):
+                if writer is None:
+                    writer = writers["val" if _doc_in_val(block, seed, val_fraction) else "train"]
+                    writer.start_document()
+                    writer.write(checked(bos))
+                for ids in encode_batch(split_safely(block, PIECE_CHARS)):
+                    writer.write(checked(ids))
+            writer.write(checked(eos))
 
         from tqdm import tqdm
 
@@ -263,21 +317,13 @@ def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fra
                 source_hash.update(size.to_bytes(8, "little"))
                 if path.suffix == ".jsonl":
                     for text in iter_jsonl_texts(path, source_hash):
-                        add_small(text)
+                        add_document(text)
                 elif size <= BIG_DOC_BYTES:
                     data = path.read_bytes()
                     source_hash.update(data)
-                    add_small(_decode(data, str(path)))
-                else:  # one big document, streamed; its split is decided by its first piece
-                    flush()
-                    writer = None
-                    for piece in iter_text_chunks(path, source_hash, BIG_DOC_BYTES):
-                        if writer is None:
-                            writer = writers["val" if _doc_in_val(piece, seed, val_fraction) else "train"]
-                            writer.start_document()
-                            writer.write(checked(bos))
-                        writer.write(checked(encode_batch([piece])[0]))
-                    writer.write(checked(eos))
+                    add_document(_decode(data, str(path)))
+                else:
+                    add_big_file(path)
                 bar.update(size)
             flush()
         splits = {s: w.close() for s, w in writers.items()}
