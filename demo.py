@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parent
 OUT = Path(os.environ.get("DEMO_DIR", ROOT / "demo-out"))  # ignored by git
 STDLIB = Path(os.__file__).parent
 MODEL = "smollm2-135m-instruct"
-STEPS = int(os.environ.get("DEMO_STEPS", "40"))
+STEPS = int(os.environ.get("DEMO_STEPS", "30"))
 ENTRENAR = [sys.executable, "-m", "entrenar"]
 
 
@@ -74,8 +74,8 @@ def main() -> None:
     run = OUT / "run"
     ft = entrenar("finetune", "--model", MODEL, "--data", str(OUT / "train.jsonl"), "--val", str(OUT / "val.jsonl"),
                   "--out", str(run), "--mode", "full", "--max-seq-len", "512", "--steps", str(STEPS),
-                  "--batch-size", "2", "--lr", "5e-5", "--warmup", "4", "--eval-every", str(max(1, STEPS // 2)),
-                  "--eval-batches", "0", "--save-every", str(max(1, STEPS // 2)), "--keep", "1")
+                  "--batch-size", "2", "--lr", "5e-5", "--warmup", "4", "--eval-every", str(max(1, STEPS // 3)),
+                  "--eval-batches", "0", "--keep", "1")
     pre = json.loads((run / "preflight.json").read_text())
     verify = pre.get("verify", {})
     if verify.get("sequences"):
@@ -121,7 +121,10 @@ def main() -> None:
     print(f"eval loss on {len(val)} held-out functions: before {before['loss']:.4f} (ppl {before['ppl']:.2f}) -> "
           f"after {after['loss']:.4f} (ppl {after['ppl']:.2f})")
     print(f"train loss, mean of first 5 steps {first:.4f} -> last 5 steps {last:.4f}")
-    print(f"training throughput {ft['tok_s']:,.0f} tokens/s on the CPU; {ft['steps']} steps, {ft['tokens']} tokens")
+    evals = [json.loads(line) for line in (run / "eval.jsonl").read_text().splitlines()]
+    print("eval loss during fine-tuning: " + ", ".join(f"step {e['step']} {e['loss']:.4f}" for e in evals))
+    print(f"training throughput {ft['tok_s']:,.0f} tokens/s on the CPU (time in steps; {ft['steps']} steps, "
+          f"{ft['tokens']} tokens, {ft['seconds']:.0f}s in the loop incl. evals and the checkpoint)")
     print(f"curves: {plot['out']}; model: {run / 'final'}; total demo time {time.time() - t_start:.0f}s")
 
 

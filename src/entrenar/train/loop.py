@@ -268,7 +268,7 @@ def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Trai
     peak = peak_flops(device, cfg.dtype)
     flops_per_token = model.cfg.flops_per_token(cfg.seq_len)
     progress = Progress(cfg.steps, start_step, progress_stream, cfg.log_every)
-    t_train, tokens_at_start = time.perf_counter(), tokens
+    t_train, tokens_at_start, step_seconds = time.perf_counter(), tokens, 0.0
     last_loss = float("nan")
     try:
         for step in range(start_step + 1, cfg.steps + 1):
@@ -314,6 +314,7 @@ def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Trai
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             dt = time.perf_counter() - t0
+            step_seconds += dt
             tok_s = step_tokens / dt
             if not skip:
                 recent_losses.append(loss)
@@ -344,6 +345,8 @@ def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Trai
     if save_final is not None:
         save_final(model, run_dir / "final")
     return {"steps": cfg.steps, "start_step": start_step, "tokens": tokens, "final_train_loss": last_loss,
-            "tok_s": (tokens - tokens_at_start) / elapsed if elapsed > 0 else None,
+            # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
+            "tok_s": (tokens - tokens_at_start) / step_seconds if step_seconds > 0 else None,
+            "seconds": elapsed,
             "eval": eval_history, "counters": {**counters, "spikes": spikes.count},
             "run_dir": str(run_dir)}
