@@ -58,6 +58,8 @@ def test_finetune_smollm2_30_steps_loss_falls(tmp_path, short_sft, capsys):
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
     assert len(losses) == 30
     first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    print(f"\nfinetune smollm2: step-0 eval {result['eval_loss_start']:.4f}, final eval {result['eval_loss_final']:.4f}, "
+          f"train first10 {first:.4f} last10 {last:.4f}, {result['tok_s']:.0f} tok/s")
     assert last <= 0.9 * first, (first, last)
     assert result["counters"] == {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0,
                                   "spikes": 0}
@@ -82,5 +84,7 @@ def test_pretrain_tiny_from_scratch_200_steps(tmp_path, capsys):
     ln_v = math.log(49152)
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
     assert losses[0] > 0.95 * ln_v  # a random init starts at the uniform guess
+    print(f"\npretrain tiny: loss {losses[0]:.4f} -> last10 {sum(losses[-10:]) / 10:.4f} (0.6 ln V = {0.6 * ln_v:.4f}), "
+          f"eval {result['eval_loss_final']:.4f}")
     assert sum(losses[-10:]) / 10 < 0.6 * ln_v, losses[-10:]
     assert result["eval_loss_final"] < 0.6 * ln_v
