@@ -153,6 +153,22 @@ def test_trim_lstrip_and_tojson_match_transformers(tmp_path):
     assert '"Ünïcödé' in text  # tojson keeps unicode as is (no \\u escapes, no HTML escaping)
 
 
+def test_generation_markers_render_like_transformers(tmp_path):
+    from transformers import AutoTokenizer
+
+    template = CHATML.replace("message['content'] + '<|im_end|>' + '\n'}}",
+                              "message['content']}}{% if message['role'] == 'assistant' %}{% generation %}"
+                              "{{'<|im_end|>'}}{% endgeneration %}{% else %}{{'<|im_end|>'}}{% endif %}{{'\n'}}")
+    assert "generation" in template
+    tok = tiny_tokenizer(chat_template=template)
+    tok.save_hf(tmp_path)
+    hf = AutoTokenizer.from_pretrained(str(tmp_path))
+    msgs = [*TURNS[0], *TURNS[1]]
+    assert tok.render_chat(msgs).text == hf.apply_chat_template(msgs, tokenize=False)
+    assert [tok.render_chat(msgs).text[a:b] for a, b in tok.render_chat(msgs).assistant_spans] == [
+        "4<|im_end|>", "def add(a, b):\n    return a + b<|im_end|>"]
+
+
 def test_strftime_now_available():
     tok = tiny_tokenizer(chat_template="{{ strftime_now('%Y') }}|{{ messages[0]['content'] }}")
     assert tok.render_chat([{"role": "user", "content": "x"}]).text[:2] == "20"

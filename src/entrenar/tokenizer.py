@@ -117,8 +117,22 @@ def _template_env():
     def strftime_now(fmt: str) -> str:
         return datetime.now().strftime(fmt)
 
+    class GenerationBlock(jinja2.ext.Extension):
+        """`{% generation %}...{% endgeneration %}` (transformers' assistant-mask markers) renders its
+        body unchanged; spans come from the message contents either way."""
+
+        tags = frozenset({"generation"})
+
+        def parse(self, parser):
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_render", []), [], [], body).set_lineno(lineno)
+
+        def _render(self, caller):
+            return caller()
+
     env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=[jinja2.ext.loopcontrols])
+                                        extensions=[jinja2.ext.loopcontrols, GenerationBlock])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = strftime_now
