@@ -342,7 +342,11 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         raise InputError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
     if not path.is_file():
         raise InputError(f"{path}: no such file (SFT data is a JSONL file)")
-    eot_id = int(tokenizer.eot_id)
+    eot = tokenizer.eot_id if tokenizer.eot_id is not None else getattr(tokenizer, "eos_id", None)
+    if eot is None:
+        raise InputError("the tokenizer has neither an end-of-turn nor an EOS token, so assistant turns "
+                         "cannot end; use the model's own tokenizer")
+    eot_id = int(eot)
     report = DataReport(str(path), max_seq_len, truncation,
                         tokenizer=str(getattr(tokenizer, "name", None) or getattr(tokenizer, "source", None)
                                       or type(tokenizer).__name__))
@@ -442,7 +446,7 @@ class SFTLoader:
     kind = "sft"
 
     def __init__(self, examples: Sequence[SFTExample], batch_size: int, seed: int = 0, pack: bool = False,
-                 max_seq_len: int | None = None, pad_id: int = 0):
+                 max_seq_len: int | None = None, pad_id: int | None = 0):
         if not examples:
             raise InputError("SFT loader: no examples (every row was skipped?)")
         if batch_size < 1:
@@ -455,7 +459,8 @@ class SFTLoader:
                              f"data with the same --max-seq-len as training")
         self.examples = list(examples)
         self.batch_size, self.seed, self.pack = batch_size, seed, pack
-        self.max_seq_len, self.pad_id = max_seq_len, pad_id
+        # The pad id only fills input positions whose labels are -100 (any valid id works; 0 if None).
+        self.max_seq_len, self.pad_id = max_seq_len, 0 if pad_id is None else int(pad_id)
         self._epoch, self._position = 0, 0
         self._order_epoch, self._order = -1, np.arange(0)
         self.fingerprint = _fingerprint(self.examples)
