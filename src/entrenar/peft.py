@@ -370,8 +370,6 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool |
 
     ``quantize_nf4=None`` follows the adapter: NF4 base if it was trained against one (our note).
     """
-    from safetensors import safe_open
-
     d = adapter_path(adapter_dir)
     cfg, note = read_adapter_config(d)
     weights = d / ADAPTER_WEIGHTS
@@ -385,6 +383,17 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool |
                    bool(cfg.get("use_rslora", False)), targets, quantize_nf4=quantize_nf4)
     except InputError as e:
         raise InputError(f"{d / ADAPTER_CONFIG}: {e}") from e
+    return load_adapter_weights(model, d)
+
+
+def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
+    """Copy an adapter's tensors into the model's existing LoRA modules (same targets and rank)."""
+    from safetensors import safe_open
+
+    d = adapter_path(adapter_dir)
+    weights = d / ADAPTER_WEIGHTS
+    if not weights.is_file():
+        raise InputError(f"{d}: no {ADAPTER_WEIGHTS} (adapter_model.bin is not read; re-save with safetensors)")
     mods = lora_modules(model)
     expected = {}
     for path, m in mods.items():
