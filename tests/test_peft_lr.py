@@ -118,3 +118,34 @@ def test_auto_lr_printed_at_ranks_8_64_256(capsys):
         print(f"rank {r}: {lr:.3g} -- {reason}")
     out = capsys.readouterr().out
     assert "rank 8: 0.0002" in out and "rank 64: 0.0001" in out and "rank 256: 5e-05" in out
+
+
+def test_qlora_resume_is_bit_exact(pretrained_state, tmp_path):
+    """QLoRA (NF4 base re-quantized on resume, dropout on): 6 steps == 3 steps + resume for 3 more."""
+    import shutil
+
+    from safetensors.torch import load_file
+
+    cfg, state = pretrained_state
+
+    def model():
+        m = CausalLM(cfg)
+        m.load_state_dict(state)
+        return ep.apply_lora(m, rank=8, alpha=16, dropout=0.1, quantize_nf4=True)
+
+    tc = TrainConfig(steps=6, batch_size=B, seq_len=T, lr=1e-3, warmup=0, weight_decay=0.0, seed=0, save_every=3)
+    run = tmp_path / "run"
+    train(model(), RuleLoader(1), None, tc, run, save_final=lambda m, d: ep.save_adapter(m, d, "tiny"),
+          log=lambda s: None)
+    resumed = tmp_path / "resumed"
+    shutil.copytree(run, resumed, symlinks=True)
+    shutil.rmtree(resumed / "final")
+    shutil.rmtree(resumed / "checkpoints" / "step-0000006")
+    (resumed / "checkpoints" / "latest").unlink()
+    torch.manual_seed(123)  # a different fresh A: the checkpoint must overwrite it
+    train(model(), RuleLoader(1), None, tc, resumed, resume="auto",
+          save_final=lambda m, d: ep.save_adapter(m, d, "tiny"), log=lambda s: None)
+    a = load_file(str(run / "final" / "adapter_model.safetensors"))
+    b = load_file(str(resumed / "final" / "adapter_model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert json.loads((run / "final" / "entrenar_adapter.json").read_text())["trained_against"] == "nf4"
