@@ -24,9 +24,12 @@ def test_verify_packaged_fp32(name, request):
     model = request.getfixturevalue(MODEL_FIXTURES[name])  # conftest's shared fp32 copy; verify leaves it as is
     probe = build_probe(tok, 64)
     assert probe[0].length < 32 and probe[1].length == 64
-    rep = verify_model(model, probe=probe, against="reference", meta={"model": name})
+    grads = name.startswith("smollm")  # the backward of the small model only: CI time (qwen fp64 backward ~1 min)
+    rep = verify_model(model, probe=probe, against="reference", grads=grads, meta={"model": name})
     assert rep["ok"] and rep["exit_code"] == 0, format_report(rep)
-    assert rep["grads"]["ok"] and len(rep["grads"]["groups"]) == 3 * model.cfg.num_layers + 2 + (model.lm_head is not None)
+    if grads:
+        assert rep["grads"]["ok"] and len(rep["grads"]["groups"]) == 3 * model.cfg.num_layers + 2 + (
+            model.lm_head is not None)
     for s in rep["sequences"]:
         assert s["ce_ref"] < 8.0  # a real pretrained model on real text, far below ln(vocab) ~ 11
     hf = hf_from_source(resolve_model(name))
