@@ -121,3 +121,14 @@ def test_verify_with_lora_adapter_against_reference_and_peft(bf16_dir, tmp_path,
     rep = verify_model(load_model(str(bf16_dir), dtype=torch.float32), probe=build_probe(byte_tokenizer(), 48),
                        against="hf", hf_model=hf, grads=False)
     assert not rep["ok"] and rep["first_divergent"]["name"].startswith("layers.0.")
+
+
+def test_json_line_is_strict_with_nonfinite_numbers(capsys, monkeypatch):
+    """A relL2 of inf/nan (weights decoded to garbage) still prints strict JSON (no Infinity/NaN)."""
+    import entrenar.verify.commands as commands
+
+    report = {"ok": False, "exit_code": 1, "sequences": [{"logits_rel_l2": float("nan")}],
+              "first_divergent": {"name": "embed", "rel_l2": float("inf"), "bound": 1e-5}}
+    monkeypatch.setattr(commands, "run_verify", lambda *a, **k: report)
+    code, rep = _run(capsys, ["verify", "--model", "whatever"])
+    assert code == 1 and rep["first_divergent"]["rel_l2"] == "inf" and rep["sequences"][0]["logits_rel_l2"] == "nan"
