@@ -390,3 +390,58 @@ def test_unknown_gguf_tensor_is_unexpected(tmp_path):
     w.close()
     with pytest.raises(LoadError, match="blk.0.attn_mystery.weight"):
         load_model(tmp_path / "extra2.gguf")
+
+
+# ---- our GGUF parser vs gguf.GGUFReader ------------------------------------------------------
+def test_gguf_parser_matches_gguf_reader(tmp_path):
+    """Every metadata value type and tensor type we read comes out as gguf.GGUFReader reads it."""
+    hf_model = make_hf_model("qwen2", tie_word_embeddings=False)
+    path = tmp_path / "m.gguf"
+    types = {"model.layers.0.self_attn.q_proj.weight": Q.F16, "model.layers.0.self_attn.k_proj.weight": Q.BF16,
+             "model.layers.0.mlp.up_proj.weight": Q.Q8_0, "model.layers.1.mlp.up_proj.weight": Q.Q4_1,
+             "model.layers.1.mlp.gate_proj.weight": Q.Q5_0, "lm_head.weight": Q.Q8_0}
+    write_gguf(path, hf_model, types=types)
+    # a second file with one key of every value type (metadata only)
+    meta = tmp_path / "meta.gguf"
+    w = gguf.GGUFWriter(str(meta), "qwen2")
+    w.add_uint8("t.u8", 200)
+    w.add_int8("t.i8", -100)
+    w.add_uint16("t.u16", 60000)
+    w.add_int16("t.i16", -30000)
+    w.add_uint32("t.u32", 4_000_000_000)
+    w.add_int32("t.i32", -2_000_000_000)
+    w.add_float32("t.f32", 1e-6)
+    w.add_bool("t.bool", True)
+    w.add_uint64("t.u64", 2**60)
+    w.add_int64("t.i64", -(2**60))
+    w.add_float64("t.f64", 1e-300)
+    w.add_string("t.str", "héllo <|im_end|>")
+    w.add_array("t.strs", ["a", "", "ĠĠ", "日本"])
+    w.add_array("t.ints", [1, 2, 3])
+    w.add_array("t.floats", [0.5, -1.25])
+    w.add_tensor("token_embd.weight", np.ones((8, 4), dtype=np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    for f in (path, meta):
+        ours, ref = ggufmod.open_reader(f), gguf.GGUFReader(f)
+        ref_fields = {k: v.contents() for k, v in ref.fields.items() if not k.startswith("GGUF.")}
+        assert set(ours.fields) == set(ref_fields)
+        for k, v in ref_fields.items():
+            if isinstance(v, float):
+                assert ours.fields[k] == pytest.approx(v, rel=1e-7), k
+            else:
+                assert ours.fields[k] == v, k
+        assert [t.name for t in ours.tensors] == [t.name for t in ref.tensors]
+        for a, b in zip(ours.tensors, ref.tensors):
+            assert a.tensor_type == b.tensor_type and a.shape.tolist() == b.shape.tolist(), a.name
+            assert a.data.dtype == b.data.dtype and a.data.shape == b.data.shape, a.name
+            assert np.array_equal(a.data, b.data), a.name
+
+
+def test_gguf_truncated_is_input_error(tmp_path, capsys):
+    path = write_gguf(tmp_path / "m.gguf", make_hf_model("llama"))
+    path.write_bytes(path.read_bytes()[:-1000])
+    rc, _, err = _run_cli(capsys, "inspect", str(path))
+    _assert_one_line_error(rc, err, str(path), "truncated")
