@@ -100,3 +100,35 @@ def test_merge_cli_exit_codes(base_dir, tmp_path, capsys):
     assert code == 0
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert out["ok"] and out["logit_rel_l2_vs_trained"] > 1e-3
+
+
+def test_generate_and_eval_accept_adapter(tmp_path, capsys):
+    """`generate --adapter` and `eval --adapter` run base + adapter unmerged (tiny model, SmolLM2 tokenizer)."""
+    from entrenar.config import ModelConfig
+    from entrenar.model import CausalLM
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")  # reads the GGUF's tokenizer metadata only
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    torch.manual_seed(0)
+    m = CausalLM(cfg)
+    m.init_weights(0)
+    base = save_hf_dir(m, tmp_path / "base", tok)
+    ep.apply_lora(m, rank=4, alpha=8)
+    randomize_adapters(m, std=2.0)
+    ep.save_adapter(m, tmp_path / "ad", str(base))
+
+    def run(argv):
+        code = cli.main([*argv, "--json"])
+        assert code == 0
+        return json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+
+    gen = ["generate", "--model", str(base), "--prompt", "Hello there", "--max-new-tokens", "6", "--device", "cpu"]
+    plain, adapted = run(gen), run([*gen, "--adapter", str(tmp_path / "ad")])
+    assert plain["token_ids"] != adapted["token_ids"]
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "completion": f"{w}!"}) + "\n"
+                            for w in ("one", "two", "three")))
+    ev = ["eval", "--model", str(base), "--data", str(data), "--max-seq-len", "64", "--batch-size", "2"]
+    assert run(ev)["loss"] != run([*ev, "--adapter", str(tmp_path / "ad")])["loss"]
