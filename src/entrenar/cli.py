@@ -10,7 +10,8 @@ import argparse
 import importlib
 import json
 import sys
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 # Modules with a `register(subparsers)` function, in help order.
 COMMAND_MODULES = [
@@ -50,6 +51,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
+        if getattr(args, "kernels", None) == "auto":  # one rule for every command: Triton on CUDA
+            from .kernels import resolve_kernels
+
+            args.kernels = resolve_kernels(args.kernels, getattr(args, "device", "cpu"))
         result = args.func(args)
     except EntrenarError as e:
         print(f"entrenar {args.command}: {e}", file=sys.stderr, flush=True)

@@ -24,6 +24,15 @@ TORCH_OPS = Ops(rmsnorm.rms_norm_reference, rope.rope_reference, swiglu.swiglu_r
                 cross_entropy.linear_cross_entropy_reference)
 
 
+def resolve_kernels(kind: str, device: str) -> str:
+    """'auto' -> Triton on CUDA (the fast path), the torch references elsewhere."""
+    if kind == "auto":
+        return "triton" if str(device).startswith("cuda") else "torch"
+    if kind not in ("torch", "triton"):
+        raise ValueError(f"kernels {kind!r} not in ('auto', 'torch', 'triton')")
+    return kind
+
+
 def get_ops(kind: str) -> Ops:
     if kind == "torch":
         return TORCH_OPS

@@ -436,7 +436,8 @@ def _training_options(p: argparse.ArgumentParser, default_lr: str | None, defaul
     p.add_argument("--device", default="cpu", help="cpu | cuda (cpu)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="compute dtype; bf16 = autocast, master weights stay fp32 (fp32)")
-    p.add_argument("--kernels", choices=("torch", "triton"), default="torch", help="op implementations (torch)")
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
+                   help="op implementations: auto = triton on cuda, torch elsewhere (auto)")
     p.add_argument("--eval-every", type=int, default=0, help="eval period in steps; 0 = at start and end (0)")
     p.add_argument("--eval-batches", type=int, default=20, help="batches per eval; 0 = all (20)")
     p.add_argument("--save-every", type=int, default=0, help="checkpoint period; 0 = at the end only (0)")
@@ -493,7 +494,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many batches; 0 = all (0)")
     p.add_argument("--device", default="cpu", help="cpu | cuda (cpu)")
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (fp32)")
-    p.add_argument("--kernels", choices=("torch", "triton"), default="torch", help="op implementations (torch)")
+    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
+                   help="op implementations: auto = triton on cuda, torch elsewhere (auto)")
 
     p = add_command(sub, "plot", cmd_plot, "RUN/curves.png: loss, eval loss, lr and grad-norm vs step")
     p.add_argument("run", metavar="RUN", help="run directory")
