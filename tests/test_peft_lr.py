@@ -4,7 +4,7 @@ A tiny-preset model (vocab cut to 128 so 200 steps take seconds) is first traine
 synthetic language (affine rules t[i+1] = a t[i] + b mod V); then a rank-256 LoRA (alpha = 2r, the
 finetune default) continues on the same language at the auto rate for 200 steps: no GUARD-SPIKE, no
 GUARD-NONFINITE, loss below its start. At 30x the auto rate the first update throws the model off its
-minimum (loss x3 at step 1) -- the divergence --lr auto exists to avoid.
+minimum (loss x3 at step 1) -- the divergence --lr auto exists to avoid -- and GUARD-SPIKE says so.
 """
 
 from __future__ import annotations
@@ -104,10 +104,8 @@ def test_auto_lr_x30_throws_the_model_off(pretrained_state, tmp_path):
     assert max(r["loss"] for r in rows[1:4]) > 2.0 * rows[0]["loss"]
 
 
-@pytest.mark.xfail(strict=True, reason="GUARD-SPIKE needs 16 steps of history (SpikeDetector.min_history) and "
-                   "the x30 jump happens at step 1; the loss then stays high, so no later z-score exceeds 6. "
-                   "Needs a guard that compares against the step-0 loss (train/guards.py, helper E).")
 def test_auto_lr_x30_trips_a_guard(pretrained_state, tmp_path):
+    """GUARD-SPIKE's early phase (loss vs the run's starting loss, before 16 steps of history) sees it."""
     _, result = _lora_run(pretrained_state, tmp_path, 30.0)
     assert result["counters"]["spikes"] > 0 or result["counters"]["nonfinite_skipped"] > 0
 
