@@ -132,3 +132,24 @@ def test_generate_and_eval_accept_adapter(tmp_path, capsys):
                             for w in ("one", "two", "three")))
     ev = ["eval", "--model", str(base), "--data", str(data), "--max-seq-len", "64", "--batch-size", "2"]
     assert run(ev)["loss"] != run([*ev, "--adapter", str(tmp_path / "ad")])["loss"]
+
+
+def test_finetune_unknown_target_exits_2_listing_linears(tmp_path, capsys):
+    from entrenar.config import ModelConfig
+    from entrenar.model import CausalLM
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")  # reads the GGUF's tokenizer metadata only
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    base = save_hf_dir(CausalLM(cfg), tmp_path / "base", tok)
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "completion": f"{w}!"}) + "\n"
+                            for w in ("one", "two", "three")))
+    out = tmp_path / "run"
+    code = cli.main(["finetune", "--model", str(base), "--data", str(data), "--out", str(out), "--mode", "lora",
+                     "--targets", "q_proj,attn.c_attn", "--steps", "1", "--no-preflight", "--json"])
+    err = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
+    assert code == 2 and "attn.c_attn" in err
+    assert all(name in err for name in ep.DEFAULT_TARGETS)
+    assert not out.exists()  # refused before the run directory is created
