@@ -328,6 +328,9 @@ def test_inspect_json_rows(tmp_path, capsys):
     assert rows["lm_head.weight"]["dtype"] == "Q8_0" and rows["lm_head.weight"]["shape"] == [256, 64]
     assert rows["model.layers.0.mlp.up_proj.weight"]["dtype"] == "BF16"
     assert rows["model.norm.weight"]["dtype"] == "F32"
+    # describe() reads the same names, shapes and stored types without touching tensor data
+    assert {r.name: (list(r.shape), r.stored) for r in ggufmod.describe(path)} == {
+        n: (r["shape"], r["dtype"]) for n, r in rows.items()}
     deq = load_state(path)[1]["lm_head.weight"].double()  # stats are over dequantized values
     assert rows["lm_head.weight"]["mean"] == pytest.approx(deq.mean().item(), rel=1e-9)
     assert rows["lm_head.weight"]["std"] == pytest.approx(deq.std(unbiased=False).item(), rel=1e-9)
