@@ -22,7 +22,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--kernels", default="torch", choices=("torch", "triton"))
+    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
+                   help="auto = triton on cuda, torch elsewhere (auto)")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
     p.add_argument("--against", default="reference", choices=("reference", "hf"),
                    help="reference: our eager model in float64 on the CPU, same weights; hf: transformers "
@@ -36,7 +37,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
-    p.add_argument("--kernels", default="torch", choices=("torch", "triton"))
+    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
+                   help="auto = triton on cuda, torch elsewhere (auto)")
 
 
 def _device(name: str) -> torch.device:
