@@ -91,6 +91,29 @@ def test_assistant_mask_is_answers_through_end_of_turn(pair):
         assert [rendered.text[a:b] for a, b in rendered.assistant_spans] == [a + ours.eot_token for a in answers]
 
 
+SHORT_ANSWERS = [  # answers that also occur earlier in the rendered text (SmolLM2's default system prompt)
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}],
+    [{"role": "user", "content": "Who?"}, {"role": "assistant", "content": "Hugging Face"}],
+    [{"role": "user", "content": "x"}, {"role": "assistant", "content": "a"},
+     {"role": "user", "content": "y"}, {"role": "assistant", "content": "a"}],
+]
+
+
+@pytest.mark.parametrize("msgs", SHORT_ANSWERS)
+def test_short_answers_are_located_in_their_own_turn(pair, msgs):
+    """Regression: spans were found with str.find from the start of the text, so a short answer
+    matched inside the template's default system prompt and the real answer went untrained."""
+    ours, _ = pair
+    rendered = ours.render_chat(msgs)
+    answers = [m["content"] for m in msgs if m["role"] == "assistant"]
+    assert [rendered.text[a:b] for a, b in rendered.assistant_spans] == [a + ours.eot_token for a in answers]
+    for (a, _b), answer in zip(rendered.assistant_spans, answers):
+        # each answer sits right after its own assistant header, not inside an earlier turn
+        assert rendered.text[:a].endswith("assistant\n"), rendered.text[:a][-40:]
+    runs = _masked_runs(ours, ours.encode_chat(msgs))
+    assert [r.strip() for r in runs] == [a + ours.eot_token for a in answers]
+
+
 def test_span_without_end_of_turn_mutation_is_caught(pair):
     """Mutation: spans stop at the content (no end-of-turn) -> the model would never learn to stop."""
     ours, _ = pair

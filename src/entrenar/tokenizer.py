@@ -231,20 +231,27 @@ class ChatTokenizer:
         _check_messages(messages, self.source)
         template = self._compiled_template()
         try:
-            text = template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                   bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                                   pad_token=self.pad_token or "", unk_token=self.unk_token or "")
+            text = self._render(template, messages, add_generation_prompt)
         except jinja2.TemplateError as e:  # includes raise_exception(...) from the template
             raise InputError(f"{self.source}: the chat template failed on these messages: {e}") from e
-        return RenderedChat(text, self._assistant_spans(text, messages))
+        return RenderedChat(text, self._assistant_spans(text, messages, template))
 
-    def _assistant_spans(self, text: str, messages: list[dict[str, Any]]) -> list[tuple[int, int]]:
-        """Find each message's content in order; an assistant span runs through the next end-of-turn."""
+    def _assistant_spans(self, text: str, messages: list[dict[str, Any]], template: Any) -> list[tuple[int, int]]:
+        """Find each message's content in order; an assistant span runs through the next end-of-turn.
+
+        An assistant answer is searched for only after the rendering of the conversation before it
+        plus the generation prompt (its own header): a plain search from the previous message would
+        find a short answer ("b", "a") inside the template's default system prompt or a header.
+        """
         spans, cursor = [], 0
         for i, msg in enumerate(messages):
             content = msg.get("content") or ""
             if not isinstance(content, str):
                 continue  # structured content: the template decides; no span can be located
+            if msg.get("role") == "assistant":
+                prefix = self._render_prefix(template, messages[:i])
+                if prefix is not None and text.startswith(prefix):
+                    cursor = max(cursor, len(prefix))
             start = text.find(content, cursor)
             if start < 0 and content.strip():
                 content = content.strip()  # templates that `| trim` the content
@@ -266,6 +273,20 @@ class ChatTokenizer:
                         cursor = end
                 spans.append((start, end))
         return spans
+
+    def _render(self, template: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                               bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                               pad_token=self.pad_token or "", unk_token=self.unk_token or "")
+
+    def _render_prefix(self, template: Any, messages: list[dict[str, Any]]) -> str | None:
+        """The text a template writes before an assistant turn: the history plus the generation prompt."""
+        import jinja2
+
+        try:
+            return self._render(template, messages, True)
+        except jinja2.TemplateError:
+            return None  # e.g. a template that refuses a history not ending with a user turn
 
     def prepends_bos(self, rendered: str) -> bool:
         """Whether a rendered chat needs BOS in front: only if the model adds BOS and the template
