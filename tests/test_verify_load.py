@@ -12,18 +12,10 @@ import json
 import pytest
 import torch
 import transformers
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+from test_verify import byte_tokenizer
 
 import entrenar.formats.hf as hf_format
 from entrenar.cli import main
-
-
-def byte_tokenizer() -> Tokenizer:
-    vocab = {c: i for i, c in enumerate(pre_tokenizers.ByteLevel.alphabet())}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
 
 
 @pytest.fixture(scope="module")

@@ -14,8 +14,8 @@ import math
 from dataclasses import dataclass, field
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
+from torch import nn
 
 from .config import ModelConfig
 from .kernels import Ops, get_ops

@@ -29,6 +29,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
+from ..fileio import sha256_file
 
 FORMAT = "entrenar-token-shards-v1"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
@@ -211,17 +212,9 @@ class _SplitWriter:
             self._file.close()
         self._docs.close()
         for s in self.shards:
-            s["sha256"] = _file_sha256(self.out / s["file"])
+            s["sha256"] = sha256_file(self.out / s["file"])
         return {"documents": self.documents, "tokens": self.tokens, "shards": self.shards,
                 "doc_offsets": f"{self.split}.docs.bin"}
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 24):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def tokenizer_identity(tokenizer: Any, spec: str | None = None) -> dict[str, Any]:

@@ -13,7 +13,6 @@ meta.json (sha256 of optimizer.pt and model.safetensors).
 
 from __future__ import annotations
 
-import hashlib
 import io
 import json
 import os
@@ -28,6 +27,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import InputError
+from ..fileio import sha256_file
 
 COMPLETE = "COMPLETE"
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -55,14 +55,6 @@ def _write_bytes(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
