@@ -316,7 +316,8 @@ def test_schedule_and_weight_decay_groups():
 
 
 # ---- guards ---------------------------------------------------------------------------------
-def _nan_at_call(monkeypatch, call: int) -> None:
+def _scale_loss_at_call(monkeypatch, call: int, factor: float) -> dict:
+    """Multiply the loss of the `call`-th training forward by `factor`; returns the call counter."""
     orig = CausalLM.loss
     calls = {"n": 0}
 
@@ -325,9 +326,14 @@ def _nan_at_call(monkeypatch, call: int) -> None:
         if self.training:
             calls["n"] += 1
             if calls["n"] == call:
-                return s * float("nan"), n
+                return s * factor, n
         return s, n
     monkeypatch.setattr(CausalLM, "loss", loss)
+    return calls
+
+
+def _nan_at_call(monkeypatch, call: int) -> None:
+    _scale_loss_at_call(monkeypatch, call, float("nan"))
 
 
 def test_guard_nonfinite_stops_and_keeps_last_good_checkpoint(tmp_path, monkeypatch):
@@ -408,17 +414,7 @@ def test_spike_detector_unit():
 
 
 def test_guard_spike_in_loop(tmp_path, monkeypatch):
-    orig = CausalLM.loss
-    calls = {"n": 0}
-
-    def loss(self, *a, **k):
-        s, n = orig(self, *a, **k)
-        if self.training:
-            calls["n"] += 1
-            if calls["n"] == 24:
-                return s * 50.0, n  # a spike: one step with a 50x loss (and gradient)
-        return s, n
-    monkeypatch.setattr(CausalLM, "loss", loss)
+    calls = _scale_loss_at_call(monkeypatch, 24, 50.0)  # a spike: one step with a 50x loss (and gradient)
     out = run(tmp_path / "skip", 26, on_spike="skip", lr=1e-4)
     assert out["counters"]["spike_skipped"] == 1
     assert [r["step"] for r in read_jsonl(tmp_path / "skip" / "metrics.jsonl") if r["skipped"]] == [24]
