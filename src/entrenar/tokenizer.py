@@ -441,30 +441,10 @@ def load_hf_tokenizer(path: str | os.PathLike) -> ChatTokenizer:
 
 
 def read_gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
-    """The tokenizer.* metadata of a GGUF file as plain Python values (arrays read fast)."""
-    import gguf
-    import numpy as np
+    """The tokenizer.* metadata of a GGUF file as plain Python values (the model loader's header parser)."""
+    from .formats.gguf import open_reader
 
-    try:
-        reader = gguf.GGUFReader(str(path))
-    except Exception as e:  # gguf raises ValueError/struct errors on a bad file
-        raise InputError(f"{path}: not a readable GGUF file: {e}") from e
-    out: dict[str, Any] = {}
-    for name, field in reader.fields.items():
-        if not name.startswith("tokenizer."):
-            continue
-        main = field.types[0] if field.types else None
-        if main == gguf.GGUFValueType.ARRAY:
-            sub = field.types[1] if len(field.types) > 1 else None
-            if sub == gguf.GGUFValueType.STRING:
-                out[name] = [field.parts[i].tobytes().decode("utf-8") for i in field.data]
-            elif field.data:
-                out[name] = np.concatenate([field.parts[i] for i in field.data]).tolist()
-            else:
-                out[name] = []
-        else:
-            out[name] = field.contents()
-    return out
+    return {k: v for k, v in open_reader(path).fields.items() if k.startswith("tokenizer.")}
 
 
 _GGUF_META_CACHE: dict[tuple[str, int, int], dict[str, Any]] = {}
@@ -474,7 +454,7 @@ def load_gguf_tokenizer(path: str | os.PathLike) -> ChatTokenizer:
     """Byte-level BPE tokenizer from GGUF metadata (tokenizer.ggml.model = gpt2)."""
     path = Path(path).resolve()
     st = path.stat()
-    # GGUFReader takes tens of seconds on a 150k vocabulary; the metadata of an unchanged file is reused.
+    # the metadata of an unchanged file is parsed once per process (tests and commands reload often)
     key = (str(path), st.st_size, st.st_mtime_ns)
     if key not in _GGUF_META_CACHE:
         while len(_GGUF_META_CACHE) >= 4:  # a few models' metadata (~30 MB each at most)
