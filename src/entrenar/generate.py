@@ -171,14 +171,9 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
 
 def load_generation_model(args: argparse.Namespace, device: str) -> CausalLM:
     """The model to generate with. Arguments from add_model_source_args are applied here."""
-    from .formats import load_model
+    from .peft import load_model_with_adapter
 
-    model = load_model(args.model, device=device)
-    if getattr(args, "adapter", None):
-        from .peft import load_adapter
-
-        model = load_adapter(model, args.adapter).eval()
-    return model
+    return load_model_with_adapter(args.model, getattr(args, "adapter", None), device=device)
 
 
 def _device(name: str) -> str:

@@ -365,6 +365,29 @@ def _resolve_targets(model: nn.Module, target_modules: Any, cfg_path: Path) -> l
     return list(target_modules)
 
 
+def load_model_with_adapter(spec: str, adapter: str | Path | None = None, *, dtype: torch.dtype | None = None,
+                            device: str | torch.device = "cpu", kernels: str = "torch") -> nn.Module:
+    """The one way commands load a model to run: MODEL, plus an adapter attached unmerged.
+
+    ``spec`` may itself be an adapter directory (a LoRA run's final/): its recorded base is loaded and the
+    adapter attached. Returns the model in eval mode on ``device``.
+    """
+    from .formats import load_model, resolve_model
+
+    if adapter is None:
+        path = resolve_model(spec)
+        if path.is_dir() and (path / ADAPTER_CONFIG).is_file() and not (path / "config.json").is_file():
+            acfg, _ = read_adapter_config(path)
+            base = acfg.get("base_model_name_or_path")
+            if not base:
+                raise InputError(f"{path}: adapter has no base_model_name_or_path; merge it with `entrenar merge`")
+            spec, adapter = base, path
+    model = load_model(spec, dtype=dtype, device=device, kernels=kernels)
+    if adapter:
+        model = load_adapter(model, adapter).to(device)
+    return model.eval()
+
+
 def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool | None = None) -> nn.Module:
     """Attach an adapter written by us or by ``peft`` to ``model`` (in place, and return it).
 

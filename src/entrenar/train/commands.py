@@ -352,25 +352,21 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
 
 
 # ---- eval ------------------------------------------------------------------------------------------
-def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch") -> tuple[torch.nn.Module, Any, Path]:
-    """A full model or a LoRA adapter directory (loaded onto its recorded base). Returns (model,
-    tokenizer or None, resolved path)."""
-    from ..formats import load_model, resolve_model
+def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
+                   adapter: str | None = None) -> tuple[torch.nn.Module, Any, Path]:
+    """A full model (plus `adapter`, unmerged) or a LoRA adapter directory (loaded onto its recorded
+    base). Returns (model, tokenizer or None, resolved path)."""
+    from ..formats import resolve_model
+    from ..peft import load_model_with_adapter, read_adapter_config
 
     path = resolve_model(spec)
-    if path.is_dir() and (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
-        from ..peft import load_adapter, read_adapter_config
-
-        acfg, _ = read_adapter_config(path)
-        base = acfg.get("base_model_name_or_path")
-        if not base:
-            raise InputError(f"{path}: adapter has no base_model_name_or_path; merge it with `entrenar merge`")
-        model = load_adapter(load_model(base, dtype=torch.float32, kernels=kernels), path)
+    model = load_model_with_adapter(spec, adapter, dtype=torch.float32, device=device, kernels=kernels)
+    if path.is_dir() and not (path / "config.json").is_file():  # an adapter: its tokenizer, else the base's
+        base = read_adapter_config(path)[0]["base_model_name_or_path"]
         tok = _tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else base)
     else:
-        model = load_model(spec, dtype=torch.float32, kernels=kernels)
         tok = _tokenizer_or_none(str(path) if path.is_dir() else spec)
-    return model.to(device).eval(), tok, path
+    return model, tok, path
 
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
@@ -381,11 +377,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise InputError("--device cuda: no CUDA device is available; use --device cpu")
-    model, tok, path = load_any_model(args.model, args.device, args.kernels)
-    if args.adapter:  # base + adapter without merging
-        from ..peft import load_adapter
-
-        model = load_adapter(model, args.adapter).eval()
+    model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter)
     if data.is_dir():
         from ..data.corpus import PretrainLoader, read_index
 

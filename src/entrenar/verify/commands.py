@@ -52,15 +52,9 @@ def _device(name: str) -> torch.device:
 
 
 def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dtype, kernels: str):
-    from ..formats import load_model
+    from ..peft import load_model_with_adapter
 
-    model = load_model(spec, dtype=dtype, device=device, kernels=kernels)
-    if adapter:
-        from ..peft import load_adapter
-
-        model = load_adapter(model, adapter)
-        model.to(device)
-    return model
+    return load_model_with_adapter(spec, adapter, dtype=dtype, device=device, kernels=kernels)
 
 
 def run_verify(spec: str, device: str = "cpu", dtype: str = "fp32", kernels: str = "torch",
