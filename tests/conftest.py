@@ -46,10 +46,6 @@ def qwen_model(qwen_path):
 
 
 # ---- tiny random transformers models (the oracle), shared by parity / loading / mutation tests ----
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    """||out - ref|| / ||ref|| in float64."""
-    out, ref = out.detach().double(), ref.detach().double()
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 TINY_BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "num_hidden_layers": 2,

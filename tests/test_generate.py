@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_model, rel_l2
+from conftest import make_hf_model
 from test_tokenizer import QWEN, SMOLLM, tiny_tokenizer
 
 from entrenar.cli import main as cli_main
@@ -19,6 +19,7 @@ from entrenar.config import ModelConfig
 from entrenar.errors import InputError
 from entrenar.generate import TextStream, generate, sample_next
 from entrenar.model import CausalLM, KVCache
+from entrenar.tensors import rel_l2
 from entrenar.tokenizer import ChatTokenizer
 
 

@@ -22,6 +22,7 @@ import torch
 from entrenar.config import ModelConfig
 from entrenar.kernels import _common, cross_entropy, rmsnorm, rope, swiglu
 from entrenar.model import CausalLM
+from entrenar.tensors import rel_l2
 
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -29,11 +30,6 @@ SEQS = [1, 7, 31, 33, 257, 2049] if FULL else [1, 7, 31, 33, 257]
 BATCH = 4 if FULL else 1
 
 
-def rel_l2(out: torch.Tensor, ref: torch.Tensor) -> float:
-    out, ref = out.detach().double().cpu(), ref.detach().double().cpu()
-    if not torch.isfinite(out).all():
-        return math.inf  # NaN never passes (poisoned, unwritten, or overflowed)
-    return float((out - ref).norm() / ref.norm().clamp_min(1e-300))
 
 
 @pytest.fixture(autouse=True)

@@ -14,11 +14,11 @@ import json
 import numpy as np
 import pytest
 import torch
-from conftest import rel_l2
 
 from entrenar import cli
 from entrenar.formats import gguf as ggufmod
 from entrenar.formats import load_model
+from entrenar.tensors import rel_l2
 
 pytestmark = pytest.mark.real_model
 

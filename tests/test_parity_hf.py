@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import rel_l2
 
 from entrenar.formats import load_model
+from entrenar.tensors import rel_l2
 
 PARITY_BOUND = 1e-5
 

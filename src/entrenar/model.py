@@ -19,6 +19,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import Ops, get_ops
+from .tensors import IGNORE_INDEX, positions_from_doc_ids
 
 
 def _record(trace: dict | None, name: str, x: torch.Tensor) -> None:
@@ -272,33 +273,26 @@ class CausalLM(nn.Module):
         _record(trace, "norm", x)
         return x
 
-    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                trace: dict | None = None) -> torch.Tensor:
-        """Logits [B, T, V]. Training uses ``loss`` instead, which never builds them on GPU."""
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
+                cache: KVCache | None = None, trace: dict | None = None):
+        """The one entry point (train, eval, generation, torch.compile, FSDP hooks).
+
+        Without labels: logits [B, T, V]. With labels (already shifted, IGNORE_INDEX ignored):
+        (summed cross-entropy over non-ignored labels, number of such labels), computed by the
+        fused linear cross-entropy, which never builds the logits on GPU. Callers divide by the
+        token count of the whole step (all micro-batches), never per micro-batch.
+        """
         h = self.hidden_states(input_ids, position_ids, doc_ids, cache, trace)
-        return F.linear(h, self.head_weight)
+        if labels is None:
+            return F.linear(h, self.head_weight)
+        flat_labels = labels.reshape(-1)
+        n = (flat_labels != IGNORE_INDEX).sum()
+        loss = self.ops.linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight,
+                                             flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss, n
 
     def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
              doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(summed cross-entropy over non-ignored labels, number of such labels).
-
-        The one loss function for train and eval: callers divide by the token count of the
-        whole step (all micro-batches), never per micro-batch.
-        """
-        h = self.hidden_states(input_ids, position_ids, doc_ids)
-        flat_labels = labels.reshape(-1)
-        n = (flat_labels != -100).sum()
-        loss = self.ops.linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight,
-                                             flat_labels, ignore_index=-100, reduction="sum")
-        return loss, n
-
-
-def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
-    """Positions restarting at 0 at every change of doc id along the sequence."""
-    B, T = doc_ids.shape
-    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
-    start = torch.ones_like(doc_ids, dtype=torch.bool)
-    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
-    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
-    return idx - first
+        """Deprecated alias of ``forward(input_ids, labels=...)`` (being removed)."""
+        return self(input_ids, labels=labels, position_ids=position_ids, doc_ids=doc_ids)

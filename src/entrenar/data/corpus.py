@@ -30,6 +30,7 @@ import torch
 
 from ..errors import InputError
 from ..fileio import sha256_file
+from ..tensors import IGNORE_INDEX, positions_from_doc_ids
 
 FORMAT = "entrenar-token-shards-v1"
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
@@ -46,7 +47,6 @@ BIG_DOC_BYTES = 1 << 20  # ... and a text file larger than this is read in block
 MAX_GROWTH = 16  # how far past its size a block may grow looking for a safe cut
 _SAFE_CUT = re.compile(r"(?<=\S)\n(?=[A-Za-z])")
 _SAFE_CUT_BYTES = re.compile(rb"(?<=\S)\n(?=[A-Za-z])")
-IGNORE_INDEX = -100
 
 
 class TextEncoder(Protocol):
@@ -437,7 +437,6 @@ class PretrainLoader:
         items = [self.window(w) for w in windows]
         batch: dict[str, Any] = {k: torch.from_numpy(np.stack([it[k] for it in items])) for k in items[0]}
         if self.doc_mask:
-            from ..model import positions_from_doc_ids
 
             batch["position_ids"] = positions_from_doc_ids(batch["doc_ids"])
         batch["sample_ids"] = list(windows)

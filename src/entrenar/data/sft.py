@@ -31,10 +31,10 @@ import numpy as np
 import torch
 
 from ..errors import GuardError, InputError
+from ..tensors import IGNORE_INDEX
 
 logger = logging.getLogger("entrenar.data")
 
-IGNORE_INDEX = -100
 ROLES = ("system", "user", "assistant")
 TRUNCATION_POLICIES = ("skip", "keep")
 DEFAULT_MAX_SKIP_FRACTION = 0.5

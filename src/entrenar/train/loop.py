@@ -18,7 +18,6 @@ import random
 import sys
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +25,7 @@ import numpy as np
 import torch
 
 from ..errors import GuardError, InputError
+from ..tensors import IGNORE_INDEX
 from . import guards
 from .checkpoint import (
     find_resume,
@@ -36,65 +36,9 @@ from .checkpoint import (
     set_rng_state,
     step_dir_name,
 )
+from .config import RESUME_SENSITIVE, TrainConfig
 from .metrics import JsonlLog, Progress, peak_flops, peak_memory_mb
 from .optim import Schedule, build_optimizer
-
-# Resuming with any of these changed would not continue the same run (refused unless allowed).
-RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
-
-
-@dataclass
-class TrainConfig:
-    steps: int = 100
-    batch_size: int = 8  # micro-batch size; the loaders are built with it
-    grad_accum: int = 1
-    seq_len: int = 512
-    lr: float = 3e-4
-    warmup: int = 0
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0  # 0 = no clipping (the norm is still computed and logged)
-    device: str = "cpu"
-    dtype: str = "fp32"  # fp32 | bf16 (autocast; master weights and AdamW state stay fp32)
-    eval_every: int = 0  # 0: eval at step 0 and at the end only
-    eval_batches: int = 0  # 0: the whole eval set
-    save_every: int = 0  # 0: save at the end only
-    keep: int = 3
-    seed: int = 0
-    on_nonfinite: str = "stop"
-    on_spike: str = "warn"
-    spike_window: int = 128
-    spike_sigma: float = 6.0
-    check_init_loss: bool = False  # pretrained start (--init, finetune): GUARD-INIT-LOSS
-    allow_config_change: bool = False
-    log_every: int | None = None  # plain-line progress period (None: steps/20)
-    extra: dict[str, Any] = field(default_factory=dict)  # mode, model spec, data paths ... (recorded)
-
-    def validate(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "seq_len"):
-            if int(getattr(self, name)) <= 0:
-                raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got "
-                                 f"{getattr(self, name)}")
-        for name in ("eval_every", "eval_batches", "save_every", "keep", "warmup"):
-            if int(getattr(self, name)) < 0:
-                raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise InputError(f"--lr must be > 0, got {self.lr}")
-        if self.clip < 0 or self.weight_decay < 0:
-            raise InputError("--clip and --weight-decay must be >= 0")
-        if self.dtype not in ("fp32", "bf16"):
-            raise InputError(f"--dtype {self.dtype!r} not in fp32|bf16")
-        if self.on_nonfinite not in guards.NONFINITE_POLICIES:
-            raise InputError(f"--on-nonfinite {self.on_nonfinite!r} not in {guards.NONFINITE_POLICIES}")
-        if self.on_spike not in guards.SPIKE_POLICIES:
-            raise InputError(f"--on-spike {self.on_spike!r} not in {guards.SPIKE_POLICIES}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError("--device cuda: no CUDA device is available (torch.cuda.is_available() "
-                             "is False); use --device cpu")
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 def seed_everything(seed: int) -> None:
@@ -123,7 +67,7 @@ def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, dtype:
 
 
 def loss_token_count(batch: dict) -> int:
-    return int((batch["labels"] != -100).sum())
+    return int((batch["labels"] != IGNORE_INDEX).sum())
 
 
 def _sample_ids(batches: Iterable[dict]) -> list:
@@ -278,7 +222,7 @@ def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Trai
             sample_ids = _sample_ids(micro)
             total_tokens = sum(loss_token_count(b) for b in micro)
             guards.check_loss_tokens(total_tokens, step, sample_ids)
-            empty = sum(int(((b["labels"] != -100).sum(dim=1) == 0).sum()) for b in micro)
+            empty = sum(int(((b["labels"] != IGNORE_INDEX).sum(dim=1) == 0).sum()) for b in micro)
             if empty:
                 counters["zero_loss_samples"] += empty
                 progress.message(f"GUARD-ZERO-LOSS-TOKENS: step {step} has {empty} sample(s) without loss "

@@ -28,6 +28,7 @@ import torch
 import torch.nn.functional as F
 
 from ..model import CausalLM
+from ..tensors import rel_l2
 from .probe import ProbeSequence
 
 # Ops inside one block, in execution order (names recorded by CausalLM.forward(trace=...)).
@@ -95,18 +96,6 @@ HINTS = {
 }
 
 
-def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
-    """||test - ref|| / ||ref|| in float64 (inf if ref is zero and test is not)."""
-    a = test.detach().to("cpu", torch.float64).reshape(-1)
-    b = ref.detach().to("cpu", torch.float64).reshape(-1)
-    if a.shape != b.shape:
-        raise ValueError(f"shape mismatch {tuple(test.shape)} vs {tuple(ref.shape)}")
-    num, den = torch.linalg.vector_norm(a - b).item(), torch.linalg.vector_norm(b).item()
-    if not math.isfinite(num):
-        return math.inf
-    if den == 0.0:
-        return 0.0 if num == 0.0 else math.inf
-    return num / den
 
 
 def dtype_name(dtype: torch.dtype | str) -> str:

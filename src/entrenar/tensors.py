@@ -1,0 +1,40 @@
+"""Small tensor helpers shared by the model, the data loaders and verification.
+
+A leaf module (imports only torch) so that `data` does not depend on `model`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# Label value that contributes no loss (the convention of torch's cross_entropy and HF).
+IGNORE_INDEX = -100
+
+
+def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
+    """Positions restarting at 0 at every change of doc id along the sequence."""
+    B, T = doc_ids.shape
+    idx = torch.arange(T, device=doc_ids.device).expand(B, T)
+    start = torch.ones_like(doc_ids, dtype=torch.bool)
+    start[:, 1:] = doc_ids[:, 1:] != doc_ids[:, :-1]
+    first = torch.where(start, idx, torch.zeros_like(idx)).cummax(dim=1).values
+    return idx - first
+
+
+def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
+    """||test - ref|| / ||ref|| in float64 on the CPU; inf when test holds NaN/Inf or ref is zero and
+    test is not (a poisoned or unwritten output never passes a bound)."""
+    a = test.detach().to("cpu", torch.float64).reshape(-1)
+    b = ref.detach().to("cpu", torch.float64).reshape(-1)
+    if a.shape != b.shape:
+        raise ValueError(f"shape mismatch {tuple(test.shape)} vs {tuple(ref.shape)}")
+    if not bool(torch.isfinite(a).all()):
+        return math.inf
+    num, den = torch.linalg.vector_norm(a - b).item(), torch.linalg.vector_norm(b).item()
+    if not math.isfinite(num):
+        return math.inf
+    if den == 0.0:
+        return 0.0 if num == 0.0 else math.inf
+    return num / den
