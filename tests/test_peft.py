@@ -14,6 +14,8 @@ from entrenar.config import ModelConfig
 from entrenar.errors import InputError
 from entrenar.kernels import nf4
 from entrenar.model import CausalLM
+from entrenar.peft import io as peft_io
+from entrenar.peft import nf4_linear
 
 
 def tiny_cfg(qwen: bool = True, **kw) -> ModelConfig:
@@ -96,7 +98,7 @@ def test_qlora_step0_equals_nf4_dequantized_base():
 def test_qlora_dropped_bias_is_caught(monkeypatch):
     """Mutation: NF4Linear forgets the Q/K/V bias (the GPU bug of the system we replace)."""
     def no_bias(self, x):
-        return ep._NF4LinearFn.apply(x, self.nf4_weight, None)
+        return nf4_linear._NF4LinearFn.apply(x, self.nf4_weight, None)
 
     monkeypatch.setattr(ep.NF4Linear, "forward", no_bias)
     to_nf4_ref, _ = _qlora_identity_error()
@@ -122,7 +124,7 @@ def test_only_adapters_trainable_and_grads_reach_them():
     assert counts["trainable"] == 2 * (4 * 64 + 64 * 4 + 4 * 96 + 64 * 4)
     assert counts["total"] == m.cfg.num_parameters() + counts["trainable"]
     labels = torch.roll(IDS, -1, 1)
-    loss, n = m.loss(IDS, labels)
+    loss, n = m(IDS, labels=labels)
     (loss / n).backward()
     for name, p in m.named_parameters():
         if p.requires_grad:
@@ -204,7 +206,7 @@ def test_peft_loads_our_adapter(tmp_path, qwen, rslora):
 
 def test_peft_key_prefix_mutation_is_caught(tmp_path, monkeypatch):
     """Mutation: keys saved without PEFT's 'base_model.model.' prefix -> peft loads no adapter weights."""
-    monkeypatch.setattr(ep, "PEFT_PREFIX", "")
+    monkeypatch.setattr(peft_io, "PEFT_PREFIX", "")
     with pytest.warns(UserWarning):
         peft_vs_ours, _ = _peft_vs_ours(tmp_path, True, False)
     assert peft_vs_ours > 1e-3
@@ -214,8 +216,8 @@ def test_rslora_scale_mutation_is_caught(tmp_path, monkeypatch):
     """Mutation: --rslora ignored (alpha/r instead of alpha/sqrt(r)) -> peft's logits disagree with ours."""
     real_init = ep.LoRALinear.__init__
 
-    def init(self, base_layer, rank, alpha, dropout=0.0, rslora=False):
-        real_init(self, base_layer, rank, alpha, dropout, rslora)
+    def init(self, base_layer, rank, alpha, dropout=0.0, rslora=False, **kw):
+        real_init(self, base_layer, rank, alpha, dropout, rslora, **kw)
         self.scaling = alpha / rank
 
     monkeypatch.setattr(ep.LoRALinear, "__init__", init)

@@ -16,7 +16,7 @@ import torch
 from ..config import ModelConfig
 from .registry import resolve_model
 
-__all__ = ["load_model", "load_state", "resolve_model", "save_hf_dir", "state_dtype"]
+__all__ = ["load_model", "load_model_with_adapter", "load_state", "resolve_model", "save_hf_dir", "state_dtype"]
 
 
 def load_state(spec: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -28,7 +28,9 @@ def load_state(spec: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Te
 
         cfg, state, info = load_gguf(path)
     else:
-        if (path / "adapter_config.json").is_file() and not (path / "config.json").is_file():
+        from ..peft.io import is_adapter_dir
+
+        if is_adapter_dir(path):
             from ..errors import InputError
 
             raise InputError(f"{path}: is a LoRA adapter directory, not a full model; "
@@ -64,6 +66,32 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype | None = None, device
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.source = info  # where the weights came from (inspect / run.json)
+    return model.eval()
+
+
+def load_model_with_adapter(spec: str | os.PathLike, adapter: str | os.PathLike | None = None, *,
+                            dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
+                            kernels: str = "torch", force_base: bool = False):
+    """The one way commands load a model to run: MODEL, plus an adapter attached unmerged.
+
+    ``spec`` may itself be an adapter directory (a LoRA run's final/): its recorded base is loaded and the
+    adapter attached. The base must be the one the adapter recorded (exit 2 naming both otherwise) unless
+    ``force_base``. Returns the model in eval mode on ``device``.
+    """
+    from ..errors import InputError
+    from ..peft.io import is_adapter_dir, load_adapter, read_adapter_config
+
+    if adapter is None:
+        path = resolve_model(spec)
+        if is_adapter_dir(path):
+            acfg, _ = read_adapter_config(path)
+            base = acfg.get("base_model_name_or_path")
+            if not base:
+                raise InputError(f"{path}: adapter has no base_model_name_or_path; merge it with `entrenar merge`")
+            spec, adapter = base, path
+    model = load_model(spec, dtype=dtype, device=device, kernels=kernels)
+    if adapter:
+        model = load_adapter(model, adapter, force_base=force_base, base_name=str(spec)).to(device)
     return model.eval()
 
 

@@ -99,9 +99,11 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         if path.suffix != ".gguf":
             raise InputError(f"{s}: a model file must be .gguf (or give an HF directory)")
         return path
-    if (path / "config.json").is_file() or (path / "adapter_config.json").is_file():
+    from ..peft.io import is_adapter_dir
+
+    if (path / "config.json").is_file() or is_adapter_dir(path):
         return path
-    if (path / "final" / "config.json").is_file() or (path / "final" / "adapter_config.json").is_file():
+    if (path / "final" / "config.json").is_file() or is_adapter_dir(path / "final"):
         return path / "final"
     raise InputError(f"{s}: directory has no config.json (not an HF model directory) and no "
                      f"final/ model (not a finished run directory)")

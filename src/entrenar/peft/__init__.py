@@ -1,0 +1,60 @@
+"""LoRA and QLoRA: adapter modules wrapped around frozen linears, NF4 base, PEFT-format save/load.
+
+    lora.py        LoRALinear (the wrapper), apply_lora (injection, seeded init), merge math
+    nf4_linear.py  NF4Linear: the frozen NF4 base of QLoRA
+    io.py          PEFT-format adapter directories: save / read / load, is_adapter_dir
+    identity.py    the base model's weights fingerprint recorded in the adapter note, checked at load
+    lr.py          auto_lr: the rate ``--lr auto`` picks
+
+Loading a model plus an adapter from a MODEL spec is ``entrenar.formats.load_model_with_adapter``.
+"""
+
+from .identity import base_fingerprint, check_base_identity
+from .io import (
+    ADAPTER_CONFIG,
+    ADAPTER_NOTE,
+    ADAPTER_WEIGHTS,
+    PEFT_PREFIX,
+    adapter_path,
+    adapter_state_dict,
+    is_adapter_dir,
+    load_adapter,
+    load_adapter_weights,
+    read_adapter_config,
+    save_adapter,
+)
+from .lora import (
+    DEFAULT_TARGETS,
+    ONTO,
+    LoRALinear,
+    apply_lora,
+    base_weight,
+    count_parameters,
+    describe_parameters,
+    linear_layer_names,
+    lora_modules,
+    merge_in_place,
+    parse_targets,
+    set_module,
+)
+from .lr import auto_lr
+from .nf4_linear import NF4Linear
+
+__all__ = [
+    "ADAPTER_CONFIG", "ADAPTER_NOTE", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "ONTO", "PEFT_PREFIX",
+    "LoRALinear", "NF4Linear", "adapter_path", "adapter_state_dict", "apply_lora", "auto_lr",
+    "base_fingerprint", "base_weight", "check_base_identity", "count_parameters", "describe_parameters",
+    "is_adapter_dir", "linear_layer_names", "load_adapter", "load_adapter_weights", "lora_modules",
+    "merge_in_place", "parse_targets", "read_adapter_config", "save_adapter", "set_module",
+]
+
+
+# Transitional, until every caller imports from its new home (formats.load_model_with_adapter,
+# peft.set_module); removed once `grep -rn "peft import load_model_with_adapter\|_set_module" src` is empty.
+_set_module = set_module
+
+
+def load_model_with_adapter(*args, **kwargs):
+    from ..formats import load_model_with_adapter as load
+
+    return load(*args, **kwargs)
