@@ -99,8 +99,12 @@ def test_pack_is_deterministic_and_splits_by_document(tmp_path):
     # Every val document is whole: each one ends with EOS exactly once.
     val = stream(tmp_path / "o1", "val")
     assert val[-1] == tok.eos_id and (val == tok.eos_id).sum() == i1["splits"]["val"]["documents"]
-    # Re-packing into the same directory replaces it with identical content.
-    pack(inputs, tok, tmp_path / "o1", val_fraction=0.3, seed=3)
+    # Re-packing into the same directory is refused (issue 18 item 10); --overwrite replaces it.
+    before = (tmp_path / "o1" / "index.json").read_text()
+    with pytest.raises(InputError, match="already exists.*--overwrite"):
+        pack(inputs, tok, tmp_path / "o1", val_fraction=0.1, seed=3)
+    assert (tmp_path / "o1" / "index.json").read_text() == before
+    pack(inputs, tok, tmp_path / "o1", val_fraction=0.3, seed=3, overwrite=True)
     assert stream(tmp_path / "o1", "val").tolist() == val.tolist()
 
     # Mutation: an unseeded split decision makes re-runs differ.
@@ -165,8 +169,11 @@ def test_pack_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys, monkeypatch)
     (tmp_path / "other").mkdir()
     (tmp_path / "other" / "keep.me").write_text("x")
     (tmp_path / "ok.txt").write_text("w1 w2")
-    with pytest.raises(InputError, match="not an empty directory"):
+    with pytest.raises(InputError, match="already exists"):
         pack([str(tmp_path / "ok.txt")], tok, tmp_path / "other")
+    with pytest.raises(InputError, match="not an empty directory or a previous .* --overwrite will not delete"):
+        pack([str(tmp_path / "ok.txt")], tok, tmp_path / "other", overwrite=True)
+    assert (tmp_path / "other" / "keep.me").read_text() == "x"
     # Through the CLI: exit 2 with the file:line message.
     monkeypatch.setattr("entrenar.data.commands._load_tokenizer", lambda spec: tok)
     rc = main(["data", "pack", "--model", "any", "--out", str(tmp_path / "out"), str(tmp_path / "bad.jsonl")])

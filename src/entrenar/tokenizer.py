@@ -14,6 +14,7 @@ template did not already write it, so there are never two.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from collections.abc import Sequence
@@ -343,6 +344,10 @@ class ChatTokenizer:
         if self.chat_template is not None:
             config["chat_template"] = self.chat_template
         (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+        special_map = {k: v for k, v in (("bos_token", self.bos_token), ("eos_token", self.eos_token),
+                                         ("pad_token", self.pad_token), ("unk_token", self.unk_token))
+                       if v is not None}
+        (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
         return out
 
 
@@ -521,3 +526,60 @@ def tokenizer_from_gguf_metadata(meta: dict[str, Any], source: str) -> ChatToken
                          eot_token=token_at("eot_token_id"),
                          add_bos=bool(meta.get("tokenizer.ggml.add_bos_token", False)),
                          chat_template=meta.get("tokenizer.chat_template"), source=source)
+
+
+# ---- the tokenizer files that travel with shards and checkpoints -----------------------------------
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
+
+
+def encoding_sha256(tokenizer: Any) -> str | None:
+    """sha256 of what decides the ids of a text: normalizer, pre-tokenizer, model (vocabulary and
+    merges) and added tokens -- not the post-processor or the decoder. Two tokenizers with the same
+    value encode every text the same way (a GGUF-built tokenizer and its saved tokenizer.json agree)."""
+    inner = getattr(tokenizer, "tokenizer", tokenizer)
+    if not hasattr(inner, "to_str"):
+        return None
+    d = json.loads(inner.to_str())
+    added = sorted((t["id"], t["content"], bool(t.get("special"))) for t in d.get("added_tokens") or [])
+    key = {"normalizer": d.get("normalizer"), "pre_tokenizer": d.get("pre_tokenizer"), "model": d.get("model"),
+           "added_tokens": added}
+    return hashlib.sha256(json.dumps(key, sort_keys=True, ensure_ascii=False).encode()).hexdigest()
+
+
+def save_tokenizer_files(source: Any, out_dir: str | os.PathLike) -> dict[str, str]:
+    """Write a tokenizer's files into ``out_dir``; return {file name: sha256}.
+
+    ``source`` is a ChatTokenizer (its save_hf), a directory holding tokenizer files (copied), or an
+    object with a ``tokenizers.Tokenizer`` in ``.tokenizer`` and bos_id/eos_id (tokenizer.json plus
+    a tokenizer_config.json naming BOS/EOS, so load_tokenizer gets them back).
+    """
+    import shutil
+
+    from .fileio import sha256_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if isinstance(source, (str, os.PathLike)):
+        src = Path(source)
+        if not (src / "tokenizer.json").is_file():
+            raise InputError(f"{src}: no tokenizer.json to copy")
+        for name in TOKENIZER_FILES:
+            if (src / name).is_file() and (src / name).resolve() != (out / name).resolve():
+                shutil.copyfile(src / name, out / name)
+    elif hasattr(source, "save_hf"):
+        source.save_hf(out)
+    else:
+        inner = getattr(source, "tokenizer", None)
+        if inner is None or not hasattr(inner, "save"):
+            raise InputError(f"cannot save tokenizer files of {type(source).__name__}: it has no tokenizers.Tokenizer")
+        inner.save(str(out / "tokenizer.json"))
+
+        def token(idx: Any) -> str | None:
+            return None if idx is None else inner.id_to_token(int(idx))
+
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": token(getattr(source, "bos_id", None)),
+                  "eos_token": token(getattr(source, "eos_id", None)),
+                  "pad_token": token(getattr(source, "pad_id", None)),
+                  "add_bos_token": bool(getattr(source, "add_bos", False)), "clean_up_tokenization_spaces": False}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return {name: sha256_file(out / name) for name in TOKENIZER_FILES if (out / name).is_file()}

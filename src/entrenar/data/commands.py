@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,16 +28,28 @@ def cmd_pack(args: argparse.Namespace) -> dict[str, Any]:
     from .corpus import pack
 
     tok = _load_tokenizer(args.model)
+    t0 = time.perf_counter()
     index = pack(args.inputs, tok, args.out, val_fraction=args.val_fraction, seed=args.seed,
-                 shard_tokens=args.shard_tokens, tokenizer_spec=args.model, progress=not args.json)
+                 shard_tokens=args.shard_tokens, tokenizer_spec=args.model, progress=not args.json,
+                 workers=args.workers, strict=args.strict, overwrite=args.overwrite)
+    seconds = time.perf_counter() - t0
     splits = {s: {"documents": v["documents"], "tokens": v["tokens"], "shards": len(v["shards"])}
               for s, v in index["splits"].items()}
-    if not args.json:
-        print(f"packed {index['documents']} documents, {index['tokens']} tokens ({index['dtype']}) into "
-              f"{args.out}: " + ", ".join(f"{s} {v['documents']} docs / {v['tokens']} tokens"
-                                         for s, v in splits.items()))
+    skipped = index["skipped"]
+    # the report goes to stderr under --json (stdout's last line is the JSON object)
+    report = sys.stderr if args.json else sys.stdout
+    print(f"packed {index['documents']} documents, {index['tokens']} tokens ({index['dtype']}) into "
+          f"{args.out} in {seconds:.1f}s: " + ", ".join(f"{s} {v['documents']} docs / {v['tokens']} tokens"
+                                                       for s, v in splits.items()), file=report)
+    if skipped["count"]:
+        print(f"skipped {skipped['count']} file(s) that cannot be read or decoded"
+              + (" (first 20)" if skipped["count"] > 20 else "") + ":", file=report)
+        for line in skipped["listed"]:
+            print(f"  {line}", file=report)
     result = {"out": str(args.out), "documents": index["documents"], "tokens": index["tokens"],
-              "dtype": index["dtype"], "source_sha256": index["source_sha256"], "splits": splits}
+              "dtype": index["dtype"], "source_sha256": index["source_sha256"], "splits": splits,
+              "skipped": skipped, "seconds": seconds, "workers": args.workers,
+              "tokenizer_files": index["tokenizer"]["files"]}
     if args.val_fraction > 0 and splits["val"]["documents"] == 0:
         result["warning"] = (f"--val-fraction {args.val_fraction} put no document in val "
                              f"({index['documents']} documents); raise it for a validation split")
@@ -76,7 +89,7 @@ def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli import add_command
+    from ..cli_registry import add_command
 
     def dispatch(args: argparse.Namespace) -> dict:
         return args.data_func(args)
@@ -96,7 +109,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--val-fraction", type=float, default=0.0, help="fraction of documents for val (0)")
     q.add_argument("--seed", type=int, default=0, help="seed of the train/val split (0)")
     q.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file (64 Mi)")
-    q.add_argument("inputs", nargs="+", metavar="INPUT", help="files, directories or globs")
+    q.add_argument("--workers", type=int, default=1,
+                   help="processes that tokenize in parallel; the shards are identical for any value (1)")
+    q.add_argument("--strict", action="store_true",
+                   help="exit 2 (nothing written) on a file that cannot be read or decoded, instead of "
+                        "skipping, counting and listing it")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing --out (a previous pack)")
+    q.add_argument("inputs", nargs="+", metavar="INPUT",
+                   help="files, directories or globs: text, .py, .jsonl(.gz) and .parquet with a text field")
 
     q = add("sft-from-code", cmd_sft_from_code, "Python source -> docstring-to-function SFT JSONL")
     q.add_argument("--out", required=True, help="output JSONL file")

@@ -6,22 +6,31 @@ Layout of a packed directory:
   train.docs.bin             uint64 start offset of every document in the split's token stream
   val-00000.bin, val.docs.bin (when --val-fraction > 0)
 
+  tokenizer.json, tokenizer_config.json, special_tokens_map.json: the tokenizer itself (sha256 of
+                             each in index.json), so training needs nothing of the packing machine
+
 Each document is ``[bos] + encode(text) + [eos]`` (bos only for tokenizers that add one), so EOS
 separates documents. A document goes to val when a hash of (seed, its text) falls below the val
 fraction: the split is deterministic, independent of file order, and identical texts share a split.
-Packing streams: memory is bounded by the encode batch and the write buffer, not the corpus.
+
+Inputs are read by ``sources`` (text, .py, JSONL, JSONL.gz, Parquet); a file that cannot be read
+or decoded is skipped whole, counted and listed (``strict``: exit 2, nothing written). Files are
+grouped into tasks of about TASK_BYTES; ``workers`` > 1 encodes tasks in spawned processes and the
+main process writes their results in task order, so the shards are byte-identical to workers=1.
+Memory per task is bounded by the tokens of its files (a file's tokens are kept until the file
+was read to its end, so a file that fails late leaves nothing behind). The pack is built in a
+temporary sibling directory renamed into place at the end (fileio.atomic_dir).
 """
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -29,11 +38,14 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..fileio import sha256_file
+from ..fileio import atomic_dir, atomic_write, sha256_file
 from ..tensors import IGNORE_INDEX, positions_from_doc_ids
+from .sources import ALL_SUFFIXES, SkippedFile, SkipReport, expand_inputs, iter_file_texts
+
+__all__ = ["FORMAT", "PretrainLoader", "expand_inputs", "pack", "read_index", "split_safely"]
 
 FORMAT = "entrenar-token-shards-v1"
-TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py", ".jsonl")
+TEXT_SUFFIXES = ALL_SUFFIXES  # every input kind a directory is searched for
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 / 256 MiB uint32 per shard
 # Memory is bounded by these (tokenizers needs ~40x the text size while encoding): ~100 MB peak.
@@ -47,6 +59,7 @@ BIG_DOC_BYTES = 1 << 20  # ... and a text file larger than this is read in block
 MAX_GROWTH = 16  # how far past its size a block may grow looking for a safe cut
 _SAFE_CUT = re.compile(r"(?<=\S)\n(?=[A-Za-z])")
 _SAFE_CUT_BYTES = re.compile(rb"(?<=\S)\n(?=[A-Za-z])")
+TASK_BYTES = 1 << 20  # input files are grouped into encode tasks of about this size
 
 
 class TextEncoder(Protocol):
@@ -59,80 +72,7 @@ class TextEncoder(Protocol):
     def __len__(self) -> int: ...
 
 
-# ---- inputs -------------------------------------------------------------------------------------
-def expand_inputs(inputs: list[str]) -> list[Path]:
-    """Files, directories (recursive, text suffixes) and globs -> sorted, de-duplicated file list."""
-    files: list[Path] = []
-    for spec in inputs:
-        p = Path(spec)
-        if p.is_file():
-            found = [p]
-        elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.is_file() and f.suffix in TEXT_SUFFIXES
-                           and not any(part.startswith(".") or part == "__pycache__"
-                                       for part in f.relative_to(p).parts))
-        else:
-            found = sorted(Path(f) for f in glob.glob(spec, recursive=True) if Path(f).is_file())
-        if not found:
-            raise InputError(f"{spec}: no such file, no text files in that directory "
-                             f"({', '.join(TEXT_SUFFIXES)}), and no glob match")
-        files.extend(found)
-    seen, out = set(), []
-    for f in files:
-        key = f.resolve()
-        if key not in seen:
-            seen.add(key)
-            out.append(f)
-    return out
-
-
-def _decode(data: bytes, where: str) -> str:
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{where}: not UTF-8 text ({e}); convert it or leave it out of the inputs") from e
-
-
-def iter_jsonl_texts(path: Path, source_hash: Any) -> Iterator[str]:
-    """The ``text`` field of each row, streamed line by line."""
-    with open(path, "rb") as f:
-        for lineno, raw in enumerate(f, 1):
-            source_hash.update(raw)
-            line = _decode(raw, f"{path}:{lineno}")
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from e
-            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                raise InputError(f"{path}:{lineno}: a pretraining JSONL row must be an object with a string "
-                                 f"\"text\" field")
-            yield row["text"]
-
-
-def iter_text_blocks(path: Path, source_hash: Any, block_bytes: int) -> Iterator[str]:
-    """A text file in blocks of about ``block_bytes`` cut at safe points (see _SAFE_CUT); a block
-    with no safe point grows until one comes (or the file ends)."""
-    carry = b""
-    with open(path, "rb") as f:
-        while block := f.read(block_bytes):
-            source_hash.update(block)
-            block = carry + block
-            cut = _last_safe_cut(block, _SAFE_CUT_BYTES)
-            if cut is None and len(block) > MAX_GROWTH * block_bytes:
-                # No safe point in 16 blocks (minified text?): bound memory, cut after a newline or
-                # space (tokens may differ from whole-file encoding right at this cut).
-                cut = max(block.rfind(b"\n"), block.rfind(b" ")) + 1 or None
-            if cut is None:
-                carry = block
-                continue
-            carry = block[cut:]
-            yield _decode(block[:cut], str(path))  # a cut after b"\n" is a UTF-8 character boundary
-    if carry:
-        yield _decode(carry, str(path))
-
-
+# ---- encoding --------------------------------------------------------------------------------------
 def _last_safe_cut(data: Any, pattern: re.Pattern, start: int = 0, end: int | None = None) -> int | None:
     last = None
     for m in pattern.finditer(data, start, len(data) if end is None else end):
@@ -173,6 +113,159 @@ def _batch_encoder(tokenizer: TextEncoder) -> Callable[[list[str]], list[list[in
     return lambda texts: [tokenizer.encode(t, add_special=False) for t in texts]
 
 
+@dataclass
+class _Context:
+    """What an encode task needs; pickled once into each worker process."""
+
+    tokenizer: Any
+    bos: list[int]
+    eos: list[int]
+    vocab: int
+    dtype: str
+    seed: int
+    val_fraction: float
+
+
+@dataclass
+class _Doc:
+    split: str
+    chunks: list[np.ndarray] = field(default_factory=list)
+
+
+@dataclass
+class _FileResult:
+    """One input file's documents, per split: all tokens concatenated and each document's length."""
+
+    path: str
+    size: int = 0
+    sha256: str = ""
+    skipped: str | None = None
+    empty: int = 0
+    docs: list[_Doc] = field(default_factory=list)
+    splits: dict[str, tuple[np.ndarray, np.ndarray]] = field(default_factory=dict)
+
+
+class _Encoder:
+    """Batches pieces of many documents into one encode call (tokenizers parallelises inside it)."""
+
+    def __init__(self, ctx: _Context):
+        self.ctx, self.encode_batch = ctx, _batch_encoder(ctx.tokenizer)
+        self.pending: list[tuple[_FileResult, _Doc, str]] = []
+        self.chars = 0
+
+    def add(self, result: _FileResult, doc: _Doc, pieces: list[str]) -> None:
+        self.pending.extend((result, doc, p) for p in pieces)
+        self.chars += sum(len(p) for p in pieces)
+        if self.chars >= ENCODE_BATCH_CHARS:
+            self.flush()
+
+    def drop(self, result: _FileResult) -> None:
+        self.pending = [item for item in self.pending if item[0] is not result]
+
+    def flush(self) -> None:
+        if not self.pending:
+            return
+        encoded = self.encode_batch([p for _, _, p in self.pending])
+        for (_, doc, _), ids in zip(self.pending, encoded):
+            arr = np.asarray(ids, dtype=np.int64)
+            if arr.size and (arr.min() < 0 or arr.max() >= self.ctx.vocab):
+                raise InputError(f"tokenizer produced id {int(arr.max())} outside its vocab {self.ctx.vocab}")
+            doc.chunks.append(arr.astype(self.ctx.dtype))
+        self.pending.clear()
+        self.chars = 0
+
+
+def _read_file(path: Path, result: _FileResult, encoder: _Encoder, ctx: _Context) -> None:
+    """Queue every document of one file; raises SkippedFile (the caller drops what was queued)."""
+    try:
+        result.size = path.stat().st_size
+        result.sha256 = sha256_file(path)
+    except OSError as e:
+        raise SkippedFile(f"{path}: cannot be read ({e.strerror or e})") from None
+    current: _Doc | None = None
+    for text, continues in iter_file_texts(path, BIG_DOC_BYTES, _SAFE_CUT_BYTES, MAX_GROWTH):
+        if continues and current is not None:  # a big text file's next block: the first block chose the split
+            encoder.add(result, current, split_safely(text, PIECE_CHARS))
+            continue
+        if not text.strip():
+            result.empty += 0 if continues else 1
+            current = None
+            continue
+        if continues:  # a big file whose first blocks were blank: not empty after all
+            result.empty -= 1
+        current = _Doc("val" if _doc_in_val(text, ctx.seed, ctx.val_fraction) else "train")
+        result.docs.append(current)
+        encoder.add(result, current, split_safely(text, PIECE_CHARS))
+
+
+def _encode_task(paths: list[str], ctx: _Context) -> list[_FileResult]:
+    """Read and encode a group of files; a file that fails is returned with its skip reason only."""
+    encoder = _Encoder(ctx)
+    results = []
+    for p in paths:
+        result = _FileResult(p)
+        results.append(result)
+        try:
+            _read_file(Path(p), result, encoder, ctx)
+        except SkippedFile as e:
+            encoder.drop(result)
+            result.skipped, result.docs, result.empty = str(e), [], 0
+    encoder.flush()
+    bos, eos = np.asarray(ctx.bos, dtype=ctx.dtype), np.asarray(ctx.eos, dtype=ctx.dtype)
+    for result in results:
+        for split in SPLITS:
+            docs = [np.concatenate([bos, *d.chunks, eos]) for d in result.docs if d.split == split]
+            if docs:
+                result.splits[split] = (np.concatenate(docs), np.asarray([len(d) for d in docs], dtype=np.int64))
+        result.docs = []  # only the concatenated arrays travel back from a worker
+    return results
+
+
+_WORKER_CONTEXT: _Context | None = None
+
+
+def _init_worker(ctx: _Context) -> None:
+    global _WORKER_CONTEXT
+    # one thread per process: --workers N means N busy cores, not N x tokenizers' thread pool
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    _WORKER_CONTEXT = ctx
+
+
+def _worker_task(paths: list[str]) -> list[_FileResult]:
+    assert _WORKER_CONTEXT is not None
+    return _encode_task(paths, _WORKER_CONTEXT)
+
+
+def _tasks(files: list[Path]) -> list[list[str]]:
+    """Consecutive files grouped to about TASK_BYTES (a larger file is a task of its own)."""
+    tasks: list[list[str]] = []
+    size = 0
+    for f in files:
+        try:
+            n = f.stat().st_size
+        except OSError:
+            n = 0  # the task reports it as unreadable
+        if not tasks or (size + n > TASK_BYTES and tasks[-1]):
+            tasks.append([])
+            size = 0
+        tasks[-1].append(str(f))
+        size += n
+    return tasks
+
+
+def _run_tasks(tasks: list[list[str]], ctx: _Context, workers: int) -> Iterator[list[_FileResult]]:
+    """Results in task order, from this process (workers=1) or a pool of spawned processes."""
+    if workers <= 1 or len(tasks) <= 1:
+        for t in tasks:
+            yield _encode_task(t, ctx)
+        return
+    import multiprocessing
+
+    # spawn, not fork: a forked child inherits tokenizers' thread pool in an undefined state
+    with multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=(ctx,)) as pool:
+        yield from pool.imap(_worker_task, tasks)
+
+
 # ---- writing shards -------------------------------------------------------------------------------
 class _SplitWriter:
     def __init__(self, out: Path, split: str, dtype: np.dtype, shard_tokens: int):
@@ -189,9 +282,11 @@ class _SplitWriter:
         self.shards.append({"file": name, "tokens": 0})
         self._in_shard = 0
 
-    def start_document(self) -> None:
-        self._docs.write(np.uint64(self.tokens).tobytes())
-        self.documents += 1
+    def write_documents(self, tokens: np.ndarray, lengths: np.ndarray) -> None:
+        starts = self.tokens + np.concatenate([[0], np.cumsum(lengths[:-1])]).astype(np.uint64)
+        self._docs.write(starts.astype("<u8").tobytes())
+        self.documents += len(lengths)
+        self.write(tokens)
 
     def write(self, ids: np.ndarray) -> None:
         at = 0
@@ -218,130 +313,98 @@ class _SplitWriter:
 
 
 def tokenizer_identity(tokenizer: Any, spec: str | None = None) -> dict[str, Any]:
+    from ..tokenizer import encoding_sha256
+
     inner = getattr(tokenizer, "tokenizer", None)
     serialized = inner.to_str() if inner is not None and hasattr(inner, "to_str") else None
     return {"model": spec, "vocab_size": len(tokenizer),
             "sha256": hashlib.sha256(serialized.encode()).hexdigest() if serialized else None,
+            # what decides the ids (vocabulary, merges, pre-tokenizer, added tokens), for comparisons
+            "encoding_sha256": encoding_sha256(tokenizer),
             "bos_id": getattr(tokenizer, "bos_id", None), "eos_id": tokenizer.eos_id,
             "add_bos": bool(getattr(tokenizer, "add_bos", False))}
 
 
+def _check_out(out: Path, overwrite: bool) -> None:
+    if not out.exists() or (out.is_dir() and not any(out.iterdir())):
+        return  # an empty directory is as good as none
+    previous = out.is_dir() and ((out / "index.json").is_file() or not any(out.iterdir()))
+    if not overwrite:
+        raise InputError(f"{out}: already exists; choose another --out, or pass --overwrite to replace "
+                         f"{'that previous pack' if previous else 'it'}")
+    if not previous:
+        raise InputError(f"{out}: exists and is not an empty directory or a previous `entrenar data pack` "
+                         f"output, so --overwrite will not delete it; choose another --out")
+
+
 def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fraction: float = 0.0,
          seed: int = 0, shard_tokens: int = DEFAULT_SHARD_TOKENS, tokenizer_spec: str | None = None,
-         progress: bool = False) -> dict[str, Any]:
+         progress: bool = False, workers: int = 1, strict: bool = False,
+         overwrite: bool = False) -> dict[str, Any]:
     """Tokenize a corpus into shards under ``out_dir``; returns (and writes) the index.
 
-    Written to a temporary sibling directory and renamed at the end, so a failure leaves nothing
-    half-written. An existing ``out_dir`` must be empty or a previous pack (it has index.json).
+    Built in a temporary sibling directory renamed at the end, so a failure or an interrupt leaves
+    nothing that looks complete. An existing ``out_dir`` is refused unless ``overwrite`` (and then
+    only an empty directory or a previous pack is replaced).
     """
     if not 0.0 <= val_fraction < 1.0:
         raise InputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
         raise InputError(f"shard size must be >= 1 token, got {shard_tokens}")
+    if workers < 1:
+        raise InputError(f"--workers must be >= 1, got {workers}")
     if tokenizer.eos_id is None:
         raise InputError("the tokenizer has no EOS token, so documents cannot be separated")
     out = Path(out_dir)
-    if out.exists() and (not out.is_dir() or (any(out.iterdir()) and not (out / "index.json").is_file())):
-        raise InputError(f"{out}: exists and is not an empty directory or a previous `entrenar data pack` "
-                         f"output; choose another --out")
+    _check_out(out, overwrite)
     files = expand_inputs(inputs)
     vocab = len(tokenizer)
     dtype = np.dtype("<u2") if vocab < 65536 else np.dtype("<u4")
     bos = [int(tokenizer.bos_id)] if getattr(tokenizer, "add_bos", False) and tokenizer.bos_id is not None else []
-    eos = [int(tokenizer.eos_id)]
-    encode_batch = _batch_encoder(tokenizer)
-
+    ctx = _Context(tokenizer, bos, [int(tokenizer.eos_id)], vocab, dtype.str, seed, val_fraction)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.parent / f".{out.name}.tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    try:
+    with atomic_dir(out) as tmp:
         writers = {s: _SplitWriter(tmp, s, dtype, shard_tokens) for s in SPLITS}
-        source_hash = hashlib.sha256()
-        empty_docs = 0
-        pending: list[tuple[str, list[str]]] = []  # (split, pieces) waiting for one batched encode
-        pending_chars = 0
-
-        def checked(ids: list[int]) -> np.ndarray:
-            arr = np.asarray(ids, dtype=np.int64)
-            if arr.size and (arr.min() < 0 or arr.max() >= vocab):
-                raise InputError(f"tokenizer produced id {int(arr.max())} outside its vocab {vocab}")
-            return arr
-
-        def flush() -> None:
-            nonlocal pending_chars
-            encoded = iter(encode_batch([p for _, pieces in pending for p in pieces]))
-            for split, pieces in pending:
-                writers[split].start_document()
-                writers[split].write(checked(bos + [t for _ in pieces for t in next(encoded)] + eos))
-            pending.clear()
-            pending_chars = 0
-
-        def add_document(text: str) -> None:
-            nonlocal pending_chars, empty_docs
-            if not text.strip():
-                empty_docs += 1
-                return
-            pending.append(("val" if _doc_in_val(text, seed, val_fraction) else "train",
-                            split_safely(text, PIECE_CHARS)))
-            pending_chars += len(text)
-            if pending_chars >= ENCODE_BATCH_CHARS:
-                flush()
-
-        def add_big_file(path: Path) -> None:
-            """One document read block by block; its split is decided by its first block."""
-            flush()
-            writer = None
-            for block in iter_text_blocks(path, source_hash, BIG_DOC_BYTES):
-                if writer is None:
-                    writer = writers["val" if _doc_in_val(block, seed, val_fraction) else "train"]
-                    writer.start_document()
-                    writer.write(checked(bos))
-                for ids in encode_batch(split_safely(block, PIECE_CHARS)):
-                    writer.write(checked(ids))
-            writer.write(checked(eos))
-
+        source_hash, skipped, used, empty = hashlib.sha256(), SkipReport(), [], 0
         from tqdm import tqdm
 
-        total_bytes = sum(f.stat().st_size for f in files)
+        total_bytes = sum(f.stat().st_size for f in files if f.exists())
         with tqdm(total=total_bytes, unit="B", unit_scale=True, desc="pack", disable=not progress) as bar:
-            for path in files:
-                size = path.stat().st_size
-                source_hash.update(size.to_bytes(8, "little"))
-                if path.suffix == ".jsonl":
-                    for text in iter_jsonl_texts(path, source_hash):
-                        add_document(text)
-                elif size <= BIG_DOC_BYTES:
-                    data = path.read_bytes()
-                    source_hash.update(data)
-                    add_document(_decode(data, str(path)))
-                else:
-                    add_big_file(path)
-                bar.update(size)
-            flush()
+            for results in _run_tasks(_tasks(files), ctx, workers):
+                for r in results:
+                    bar.update(r.size)
+                    if r.skipped is not None:
+                        skipped.add(r.path, r.skipped)
+                        if strict:
+                            raise skipped.strict_error("nothing was written")
+                        continue
+                    used.append(r.path)
+                    source_hash.update(r.size.to_bytes(8, "little") + bytes.fromhex(r.sha256))
+                    empty += r.empty
+                    for split, (tokens, lengths) in r.splits.items():
+                        writers[split].write_documents(tokens, lengths)
         splits = {s: w.close() for s, w in writers.items()}
         if splits["train"]["documents"] == 0:
-            raise InputError(f"no training documents: {len(files)} input files gave "
-                             f"{splits['val']['documents']} val and 0 train documents "
-                             f"({empty_docs} empty); lower --val-fraction or add data")
+            why = f"; skipped: {'; '.join(skipped.listed[:5])}" if skipped.count else ""
+            raise InputError(f"no training documents: {len(files)} input files ({skipped.count} skipped) gave "
+                             f"{splits['val']['documents']} val and 0 train documents ({empty} empty){why}; "
+                             f"lower --val-fraction or add data")
+        identity = tokenizer_identity(tokenizer, tokenizer_spec)
+        from ..tokenizer import save_tokenizer_files
+
+        identity["files"] = save_tokenizer_files(tokenizer, tmp)
         index = {
-            "format": FORMAT, "dtype": dtype.name, "vocab_size": vocab,
-            "tokenizer": tokenizer_identity(tokenizer, tokenizer_spec),
-            "source_sha256": source_hash.hexdigest(), "inputs": [str(f) for f in files],
+            "format": FORMAT, "dtype": dtype.name, "vocab_size": vocab, "tokenizer": identity,
+            "source_sha256": source_hash.hexdigest(), "inputs": used, "skipped": skipped.to_dict(),
             "seed": seed, "val_fraction": val_fraction, "shard_tokens": shard_tokens,
             "documents": sum(s["documents"] for s in splits.values()),
-            "tokens": sum(s["tokens"] for s in splits.values()), "empty_documents_skipped": empty_docs,
+            "tokens": sum(s["tokens"] for s in splits.values()), "empty_documents_skipped": empty,
             "splits": splits,
         }
-        (tmp / "index.json").write_text(json.dumps(index, indent=2) + "\n")
-        if out.exists():
+        atomic_write(tmp / "index.json", json.dumps(index, indent=2) + "\n")
+        if out.exists():  # --overwrite, checked above: replaced only now that the new pack is complete
             shutil.rmtree(out)
-        os.replace(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return index
-
 
 def read_index(shards_dir: str | Path) -> dict[str, Any]:
     path = Path(shards_dir) / "index.json"
