@@ -1,4 +1,4 @@
-"""`entrenar merge --base MODEL --adapter DIR --out DIR [--onto trained|original]`.
+"""Fold a LoRA/QLoRA adapter into its base (`entrenar merge`, in model_commands.py).
 
 Merging folds ``scale * B @ A`` into the base weight. Which base weight matters for QLoRA: the adapter
 was trained against the NF4-dequantized weights of *every* decoder linear, so the default
@@ -9,7 +9,6 @@ trained one's (a LoRA adapter trained on 16-bit weights gives the same model eit
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 from pathlib import Path
@@ -23,18 +22,6 @@ from .errors import GuardError, InputError
 
 ONTO = ("trained", "original")
 MERGE_TOLERANCE = 1e-4  # relL2 of merged vs base+adapter logits (fp32); measured ~1e-7
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    from .cli import add_command
-
-    p = add_command(sub, "merge", cmd_merge, "fold a LoRA/QLoRA adapter into its base -> HF directory")
-    p.add_argument("--base", required=True, help="base MODEL the adapter was trained on")
-    p.add_argument("--adapter", required=True, help="PEFT adapter directory (or a LoRA run directory)")
-    p.add_argument("--out", required=True, help="HF directory to create (must not exist or be empty)")
-    p.add_argument("--onto", choices=ONTO, default="trained",
-                   help="trained (default): onto the weights the adapter was trained against (NF4-"
-                        "dequantized for QLoRA); original: onto the 16-bit weights, and report the change")
 
 
 def probe_ids(vocab_size: int, n: int = 48, seed: int = 1234) -> torch.Tensor:
@@ -152,16 +139,4 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.Pat
                           f"against: logits move by relL2 {rel_vs_trained:.3g} from the trained model")
     elif onto == "original":
         result["note"] = "adapter was trained on the 16-bit weights: --onto original equals --onto trained"
-    return result
-
-
-def cmd_merge(args: argparse.Namespace) -> dict:
-    result = merge(args.base, args.adapter, args.out, args.onto)
-    if not args.json:
-        print(f"merged {result['adapters_merged']} adapters onto the {result['onto']} weights "
-              f"({result['trained_against']}) -> {result['out_dir']}")
-        print(f"logits vs base+adapter: relL2 {result['logit_rel_l2_vs_trained']:.3g}, "
-              f"max |diff| {result['logit_max_abs_diff_vs_trained']:.3g}")
-        if "note" in result:
-            print(result["note"])
     return result

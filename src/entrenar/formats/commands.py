@@ -12,12 +12,11 @@ from typing import Any
 
 import torch
 
+from ..cli_registry import add_command
 from ..errors import InputError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli import add_command
-
     p = add_command(sub, "inspect", cmd_inspect,
                     "config plus one row per tensor: name shape stored-dtype mean std min max")
     p.add_argument("model", help="packaged name, .gguf file, HF directory or run directory")

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ..cli_registry import add_command, add_device_option
 from ..config import PRESETS, preset
 from ..errors import InputError
 from .checkpoint import find_resume
@@ -356,8 +357,8 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
                    adapter: str | None = None) -> tuple[torch.nn.Module, Any, Path]:
     """A full model (plus `adapter`, unmerged) or a LoRA adapter directory (loaded onto its recorded
     base). Returns (model, tokenizer or None, resolved path)."""
-    from ..formats import resolve_model
-    from ..peft import load_model_with_adapter, read_adapter_config
+    from ..formats import load_model_with_adapter, resolve_model
+    from ..peft import read_adapter_config
 
     path = resolve_model(spec)
     model = load_model_with_adapter(spec, adapter, dtype=torch.float32, device=device, kernels=kernels)
@@ -375,8 +376,6 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     data = Path(args.data)
     if not data.exists():
         raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA device is available; use --device cpu")
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter)
     if data.is_dir():
         from ..data.corpus import PretrainLoader, read_index
@@ -425,7 +424,7 @@ def _training_options(p: argparse.ArgumentParser, default_lr: str | None, defaul
     p.add_argument("--weight-decay", type=float, default=default_wd,
                    help=f"AdamW weight decay on >=2-D weights ({default_wd})")
     p.add_argument("--clip", type=float, default=1.0, help="clip the global L2 grad norm; 0 = off (1.0)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (cpu)")
+    add_device_option(p)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
                    help="compute dtype; bf16 = autocast, master weights stay fp32 (fp32)")
     p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
@@ -447,8 +446,6 @@ def _training_options(p: argparse.ArgumentParser, default_lr: str | None, defaul
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli import add_command
-
     p = add_command(sub, "pretrain", cmd_pretrain, "pretrain (or continue pretraining) on token shards")
     p.add_argument("--model", required=True, help=f"PRESET ({', '.join(PRESETS)}) or MODEL (its architecture)")
     p.add_argument("--init", help="MODEL whose weights to start from (else random init)")
@@ -484,7 +481,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--truncation", choices=("skip", "keep"), default="skip", help="SFT truncation (skip)")
     p.add_argument("--batch-size", type=int, default=8, help="batch size (8)")
     p.add_argument("--max-batches", type=int, default=0, help="stop after this many batches; 0 = all (0)")
-    p.add_argument("--device", default="cpu", help="cpu | cuda (cpu)")
+    add_device_option(p)
     p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (fp32)")
     p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
                    help="op implementations: auto = triton on cuda, torch elsewhere (auto)")

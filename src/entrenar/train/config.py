@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import torch
-
+from ..devices import resolve_device
 from ..errors import InputError
 from . import guards
 
@@ -60,9 +59,7 @@ class TrainConfig:
             raise InputError(f"--on-nonfinite {self.on_nonfinite!r} not in {guards.NONFINITE_POLICIES}")
         if self.on_spike not in guards.SPIKE_POLICIES:
             raise InputError(f"--on-spike {self.on_spike!r} not in {guards.SPIKE_POLICIES}")
-        if self.device.startswith("cuda") and not torch.cuda.is_available():
-            raise InputError("--device cuda: no CUDA device is available (torch.cuda.is_available() "
-                             "is False); use --device cpu")
+        self.device = resolve_device(self.device)  # the one --device rule (entrenar.devices)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

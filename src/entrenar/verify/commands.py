@@ -14,13 +14,13 @@ from .bisect import DTYPES, format_report, hf_from_source, verify_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli import add_command
+    from ..cli_registry import add_command, add_device_option
 
     p = add_command(sub, "verify", cmd_verify,
                     "the model's fast path (device/dtype/kernels) vs a float64 reference or transformers: "
                     "logits, CE, per-layer and per-op relL2, gradients; exit 1 naming the first op over its bound")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
-    p.add_argument("--device", default="cpu", help="cpu | cuda | cuda:N (default cpu)")
+    add_device_option(p)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="auto = triton on cuda, torch elsewhere (auto)")
@@ -35,24 +35,20 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "unterminated, unparseable or gibberish answers; exit 1 on failure")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
-    p.add_argument("--device", default="cpu")
+    add_device_option(p)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="auto = triton on cuda, torch elsewhere (auto)")
 
 
 def _device(name: str) -> torch.device:
-    try:
-        dev = torch.device(name)
-    except RuntimeError as e:
-        raise InputError(f"--device {name!r}: {e}") from e
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise InputError("--device cuda: no CUDA device is available; use --device cpu")
-    return dev
+    from ..devices import resolve_device  # the one --device rule for every command
+
+    return torch.device(resolve_device(name))
 
 
 def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dtype, kernels: str):
-    from ..peft import load_model_with_adapter
+    from ..formats import load_model_with_adapter
 
     return load_model_with_adapter(spec, adapter, dtype=dtype, device=device, kernels=kernels)
 

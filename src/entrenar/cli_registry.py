@@ -1,0 +1,42 @@
+"""Command registration, shared by every `*/commands.py`: a leaf module.
+
+It imports nothing from entrenar, so library modules never import the CLI (`cli.py`) and
+`cli.py` can import every command module without a cycle (issue 11: generate.py and merge.py
+imported `cli.add_command`, so importing the library pulled in the command line).
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import Any
+
+JSON_HELP = "print one JSON object as the last stdout line (also on errors: {\"ok\": false, ...})"
+DEVICE_CHOICES_HELP = "cpu | cuda | cuda:N | auto (= cuda when available, else cpu)"
+DEFAULT_DEVICE = "cpu"  # reproducible by default; generate (interactive) asks for "auto"
+
+CommandFunc = Callable[[argparse.Namespace], dict[str, Any]]
+
+
+def add_json_flag(p: argparse.ArgumentParser) -> None:
+    """--json: the machine-readable contract (docs/design.md, "Command line")."""
+    p.add_argument("--json", action="store_true", help=JSON_HELP)
+
+
+def add_command(sub: argparse._SubParsersAction, name: str, func: CommandFunc, help: str,
+                dest: str = "func") -> argparse.ArgumentParser:
+    """A subcommand whose `func(args)` returns the JSON-able result dict.
+
+    `dest` names the attribute the function is stored under (a nested group such as `data` keeps
+    its own dispatcher in `func` and its subcommands' functions under another name)."""
+    p = sub.add_parser(name, help=help, description=help)
+    add_json_flag(p)
+    p.set_defaults(**{dest: func})
+    return p
+
+
+def add_device_option(p: argparse.ArgumentParser, default: str = DEFAULT_DEVICE) -> None:
+    """--device for every command. The value is checked once, by `entrenar.devices.resolve_device`,
+    which `cli.main` applies to every command before it runs."""
+    p.add_argument("--device", default=default, metavar="DEVICE",
+                   help=f"{DEVICE_CHOICES_HELP} ({default})")

@@ -1,0 +1,113 @@
+"""`entrenar generate` and `entrenar merge`: the command-line faces of `generate.py` and `merge.py`.
+
+Those two stay plain library code; argument parsing, printing and the result dict live here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from .cli_registry import add_command, add_device_option
+from .errors import InputError
+from .generate import DEFAULT_MAX_NEW_TOKENS
+from .merge import ONTO
+
+
+# ---- generate ------------------------------------------------------------------------------------
+def add_model_source_args(p: argparse.ArgumentParser) -> None:
+    """Arguments that change which weights generate runs (e.g. a LoRA adapter) go here."""
+    p.add_argument("--adapter", default=None,
+                   help="LoRA/QLoRA adapter directory (PEFT format, or a LoRA run) applied on --model unmerged")
+
+
+def load_generation_model(args: argparse.Namespace, device: str) -> Any:
+    """The model to generate with. Arguments from add_model_source_args are applied here."""
+    from .formats import load_model_with_adapter
+
+    return load_model_with_adapter(args.model, getattr(args, "adapter", None), device=device)
+
+
+def prompt_ids_for(tokenizer: Any, prompt: str, chat: bool, system: str | None) -> list[int]:
+    """Token ids of the prompt: raw text (BOS per the model), or a chat with the generation prompt."""
+    if not prompt.strip():
+        raise InputError("--prompt is empty; give some prompt text")
+    if system is not None and not chat:
+        raise InputError("--system needs --chat (a system message only exists in a chat)")
+    if not chat:
+        return tokenizer.encode(prompt)
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages.append({"role": "user", "content": prompt})
+    return tokenizer.encode_chat(messages, add_generation_prompt=True).ids
+
+
+def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
+    from .devices import resolve_device
+    from .generate import generate
+    from .tokenizer import load_tokenizer
+
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
+        raise InputError(f"--max-new-tokens is {args.max_new_tokens}; it must be at least 1")
+    if not args.prompt.strip():
+        raise InputError("--prompt is empty; give some prompt text")
+    tokenizer = load_tokenizer(args.model)
+    prompt_ids = prompt_ids_for(tokenizer, args.prompt, args.chat, args.system)
+    model = load_generation_model(args, resolve_device(args.device))
+    tokenizer.check_ids(prompt_ids, model.cfg.vocab_size)
+    max_new = args.max_new_tokens
+    if max_new is None:  # the default, not a request: it may shrink to the context that is left
+        max_new = min(DEFAULT_MAX_NEW_TOKENS, model.cfg.max_position_embeddings - len(prompt_ids))
+
+    def show(piece: str) -> None:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+
+    result = generate(model, tokenizer, prompt_ids, max_new, args.temperature, args.top_p,
+                      args.seed, on_text=None if args.json else show)
+    if not args.json:
+        sys.stdout.write("\n")
+        print(f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "
+              f"stop: {result.stop_reason}, {result.tokens_per_s:.1f} tok/s]", file=sys.stderr)
+    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+            "text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+            "tokens_per_s": round(result.tokens_per_s, 3), "seed": result.seed}
+
+
+# ---- merge ---------------------------------------------------------------------------------------
+def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
+    from .merge import merge
+
+    result = merge(args.base, args.adapter, args.out, args.onto)
+    if not args.json:
+        print(f"merged {result['adapters_merged']} adapters onto the {result['onto']} weights "
+              f"({result['trained_against']}) -> {result['out_dir']}")
+        print(f"logits vs base+adapter: relL2 {result['logit_rel_l2_vs_trained']:.3g}, "
+              f"max |diff| {result['logit_max_abs_diff_vs_trained']:.3g}")
+        if "note" in result:
+            print(result["note"])
+    return result
+
+
+# ---- registration --------------------------------------------------------------------------------
+def register(sub: argparse._SubParsersAction) -> None:
+    p = add_command(sub, "merge", cmd_merge, "fold a LoRA/QLoRA adapter into its base -> HF directory")
+    p.add_argument("--base", required=True, help="base MODEL the adapter was trained on")
+    p.add_argument("--adapter", required=True, help="PEFT adapter directory (or a LoRA run directory)")
+    p.add_argument("--out", required=True, help="HF directory to create (must not exist or be empty)")
+    p.add_argument("--onto", choices=ONTO, default="trained",
+                   help="trained (default): onto the weights the adapter was trained against (NF4-"
+                        "dequantized for QLoRA); original: onto the 16-bit weights, and report the change")
+
+    p = add_command(sub, "generate", cmd_generate, "generate text from a prompt (KV-cache decoding)")
+    p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
+    p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
+    p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
+    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"default {DEFAULT_MAX_NEW_TOKENS}, or what is left of the model's context if less")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
+    add_device_option(p, default="auto")
+    add_model_source_args(p)
