@@ -229,7 +229,52 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+# Presets whose size is part of their name: (parameters low, high) at the reference vocabulary.
+# Checked whenever the preset is built, so a wrong width or depth fails before any training.
+PARAMETER_BANDS: dict[str, tuple[int, int, int]] = {
+    "llama-370m": (366_000_000, 374_000_000, 32000),  # (low, high, reference vocab_size)
+}
+VOCAB_MULTIPLE = 64  # embedding / LM-head rows are padded to this for the matmuls
+
+
+def check_parameter_band(name: str, cfg: ModelConfig) -> None:
+    """ValueError naming the count when preset `name` with its reference vocabulary leaves its band."""
+    if name not in PARAMETER_BANDS:
+        return
+    low, high, vocab = PARAMETER_BANDS[name]
+    n = cfg.replace(vocab_size=vocab).num_parameters()
+    if not low <= n <= high:
+        raise ValueError(f"preset {name!r} has {n:,} parameters with a {vocab:,}-token vocabulary, outside "
+                         f"its band {low:,}..{high:,}: a width, depth or intermediate size is wrong")
+
+
 def preset(name: str) -> ModelConfig:
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; presets: {', '.join(PRESETS)}")
-    return dataclasses.replace(PRESETS[name])
+    cfg = dataclasses.replace(PRESETS[name])
+    check_parameter_band(name, cfg)
+    return cfg
+
+
+def round_vocab(n: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    return -(-int(n) // multiple) * multiple
+
+
+def preset_for_tokenizer(name: str, vocab_size: int, bos_id: int | None = None, eos_id: int | None = None,
+                         pad_id: int | None = None) -> tuple[ModelConfig, str | None]:
+    """Preset `name` for a tokenizer of `vocab_size` tokens: a different vocabulary gives
+    vocab_size rounded up to a multiple of 64 (the rows above `vocab_size` are padding, never a
+    target: no token id reaches them). The special-token ids come from the tokenizer. Returns the
+    config and a note saying what changed (None when nothing did)."""
+    cfg = preset(name)
+    note = None
+    if vocab_size != cfg.vocab_size:
+        padded = round_vocab(vocab_size)
+        note = (f"preset {name}: vocab_size {cfg.vocab_size} -> {padded} (the shards' tokenizer has "
+                f"{vocab_size} tokens" + (f", rounded up to a multiple of {VOCAB_MULTIPLE}; ids {vocab_size}.."
+                                          f"{padded - 1} are padding rows, never targets)" if padded != vocab_size
+                                          else ")") + f"; {cfg.replace(vocab_size=padded).num_parameters():,} "
+                f"parameters")
+        cfg = cfg.replace(vocab_size=padded)
+    cfg = cfg.replace(bos_token_id=bos_id, eos_token_id=eos_id, pad_token_id=pad_id)
+    return cfg, note

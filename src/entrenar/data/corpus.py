@@ -29,7 +29,7 @@ import json
 import os
 import re
 import shutil
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -37,7 +37,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from ..errors import InputError
+from ..errors import GuardError, InputError
 from ..fileio import atomic_dir, atomic_write, sha256_file
 from ..tensors import IGNORE_INDEX, positions_from_doc_ids
 from .sources import ALL_SUFFIXES, SkippedFile, SkipReport, expand_inputs, iter_file_texts
@@ -416,6 +416,47 @@ def read_index(shards_dir: str | Path) -> dict[str, Any]:
     return index
 
 
+def shard_tokenizer(shards_dir: str | Path, index: dict[str, Any] | None = None) -> Any:
+    """The tokenizer packed into the shard directory (its files checked against the sha256 in
+    index.json); None for a pack written before shards carried their tokenizer."""
+    from ..tokenizer import load_hf_tokenizer
+
+    shards_dir = Path(shards_dir)
+    index = index or read_index(shards_dir)
+    files = (index.get("tokenizer") or {}).get("files")
+    if not files:
+        return None
+    for name, digest in files.items():
+        path = shards_dir / name
+        if not path.is_file():
+            raise InputError(f"{path}: missing; index.json lists it as the shards' tokenizer. Copy the whole "
+                             f"shard directory, or re-run `entrenar data pack`")
+        if sha256_file(path) != digest:
+            raise InputError(f"{path}: sha256 differs from the one index.json recorded when the shards were "
+                             f"packed; the tokenizer was changed after packing. Restore it or re-pack")
+    tok = load_hf_tokenizer(shards_dir)
+    if len(tok) != index["vocab_size"]:
+        raise InputError(f"{shards_dir}: the packed tokenizer has {len(tok)} tokens, index.json says "
+                         f"{index['vocab_size']}; re-run `entrenar data pack`")
+    return tok
+
+
+def check_same_tokenizer(shards_dir: str | Path, shards_tok: Any, other: Any, other_spec: str, flag: str) -> None:
+    """InputError naming both when ``other`` (the tokenizer of --model/--init) would encode text
+    differently from the tokenizer the shards were packed with."""
+    from ..tokenizer import encoding_sha256
+
+    if shards_tok is None or other is None:
+        return
+    mine, theirs = encoding_sha256(shards_tok), encoding_sha256(other)
+    if mine != theirs or len(shards_tok) != len(other):
+        raise InputError(f"{flag} {other_spec} has a different tokenizer ({len(other)} tokens, encoding sha256 "
+                         f"{str(theirs)[:12]}..) from the one the shards {shards_dir} were packed with "
+                         f"({len(shards_tok)} tokens, {str(mine)[:12]}..); its token ids would mean other text. "
+                         f"Re-pack the corpus with `entrenar data pack --model {other_spec}`, or train from "
+                         f"a preset (`--model PRESET`, no {flag})")
+
+
 # ---- loading --------------------------------------------------------------------------------------
 @dataclass
 class _Shard:
@@ -459,6 +500,9 @@ class PretrainLoader:
             self.shards.append(_Shard(at, np.memmap(f, dtype=dtype, mode="r")))
             at += s["tokens"]
         self.num_tokens = at
+        # ids >= the tokenizer's size are padding rows of a preset's rounded-up vocabulary: never
+        # inputs, never targets (a corrupt shard or a mixed-up tokenizer would train them)
+        self.vocab_size = int(self.index["vocab_size"])
         docs = self.dir / info["doc_offsets"]
         self.doc_starts = np.fromfile(docs, dtype="<u8").astype(np.int64) if docs.stat().st_size else \
             np.zeros(0, dtype=np.int64)
@@ -489,6 +533,11 @@ class PretrainLoader:
     def window(self, w: int) -> dict[str, np.ndarray]:
         start = w * self.seq_len
         toks = self._tokens(start, self.seq_len + 1)
+        if toks.size and int(toks.max()) >= self.vocab_size:
+            raise GuardError("GUARD-DATA", f"{self.dir} window {w} holds token id {int(toks.max())}, but the "
+                             f"shards' tokenizer has only {self.vocab_size} tokens: the shards are corrupt or "
+                             f"were changed after packing, and ids >= {self.vocab_size} would train padding "
+                             f"rows of the vocabulary.", "re-run `entrenar data pack`", exit_code=2)
         item = {"input_ids": toks[:-1], "labels": toks[1:].copy()}
         if self.doc_mask:
             doc = np.searchsorted(self.doc_starts, np.arange(start, start + self.seq_len + 1), side="right") - 1

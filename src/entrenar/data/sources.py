@@ -104,7 +104,7 @@ def expand_inputs(inputs: list[str]) -> list[Path]:
 
 def _open_binary(path: Path) -> BinaryIO:
     # one place that opens inputs (tests replace it to simulate an unreadable file as root)
-    return open(path, "rb")  # noqa: SIM115 (returned to a with-statement)
+    return open(path, "rb")
 
 
 def _decode(data: bytes, where: str, first: bool) -> str:
