@@ -20,6 +20,7 @@ from typing import Any, NoReturn
 # Modules with a `register(subparsers)` function, in help order.
 COMMAND_MODULES = [
     "entrenar.formats.commands",  # inspect, convert
+    "entrenar.formats.export",  # export gguf
     "entrenar.verify.commands",  # verify, qa
     "entrenar.data.commands",  # data pack, data sft-from-code, data check
     "entrenar.tokenizer_train",  # tokenizer train

@@ -60,6 +60,8 @@ GGUF_PRE_TOKENIZERS: dict[str, tuple[Any, bool]] = {
     "llama-bpe": (lambda: _split_then_bytes(LLAMA3_SPLIT), True),
     "llama3": (lambda: _split_then_bytes(LLAMA3_SPLIT), True),
     "llama-v3": (lambda: _split_then_bytes(LLAMA3_SPLIT), True),
+    # LLaMA-3's split with merges always applied (llama.cpp's SMAUG/DBRX): what `tokenizer train` makes
+    "smaug-bpe": (lambda: _split_then_bytes(LLAMA3_SPLIT), False),
 }
 
 # llama.cpp token types

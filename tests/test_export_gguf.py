@@ -1,0 +1,354 @@
+"""`entrenar export gguf`: files our loader, `inspect`, transformers and llama.cpp (llama-cpp-python)
+read back with the same weights, the same token ids and the same logits.
+
+Quick suite: tiny random llama / qwen2 models with a byte-level BPE tokenizer trained here.
+The packaged models (SmolLM2, Qwen2.5-Coder) are in tests/test_export_real.py (real_model).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from entrenar import cli
+from entrenar.config import ModelConfig
+from entrenar.errors import InputError
+from entrenar.formats import gguf_write as gw
+from entrenar.formats import load_model, save_hf_dir
+from entrenar.formats.export import export_gguf
+from entrenar.formats.gguf import load_gguf, open_reader
+from entrenar.model import CausalLM
+from entrenar.tensors import rel_l2
+from entrenar.tokenizer import QWEN2_SPLIT, ChatTokenizer, load_tokenizer
+
+CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
+          "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
+          "{% endif %}")
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+
+# 50 strings: code, unicode, whitespace runs, digits, special tokens, chat-templated prompts.
+TOKENIZE_STRINGS = [
+    "Hello world", " Hello world", "hello  world", "HELLO WORLD!!!", "don't stop", "DON'T STOP",
+    "we'll they've I'm you're it's", "12345", "3.14159 2.71828", "0x1F 0b1010 1e-5", "x1y22z333",
+    "v2.0.1-rc3", "def f(a, b):\n    return a + b\n", "for i in range(10):\n\tprint(i)\n",
+    "if (x == y) { return; }", "class Foo(Bar):\n    pass\n\n\n", "    indented\n        more\n",
+    "trailing spaces   ", "   leading", "\n\n\n", "\r\n\r\n", " \t \n", "a\n\nb", "tab\tseparated\tvalues",
+    "naïve café résumé", "東京タワーは高い", "Привет, мир!", "안녕하세요", "مرحبا بالعالم", "١٢٣٤ ٥٦",
+    "emoji 🙂👍🏽 ok", "©®™ … — –", "ÅÄÖ åäö ß", "ﬁ ligature", "<|im_start|>user\nhi<|im_end|>\n",
+    "<|endoftext|>", "text<|endoftext|>more text", "<|im_start|><|im_end|>", "<|im_start|> spaced <|im_end|>",
+    "$hello (x+y)==z; foo.bar_baz()", "a+b=c", "path/to/file.py:42", "https://example.com/a?b=c&d=e",
+    "'quoted' \"double\"", "#include <stdio.h>", "SELECT * FROM t WHERE id = 7;", "λx.x → ∀y∈Y",
+    "", " ", "a",
+]
+assert len(TOKENIZE_STRINGS) == 50
+
+CORPUS = [
+    "def add(a, b):\n    return a + b\n\nclass Point:\n    def __init__(self, x, y):\n        self.x = x\n",
+    "The quick brown fox jumps over the lazy dog. Don't panic! It's 12:45 and we'll leave at 13:00.",
+    "for i in range(100):\n\tif i % 3 == 0:\n\t\tprint('fizz', i)\n",
+    "naïve café Привет мир 東京 안녕하세요 مرحبا 🙂 ©",
+    "import numpy as np\nx = np.zeros((3, 4), dtype=np.float32)  # 12 values\n",
+] * 20
+
+
+def train_tokenizer(out: Path, vocab_size: int = 420, add_bos: bool = False,
+                    split: str = "qwen2") -> Path:
+    """A byte-level BPE trained here, saved as an HF tokenizer directory (what `entrenar tokenizer
+    train` writes): GPT-2 byte alphabet, Qwen2's split regex (or GPT-2's built-in one)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    if split == "qwen2":
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.train_from_iterator(CORPUS, trainers.BpeTrainer(
+        vocab_size=vocab_size, special_tokens=SPECIALS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    chat = ChatTokenizer(tok, bos_token="<|endoftext|>", eos_token="<|im_end|>", pad_token="<|endoftext|>",
+                         add_bos=add_bos, chat_template=CHATML, source=str(out))
+    chat.save_hf(out)
+    return out
+
+
+def tiny_cfg(arch: str, vocab_size: int, **kw) -> ModelConfig:
+    base = {"vocab_size": vocab_size, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2,
+            "num_heads": 4, "num_kv_heads": 2, "rope_theta": 10000.0, "rms_norm_eps": 1e-5,
+            "tie_word_embeddings": arch == "qwen2", "max_position_embeddings": 512, "architecture": arch,
+            "attention_bias": arch == "qwen2"}
+    base.update(kw)
+    return ModelConfig(**base)
+
+
+def random_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
+    """Every tensor random (norms around 1, biases nonzero) and logits peaked enough that top-1 is
+    meaningful: no tensor can be dropped, mis-permuted or mis-typed without changing the logits."""
+    torch.manual_seed(seed)
+    m = CausalLM(cfg)
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, p in m.named_parameters():
+            noise = torch.randn(p.shape, generator=gen)
+            if name.endswith("norm.weight"):
+                p.copy_(1.0 + 0.2 * noise)
+            elif name.endswith(".bias"):
+                p.copy_(0.5 * noise)
+            elif "embed_tokens" in name or "lm_head" in name:
+                p.copy_(noise)
+            else:
+                p.copy_(noise / p.shape[-1] ** 0.5)
+    return m.eval()
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory) -> Path:
+    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory, tok_dir) -> dict[str, Path]:
+    """HF directories of a tiny llama and a tiny qwen2 with the trained tokenizer (vocab padded by 12)."""
+    tok = load_tokenizer(tok_dir)
+    out = {}
+    for i, arch in enumerate(("llama", "qwen2")):
+        cfg = tiny_cfg(arch, len(tok) + 12, bos_token_id=tok.bos_id, eos_token_id=tok.eos_id,
+                       pad_token_id=tok.pad_id)
+        model = random_model(cfg, seed=i)
+        out[arch] = save_hf_dir(model, tmp_path_factory.mktemp(arch) / "model", tokenizer=tok)
+    return out
+
+
+@pytest.fixture(scope="module")
+def exports(tmp_path_factory, tiny_dirs) -> dict[tuple[str, str], Path]:
+    """(arch, type) -> exported GGUF, written once per module."""
+    root = tmp_path_factory.mktemp("gguf")
+
+    class Lazy(dict):
+        def __missing__(self, key):
+            arch, typ = key
+            path = root / f"{arch}-{typ}.gguf"
+            export_gguf(str(tiny_dirs[arch]), path, typ)
+            self[key] = path
+            return path
+
+    return Lazy()
+
+
+PROBE = torch.randint(0, 400, (1, 40), generator=torch.Generator().manual_seed(5))
+
+
+def our_logits(spec, ids=PROBE) -> torch.Tensor:
+    model = load_model(spec, dtype=torch.float32)
+    with torch.no_grad():
+        return model(ids)[0]
+
+
+# ---- round trips through our loader -------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_f32_round_trip_bit_exact(arch, tiny_dirs, exports):
+    src = load_model(tiny_dirs[arch], dtype=torch.float32)
+    cfg, state, info = load_gguf(exports[arch, "f32"])
+    assert cfg == src.cfg.replace(extra={}, initializer_range=cfg.initializer_range, rope_style="neox")
+    ref = src.state_dict()
+    assert set(state) == set(ref)
+    for k, v in ref.items():
+        assert state[k].dtype == torch.float32 and torch.equal(state[k], v), k
+    assert info["stored_dtypes"]["model.norm.weight"] == "F32"
+    names = [t.name for t in open_reader(exports[arch, "f32"]).tensors]
+    assert ("output.weight" in names) == (arch == "llama")  # qwen2 tied: the head written once
+    assert names.count("token_embd.weight") == 1
+    if arch == "qwen2":
+        assert {"blk.0.attn_q.bias", "blk.0.attn_k.bias", "blk.0.attn_v.bias"} <= set(names)
+
+
+@pytest.mark.parametrize("typ,dtype", [("f16", torch.float16), ("bf16", torch.bfloat16)])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_f16_bf16_round_trip_to_rounding(arch, typ, dtype, tiny_dirs, exports):
+    ref = load_model(tiny_dirs[arch], dtype=torch.float32).state_dict()
+    _, state, info = load_gguf(exports[arch, typ])
+    for k, v in ref.items():
+        if v.dim() == 1:  # norms and biases stay F32
+            assert info["stored_dtypes"][k] == "F32" and torch.equal(state[k], v), k
+        else:
+            assert state[k].dtype == dtype and torch.equal(state[k], v.to(dtype)), k
+
+
+@pytest.mark.parametrize("typ", ["q8_0", "q4_0"])
+def test_quantized_round_trip_equals_gguf_quants(typ, tiny_dirs, exports):
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[typ.upper()]
+    ref = load_model(tiny_dirs["llama"], dtype=torch.float32).state_dict()
+    _, state, info = load_gguf(exports["llama", typ])
+    for k, v in ref.items():
+        if v.dim() == 2:
+            assert info["stored_dtypes"][k] == typ.upper(), k
+            want = quants.dequantize(quants.quantize(v.numpy(), qtype), qtype)
+            assert np.array_equal(state[k].numpy(), want), k
+            assert rel_l2(state[k], v) < (0.01 if typ == "q8_0" else 0.15), k
+
+
+def test_inspect_reads_every_export(tiny_dirs, exports):
+    for arch in ("llama", "qwen2"):
+        for typ in gw.EXPORT_TYPES:
+            path = exports[arch, typ]
+            result = _run_json(["inspect", str(path), "--json"])
+            assert result["ok"] and result["format"] == "gguf"
+            assert result["config"]["architecture"] == arch
+            assert len(result["tensors"]) == len(open_reader(path).tensors)
+
+
+def test_gptj_pairing_exports_to_the_same_function(tmp_path, tok_dir):
+    """A model whose RoPE pairs adjacent dims (gptj) needs no permutation for llama and the inverse
+    one for qwen2; read back (as neox), it computes the same logits."""
+    tok = load_tokenizer(tok_dir)
+    for arch in ("llama", "qwen2"):
+        model = random_model(tiny_cfg(arch, len(tok), rope_style="gptj"), seed=3)
+        out = tmp_path / f"{arch}.gguf"
+        gw.write_gguf(model.cfg, model.state_dict(), tok, out, "f32")
+        with torch.no_grad():
+            want = model(PROBE)[0]
+        assert rel_l2(our_logits(out), want) < 1e-5, arch
+
+
+def test_tokenizer_survives_our_reader(tok_dir, exports):
+    """The GGUF tokenizer metadata rebuilds (our reader) to the same ids, specials, BOS rule and template."""
+    src = load_tokenizer(tok_dir)
+    back = load_tokenizer(exports["qwen2", "f16"])
+    for s in TOKENIZE_STRINGS:
+        assert back.encode(s) == src.encode(s), s
+    assert (back.bos_id, back.eos_id, back.pad_id, back.add_bos) == (src.bos_id, src.eos_id, src.pad_id,
+                                                                      src.add_bos)
+    assert back.chat_template == CHATML
+    fields = open_reader(exports["qwen2", "f16"]).fields
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "qwen2"
+    types = fields["tokenizer.ggml.token_type"]
+    assert [types[src.tokenizer.token_to_id(t)] for t in SPECIALS] == [3, 3, 3]
+    assert types[len(src):] == [5] * 12 and fields["tokenizer.ggml.tokens"][-1] == f"[PAD{len(src) + 11}]"
+
+
+# ---- pre-tokenizer choice -------------------------------------------------------------------------
+@pytest.mark.parametrize("name", gw.LLAMA_CPP_PRE_NAMES)
+def test_pre_tokenizer_detected_from_the_split(name):
+    from tokenizers import Tokenizer, models
+
+    from entrenar.tokenizer import GGUF_PRE_TOKENIZERS
+
+    make, ignore_merges = GGUF_PRE_TOKENIZERS[name]
+    tok = Tokenizer(models.BPE(vocab={"a": 0}, merges=[], ignore_merges=ignore_merges))
+    tok.pre_tokenizer = make()
+    assert gw.detect_pre_tokenizer(tok) == name
+
+
+def test_unknown_pre_tokenizer_refused(tmp_path, tok_dir):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tok = Tokenizer(models.BPE(vocab={"a": 0}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)  # llama.cpp has no such split
+    with pytest.raises(InputError, match="splits text like none"):
+        gw.detect_pre_tokenizer(tok)
+
+
+# ---- the command ------------------------------------------------------------------------------
+def _run_json(argv: list[str]) -> dict:
+    import contextlib
+    import io
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        code = cli.main(argv)
+    result = json.loads(buf.getvalue().strip().splitlines()[-1])
+    result["exit_code_seen"] = code
+    return result
+
+
+def test_cli_export_summary_and_refusals(tmp_path, tiny_dirs):
+    out = tmp_path / "m.gguf"
+    r = _run_json(["export", "gguf", str(tiny_dirs["llama"]), str(out), "--type", "q8_0", "--json"])
+    assert r["ok"] and r["exit_code_seen"] == 0 and out.is_file()
+    assert r["tensors"] == len(open_reader(out).tensors) and r["bytes"] == out.stat().st_size
+    assert r["tensor_types"] == {"F32": 5, "Q8_0": 16} and r["pre_tokenizer"] == "qwen2"
+    assert r["seconds"] > 0 and r["mb_per_s"] > 0
+    again = _run_json(["export", "gguf", str(tiny_dirs["llama"]), str(out), "--json"])
+    assert again["exit_code_seen"] == 2 and "already exists" in again["error"]
+    missing = _run_json(["export", "gguf", str(tiny_dirs["llama"]), str(tmp_path / "no" / "x.gguf"), "--json"])
+    assert missing["exit_code_seen"] == 2 and "does not exist" in missing["error"]
+
+
+def test_model_without_tokenizer_needs_tokenizer_flag(tmp_path, tok_dir):
+    model = random_model(tiny_cfg("llama", len(load_tokenizer(tok_dir))))
+    bare = save_hf_dir(model, tmp_path / "bare")
+    r = _run_json(["export", "gguf", str(bare), str(tmp_path / "a.gguf"), "--json"])
+    assert r["exit_code_seen"] == 2 and "--tokenizer" in r["error"] and not (tmp_path / "a.gguf").exists()
+    r = _run_json(["export", "gguf", str(bare), str(tmp_path / "a.gguf"), "--tokenizer", str(tok_dir), "--json"])
+    assert r["ok"] and (tmp_path / "a.gguf").is_file()
+
+
+def test_tokenizer_larger_than_embedding_refused(tmp_path, tok_dir):
+    tok = load_tokenizer(tok_dir)
+    model = random_model(tiny_cfg("llama", len(tok) - 1))
+    with pytest.raises(InputError, match="tokenizer has .* tokens but the model's embedding"):
+        gw.write_gguf(model.cfg, model.state_dict(), tok, tmp_path / "x.gguf", "f16")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_interrupted_export_leaves_no_file(tmp_path, tiny_dirs):
+    """Killed half-way (an exception after the first tensor): neither OUT nor a temporary file remains."""
+    model = load_model(tiny_dirs["llama"], dtype=torch.float32)
+    tok = load_tokenizer(tiny_dirs["llama"])
+    seen = []
+
+    def boom(p):
+        seen.append(p.name)
+        raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        gw.write_gguf(model.cfg, model.state_dict(), tok, tmp_path / "x.gguf", "f16", on_tensor=boom)
+    assert seen == ["token_embd.weight"] and list(tmp_path.iterdir()) == []
+
+
+def test_nonfinite_weights_refused(tmp_path, tiny_dirs):
+    model = load_model(tiny_dirs["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[1].mlp.up_proj.weight[3, 5] = float("nan")
+    tok = load_tokenizer(tiny_dirs["llama"])
+    with pytest.raises(InputError, match="NaN/Inf in model.layers.1.mlp.up_proj.weight"):
+        gw.write_gguf(model.cfg, model.state_dict(), tok, tmp_path / "x.gguf", "f32")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_f16_overflow_refused_with_remedy(tmp_path, tiny_dirs):
+    model = load_model(tiny_dirs["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        model.model.layers[0].mlp.down_proj.weight[0, 0] = 1e6
+    tok = load_tokenizer(tiny_dirs["llama"])
+    with pytest.raises(InputError, match="float16's range.*--type bf16"):
+        gw.write_gguf(model.cfg, model.state_dict(), tok, tmp_path / "x.gguf", "f16")
+    gw.write_gguf(model.cfg, model.state_dict(), tok, tmp_path / "x.gguf", "bf16")
+
+
+def test_tensor_types_follow_llama_cpp_rules():
+    """1-D tensors stay F32; a row that is not a multiple of the 32-wide block falls back to F16."""
+    from gguf import GGMLQuantizationType as T
+
+    assert gw.ggml_type("q4_0", torch.zeros(64)) == T.F32
+    assert gw.ggml_type("q8_0", torch.zeros(64, 176)) == T.F16
+    assert gw.ggml_type("q8_0", torch.zeros(176, 64)) == T.Q8_0
+    assert gw.ggml_type("bf16", torch.zeros(3, 5)) == T.BF16
+    assert gw.ggml_type("f32", torch.zeros(3, 5)) == T.F32
+
+
+def test_unexportable_configs_refused():
+    with pytest.raises(InputError, match="qk-norm"):
+        gw.check_exportable(tiny_cfg("llama", 300, qk_norm=True))
+    with pytest.raises(InputError, match="qwen2 architecture in GGUF"):
+        gw.check_exportable(tiny_cfg("llama", 300, attention_bias=True))
+    with pytest.raises(InputError, match="llama3"):
+        gw.check_exportable(tiny_cfg("llama", 300, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
