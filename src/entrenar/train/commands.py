@@ -16,19 +16,20 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..cli_registry import add_command, add_device_option
+from ..cli_registry import add_command
 from ..config import PRESETS, preset
 from ..errors import InputError
+from ..outpaths import check_creatable
 from .checkpoint import find_resume
+from .config import DataConfig, LoRAConfig, add_options, from_args
 from .loop import TrainConfig, evaluate, train
-
-MODES = ("full", "lora", "qlora")
 
 
 def _log(text: str) -> None:
@@ -69,27 +70,80 @@ def _write_json(path: Path, obj: Any) -> None:
     os.replace(tmp, path)
 
 
+# What a run writes before its first optimizer step: a directory holding only these (and no metrics
+# line, no checkpoint) never trained, so a retry may reuse it (issue 18: an OOM-killed first step left
+# a run.json that blocked every retry with "directory exists").
+_PRE_STEP_FILES = {"run.json", "data_report.json", "preflight.json", "metrics.jsonl", "eval.jsonl", "checkpoints"}
+
+
+def _never_trained(out: Path) -> bool:
+    entries = {p.name for p in out.iterdir()}
+    if not entries or not entries <= _PRE_STEP_FILES:
+        return False
+    metrics, ckpts = out / "metrics.jsonl", out / "checkpoints"
+    if metrics.is_file() and metrics.stat().st_size > 0:
+        return False
+    return not (ckpts.is_dir() and any(ckpts.iterdir())) and not (ckpts.exists() and not ckpts.is_dir())
+
+
+def _clear_never_trained(out: Path) -> None:
+    """Remove what a run that never reached step 1 left (only the files a run writes)."""
+    for name in sorted(_PRE_STEP_FILES):
+        path = out / name
+        if path.is_dir():
+            shutil.rmtree(path)
+        elif path.exists():
+            path.unlink()
+
+
 def _check_out(out: Path, resume: str | None) -> None:
-    """--out must be new/empty, or (with --resume) an existing run directory."""
+    """--out must be new/empty, a run that never reached step 1 (reused), or (with --resume) an
+    existing run directory; and it must be creatable."""
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a directory")
+    check_creatable(out, "--out")
     if resume is None and out.is_dir() and any(out.iterdir()):
-        raise InputError(f"--out {out}: directory exists and is not empty; continue it with --resume auto "
-                         f"or choose a new --out")
+        if not _never_trained(out):
+            raise InputError(f"--out {out}: directory exists and is not empty; continue it with --resume auto "
+                             f"or choose a new --out")
+        _log(f"note: --out {out} holds a run that never reached step 1 (no metrics, no checkpoint); "
+             f"starting it again there")
     if resume is not None and resume != "auto":
         find_resume(out, resume, _log)  # raises InputError unless the checkpoint is COMPLETE
 
 
-def _train_config(args: argparse.Namespace, seq_len: int, lr: float, extra: dict) -> TrainConfig:
-    warmup = args.warmup if args.warmup is not None else min(100, args.steps // 10)
-    cfg = TrainConfig(steps=args.steps, batch_size=args.batch_size, grad_accum=args.grad_accum, seq_len=seq_len,
-                      lr=lr, warmup=warmup, schedule=args.schedule, weight_decay=args.weight_decay,
-                      clip=args.clip, device=args.device, dtype=args.dtype, eval_every=args.eval_every,
-                      eval_batches=args.eval_batches, save_every=args.save_every, keep=args.keep,
-                      seed=args.seed, on_nonfinite=args.on_nonfinite, on_spike=args.on_spike,
-                      allow_config_change=args.allow_config_change, extra=extra)
+def _configs(args: argparse.Namespace, command: str) -> tuple[TrainConfig, LoRAConfig, DataConfig]:
+    """The run's three configs from the parsed flags, validated in the order the user reads the
+    flags: data, adapter, then the loop (so --alpha -16 is not reported as a bad --lr)."""
+    data = from_args(DataConfig, args, command)
+    data.validate()
+    lora = from_args(LoRAConfig, args, command)
+    if command == "finetune":
+        lora.validate()
+    lr = args.lr
+    if lr == "auto":
+        if command != "finetune":
+            raise InputError("--lr auto picks a fine-tuning rate by mode and adapter shape; give pretrain a "
+                             "number, e.g. --lr 3e-4")
+        from ..peft import auto_lr
+
+        lr, why = auto_lr(args.mode, lora.rank, lora.rslora, lora.alpha)
+        _log(f"--lr auto: {lr:g} ({why})")
+    overrides: dict[str, Any] = {"command": command, "lr": lr}
+    if command == "finetune":  # a window is the longest sample; the start is pretrained
+        overrides.update(seq_len=data.max_seq_len, check_init_loss=True)
+    cfg = from_args(TrainConfig, args, command, **overrides)
     cfg.validate()
-    return cfg
+    return cfg, lora, data
+
+
+def _check_batch(batch_size: int, n: int, what: str) -> None:
+    """A micro-batch larger than the data would repeat samples inside one batch (and --batch-size
+    100000 on 11 rows was OOM-killed with no message): refuse before anything is allocated."""
+    if batch_size > n:
+        raise InputError(f"--batch-size {batch_size} is more than the {n} {what}: every batch would repeat "
+                         f"samples. Use --batch-size {max(n, 1)} or less (and --grad-accum N for a larger "
+                         f"effective batch), or add data")
 
 
 def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: Any, seq_len: int) -> dict:
@@ -115,7 +169,10 @@ def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: 
 
 def _run_json(args: argparse.Namespace, command: str, cfg: TrainConfig, model: torch.nn.Module,
               tokenizer: Any) -> dict:
+    """run.json: asdict of the three configs plus provenance (what ran, on what, when, from which code)."""
+    lora = from_args(LoRAConfig, args, command) if cfg.mode in ("lora", "qlora") else None
     return {"command": command, "argv": sys.argv, "config": cfg.to_dict(), "seed": cfg.seed,
+            "lora": None if lora is None else asdict(lora), "data": asdict(from_args(DataConfig, args, command)),
             "model": {"spec": getattr(args, "model", None), "init": getattr(args, "init", None),
                       "config": model.cfg.to_hf_dict(),
                       "parameters": sum(p.numel() for p in model.parameters()),
@@ -133,6 +190,8 @@ def _run_json(args: argparse.Namespace, command: str, cfg: TrainConfig, model: t
 
 
 def _start_run_dir(out: Path, run_json: dict, data_report: dict, resume: str | None) -> None:
+    if resume is None and out.is_dir() and any(out.iterdir()):
+        _clear_never_trained(out)  # _check_out let it through: it never reached step 1
     out.mkdir(parents=True, exist_ok=True)
     if resume is not None and (out / "run.json").exists():
         prev = json.loads((out / "run.json").read_text())
@@ -190,10 +249,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
     from ..model import CausalLM
 
     out = Path(args.out)
-    lr = 3e-4 if args.lr is None else float(args.lr)
-    extra = {"command": "pretrain", "model": args.model, "init": args.init, "data": args.data,
-             "kernels": args.kernels, "no_preflight": args.no_preflight}
-    cfg = _train_config(args, args.seq_len, lr, extra)
+    cfg, _, _ = _configs(args, "pretrain")
     _check_out(out, args.resume)
     if not _is_preset(args.model):
         resolve_model(args.model)  # InputError for a non-existent model
@@ -204,6 +260,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
     val_info = index["splits"].get("val") or {}
     eval_loader = (PretrainLoader(args.data, "val", cfg.seq_len, cfg.batch_size, seed=cfg.seed)
                    if val_info.get("tokens", 0) > cfg.seq_len else None)
+    _check_batch(cfg.batch_size, len(train_loader), f"training windows of --seq-len {cfg.seq_len} in {args.data}")
     if eval_loader is None:
         _log(f"note: {args.data} has no val split of more than --seq-len {cfg.seq_len} tokens; no eval "
              f"(pack with --val-fraction for one)")
@@ -291,25 +348,7 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
     from ..tokenizer import load_tokenizer
 
     out = Path(args.out)
-    if args.mode not in MODES:
-        raise InputError(f"--mode {args.mode!r} not in {MODES}")
-    if args.lr in (None, "auto"):
-        from ..peft import auto_lr
-
-        lr, why = auto_lr(args.mode, args.rank, args.rslora, args.alpha)
-        _log(f"--lr auto: {lr:g} ({why})")
-    else:
-        try:
-            lr = float(args.lr)
-        except ValueError as e:
-            raise InputError(f"--lr must be a number or 'auto', got {args.lr!r}") from e
-    extra = {"command": "finetune", "mode": args.mode, "model": args.model, "data": args.data, "val": args.val,
-             "val_fraction": args.val_fraction, "kernels": args.kernels, "no_preflight": args.no_preflight,
-             "truncation": args.truncation,
-             "pack": args.pack, "lora": {"rank": args.rank, "alpha": args.alpha, "dropout": args.dropout,
-                                         "rslora": args.rslora, "targets": args.targets}}
-    cfg = _train_config(args, args.max_seq_len, lr, extra)
-    cfg.check_init_loss = True
+    cfg, lora, data = _configs(args, "finetune")
     _check_out(out, args.resume)
     if not Path(args.data).is_file():
         raise InputError(f"--data {args.data}: no such file (SFT data is a JSONL file)")
@@ -318,19 +357,20 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
     examples, report = load_sft(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
-                                skip_invalid=args.skip_invalid)
+                                skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
     for line in report.summary_lines():
         _log(line)
     data_report: dict[str, Any] = {"kind": "sft", "train": report.to_dict()}
     if args.val:
         val_examples, val_report = load_sft(args.val, tokenizer, args.max_seq_len, truncation=args.truncation,
-                                            skip_invalid=args.skip_invalid)
+                                            skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
         data_report["val"] = val_report.to_dict()
     else:
         examples, val_examples = _split_val(examples, args.val_fraction, cfg.seed)
         data_report["val"] = {"from": "--val-fraction", "fraction": args.val_fraction,
                               "examples": len(val_examples)}
     data_report["train_examples"], data_report["val_examples"] = len(examples), len(val_examples)
+    _check_batch(cfg.batch_size, len(examples), f"training samples left in {args.data}")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     train_loader = SFTLoader(examples, cfg.batch_size, seed=cfg.seed, pack=args.pack,
                              max_seq_len=args.max_seq_len, pad_id=pad_id)
@@ -341,7 +381,8 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
     if args.mode in ("lora", "qlora"):  # the adapter wraps the model before the optimizer is built
         from ..peft import apply_lora, describe_parameters
 
-        model = apply_lora(model, args.rank, args.alpha if args.alpha is not None else 2 * args.rank,
+        _check_lora_fits(model, lora)
+        model = apply_lora(model, args.rank, lora.effective_alpha,
                            dropout=args.dropout, rslora=args.rslora, targets=args.targets,
                            quantize_nf4=args.mode == "qlora")
         _log(describe_parameters(model))
@@ -350,6 +391,29 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
         save_final = _hf_saver(tokenizer)
     model = model.to(cfg.device).train()
     return _run(args, "finetune", cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final)
+
+
+def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:
+    """Refuse a rank above a target layer's smaller dimension (it adds parameters, not capacity;
+    --rank 100000 was OOM-killed with no message); warn when the adapters outgrow the model."""
+    from ..peft import parse_targets
+
+    wanted = set(parse_targets(lora.targets))
+    linears = [(p, m) for p, m in model.named_modules() if isinstance(m, torch.nn.Linear)
+               and ".layers." in f".{p}" and p.rsplit(".", 1)[-1] in wanted]
+    if not linears:
+        return  # unknown targets: apply_lora names the model's linears
+    path, narrow = min(linears, key=lambda pm: min(pm[1].in_features, pm[1].out_features))
+    width = min(narrow.in_features, narrow.out_features)
+    if lora.rank > width:
+        raise InputError(f"--rank {lora.rank} is larger than {path}'s smaller dimension {width} (in "
+                         f"{narrow.in_features}, out {narrow.out_features}): a rank above min(in, out) adds "
+                         f"parameters but no capacity. Use --rank {width} or less")
+    added = sum(lora.rank * (m.in_features + m.out_features) for _, m in linears)
+    total = sum(p.numel() for p in model.parameters())
+    if added > total:
+        _log(f"warning: --rank {lora.rank} trains {added:,} adapter parameters, more than the model's {total:,}; "
+             f"full fine-tuning (--mode full) trains fewer")
 
 
 # ---- eval ------------------------------------------------------------------------------------------
@@ -371,8 +435,9 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
 
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
-    if args.batch_size < 1:
-        raise InputError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    dcfg = from_args(DataConfig, args, "eval")
+    dcfg.validate()
+    from_args(TrainConfig, args, "eval", command="eval").validate()  # --batch-size, --seq-len, --max-batches
     data = Path(args.data)
     if not data.exists():
         raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
@@ -390,12 +455,13 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 
         if tok is None:
             raise InputError(f"{args.model}: no tokenizer found, needed to encode {data}")
-        examples, report = load_sft(data, tok, args.max_seq_len, truncation=args.truncation)
+        examples, report = load_sft(data, tok, args.max_seq_len, truncation=args.truncation,
+                                    max_skip_fraction=dcfg.max_skip_fraction)
         pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id
         loader = SFTLoader(examples, args.batch_size, pad_id=pad_id, max_seq_len=args.max_seq_len)
         what = f"{data} ({report.kept} samples, max_seq_len {args.max_seq_len})"
     t0 = time.perf_counter()
-    ev = evaluate(model, loader.iter_epoch(), args.device, args.dtype, args.max_batches)
+    ev = evaluate(model, loader.iter_epoch(), args.device, args.dtype, args.eval_batches)
     dt = time.perf_counter() - t0
     ln_v = math.log(model.cfg.vocab_size)
     if not args.json:
@@ -408,83 +474,31 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
     from ..plot import plot_run
 
-    return plot_run(Path(args.run), Path(args.out) if args.out else None)
+    result = plot_run(Path(args.run), Path(args.out) if args.out else None)
+    if not args.json:
+        print(f"wrote {result['out']}")  # issue 18: a silent success left users looking for the file
+    return result
 
 
 # ---- registration ------------------------------------------------------------------------------------
-def _training_options(p: argparse.ArgumentParser, default_lr: str | None, default_wd: float) -> None:
+def _run_options(p: argparse.ArgumentParser) -> None:
+    """The options of a run that are not configuration (where it goes, whether it continues)."""
     p.add_argument("--out", required=True, help="run directory (created; or continued with --resume)")
-    p.add_argument("--steps", type=int, default=1000, help="optimizer steps (1000)")
-    p.add_argument("--batch-size", type=int, default=8, help="samples per micro-batch (8)")
-    p.add_argument("--grad-accum", type=int, default=1, help="micro-batches per optimizer step (1)")
-    p.add_argument("--lr", default=default_lr, help=f"peak learning rate ({default_lr or 'auto by mode'})")
-    p.add_argument("--warmup", type=int, default=None, help="warmup steps (min(100, steps/10))")
-    p.add_argument("--schedule", choices=("cosine", "linear", "constant"), default="cosine",
-                   help="decay after warmup, to 10%% of the peak (cosine)")
-    p.add_argument("--weight-decay", type=float, default=default_wd,
-                   help=f"AdamW weight decay on >=2-D weights ({default_wd})")
-    p.add_argument("--clip", type=float, default=1.0, help="clip the global L2 grad norm; 0 = off (1.0)")
-    add_device_option(p)
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32",
-                   help="compute dtype; bf16 = autocast, master weights stay fp32 (fp32)")
-    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
-                   help="op implementations: auto = triton on cuda, torch elsewhere (auto)")
-    p.add_argument("--eval-every", type=int, default=0, help="eval period in steps; 0 = at start and end (0)")
-    p.add_argument("--eval-batches", type=int, default=20, help="batches per eval; 0 = all (20)")
-    p.add_argument("--save-every", type=int, default=0, help="checkpoint period; 0 = at the end only (0)")
-    p.add_argument("--keep", type=int, default=3, help="checkpoints kept (3)")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
                    help="continue from the newest COMPLETE checkpoint of --out, or from PATH")
-    p.add_argument("--allow-config-change", action="store_true",
-                   help="resume even if batch size, accumulation or sequence length changed")
-    p.add_argument("--seed", type=int, default=0, help="seed for init, data order and RNG (0)")
-    p.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
-                   help="GUARD-NONFINITE policy: stop (exit 3) or skip the step and count it (stop)")
-    p.add_argument("--on-spike", choices=("warn", "skip", "stop"), default="warn",
-                   help="GUARD-SPIKE policy for loss/grad-norm spikes > 6 sigma over 128 steps (warn)")
-    p.add_argument("--no-preflight", action="store_true", help="skip the step-0 parity check (logged)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    p = add_command(sub, "pretrain", cmd_pretrain, "pretrain (or continue pretraining) on token shards")
-    p.add_argument("--model", required=True, help=f"PRESET ({', '.join(PRESETS)}) or MODEL (its architecture)")
-    p.add_argument("--init", help="MODEL whose weights to start from (else random init)")
-    p.add_argument("--data", required=True, help="token shards directory (`entrenar data pack`)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens per training window (512)")
-    _training_options(p, "3e-4", 0.1)
-
-    p = add_command(sub, "finetune", cmd_finetune, "supervised fine-tuning on chat JSONL (full | lora | qlora)")
-    p.add_argument("--model", required=True, help="MODEL to fine-tune")
-    p.add_argument("--data", required=True, help="training JSONL")
-    p.add_argument("--val", help="validation JSONL (else --val-fraction of --data)")
-    p.add_argument("--val-fraction", type=float, default=0.05, help="held-out fraction when no --val (0.05)")
-    p.add_argument("--mode", choices=MODES, default="full", help="full | lora | qlora (full)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="longest sample in tokens (2048)")
-    p.add_argument("--truncation", choices=("skip", "keep"), default="skip",
-                   help="a response cut by --max-seq-len: skip the sample or train it cut (skip)")
-    p.add_argument("--skip-invalid", action="store_true", help="skip and count invalid rows instead of exit 2")
-    p.add_argument("--pack", action="store_true", help="pack several samples per row (attention kept apart)")
-    p.add_argument("--rank", type=int, default=16, help="LoRA rank (16)")
-    p.add_argument("--alpha", type=float, default=None, help="LoRA alpha (2 x rank)")
-    p.add_argument("--dropout", type=float, default=0.0, help="LoRA dropout (0)")
-    p.add_argument("--rslora", action="store_true", help="rank-stabilised scaling alpha/sqrt(r)")
-    p.add_argument("--targets", default=None, help="LoRA target linears, comma-separated (all)")
-    _training_options(p, None, 0.0)
-
-    p = add_command(sub, "eval", cmd_eval, "token-weighted loss and perplexity of MODEL|RUN on data")
-    p.add_argument("--model", required=True, help="MODEL or RUN directory (its final model or adapter)")
-    p.add_argument("--adapter", default=None, help="LoRA/QLoRA adapter directory applied on --model unmerged")
-    p.add_argument("--data", required=True, help="token shards directory or SFT .jsonl")
-    p.add_argument("--split", choices=("train", "val"), default=None, help="shards split (val if present)")
-    p.add_argument("--seq-len", type=int, default=512, help="window length for shards (512)")
-    p.add_argument("--max-seq-len", type=int, default=2048, help="longest SFT sample (2048)")
-    p.add_argument("--truncation", choices=("skip", "keep"), default="skip", help="SFT truncation (skip)")
-    p.add_argument("--batch-size", type=int, default=8, help="batch size (8)")
-    p.add_argument("--max-batches", type=int, default=0, help="stop after this many batches; 0 = all (0)")
-    add_device_option(p)
-    p.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="compute dtype (fp32)")
-    p.add_argument("--kernels", choices=("auto", "torch", "triton"), default="auto",
-                   help="op implementations: auto = triton on cuda, torch elsewhere (auto)")
+    """pretrain / finetune / eval options come from the dataclass fields of train/config.py."""
+    for name, func, help_text in (
+            ("pretrain", cmd_pretrain, "pretrain (or continue pretraining) on token shards"),
+            ("finetune", cmd_finetune, "supervised fine-tuning on chat JSONL (full | lora | qlora)"),
+            ("eval", cmd_eval, "token-weighted loss and perplexity of MODEL|RUN on data")):
+        p = add_command(sub, name, func, help_text)
+        for cls in (TrainConfig, LoRAConfig, DataConfig):
+            add_options(p, cls, name)
+        if name != "eval":
+            _run_options(p)
 
     p = add_command(sub, "plot", cmd_plot, "RUN/curves.png: loss, eval loss, lr and grad-norm vs step")
     p.add_argument("run", metavar="RUN", help="run directory")

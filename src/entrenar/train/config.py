@@ -1,10 +1,26 @@
-"""Typed configuration of a training run: the one source of its defaults."""
+"""Typed configuration of a run: the one source of its defaults, its validation and its --help.
+
+Three dataclasses describe a run: `TrainConfig` (what is trained, how: the loop's settings and the
+model/mode identity), `LoRAConfig` (the adapter of `finetune --mode lora|qlora`) and `DataConfig`
+(where the examples come from and how they are read). Every field carries its command-line face in
+`field(metadata=...)` (built by `option()`): help text, choices, the commands that offer it, and,
+where one command differs, that command's flag name or default. `add_options` turns the fields into
+argparse options and `from_args` turns parsed arguments back into the dataclass, so a default is
+written once (issue 11: lr 3e-4 was written in three places and TrainConfig's steps/eval_batches
+disagreed with the CLI's). `run.json` is `asdict` of these plus provenance (train/commands.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
-from typing import Any
+import argparse
+import math
+import typing
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, TypeVar
 
+from ..cli_registry import DEFAULT_DEVICE, DEVICE_CHOICES_HELP
+from ..config import PRESETS
+from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 from ..devices import resolve_device
 from ..errors import InputError
 from . import guards
@@ -12,54 +28,269 @@ from . import guards
 # Resuming with any of these changed would not continue the same run (refused unless allowed).
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
 
+TRAIN_COMMANDS = ("pretrain", "finetune")
+MODES = ("full", "lora", "qlora")
+_EVERY = ("pretrain", "finetune", "eval")
 
+
+def option(default: Any = MISSING, help: str = "", *, commands: tuple[str, ...] = TRAIN_COMMANDS,
+           choices: tuple | None = None, flag: str | None = None, default_help: str | None = None,
+           per_command: dict[str, dict[str, Any]] | None = None, required: bool = False,
+           parse: typing.Callable[[str], Any] | None = None, metavar: str | None = None,
+           default_factory: Any = MISSING) -> Any:
+    """A dataclass field with its command-line face.
+
+    commands: the commands that offer it as a flag (others get the default). flag: the option's name
+    when it is not `--field-name`. default_help: how --help shows the default (else the value).
+    per_command: {command: {"default"|"help"|"flag"|"default_help"|"required"|"parse": ...}} where one
+    command differs. parse: argparse `type=` (else from the field's type)."""
+    meta = {"help": help, "commands": commands, "choices": choices, "flag": flag, "default_help": default_help,
+            "per_command": per_command or {}, "required": required, "parse": parse, "metavar": metavar}
+    if default_factory is not MISSING:
+        return field(default_factory=default_factory, metadata={"cli": meta})
+    return field(default=default, metadata={"cli": meta})
+
+
+def _lr_or_auto(text: str) -> float | str:
+    """--lr: a positive number, or 'auto' (finetune: chosen by mode and adapter shape)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
+
+
+# ---- the three configs ------------------------------------------------------------------------------
 @dataclass
 class TrainConfig:
-    steps: int = 100
-    batch_size: int = 8  # micro-batch size; the loaders are built with it
-    grad_accum: int = 1
-    seq_len: int = 512
-    lr: float = 3e-4
-    warmup: int = 0
-    schedule: str = "cosine"
-    min_lr_ratio: float = 0.1
-    weight_decay: float = 0.1
-    clip: float = 1.0  # 0 = no clipping (the norm is still computed and logged)
-    device: str = "cpu"
-    dtype: str = "fp32"  # fp32 | bf16 (autocast; master weights and AdamW state stay fp32)
-    eval_every: int = 0  # 0: eval at step 0 and at the end only
-    eval_batches: int = 0  # 0: the whole eval set
-    save_every: int = 0  # 0: save at the end only
-    keep: int = 3
-    seed: int = 0
-    on_nonfinite: str = "stop"
-    on_spike: str = "warn"
-    spike_window: int = 128
-    spike_sigma: float = 6.0
-    check_init_loss: bool = False  # pretrained start (--init, finetune): GUARD-INIT-LOSS
-    allow_config_change: bool = False
+    """How a run trains. Field defaults are the command line's defaults (pretrain's where the two
+    training commands differ; finetune's differences are in `per_command`)."""
+
+    # identity of the run (recorded in run.json; was the untyped `extra` dict)
+    command: str = "pretrain"  # which command built it: pretrain | finetune (not a flag)
+    model: str | None = option(None, f"PRESET ({', '.join(PRESETS)}) or MODEL (its architecture)", commands=_EVERY,
+                               required=True,
+                               metavar="MODEL", per_command={
+                                   "finetune": {"help": "MODEL to fine-tune"},
+                                   "eval": {"help": "MODEL or RUN directory (its final model or adapter)"}})
+    init: str | None = option(None, "MODEL whose weights to start from", commands=("pretrain",),
+                              metavar="MODEL", default_help="random init")
+    mode: str = option("full", "what is trained: all weights, or LoRA / QLoRA adapters", commands=("finetune",),
+                       choices=MODES)
+    # the optimisation
+    steps: int = option(1000, "optimizer steps")
+    batch_size: int = option(8, "samples per micro-batch", commands=_EVERY,
+                             per_command={"eval": {"help": "batch size"}})
+    grad_accum: int = option(1, "micro-batches per optimizer step")
+    seq_len: int = option(512, "tokens per training window", commands=("pretrain", "eval"),
+                          per_command={"eval": {"help": "window length for token shards"}})
+    lr: float = option(3e-4, "peak learning rate", parse=_lr_or_auto, per_command={
+        "finetune": {"default": "auto", "default_help": "auto: by mode and adapter shape, logged"}})
+    warmup: int | None = option(None, "warmup steps", default_help="min(100, steps/10)")
+    schedule: str = option("cosine", "decay after warmup, to min_lr_ratio of the peak",
+                           choices=("cosine", "linear", "constant"))
+    min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of the peak (not a flag)
+    weight_decay: float = option(0.1, "AdamW weight decay on >=2-D weights",
+                                 per_command={"finetune": {"default": 0.0}})
+    clip: float = option(1.0, "clip the global L2 grad norm; 0 = off (the norm is still logged)")
+    device: str = option(DEFAULT_DEVICE, DEVICE_CHOICES_HELP, commands=_EVERY, metavar="DEVICE")
+    dtype: str = option("fp32", "compute dtype; bf16 = autocast, master weights and AdamW state stay fp32",
+                        commands=_EVERY, choices=("fp32", "bf16"))
+    kernels: str = option("auto", "op implementations: auto = triton on cuda, torch elsewhere", commands=_EVERY,
+                          choices=("auto", "torch", "triton"))
+    # eval, checkpoints
+    eval_every: int = option(0, "eval period in steps; 0 = at start and end")
+    eval_batches: int = option(20, "batches per eval; 0 = all", commands=_EVERY, per_command={
+        "eval": {"flag": "--max-batches", "default": 0, "help": "stop after this many batches; 0 = all"}})
+    save_every: int = option(0, "checkpoint period in steps; 0 = at the end only")
+    keep: int = option(3, "newest complete checkpoints kept; 0 = keep all")
+    seed: int = option(0, "seed for init (weights and LoRA adapters), data order and RNG")
+    # guards
+    on_nonfinite: str = option("stop", "GUARD-NONFINITE policy: stop (exit 3) or skip the step and count it",
+                               choices=guards.NONFINITE_POLICIES)
+    on_spike: str = option("warn", "GUARD-SPIKE policy for loss/grad-norm spikes > spike_sigma over "
+                                   "spike_window steps", choices=guards.SPIKE_POLICIES)
+    spike_window: int = 128  # steps of history of GUARD-SPIKE (not a flag)
+    spike_sigma: float = 6.0  # GUARD-SPIKE threshold in standard deviations (not a flag)
+    check_init_loss: bool = False  # pretrained start (--init, finetune): GUARD-INIT-LOSS (set by the command)
+    allow_config_change: bool = option(False, "resume even if batch size, accumulation or sequence length "
+                                              "changed")
+    no_preflight: bool = option(False, "skip the step-0 parity check (logged)")
     log_every: int | None = None  # plain-line progress period (None: steps/20)
-    extra: dict[str, Any] = field(default_factory=dict)  # mode, model spec, data paths ... (recorded)
+
+    def __post_init__(self) -> None:
+        if self.warmup is None and isinstance(self.steps, int):
+            self.warmup = min(100, self.steps // 10)
 
     def validate(self) -> None:
-        for name in ("steps", "batch_size", "grad_accum", "seq_len"):
-            if int(getattr(self, name)) <= 0:
-                raise InputError(f"--{name.replace('_', '-')} must be a positive integer, got "
-                                 f"{getattr(self, name)}")
-        for name in ("eval_every", "eval_batches", "save_every", "keep", "warmup"):
-            if int(getattr(self, name)) < 0:
-                raise InputError(f"--{name.replace('_', '-')} must be >= 0, got {getattr(self, name)}")
-        if not self.lr > 0:
-            raise InputError(f"--lr must be > 0, got {self.lr}")
-        if self.clip < 0 or self.weight_decay < 0:
-            raise InputError("--clip and --weight-decay must be >= 0")
-        if self.dtype not in ("fp32", "bf16"):
-            raise InputError(f"--dtype {self.dtype!r} not in fp32|bf16")
-        if self.on_nonfinite not in guards.NONFINITE_POLICIES:
-            raise InputError(f"--on-nonfinite {self.on_nonfinite!r} not in {guards.NONFINITE_POLICIES}")
-        if self.on_spike not in guards.SPIKE_POLICIES:
-            raise InputError(f"--on-spike {self.on_spike!r} not in {guards.SPIKE_POLICIES}")
+        """InputError (exit 2) naming the flag as the user typed it for this command."""
+        def name(f: str) -> str:
+            return flag_of(TrainConfig, f, self.command)
+
+        for f in ("steps", "batch_size", "grad_accum", "seq_len"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
+                raise InputError(f"{name(f)} must be a positive integer, got {getattr(self, f)}")
+        for f in ("eval_every", "eval_batches", "save_every", "keep", "warmup"):
+            if int(getattr(self, f)) < 0:
+                raise InputError(f"{name(f)} must be >= 0, got {getattr(self, f)}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise InputError(f"--lr must be a finite number > 0, got {self.lr}")
+        if not (math.isfinite(self.clip) and self.clip >= 0):
+            raise InputError(f"--clip must be a finite number >= 0 (0 = off), got {self.clip}")
+        if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
+            raise InputError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
+        for f, allowed in (("dtype", ("fp32", "bf16")), ("mode", MODES), ("schedule", ("cosine", "linear", "constant")),
+                           ("on_nonfinite", guards.NONFINITE_POLICIES), ("on_spike", guards.SPIKE_POLICIES)):
+            if getattr(self, f) not in allowed:
+                raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")
         self.device = resolve_device(self.device)  # the one --device rule (entrenar.devices)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class LoRAConfig:
+    """The adapter of `finetune --mode lora|qlora` (unused in full mode, still recorded)."""
+
+    rank: int = option(16, "LoRA rank", commands=("finetune",))
+    alpha: float | None = option(None, "LoRA alpha (scale = alpha/rank)", commands=("finetune",),
+                                 default_help="2 x rank")
+    dropout: float = option(0.0, "LoRA dropout", commands=("finetune",))
+    rslora: bool = option(False, "rank-stabilised scaling alpha/sqrt(rank)", commands=("finetune",))
+    targets: str | None = option(None, "LoRA target linears, comma-separated", commands=("finetune",),
+                                 default_help="the attention and MLP projections")
+    adapter: str | None = option(None, "LoRA/QLoRA adapter directory applied on --model unmerged",
+                                 commands=("eval",), metavar="DIR", default_help="none")
+    force_base: bool = option(False, "apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)",
+                              commands=("eval",))
+
+    @property
+    def effective_alpha(self) -> float:
+        return float(2 * self.rank if self.alpha is None else self.alpha)
+
+    def validate(self) -> None:
+        """Checked before --lr auto uses alpha (issue 18: --alpha -16 was reported as a bad --lr)."""
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise InputError(f"--rank must be a positive integer, got {self.rank}")
+        if self.alpha is not None and not (math.isfinite(self.alpha) and self.alpha > 0):
+            raise InputError(f"--alpha must be a finite number > 0 (the LoRA scale is alpha/rank), got "
+                             f"{self.alpha:g}; omit --alpha for the default 2 x --rank")
+        if not (math.isfinite(self.dropout) and 0.0 <= self.dropout < 1.0):
+            raise InputError(f"--dropout must be in [0, 1), got {self.dropout}")
+
+
+@dataclass
+class DataConfig:
+    """Where the examples come from and how they are read."""
+
+    data: str | None = option(None, "token shards directory (`entrenar data pack`)", commands=_EVERY,
+                              required=True, metavar="PATH", per_command={
+                                  "finetune": {"help": "training JSONL"},
+                                  "eval": {"help": "token shards directory or SFT .jsonl"}})
+    val: str | None = option(None, "validation JSONL", commands=("finetune",), metavar="PATH",
+                             default_help="--val-fraction of --data")
+    val_fraction: float = option(0.05, "held-out fraction of --data when no --val", commands=("finetune",))
+    split: str | None = option(None, "token shards split", commands=("eval",), choices=("train", "val"),
+                               default_help="val if present")
+    max_seq_len: int = option(2048, "longest SFT sample in tokens", commands=("finetune", "eval"))
+    truncation: str = option("skip", "a response cut by --max-seq-len: skip the sample or train it cut",
+                             commands=("finetune", "eval"), choices=TRUNCATION_POLICIES)
+    skip_invalid: bool = option(False, "skip and count invalid rows instead of exit 2", commands=("finetune",))
+    max_skip_fraction: float = option(DEFAULT_MAX_SKIP_FRACTION, "GUARD-DATA (exit 2) above this fraction of "
+                                      "skipped rows", commands=("finetune", "eval"))
+    pack: bool = option(False, "pack several samples per row (attention kept apart)", commands=("finetune",))
+
+    def validate(self) -> None:
+        if not (math.isfinite(self.val_fraction) and 0.0 <= self.val_fraction < 1.0):
+            raise InputError(f"--val-fraction must be in [0, 1), got {self.val_fraction}")
+        if not isinstance(self.max_seq_len, int) or self.max_seq_len <= 0:
+            raise InputError(f"--max-seq-len must be a positive integer, got {self.max_seq_len}")
+        if not (math.isfinite(self.max_skip_fraction) and 0.0 <= self.max_skip_fraction <= 1.0):
+            raise InputError(f"--max-skip-fraction must be in [0, 1], got {self.max_skip_fraction}")
+        if self.truncation not in TRUNCATION_POLICIES:
+            raise InputError(f"--truncation {self.truncation!r} not in {'|'.join(TRUNCATION_POLICIES)}")
+
+
+CONFIGS = (TrainConfig, LoRAConfig, DataConfig)
+C = TypeVar("C")
+
+
+# ---- dataclass fields <-> argparse ----------------------------------------------------------------------
+def _cli(f: Any, command: str) -> dict[str, Any] | None:
+    """The field's command-line spec for `command` (per-command overrides applied), or None."""
+    meta = f.metadata.get("cli")
+    if meta is None or command not in meta["commands"]:
+        return None
+    return {**meta, **meta["per_command"].get(command, {})}
+
+
+def _field_default(f: Any) -> Any:
+    if f.default is not MISSING:
+        return f.default
+    return f.default_factory() if f.default_factory is not MISSING else None
+
+
+def default_of(cls: type, name: str, command: str) -> Any:
+    """The default of field `name` for `command` (its per-command default where it has one)."""
+    f = next(f for f in fields(cls) if f.name == name)
+    spec = _cli(f, command)
+    return spec["default"] if spec and "default" in spec else _field_default(f)
+
+
+def flag_of(cls: type, name: str, command: str) -> str:
+    """The option string of field `name` in `command` ('--max-batches' for eval's eval_batches)."""
+    f = next(f for f in fields(cls) if f.name == name)
+    spec = _cli(f, command) or {}
+    if name == "seq_len" and command == "finetune":
+        return "--max-seq-len"  # finetune's windows are its longest sample (DataConfig.max_seq_len)
+    return spec.get("flag") or "--" + name.replace("_", "-")
+
+
+def _base_type(cls: type, name: str) -> type:
+    hint = typing.get_type_hints(cls)[name]
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if args else hint
+
+
+def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
+    """One argparse option per field of `cls` that `command` offers; dest is the field name."""
+    for f in fields(cls):
+        spec = _cli(f, command)
+        if spec is None:
+            continue
+        default = spec["default"] if "default" in spec else _field_default(f)
+        shown = spec["default_help"] if spec["default_help"] is not None else default
+        typ = _base_type(cls, f.name)
+        flag = flag_of(cls, f.name, command)
+        quiet = spec["required"] or typ is bool  # a switch's default is "off": nothing to show
+        help_text = spec["help"] + ("" if quiet else f" ({shown})")
+        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%")}
+        if typ is bool:
+            kwargs["action"] = "store_true"
+        else:
+            kwargs.update(type=spec["parse"] or typ, default=default)
+            if spec["choices"]:
+                kwargs["choices"] = spec["choices"]
+            else:
+                kwargs["metavar"] = spec["metavar"] or flag.lstrip("-").replace("-", "_").upper()
+            if spec["required"]:
+                kwargs["required"] = True
+                kwargs.pop("default")
+        p.add_argument(flag, **kwargs)
+
+
+def from_args(cls: type[C], args: argparse.Namespace, command: str, /, **overrides: Any) -> C:
+    """The dataclass from parsed arguments: offered fields from `args`, the rest at their defaults
+    for this command, then `overrides`."""
+    values: dict[str, Any] = {}
+    for f in fields(cls):  # type: ignore[arg-type]
+        if not f.init:
+            continue
+        if _cli(f, command) is not None and hasattr(args, f.name):
+            values[f.name] = getattr(args, f.name)
+        elif _cli(f, command) is not None or f.metadata.get("cli"):
+            values[f.name] = default_of(cls, f.name, command)
+    values.update(overrides)
+    return cls(**values)

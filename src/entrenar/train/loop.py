@@ -200,7 +200,7 @@ def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Trai
             (run_dir / "preflight.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
         if cfg.check_init_loss:
             ev0 = step0.get("eval") or step0.get("first_train_batch")
-            guards.check_init_loss(ev0["loss"], vocab_size, str(cfg.extra.get("init") or cfg.extra.get("model")))
+            guards.check_init_loss(ev0["loss"], vocab_size, str(cfg.init or cfg.model))
             log(f"GUARD-INIT-LOSS ok: step-0 loss {ev0['loss']:.4f} < ln(vocab) {step0['ln_vocab']:.4f}")
 
     def trainer_state(step: int, data_state: dict, rng: dict) -> dict[str, Any]:
