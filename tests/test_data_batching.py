@@ -88,7 +88,7 @@ def test_packed_and_padded_batches_give_identical_per_token_losses(model):
         total, n = 0.0, 0
         for b in loader.iter_epoch():
             with torch.no_grad():
-                s, c = model.loss(b["input_ids"], b["labels"], position_ids=b.get("position_ids"),
+                s, c = model(b["input_ids"], labels=b["labels"], position_ids=b.get("position_ids"),
                                   doc_ids=b.get("doc_ids"))
             total, n = total + float(s), n + int(c)
         sums.append((total, n))

@@ -111,3 +111,29 @@ def test_bad_inputs_exit_2(tmp_path, capsys):
     assert not (tmp_path / "o.jsonl").exists()
     assert main(["data", "sft-from-code", "--out", str(tmp_path / "o.jsonl"), "--system-prompt-file",
                  str(tmp_path / "missing.txt"), str(tmp_path / "empty")]) == 2
+
+
+def test_out_is_never_silently_replaced_and_a_directory_is_exit_2(tmp_path, capsys):
+    """issue 18 items 8 and 10: an existing --out file was replaced without a word; an existing
+    directory as --out was an IsADirectoryError traceback."""
+    pkg = make_tree(tmp_path)
+    out = tmp_path / "rows.jsonl"
+    out.write_text('{"kept": true}\n' * 533)
+    rc = main(["data", "sft-from-code", "--out", str(out), str(pkg)])
+    err = capsys.readouterr().err
+    assert rc == 2 and "already exists" in err and "--overwrite" in err
+    assert out.read_text() == '{"kept": true}\n' * 533
+    assert main(["data", "sft-from-code", "--out", str(out), "--overwrite", str(pkg)]) == 0
+    assert '"kept"' not in out.read_text() and len(read_rows(out)) > 0
+    (tmp_path / "adir").mkdir()
+    rc = main(["data", "sft-from-code", "--out", str(tmp_path / "adir"), str(pkg)])
+    assert rc == 2 and "is a directory" in capsys.readouterr().err
+
+
+def test_a_single_py_file_is_accepted(tmp_path):
+    """issue 18 item 12: `data pack` accepts a .py file, so sft-from-code does too."""
+    pkg = make_tree(tmp_path)
+    stats = sft_from_code([str(pkg / "sub" / "a.py")], tmp_path / "one.jsonl")
+    rows = read_rows(tmp_path / "one.jsonl")
+    assert stats["files"] == 1 and len(rows) == 1 and rows[0]["source"] == "sub/a.py:1"
+    assert "def first():" in rows[0]["messages"][-1]["content"]

@@ -403,3 +403,22 @@ def test_safe_cuts_keep_real_tokenization(tok):
     pieces = corpus.split_safely(text, 500)
     assert len(pieces) > 20 and "".join(pieces) == text
     assert [t for p in pieces for t in tok.encode(p, add_special=False)] == tok.encode(text, add_special=False)
+
+
+def test_a_utf8_bom_is_accepted(tmp_path):
+    """issue 18 item 11: a file saved with a UTF-8 BOM (Windows editors) was rejected with
+    "decode using utf-8-sig"; the BOM is an encoding marker, so the rows load as without it."""
+    from entrenar.tokenizer import load_tokenizer
+    from entrenar.tokenizer_train import train_tokenizer
+
+    (tmp_path / "c.txt").write_text("hello world, the answer is four. " * 20)
+    train_tokenizer([str(tmp_path / "c.txt")], 280, tmp_path / "tok")
+    tok = load_tokenizer(tmp_path / "tok")
+    rows = "".join(json.dumps({"messages": [{"role": "user", "content": f"q{i}"},
+                                            {"role": "assistant", "content": f"a{i}"}]}) + "\n" for i in range(3))
+    (tmp_path / "plain.jsonl").write_text(rows, encoding="utf-8")
+    (tmp_path / "bom.jsonl").write_text(rows, encoding="utf-8-sig")
+    assert (tmp_path / "bom.jsonl").read_bytes().startswith(b"\xef\xbb\xbf")
+    plain, _ = load_sft(tmp_path / "plain.jsonl", tok, 64)
+    bom, report = load_sft(tmp_path / "bom.jsonl", tok, 64)
+    assert report.rows_read == 3 and [e.input_ids.tolist() for e in bom] == [e.input_ids.tolist() for e in plain]

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import hashlib
 import json
 import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -65,15 +67,28 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, dict]]:
-    """(line number, object) for each non-blank line; a bad line is an InputError naming file:line."""
+def read_jsonl(path: str | Path, on_error: Callable[[int, json.JSONDecodeError], None] | None = None
+               ) -> Iterator[tuple[int, Any]]:
+    """(line number, object) for each non-blank line: the one JSONL reader (SFT data, pretraining
+    rows, metrics). ``.gz`` files are decompressed; a UTF-8 byte-order mark is accepted. A line that
+    is not JSON is an InputError naming file:line, or, with ``on_error``, is passed to it
+    (which may raise) and skipped. Text that is not UTF-8 is an InputError."""
     from .errors import InputError
 
-    with open(path, encoding="utf-8-sig") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+    opener: Any = gzip.open if str(path).endswith(".gz") else open
+    lineno = 0
+    with opener(path, "rt", encoding="utf-8-sig") as f:
+        try:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line)
+                except json.JSONDecodeError as e:
+                    if on_error is None:
+                        raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
+                    on_error(lineno, e)
+                    continue
+                yield lineno, obj
+        except UnicodeDecodeError as e:
+            raise InputError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason}); JSONL must be UTF-8") from None

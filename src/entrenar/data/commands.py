@@ -66,7 +66,8 @@ def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
         if not path.is_file():
             raise InputError(f"{path}: no such file (--system-prompt-file)")
         system_prompt = path.read_text(encoding="utf-8")
-    stats = sft_from_code(args.dirs, args.out, system_prompt=system_prompt, excludes=args.exclude)
+    stats = sft_from_code(args.dirs, args.out, system_prompt=system_prompt, excludes=args.exclude,
+                          overwrite=args.overwrite)
     if not args.json:
         print(f"wrote {stats['rows']} rows to {stats['out']} from {stats['files']} files "
               f"({stats['files_unparsable']} unparsable, skipped); {stats['functions']} functions, "
@@ -123,7 +124,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
     q.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip .py files whose path relative to DIR matches (repeatable)")
-    q.add_argument("dirs", nargs="+", metavar="DIR", help="directories of Python source")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    q.add_argument("dirs", nargs="+", metavar="SOURCE", help="directories of Python source or single .py files")
 
     q = add("check", cmd_check, "validate SFT JSONL against a model's chat template; report loss tokens")
     q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")

@@ -40,6 +40,7 @@ import torch
 from ..errors import GuardError, InputError
 from ..fileio import atomic_dir, atomic_write, sha256_file
 from ..tensors import IGNORE_INDEX, positions_from_doc_ids
+from .epochs import EpochCursor
 from .sources import ALL_SUFFIXES, SkippedFile, SkipReport, expand_inputs, iter_file_texts
 
 __all__ = ["FORMAT", "PretrainLoader", "expand_inputs", "pack", "read_index", "split_safely"]
@@ -510,12 +511,11 @@ class PretrainLoader:
         if self.num_windows == 0:
             raise InputError(f"{self.dir} split {split!r} has {self.num_tokens} tokens, too few for one "
                              f"window of seq_len {seq_len} + 1; lower --seq-len or add data")
-        self._epoch, self._position = 0, 0
-        self._order_epoch, self._order = -1, np.arange(0)
+        self.cursor = EpochCursor(self.num_windows, seed)  # the loaders' one epoch/state mechanism
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self.cursor.epoch
 
     def __len__(self) -> int:
         return self.num_windows
@@ -555,19 +555,10 @@ class PretrainLoader:
         return batch
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(self.num_windows)
-            self._order_epoch = epoch
-        return self._order
+        return self.cursor.order(epoch)
 
     def next_batch(self) -> dict[str, Any]:
-        windows = []
-        for _ in range(self.batch_size):
-            windows.append(int(self._epoch_order(self._epoch)[self._position]))
-            self._position += 1
-            if self._position == self.num_windows:
-                self._epoch, self._position = self._epoch + 1, 0
-        return self._collate(windows)
+        return self._collate([self.cursor.take() for _ in range(self.batch_size)])
 
     def iter_epoch(self) -> Iterator[dict[str, Any]]:
         """Every window once in stream order; the last batch may be smaller. State untouched."""
@@ -575,8 +566,7 @@ class PretrainLoader:
             yield self._collate(list(range(i, min(i + self.batch_size, self.num_windows))))
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "epoch": self._epoch, "position": self._position, "seed": self.seed,
-                "rng": "numpy.random.default_rng([seed, epoch]).permutation", "split": self.split,
+        return {"kind": self.kind, **self.cursor.state_dict(), "split": self.split,
                 "seq_len": self.seq_len, "batch_size": self.batch_size, "doc_mask": self.doc_mask,
                 "num_windows": self.num_windows, "source_sha256": self.index["source_sha256"]}
 
@@ -586,8 +576,5 @@ class PretrainLoader:
             if sd.get(key) != mine[key]:
                 raise InputError(f"cannot resume the pretraining loader: saved {key}={sd.get(key)!r}, now "
                                  f"{mine[key]!r} (resume with the same shards and --seq-len)")
-        if not 0 <= sd["position"] < self.num_windows or sd["epoch"] < 0:
-            raise InputError(f"cannot resume the pretraining loader: position {sd['position']} / epoch "
-                             f"{sd['epoch']} out of range for {self.num_windows} windows")
-        self.seed, self._epoch, self._position = int(sd["seed"]), int(sd["epoch"]), int(sd["position"])
-        self._order_epoch = -1
+        self.cursor.load_state_dict(sd, "pretraining")
+        self.seed = self.cursor.seed

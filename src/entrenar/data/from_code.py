@@ -13,10 +13,12 @@ import fnmatch
 import json
 import os
 import tokenize
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..fileio import atomic_write
 
 # Directory names never descended into: caches, VCS data, and installed third-party packages
 # (the standard library's directory holds site-packages, which is not the standard library).
@@ -102,61 +104,73 @@ def python_files(root: Path, excludes: list[str]) -> list[Path]:
     return sorted(files, key=lambda p: p.relative_to(root).as_posix())
 
 
+def _file_rows(path: Path, rel: str, system_prompt: str | None, skip_stubs: bool,
+               stats: dict[str, Any]) -> Iterator[dict[str, Any]]:
+    """The rows of one source file (counted into ``stats``); an unparsable file gives none."""
+    try:
+        with tokenize.open(path) as src:  # honours PEP 263 encoding declarations
+            text = src.read()
+        tree = ast.parse(text, filename=str(path))
+    except (SyntaxError, UnicodeDecodeError, ValueError) as e:
+        stats["files_unparsable"] += 1
+        if len(stats["unparsable"]) < MAX_UNPARSABLE_LISTED:
+            stats["unparsable"].append(f"{rel}: {type(e).__name__}: {e}")
+        return
+    lines = text.splitlines(keepends=True)
+    for node, owner in _functions(tree):
+        stats["functions"] += 1
+        doc = ast.get_docstring(node, clean=True)
+        if not doc or not doc.strip():
+            continue
+        stats["functions_with_docstring"] += 1
+        if skip_stubs and _is_stub(node):
+            stats["stubs_skipped"] += 1
+            continue
+        messages = [{"role": "user", "content": _user_message(node, doc, owner)},
+                    {"role": "assistant", "content": _source(lines, node)}]
+        if system_prompt is not None:
+            messages.insert(0, {"role": "system", "content": system_prompt})
+        yield {"messages": messages, "source": f"{rel}:{node.lineno}"}
+
+
 def sft_from_code(dirs: list[str], out: str | Path, system_prompt: str | None = None,
-                  excludes: list[str] | None = None, skip_stubs: bool = True) -> dict[str, Any]:
+                  excludes: list[str] | None = None, skip_stubs: bool = True,
+                  overwrite: bool = False) -> dict[str, Any]:
     """Write the JSONL; returns counts (files, unparsable files, functions, rows)."""
     excludes = list(excludes or [])
-    roots = []
+    sources: list[tuple[Path, list[Path]]] = []  # (root the rows name paths from, its .py files)
     for d in dirs:
         p = Path(d)
-        if not p.is_dir():
-            raise InputError(f"{d}: not a directory (sft-from-code reads Python source directories)")
-        roots.append(p)
+        if p.is_file() and p.suffix == ".py":  # a single file, as `data pack` accepts (issue 18 item 12)
+            sources.append((p.parent, [p]))
+        elif p.is_dir():
+            sources.append((p, python_files(p, excludes)))
+        else:
+            raise InputError(f"{d}: not a directory or a .py file (sft-from-code reads Python source)")
     if system_prompt is not None and not system_prompt.strip():
         raise InputError("the system prompt file is empty")
     out = Path(out)
+    if out.is_dir():  # was an IsADirectoryError traceback (issue 18 item 8)
+        raise InputError(f"--out {out}: is a directory; give the path of the JSONL file to write")
+    if out.exists() and not overwrite:  # was a silent replacement (issue 18 item 10)
+        raise InputError(f"--out {out}: already exists; choose another --out, or pass --overwrite to replace it")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp-{os.getpid()}")
     stats = {"files": 0, "files_unparsable": 0, "unparsable": [], "functions": 0,
              "functions_with_docstring": 0, "stubs_skipped": 0, "rows": 0}
-    try:
+
+    def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
-            for root in roots:
-                for path in python_files(root, excludes):
+            for root, files in sources:
+                for path in files:
                     stats["files"] += 1
                     rel = f"{root.name}/{path.relative_to(root).as_posix()}"
-                    try:
-                        with tokenize.open(path) as src:  # honours PEP 263 encoding declarations
-                            text = src.read()
-                        tree = ast.parse(text, filename=str(path))
-                    except (SyntaxError, UnicodeDecodeError, ValueError) as e:
-                        stats["files_unparsable"] += 1
-                        if len(stats["unparsable"]) < MAX_UNPARSABLE_LISTED:
-                            stats["unparsable"].append(f"{rel}: {type(e).__name__}: {e}")
-                        continue
-                    lines = text.splitlines(keepends=True)
-                    for node, owner in _functions(tree):
-                        stats["functions"] += 1
-                        doc = ast.get_docstring(node, clean=True)
-                        if not doc or not doc.strip():
-                            continue
-                        stats["functions_with_docstring"] += 1
-                        if skip_stubs and _is_stub(node):
-                            stats["stubs_skipped"] += 1
-                            continue
-                        messages = [{"role": "user", "content": _user_message(node, doc, owner)},
-                                    {"role": "assistant", "content": _source(lines, node)}]
-                        if system_prompt is not None:
-                            messages.insert(0, {"role": "system", "content": system_prompt})
-                        row = {"messages": messages, "source": f"{rel}:{node.lineno}"}
+                    for row in _file_rows(path, rel, system_prompt, skip_stubs, stats):
                         f.write(json.dumps(row, ensure_ascii=False) + "\n")
                         stats["rows"] += 1
         if stats["rows"] == 0:
             raise InputError(f"no documented functions found in {', '.join(dirs)} "
                              f"({stats['files']} .py files, {stats['files_unparsable']} unparsable)")
-        os.replace(tmp, out)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+
+    atomic_write(out, write)  # a failure or an interrupt leaves the previous file (or none)
     stats["out"] = str(out)
     return stats

@@ -31,7 +31,9 @@ import numpy as np
 import torch
 
 from ..errors import GuardError, InputError
+from ..fileio import read_jsonl
 from ..tensors import IGNORE_INDEX
+from .epochs import EpochCursor
 
 logger = logging.getLogger("entrenar.data")
 
@@ -135,17 +137,6 @@ def _field_message(row: dict, key: str, role: str) -> dict[str, str]:
     if not value.strip():
         raise RowError("empty_content", f"{key!r} is empty")
     return {"role": role, "content": value}
-
-
-def iter_rows(path: Path) -> Iterator[tuple[int, str]]:
-    """(1-based line number, line text) for non-blank lines."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            for lineno, line in enumerate(f, 1):
-                if line.strip():
-                    yield lineno, line
-        except UnicodeDecodeError as e:
-            raise InputError(f"{path}: not UTF-8 text ({e}); SFT data must be UTF-8 JSONL") from e
 
 
 # ---- tokenizing one sample ----------------------------------------------------------------------
@@ -359,21 +350,25 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
             logger.warning(msg)
             report.warnings.append(msg)
 
-    for lineno, text in iter_rows(path):
+    def invalid(where: str, e: RowError) -> None:
+        if not skip_invalid:
+            raise InputError(f"{where}: {e} (fix the row, or pass --skip-invalid to skip and count "
+                             f"invalid rows)") from e
+        report.skip(e.reason)
+        warn(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
+
+    def malformed(lineno: int, e: json.JSONDecodeError) -> None:
+        report.rows_read += 1
+        invalid(f"{path}:{lineno}", RowError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"))
+
+    # fileio.read_jsonl: the one JSONL reader (a UTF-8 BOM is accepted, issue 18 item 11)
+    for lineno, row in read_jsonl(path, on_error=malformed):
         report.rows_read += 1
         where = f"{path}:{lineno}"
         try:
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as e:
-                raise RowError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})") from e
             messages = row_to_messages(row)
         except RowError as e:
-            if not skip_invalid:
-                raise InputError(f"{where}: {e} (fix the row, or pass --skip-invalid to skip and count "
-                                 f"invalid rows)") from e
-            report.skip(e.reason)
-            warn(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
+            invalid(where, e)
             continue
 
         try:
@@ -461,30 +456,24 @@ class SFTLoader:
         self.batch_size, self.seed, self.pack = batch_size, seed, pack
         # The pad id only fills input positions whose labels are -100 (any valid id works; 0 if None).
         self.max_seq_len, self.pad_id = max_seq_len, 0 if pad_id is None else int(pad_id)
-        self._epoch, self._position = 0, 0
-        self._order_epoch, self._order = -1, np.arange(0)
+        self.cursor = EpochCursor(len(self.examples), seed)  # the loaders' one epoch/state mechanism
         self.fingerprint = _fingerprint(self.examples)
 
     @property
     def epoch(self) -> int:
-        return self._epoch
+        return self.cursor.epoch
 
     def __len__(self) -> int:
         return len(self.examples)
 
     def _epoch_order(self, epoch: int) -> np.ndarray:
-        if self._order_epoch != epoch:
-            self._order = np.random.default_rng([self.seed, epoch]).permutation(len(self.examples))
-            self._order_epoch = epoch
-        return self._order
+        return self.cursor.order(epoch)
 
     def _peek(self) -> SFTExample:
-        return self.examples[int(self._epoch_order(self._epoch)[self._position])]
+        return self.examples[self.cursor.peek()]
 
     def _advance(self) -> None:
-        self._position += 1
-        if self._position == len(self.examples):
-            self._epoch, self._position = self._epoch + 1, 0
+        self.cursor.advance()
 
     def next_batch(self) -> dict[str, Any]:
         if not self.pack:
@@ -524,8 +513,7 @@ class SFTLoader:
         yield collate_packed(rows, self.pad_id)
 
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, "epoch": self._epoch, "position": self._position, "seed": self.seed,
-                "rng": "numpy.random.default_rng([seed, epoch]).permutation", "pack": self.pack,
+        return {"kind": self.kind, **self.cursor.state_dict(), "pack": self.pack,
                 "batch_size": self.batch_size, "max_seq_len": self.max_seq_len,
                 "num_examples": len(self.examples), "fingerprint": self.fingerprint}
 
@@ -535,11 +523,8 @@ class SFTLoader:
                 raise InputError(f"cannot resume the SFT loader: saved {key}={sd.get(key)!r}, now "
                                  f"{self.state_dict()[key]!r} (the data or batching changed since the "
                                  f"checkpoint; resume with the same data file, --max-seq-len and batch settings)")
-        if not 0 <= sd["position"] < len(self.examples) or sd["epoch"] < 0:
-            raise InputError(f"cannot resume the SFT loader: position {sd['position']} / epoch {sd['epoch']} "
-                             f"out of range for {len(self.examples)} examples")
-        self.seed, self._epoch, self._position = int(sd["seed"]), int(sd["epoch"]), int(sd["position"])
-        self._order_epoch = -1
+        self.cursor.load_state_dict(sd, "SFT")
+        self.seed = self.cursor.seed
 
 
 def _fingerprint(examples: Sequence[SFTExample]) -> str:

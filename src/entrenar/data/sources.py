@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 from ..errors import InputError
+from ..fileio import read_jsonl
 
 TEXT_SUFFIXES = (".txt", ".md", ".rst", ".py")
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
@@ -132,26 +133,23 @@ def read_text(path: Path) -> str:
 
 
 def iter_jsonl_texts(path: Path) -> Iterator[str]:
-    """The "text" field of each row of a .jsonl or .jsonl.gz file, streamed line by line."""
+    """The "text" field of each row of a .jsonl or .jsonl.gz file (fileio.read_jsonl, streamed)."""
+    def malformed(lineno: int, e: json.JSONDecodeError) -> None:
+        raise SkippedFile(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})")
+
     try:
-        with _open_binary(path) as raw:
-            f: Any = gzip.GzipFile(fileobj=raw) if kind_of(path) == "jsonl.gz" else raw
-            for lineno, line in enumerate(f, 1):
-                text = _decode(line, f"{path}:{lineno}", lineno == 1)
-                if not text.strip():
-                    continue
-                try:
-                    row = json.loads(text)
-                except json.JSONDecodeError as e:
-                    raise SkippedFile(f"{path}:{lineno}: malformed JSON ({e.msg} at column {e.colno})") from None
-                if not isinstance(row, dict) or not isinstance(row.get("text"), str):
-                    raise SkippedFile(f"{path}:{lineno}: a pretraining JSONL row must be an object with a "
-                                      f"string \"text\" field")
-                yield row["text"]
+        _open_binary(path).close()  # unreadable files fail here, with the same reason as text files
+        for lineno, row in read_jsonl(path, on_error=malformed):
+            if not isinstance(row, dict) or not isinstance(row.get("text"), str):
+                raise SkippedFile(f"{path}:{lineno}: a pretraining JSONL row must be an object with a "
+                                  f"string \"text\" field")
+            yield row["text"]
+    except InputError as e:  # not UTF-8 (read_jsonl names file:line)
+        raise SkippedFile(str(e)) from None
     except (OSError, EOFError, zlib.error) as e:  # gzip.BadGzipFile is an OSError
         what = "truncated or corrupt gzip" if isinstance(e, (EOFError, zlib.error, gzip.BadGzipFile)) \
             else "cannot be read"
-        raise SkippedFile(f"{path}: {what} ({e})") from None
+        raise SkippedFile(f"{path}: {what} ({e.strerror or e if isinstance(e, OSError) else e})") from None
 
 
 def iter_parquet_texts(path: Path) -> Iterator[str]:
