@@ -1,24 +1,31 @@
 """Atomic training checkpoints: RUN/checkpoints/step-NNNNNNN/ and a `latest` symlink.
 
-Write order (so a kill at any point leaves the previous checkpoint usable):
-  step-N.tmp/ <- every file, each fsynced; COMPLETE written last and fsynced; the directory
-  fsynced; rename step-N.tmp -> step-N; `latest` replaced atomically (symlink + os.replace).
-A directory without COMPLETE (or still named .tmp) is never resumed from.
+Write order (so a kill at any point leaves the previous checkpoint usable): every file into a
+hidden temporary sibling (fileio.atomic_dir), each fsynced; COMPLETE written last and fsynced; the
+directory fsynced; renamed to step-N; `latest` replaced atomically (symlink + os.replace).
+A directory without COMPLETE (or still temporary) is never resumed from.
 
-Contents: model.safetensors (the trainable parameters: all of them for full training, only
-the adapter for LoRA), optimizer.pt, trainer_state.pt (step, tokens, schedule, data-loader
-state, guard state, RNG: python, numpy, torch CPU and CUDA), run_config.json (resolved config),
-meta.json (sha256 of optimizer.pt and model.safetensors).
+Contents -- nothing in a checkpoint is unpickled into code on load:
+  model.safetensors     the trainable parameters (all of them for full training, the adapter for LoRA)
+  optimizer.pt          AdamW state_dict, loaded with torch.load(weights_only=True): tensors and
+                        plain containers only, so a checkpoint from someone else cannot run code
+  trainer_state.json    step, tokens, schedule, data-loader position, guard state, counters, and the
+                        python/numpy RNG states
+  rng.safetensors       torch CPU and CUDA RNG states (byte tensors)
+  run_config.json       the resolved config
+  meta.json             step, tokens and the sha256 of each file above
+  COMPLETE
 """
 
 from __future__ import annotations
 
-import io
 import json
 import os
+import pickle
 import random
 import re
 import shutil
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -27,19 +34,19 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import InputError
-from ..fileio import sha256_file
+from ..fileio import atomic_dir, sha256_file
 
 COMPLETE = "COMPLETE"
 STEP_RE = re.compile(r"^step-(\d+)$")
+TMP_RE = re.compile(r"^\.?step-(\d+)\.tmp")  # atomic_dir's `.step-N.tmp-PID` (and the older `step-N.tmp`)
+MODEL, OPTIMIZER, STATE, RNG, RUN_CONFIG, META = ("model.safetensors", "optimizer.pt", "trainer_state.json",
+                                                  "rng.safetensors", "run_config.json", "meta.json")
+HASHED = (MODEL, OPTIMIZER, STATE, RNG, RUN_CONFIG)
+REQUIRED = (*HASHED, META, COMPLETE)
 
 
 def step_dir_name(step: int) -> str:
     return f"step-{step:07d}"
-
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as f:
-        os.fsync(f.fileno())
 
 
 def _fsync_dir(path: Path) -> None:
@@ -48,6 +55,11 @@ def _fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as f:
+        os.fsync(f.fileno())
 
 
 def _write_bytes(path: Path, data: bytes) -> None:
@@ -61,6 +73,7 @@ def trainable_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {n: p.detach().contiguous().cpu() for n, p in model.named_parameters() if p.requires_grad}
 
 
+# ---- RNG state: python/numpy as JSON, torch/CUDA byte states as safetensors --------------------------
 def rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
             "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
@@ -74,44 +87,82 @@ def set_rng_state(state: dict[str, Any]) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int) -> Path:
-    """Write step-N atomically, point `latest` at it, prune to the newest `keep`. Returns its path."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / step_dir_name(step)
-    tmp = ckpt_root / (step_dir_name(step) + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir()
-    save_file(trainable_state(model), str(tmp / "model.safetensors"))
-    _fsync_file(tmp / "model.safetensors")
-    buf = io.BytesIO()
-    torch.save(optimizer.state_dict(), buf)
-    _write_bytes(tmp / "optimizer.pt", buf.getvalue())
-    buf = io.BytesIO()
-    torch.save({"rng": rng_state(), **trainer_state}, buf)  # a given rng (pre-step) wins
-    _write_bytes(tmp / "trainer_state.pt", buf.getvalue())
-    _write_bytes(tmp / "run_config.json", (json.dumps(run_config, indent=2, default=str) + "\n").encode())
+def _rng_to_files(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    version, internal, gauss = state["python"]
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    cuda = state.get("cuda")
+    as_json = {"python": [version, list(internal), gauss],
+               "numpy": [name, np.asarray(keys).tolist(), int(pos), int(has_gauss), float(cached)],
+               "cuda_devices": None if cuda is None else len(cuda)}
+    tensors = {"torch": state["torch"].contiguous()}
+    tensors.update({f"cuda.{i}": t.contiguous() for i, t in enumerate(cuda or [])})
+    return as_json, tensors
+
+
+def _rng_from_files(as_json: dict[str, Any], tensors: dict[str, torch.Tensor]) -> dict[str, Any]:
+    version, internal, gauss = as_json["python"]
+    name, keys, pos, has_gauss, cached = as_json["numpy"]
+    n_cuda = as_json.get("cuda_devices")
+    return {"python": (version, tuple(internal), gauss),
+            "numpy": (name, np.asarray(keys, dtype=np.uint32), pos, has_gauss, cached),
+            "torch": tensors["torch"],
+            "cuda": None if n_cuda is None else [tensors[f"cuda.{i}"] for i in range(n_cuda)]}
+
+
+# ---- save ------------------------------------------------------------------------------------------
+def _write_contents(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], run_config: dict[str, Any]) -> None:
+    save_file(trainable_state(model), str(tmp / MODEL))
+    _fsync_file(tmp / MODEL)
+    with open(tmp / OPTIMIZER, "wb") as f:
+        torch.save(optimizer.state_dict(), f)
+        f.flush()
+        os.fsync(f.fileno())
+    state = dict(trainer_state)
+    rng_json, rng_tensors = _rng_to_files(state.pop("rng", None) or rng_state())  # a given rng (pre-step) wins
+    save_file(rng_tensors, str(tmp / RNG))
+    _fsync_file(tmp / RNG)
+    _write_bytes(tmp / STATE, (json.dumps({**state, "rng": rng_json}, indent=1) + "\n").encode())
+    _write_bytes(tmp / RUN_CONFIG, (json.dumps(run_config, indent=2, default=str) + "\n").encode())
     meta = {"step": step, "tokens": trainer_state.get("tokens"),
-            "sha256": {name: sha256_file(tmp / name) for name in
-                       ("model.safetensors", "optimizer.pt", "trainer_state.pt")}}
-    _write_bytes(tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode())
-    _write_bytes(tmp / COMPLETE, b"ok\n")
+            "sha256": {name: sha256_file(tmp / name) for name in HASHED}}
+    _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
+    _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
     _fsync_dir(tmp)
-    if final.exists():  # re-saving a step after resuming from an earlier checkpoint
-        shutil.rmtree(final)
-    os.rename(tmp, final)
-    _fsync_dir(ckpt_root)
+
+
+def _point_latest(ckpt_root: Path, target: Path) -> None:
+    # a symlink cannot go through fileio.atomic_write; the same tmp-then-os.replace rule by hand
     link_tmp = ckpt_root / "latest.tmp"
     if link_tmp.is_symlink() or link_tmp.exists():
         link_tmp.unlink()
-    os.symlink(final.name, link_tmp)
+    os.symlink(target.name, link_tmp)
     os.replace(link_tmp, ckpt_root / "latest")
     _fsync_dir(ckpt_root)
+
+
+def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                    trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int,
+                    extra_files: Callable[[torch.nn.Module, Path], None] | None = None) -> Path:
+    """Write step-N atomically, point `latest` at it, prune to the newest `keep`. Returns its path.
+    `trainer_state` must be JSON-serialisable apart from its optional "rng" entry (rng_state())."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / step_dir_name(step)
+    for stale in stale_tmp_dirs(ckpt_root, max_step=step, min_step=step):  # a killed earlier save of step N
+        shutil.rmtree(stale)
+    with atomic_dir(final) as tmp:
+        if extra_files is not None:  # config/adapter files, generation_config.json, tokenizer: a runnable MODEL
+            extra_files(model, tmp)
+        _write_contents(tmp, step, model, optimizer, trainer_state, run_config)
+        if final.exists():  # re-saving a step after resuming from an earlier checkpoint
+            shutil.rmtree(final)
+    _fsync_dir(ckpt_root)
+    _point_latest(ckpt_root, final)
     prune(ckpt_root, keep)
     return final
 
 
+# ---- find ------------------------------------------------------------------------------------------
 def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     """COMPLETE checkpoints, oldest first."""
     if not ckpt_root.is_dir():
@@ -124,41 +175,70 @@ def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     return [d for _, d in sorted(found)]
 
 
+def stale_tmp_dirs(ckpt_root: Path, max_step: int, min_step: int = 0) -> list[Path]:
+    """Temporary checkpoint directories of steps in [min_step, max_step] left by a killed save."""
+    if not ckpt_root.is_dir():
+        return []
+    return sorted(d for d in ckpt_root.iterdir() if d.is_dir() and (m := TMP_RE.match(d.name))
+                  and min_step <= int(m.group(1)) <= max_step)
+
+
 def incomplete_checkpoints(ckpt_root: Path) -> list[Path]:
     if not ckpt_root.is_dir():
         return []
     return sorted(d for d in ckpt_root.iterdir()
-                  if d.is_dir() and not d.is_symlink() and d.name.startswith("step-")
+                  if d.is_dir() and not d.is_symlink() and (d.name.startswith("step-") or TMP_RE.match(d.name))
                   and not (d / COMPLETE).is_file())
 
 
 def prune(ckpt_root: Path, keep: int) -> None:
+    done = complete_checkpoints(ckpt_root)
+    if done:  # temporaries of steps up to the newest complete one are superseded
+        newest = int(STEP_RE.match(done[-1].name).group(1))
+        for d in stale_tmp_dirs(ckpt_root, max_step=newest):
+            shutil.rmtree(d)
     if keep <= 0:
         return
-    for d in complete_checkpoints(ckpt_root)[:-keep]:
+    for d in done[:-keep]:
         shutil.rmtree(d)
 
 
-def find_resume(run_dir: Path, spec: str, log=print) -> Path | None:
-    """`--resume auto`: newest COMPLETE checkpoint of run_dir (None if there is none).
-    `--resume PATH`: that checkpoint, which must be COMPLETE (InputError otherwise)."""
-    if spec == "auto":
-        root = run_dir / "checkpoints"
-        for d in incomplete_checkpoints(root):
-            log(f"resume: ignoring incomplete checkpoint {d} (no {COMPLETE} marker: interrupted while "
-                f"being written)")
-        done = complete_checkpoints(root)
-        if not done:
-            log(f"resume: no complete checkpoint under {root}; starting from step 0")
-            return None
-        log(f"resume: continuing from {done[-1]}")
-        return done[-1]
+def missing_files(path: Path) -> list[str]:
+    """The files of a checkpoint that are not there (an empty list for an intact one)."""
+    return [name for name in REQUIRED if not (path / name).is_file()]
+
+
+def _missing_message(path: Path, missing: list[str]) -> str:
+    legacy = " (written by an older entrenar whose trainer_state.pt is no longer loaded: it was a pickle)" \
+        if (path / "trainer_state.pt").is_file() else ""
+    return f"{path} is missing {', '.join(missing)}{legacy}"
+
+
+def _intact_candidates(run_dir: Path, log: Callable[[str], None]) -> tuple[list[Path], int]:
+    """Complete checkpoints with every file present, newest first, and how many complete ones exist."""
+    root = run_dir / "checkpoints"
+    for d in incomplete_checkpoints(root):
+        log(f"resume: ignoring incomplete checkpoint {d} (no {COMPLETE} marker: interrupted while "
+            f"being written)")
+    done = complete_checkpoints(root)
+    intact = []
+    for d in reversed(done):
+        missing = missing_files(d)
+        if missing:
+            log(f"resume: skipping {_missing_message(d, missing)}; falling back to the previous complete "
+                f"checkpoint")
+        else:
+            intact.append(d)
+    return intact, len(done)
+
+
+def _explicit_checkpoint(spec: str, log: Callable[[str], None]) -> Path:
     path = Path(spec)
     if path.is_dir() and (path / "checkpoints").is_dir() and not (path / COMPLETE).exists():
         done = complete_checkpoints(path / "checkpoints")  # a run directory: its newest checkpoint
         if done:
             log(f"resume: continuing from {done[-1]}")
-            return done[-1]
+            path = done[-1]
     if path.is_symlink() or path.is_dir():
         path = path.resolve()
     if not path.is_dir():
@@ -167,25 +247,94 @@ def find_resume(run_dir: Path, spec: str, log=print) -> Path | None:
         raise InputError(f"--resume {spec}: {path} has no {COMPLETE} marker, so it was not fully "
                          f"written (the run was killed while saving). Resume from an earlier "
                          f"checkpoint or use --resume auto")
+    missing = missing_files(path)
+    if missing:
+        raise InputError(f"--resume {spec}: {_missing_message(path, missing)}, so it cannot be resumed "
+                         f"from. Resume from an earlier checkpoint, or use --resume auto (it falls back "
+                         f"to the newest intact one)")
     return path
 
 
+def find_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print) -> Path | None:
+    """`--resume auto`: newest COMPLETE checkpoint of run_dir with every file present (None if there
+    is no complete one). `--resume PATH`: that checkpoint, which must be COMPLETE and have every file
+    (InputError otherwise). Reads no checkpoint contents (load_resume verifies them)."""
+    if spec != "auto":
+        return _explicit_checkpoint(spec, log)
+    intact, n_complete = _intact_candidates(Path(run_dir), log)
+    if intact:
+        log(f"resume: continuing from {intact[0]}")
+        return intact[0]
+    if n_complete:
+        raise InputError(f"--resume auto: none of the {n_complete} complete checkpoint(s) under "
+                         f"{Path(run_dir) / 'checkpoints'} has all its files; start a new run (new --out)")
+    log(f"resume: no complete checkpoint under {Path(run_dir) / 'checkpoints'}; starting from step 0")
+    return None
+
+
+def load_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print
+                ) -> tuple[Path | None, dict[str, Any] | None]:
+    """(path, load_checkpoint(path)) of the checkpoint to resume from, or (None, None) to start at step 0.
+    With `auto`, a checkpoint that is missing a file or fails its sha256 / safety checks is skipped
+    with a message and the previous complete one is used."""
+    if spec != "auto":
+        path = _explicit_checkpoint(spec, log)
+        return path, load_checkpoint(path)
+    intact, n_complete = _intact_candidates(Path(run_dir), log)
+    problems = []
+    for path in intact:
+        try:
+            ckpt = load_checkpoint(path)
+        except InputError as e:
+            problems.append(str(e))
+            log(f"resume: skipping {path}: {e}; falling back to the previous complete checkpoint")
+            continue
+        log(f"resume: continuing from {path}")
+        return path, ckpt
+    if n_complete:
+        raise InputError(f"--resume auto: no usable checkpoint under {Path(run_dir) / 'checkpoints'} "
+                         f"({'; '.join(problems) or 'every complete one is missing files'}); start a new "
+                         f"run (new --out) or restore a checkpoint")
+    log(f"resume: no complete checkpoint under {Path(run_dir) / 'checkpoints'}; starting from step 0")
+    return None, None
+
+
+# ---- load ------------------------------------------------------------------------------------------
+def _load_tensors_only(path: Path) -> Any:
+    """torch.load that refuses anything but tensors and plain containers (no code runs)."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise InputError(f"{path}: refused to load: it holds Python objects other than tensors and plain "
+                         f"containers, which unpickling would execute ({str(e).splitlines()[0][:200]}). "
+                         f"Only resume from checkpoints you trust, written by entrenar") from None
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
-    """Read and verify a COMPLETE checkpoint: {'model', 'optimizer', 'trainer_state', 'run_config', 'meta'}."""
+    """Read and verify a COMPLETE checkpoint: {'model', 'optimizer', 'trainer_state', 'run_config', 'meta'}.
+    Every file must be present and match its recorded sha256; nothing is unpickled into code."""
+    path = Path(path)
     if not (path / COMPLETE).is_file():
         raise InputError(f"{path}: checkpoint has no {COMPLETE} marker")
-    meta = json.loads((path / "meta.json").read_text())
-    for name, digest in meta["sha256"].items():
+    missing = missing_files(path)
+    if missing:
+        raise InputError(f"{_missing_message(path, missing)}: the checkpoint is incomplete; resume from "
+                         f"an earlier one")
+    meta = json.loads((path / META).read_text())
+    for name in HASHED:
+        digest = meta["sha256"].get(name)
         actual = sha256_file(path / name)
         if actual != digest:
-            raise InputError(f"{path / name}: sha256 {actual[:12]}.. does not match the {digest[:12]}.. "
-                             f"recorded when it was written: the checkpoint is corrupt; resume from an "
-                             f"earlier one")
+            raise InputError(f"{path / name}: sha256 {actual[:12]}.. does not match the "
+                             f"{(digest or 'none')[:12]}.. recorded when it was written: the checkpoint is "
+                             f"corrupt; resume from an earlier one")
+    state = json.loads((path / STATE).read_text())
+    state["rng"] = _rng_from_files(state["rng"], load_file(str(path / RNG)))
     return {
-        "model": load_file(str(path / "model.safetensors")),
-        "optimizer": torch.load(path / "optimizer.pt", map_location="cpu", weights_only=False),
-        "trainer_state": torch.load(path / "trainer_state.pt", map_location="cpu", weights_only=False),
-        "run_config": json.loads((path / "run_config.json").read_text()),
+        "model": load_file(str(path / MODEL)),
+        "optimizer": _load_tensors_only(path / OPTIMIZER),
+        "trainer_state": state,
+        "run_config": json.loads((path / RUN_CONFIG).read_text()),
         "meta": meta,
     }
 
@@ -204,5 +353,3 @@ def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
                 raise InputError(f"checkpoint tensor {n} has shape {tuple(t.shape)}, model has "
                                  f"{tuple(params[n].shape)}")
             params[n].copy_(t)
-
-

@@ -12,6 +12,7 @@ import json
 import math
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -26,10 +27,11 @@ import torch
 from ..cli_registry import add_command
 from ..config import PRESETS, preset
 from ..errors import InputError
+from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from .checkpoint import find_resume
 from .config import DataConfig, LoRAConfig, add_options, from_args
-from .loop import TrainConfig, evaluate, train
+from .loop import TrainConfig, Trainer, evaluate
 
 
 def _log(text: str) -> None:
@@ -317,13 +319,34 @@ def _adapter_saver(tokenizer: Any, base_spec: str):
     return save
 
 
+def _resume_command() -> str | None:
+    """This command line with `--resume auto` (for the Ctrl-C message), when it is an entrenar one."""
+    argv = sys.argv
+    if not argv or Path(argv[0]).name not in ("entrenar", "__main__.py"):
+        return None  # called as a library (tests, notebooks): there is no command line to repeat
+    rest, i = [], 1
+    while i < len(argv):
+        if argv[i] == "--resume":
+            i += 2
+            continue
+        if not argv[i].startswith("--resume="):
+            rest.append(argv[i])
+        i += 1
+    return shlex.join(["entrenar", *rest, "--resume", "auto"])
+
+
 def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final) -> dict:
     """Everything validated: create the run directory, preflight, train, summarise."""
     _start_run_dir(out, _run_json(args, command, cfg, model, tokenizer), data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
         _run_preflight(args, model, tokenizer, cfg.seq_len)
-    result = train(model, train_loader, eval_loader, cfg, out, resume=args.resume,
-                   preflight=pre, save_final=save_final, log=_log)
+    trainer = Trainer(model, train_loader, eval_loader, cfg, out, save_final=save_final, log=_log,
+                      resume_command=_resume_command())
+    if trainer.resume(args.resume) is None:  # a fresh start: step 0, recorded before its guard judges it
+        record = trainer.step0()
+        atomic_write(out / "preflight.json", json.dumps({**pre, "step0": record}, indent=2, default=str) + "\n")
+        trainer.check_start(record)
+    result = trainer.fit()
     summary = _summary(result, out)
     _print_summary(summary)
     return summary

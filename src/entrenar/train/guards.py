@@ -1,37 +1,120 @@
-"""Training guards (IDs from DESIGN.md). Each raises GuardError naming cause and remedy.
+"""Training guards (IDs from docs/design.md). Each raises GuardError naming cause and remedy.
 
-- GUARD-NONFINITE        loss or gradient norm is NaN/inf
+- GUARD-NONFINITE        loss or gradient norm is NaN/inf; also a non-finite eval loss, or weights
+                         that are non-finite or exploded when a checkpoint or final/ would be written
 - GUARD-INIT-LOSS        a pretrained start is no better than a uniform guess at step 0
 - GUARD-ZERO-LOSS-TOKENS a step with no loss tokens (never averaged in as 0)
 - GUARD-SPIKE            rolling z-score of loss / grad-norm over a window
 - GUARD-EVAL-ANOMALY     eval loss implausibly far below train loss, or perplexity ~1
+- GUARD-EVAL-COLLAPSE    eval loss back at ln(vocab) after having been well below it
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
+from collections.abc import Iterable
+
+import torch
 
 from ..errors import GuardError
 
 NONFINITE_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("warn", "skip", "stop")
+# Weights whose largest magnitude grew this many times over the run's start are "exploded": an
+# --lr 1e20 step leaves finite weights of ~1e20 that give NaN one step later, and a checkpoint of
+# them is not a good one to resume from. Ordinary training moves the largest weight by far less.
+EXPLODED_FACTOR = 1000.0
+# GUARD-EVAL-COLLAPSE: the best eval so far was at most WELL_BELOW x ln(vocab), and now an eval is
+# at least COLLAPSED x ln(vocab) (uniform prediction; --lr 1e6 took 0.586 -> 10.8027 = ln 49152).
+WELL_BELOW = 0.8
+COLLAPSED = 0.98
+
+NONFINITE_REMEDY = ("lower --lr or raise --warmup, use --clip, check those samples and the model's dtype "
+                    "(bf16 overflow); --on-nonfinite skip skips such steps and counts them")
 
 
-def check_nonfinite(loss: float, grad_norm: float, step: int, sample_ids: list, policy: str) -> bool:
-    """True when the step must be skipped (policy skip); raises for policy stop; False when finite."""
+def check_nonfinite(loss: float, grad_norm: float, policy: str) -> str:
+    """The verdict on one step: 'ok' when loss and gradient norm are finite, else the policy
+    ('skip': drop the update and count it; 'stop': the caller keeps the last good state and
+    raises nonfinite_error)."""
     if math.isfinite(loss) and math.isfinite(grad_norm):
-        return False
+        return "ok"
+    if policy not in NONFINITE_POLICIES:
+        raise ValueError(f"non-finite policy {policy!r} not in {NONFINITE_POLICIES}")
+    return policy
+
+
+def nonfinite_error(loss: float, grad_norm: float, step: int, sample_ids: list, kept: str) -> GuardError:
+    """GUARD-NONFINITE for a step whose loss or gradient norm is NaN/inf; `kept` names the last good
+    checkpoint (or says that none was kept)."""
     what = "loss" if not math.isfinite(loss) else "gradient norm"
-    if policy == "skip":
-        return True
-    raise GuardError(
+    return GuardError(
         "GUARD-NONFINITE",
         f"{what} is non-finite at step {step} (loss={loss}, grad_norm={grad_norm}); "
-        f"samples in this step: {sample_ids}. Training stopped; the last good checkpoint is kept.",
-        "lower --lr or raise --warmup, use --clip, check those samples and the model's dtype "
-        "(bf16 overflow); --on-nonfinite skip skips such steps and counts them",
+        f"samples in this step: {sample_ids}. Training stopped; {kept}.",
+        NONFINITE_REMEDY,
         details={"step": step, "sample_ids": sample_ids, "loss": loss, "grad_norm": grad_norm})
+
+
+def weights_max_abs(params: Iterable[torch.Tensor]) -> float:
+    """Largest |w| over the tensors (NaN if any is NaN, inf if any is inf). A max never overflows,
+    unlike an L2 norm of 1e20-sized weights in fp32. One host read."""
+    maxima = [p.detach().abs().max().float() for p in params if p.numel()]
+    if not maxima:
+        return 0.0
+    stacked = torch.stack([m.to(maxima[0].device) for m in maxima])
+    if torch.isnan(stacked).any():
+        return float("nan")
+    return float(stacked.max())
+
+
+def weights_problem(params: Iterable[torch.Tensor], reference: float | None) -> str | None:
+    """Why these weights are not good to keep (non-finite, or exploded relative to `reference`,
+    the largest |w| at the start of the run), or None when they are."""
+    top = weights_max_abs(params)
+    if not math.isfinite(top):
+        return f"the weights contain {'NaN' if math.isnan(top) else 'inf'}"
+    if reference is not None and reference > 0 and top > EXPLODED_FACTOR * reference:
+        return (f"the weights exploded: largest |w| {top:.3g} is {top / reference:.3g}x the {reference:.3g} "
+                f"at the start of the run")
+    return None
+
+
+def weights_error(where: str, problem: str, kept: str, step: int) -> GuardError:
+    """GUARD-NONFINITE for weights found bad before a checkpoint or final/ is written from them."""
+    return GuardError(
+        "GUARD-NONFINITE",
+        f"after step {step}, {problem}, so {where} was not written from them (an update with a "
+        f"far too large learning rate destroys the model without a non-finite loss first); {kept}.",
+        NONFINITE_REMEDY + "; resume from the kept checkpoint with a lower --lr (--resume auto --lr ...)",
+        details={"step": step, "problem": problem})
+
+
+def check_eval_finite(eval_loss: float, step: int, kept: str) -> None:
+    """A NaN/inf eval loss means the weights are destroyed: never report success on them."""
+    if not math.isfinite(eval_loss):
+        raise GuardError(
+            "GUARD-NONFINITE",
+            f"eval loss is {eval_loss} at step {step}: the weights are destroyed (non-finite outputs), "
+            f"so no final model is written; {kept}.",
+            NONFINITE_REMEDY + "; resume from the kept checkpoint with a lower --lr (--resume auto --lr ...)",
+            details={"step": step, "eval_loss": eval_loss})
+
+
+def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, vocab_size: int, step: int) -> None:
+    """Eval loss back at ln(vocab) (uniform prediction) after having been well below it."""
+    uniform = math.log(vocab_size)
+    if best_eval_loss is None or best_eval_loss > WELL_BELOW * uniform or eval_loss < COLLAPSED * uniform:
+        return
+    raise GuardError(
+        "GUARD-EVAL-COLLAPSE",
+        f"at step {step}: eval loss {eval_loss:.4f} is back at ln(vocab) = {uniform:.4f} after having been "
+        f"{best_eval_loss:.4f}: the model now predicts (almost) uniformly, so training destroyed it "
+        f"(typically a learning rate far too large for this model and mode).",
+        "lower --lr (or use --lr auto for LoRA/QLoRA), raise --warmup; resume from a checkpoint "
+        "saved before the collapse with --resume PATH --lr ...",
+        details={"step": step, "eval_loss": eval_loss, "best_eval_loss": best_eval_loss, "ln_vocab": uniform})
 
 
 def check_init_loss(eval_loss: float, vocab_size: int, source: str) -> None:

@@ -1,18 +1,29 @@
 """The one training loop, behind `entrenar pretrain` and `entrenar finetune` (full, LoRA, QLoRA).
 
-It takes a built model (fp32 master parameters; LoRA already applied) and loader objects with
-the interface `next_batch()`, `iter_epoch()`, `state_dict()`, `load_state_dict()`, `epoch`.
+`Trainer` takes a built model (fp32 master parameters; LoRA already applied) and loader objects
+with the interface `next_batch()`, `iter_epoch()`, `state_dict()`, `load_state_dict()`, `epoch`.
 Batches: {"input_ids" [B,T], "labels" [B,T] (already shifted, -100 ignored), optional
-"doc_ids", "position_ids", "sample_ids"}.
+"doc_ids", "position_ids", "sample_ids"}. Its parts, each replaceable in a subclass:
 
-Loss normalisation: a step's G micro-batches are fetched first, their loss tokens counted, and
-each micro-batch backpropagates loss_sum / total_tokens_of_the_step. So batch 4 and batch 1 x
-accumulation 4 give the same update on samples of unequal length. Train and eval both use
-`model.loss` -> (summed CE, token count) and divide the sums once.
+  resume(spec)       restore model, optimizer, schedule, data position, guards and RNG
+  step0()            the step-0 record (eval, ln(vocab), sizes); check_start(record): GUARD-INIT-LOSS
+  train_step(step)   fetch micro-batches -> count_loss_tokens -> forward/backward -> clip ->
+                     guard_step -> optimizer
+  evaluate(step)     token-weighted eval + its guards
+  save(step)         an atomic checkpoint of weights checked finite
+  fit()              the steps, evals, checkpoints, then final/
+
+Loss normalisation: a step's G micro-batches are fetched first, their loss tokens counted
+(`count_loss_tokens`, the one place a distributed all-reduce goes: `self.reduce`), and each
+micro-batch backpropagates loss_sum / total_tokens. So batch 4 and batch 1 x accumulation 4 give
+the same update on samples of unequal length. Train and eval both call
+`model(input_ids, labels=..., position_ids=..., doc_ids=...)` -> (summed CE, token count).
+The command (train/commands.py), not the loop, writes preflight.json from step0()'s record.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import random
 import sys
@@ -25,20 +36,16 @@ import numpy as np
 import torch
 
 from ..errors import GuardError, InputError
+from ..fileio import atomic_write
 from ..tensors import IGNORE_INDEX
 from . import guards
-from .checkpoint import (
-    find_resume,
-    load_checkpoint,
-    restore_model,
-    rng_state,
-    save_checkpoint,
-    set_rng_state,
-    step_dir_name,
-)
+from .checkpoint import load_resume, restore_model, rng_state, save_checkpoint, set_rng_state, step_dir_name
 from .config import RESUME_SENSITIVE, TrainConfig
 from .metrics import JsonlLog, Progress, peak_flops, peak_memory_mb
 from .optim import Schedule, build_optimizer
+
+__all__ = ["LocalReduce", "TrainConfig", "Trainer", "TrainingInterrupted", "evaluate", "forward_backward",
+           "train"]
 
 
 def seed_everything(seed: int) -> None:
@@ -56,17 +63,54 @@ def _to_device(batch: dict, device: torch.device) -> dict:
             for k, v in batch.items()}
 
 
-def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, dtype: str
-               ) -> tuple[torch.Tensor, int]:
-    """(summed loss, loss-token count) of one batch via `model.loss`: the one loss of train and eval."""
+class LocalReduce:
+    """The collectives of a single process: identity. A distributed run replaces it with one whose
+    all_reduce_sum / all_reduce_max combine a number or tensor over every rank (and return the same
+    kind), so token totals, loss sums and guard verdicts are global."""
+
+    rank, world_size = 0, 1
+
+    def all_reduce_sum(self, value: Any) -> Any:
+        return value
+
+    def all_reduce_max(self, value: Any) -> Any:
+        return value
+
+
+class TrainingInterrupted(KeyboardInterrupt):
+    """Ctrl-C during training; carries the last complete checkpoint and how to continue."""
+
+    def __init__(self, step: int, last_checkpoint: Path | None, resume_command: str | None):
+        self.step, self.last_checkpoint = step, last_checkpoint
+        self.checkpoint = str(last_checkpoint) if last_checkpoint is not None else None
+        self.resume_command = resume_command or "the same command with --resume auto"
+        if last_checkpoint is None:
+            text = (f"during step {step}; no checkpoint was written yet (--save-every N writes them), so "
+                    f"a rerun starts from step 0")
+        else:
+            text = (f"during step {step}; the last complete checkpoint is {last_checkpoint}; continue "
+                    f"with: {self.resume_command}")
+        super().__init__(text)
+
+
+# ---- the one loss of train and eval ---------------------------------------------------------------
+def loss_sum_of(model: torch.nn.Module, batch: dict, device: torch.device, dtype: str) -> torch.Tensor:
+    """Summed cross-entropy of one batch through `forward` (a device scalar: no host sync)."""
     b = _to_device(batch, device)
     with autocast(device, dtype):
-        loss_sum, n = model.loss(b["input_ids"], b["labels"], position_ids=b.get("position_ids"),
-                                 doc_ids=b.get("doc_ids"))
-    return loss_sum, int(n)
+        loss_sum, _ = model(b["input_ids"], labels=b["labels"], position_ids=b.get("position_ids"),
+                            doc_ids=b.get("doc_ids"))
+    return loss_sum
+
+
+def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, dtype: str
+               ) -> tuple[torch.Tensor, int]:
+    """(summed loss, loss-token count) of one batch: the one loss of train and eval."""
+    return loss_sum_of(model, batch, device, dtype), loss_token_count(batch)
 
 
 def loss_token_count(batch: dict) -> int:
+    """Loss tokens of one batch, counted on the loader's (CPU) labels: no device sync."""
     return int((batch["labels"] != IGNORE_INDEX).sum())
 
 
@@ -79,42 +123,52 @@ def _sample_ids(batches: Iterable[dict]) -> list:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[dict], device: torch.device | str = "cpu",
-             dtype: str = "fp32", max_batches: int = 0) -> dict[str, float]:
-    """Token-weighted eval: sum of per-token losses / number of loss tokens, and exp of it."""
-    device = torch.device(device)
+             dtype: str = "fp32", max_batches: int = 0, reduce: LocalReduce | None = None) -> dict[str, float]:
+    """Token-weighted eval: sum of per-token losses / number of loss tokens, and exp of it. The sum
+    stays on the device in float64 (the same additions as a Python float sum) and is read once."""
+    device, reduce = torch.device(device), reduce or LocalReduce()
     was_training = model.training
     model.eval()
-    total, count, n_batches = 0.0, 0, 0
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count, n_batches = 0, 0
     try:
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
-            s, n = batch_loss(model, batch, device, dtype)
-            total += float(s)
-            count += n
+            total += loss_sum_of(model, batch, device, dtype).double()
+            count += loss_token_count(batch)
             n_batches += 1
     finally:
         model.train(was_training)
+    total, count = float(reduce.all_reduce_sum(total)), int(reduce.all_reduce_sum(count))
     if count == 0:
         raise GuardError("GUARD-ZERO-LOSS-TOKENS",
                          f"the eval set ({n_batches} batches) has no loss tokens, so its loss is undefined.",
                          "check the eval data: responses truncated away by --max-seq-len, or an empty split")
     loss = total / count
-    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "tokens": count, "batches": n_batches}
+    ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
+    return {"loss": loss, "ppl": ppl, "tokens": count, "batches": n_batches}
+
+
+def backward_micro_batches(model: torch.nn.Module, micro_batches: list[dict], device: torch.device, dtype: str,
+                           total_tokens: int) -> torch.Tensor:
+    """Backpropagate every micro-batch's loss_sum / total_tokens (of the whole step); return the summed
+    loss of the step as a float64 device scalar (read back once per step by the caller)."""
+    acc = torch.zeros((), dtype=torch.float64, device=device)
+    for b in micro_batches:
+        s = loss_sum_of(model, b, device, dtype)
+        (s / total_tokens).backward()
+        acc += s.detach().double()
+    return acc
 
 
 def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: torch.device, dtype: str,
                      total_tokens: int) -> float:
-    """Backpropagate every micro-batch's loss_sum / total_tokens (of the whole step); return the
-    step's mean loss per token."""
-    loss_total = 0.0
-    for b in micro_batches:
-        s, _ = batch_loss(model, b, device, dtype)
-        (s / total_tokens).backward()
-        loss_total += float(s.detach())
-    return loss_total / total_tokens
+    """backward_micro_batches, returning the step's mean loss per token."""
+    return float(backward_micro_batches(model, micro_batches, device, dtype, total_tokens)) / total_tokens
 
 
+# ---- resume checks ------------------------------------------------------------------------------------
 def _check_resume_config(saved: dict, current: dict, allow: bool, log: Callable[[str], None]) -> None:
     diffs = [(k, saved.get(k), current.get(k)) for k in RESUME_SENSITIVE if saved.get(k) != current.get(k)]
     saved_eff = (saved.get("batch_size") or 0) * (saved.get("grad_accum") or 0)
@@ -131,166 +185,350 @@ def _check_resume_config(saved: dict, current: dict, allow: bool, log: Callable[
     log(f"resume: config changed ({text}); continuing because --allow-config-change was given")
 
 
+def _flat(config: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in config.items():
+        if isinstance(v, dict):
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def changed_settings(saved: dict, current: dict) -> list[str]:
+    """'lr changed 0.0003 -> 0.0001' for each setting (other than the resume-sensitive ones, which
+    _check_resume_config judges) that differs between the checkpoint and now."""
+    a, b = _flat(saved), _flat(current)
+    skip = {*RESUME_SENSITIVE, "allow_config_change"}
+    return [f"{k} changed {a.get(k)!r} -> {b.get(k)!r}" for k in sorted(set(a) | set(b))
+            if k not in skip and a.get(k) != b.get(k)]
+
+
+def _stderr_log(text: str) -> None:
+    print(text, file=sys.stderr, flush=True)
+
+
+# ---- the Trainer ------------------------------------------------------------------------------------
+class Trainer:
+    """One training run of `model` for cfg.steps optimizer steps under run_dir (metrics.jsonl,
+    eval.jsonl, checkpoints/, final/ through save_final). See the module docstring for its parts."""
+
+    def __init__(self, model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig,
+                 run_dir: Path, save_final: Callable[[torch.nn.Module, Path], None] | None = None,
+                 log: Callable[[str], None] | None = None, reduce: LocalReduce | None = None,
+                 resume_command: str | None = None):
+        cfg.validate()
+        self.model, self.train_loader, self.eval_loader, self.cfg = model, train_loader, eval_loader, cfg
+        self.run_dir = Path(run_dir)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.device = torch.device(cfg.device)
+        self.log = log or _stderr_log
+        self.save_final, self.reduce = save_final, reduce or LocalReduce()
+        # (model, dir) -> files that make each checkpoint a runnable MODEL (set by the commands)
+        self.checkpoint_files: Callable[[torch.nn.Module, Path], None] | None = None
+        self.resume_command = resume_command
+        self.run_config = cfg.to_dict()
+        self.vocab_size = model.cfg.vocab_size
+        seed_everything(cfg.seed)
+        model.train()
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.optimizer = self.build_optimizer()
+        self.schedule = Schedule(cfg.lr, cfg.warmup, cfg.steps, cfg.schedule, cfg.min_lr_ratio)
+        self.spikes = guards.SpikeGuard(cfg.on_spike, cfg.spike_window, cfg.spike_sigma)
+        self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
+        self.eval_log = JsonlLog(self.run_dir / "eval.jsonl")
+        self.ckpt_root = self.run_dir / "checkpoints"
+        self.counters = {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0}
+        self.start_step, self.tokens = 0, 0
+        self.recent_losses: list[float] = []
+        self.eval_history: list[dict] = []
+        self.best_eval: float | None = None
+        self.last_loss = float("nan")
+        self.last_saved: Path | None = None
+        # largest |w| of the trainable weights at the start: what "exploded" is measured against
+        self.weights_ref = guards.weights_max_abs(self.params)
+        self.step_seconds = 0.0
+        self.progress: Progress | None = None
+
+    def build_optimizer(self) -> torch.optim.Optimizer:
+        return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay)
+
+    # ---- resume / step 0 -------------------------------------------------------------------------
+    def resume(self, spec: str | None) -> Path | None:
+        """Continue from a checkpoint (`auto` or a PATH); None (logs reset) when starting at step 0."""
+        path, ckpt = load_resume(self.run_dir, spec, self.log) if spec else (None, None)
+        if path is None:
+            self.metrics_log.reset()
+            self.eval_log.reset()
+            return None
+        st = ckpt["trainer_state"]
+        if int(st["step"]) >= self.cfg.steps:
+            raise InputError(f"--resume: {path} is already at step {st['step']} and --steps is {self.cfg.steps}: "
+                             f"nothing to do (final/ is left as it is). Raise --steps to train further")
+        _check_resume_config(ckpt["run_config"], self.run_config, self.cfg.allow_config_change, self.log)
+        for change in changed_settings(ckpt["run_config"], self.run_config):
+            self.log(f"resume: {change}")
+        restore_model(self.model, ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.load_trainer_state(st)
+        self.metrics_log.truncate_after(self.start_step)
+        self.eval_log.truncate_after(self.start_step)
+        self.last_saved = path
+        self.log(f"resume: step {self.start_step}, {self.tokens} tokens seen, optimizer sha256 "
+                 f"{ckpt['meta']['sha256']['optimizer.pt'][:16]}..")
+        return path
+
+    def trainer_state(self, step: int, data_state: dict, rng: dict) -> dict[str, Any]:
+        """Everything but weights and optimizer that a bit-exact resume needs (JSON apart from rng)."""
+        return {"step": step, "tokens": self.tokens, "schedule": self.schedule.state_dict(), "data": data_state,
+                "spike": self.spikes.state_dict(), "counters": dict(self.counters),
+                "recent_losses": self.recent_losses[-64:], "rng": rng,
+                "epoch": getattr(self.train_loader, "epoch", None), "weights_ref": self.weights_ref,
+                "best_eval": self.best_eval}
+
+    def load_trainer_state(self, st: dict[str, Any]) -> None:
+        self.schedule.load_state_dict(st["schedule"])
+        self.train_loader.load_state_dict(st["data"])
+        self.spikes.load_state_dict(st["spike"])
+        self.counters.update(st["counters"])
+        self.recent_losses = list(st["recent_losses"])
+        self.start_step, self.tokens = int(st["step"]), int(st["tokens"])
+        self.weights_ref = st.get("weights_ref", self.weights_ref)
+        self.best_eval = st.get("best_eval")
+        set_rng_state(st["rng"])
+
+    def step0(self) -> dict[str, Any]:
+        """The step-0 record (eval or first-train-batch loss, ln(vocab), sizes); logs the step-0 eval.
+        The caller writes it into preflight.json, then calls check_start."""
+        record: dict[str, Any] = {"ln_vocab": math.log(self.vocab_size), "vocab_size": self.vocab_size,
+                                  "parameters": sum(p.numel() for p in self.model.parameters()),
+                                  "trainable_parameters": sum(p.numel() for p in self.params)}
+        if self.eval_loader is not None:
+            ev = self.run_eval(0)
+            record["eval"] = ev
+            self.spikes.set_reference(ev["loss"])  # GUARD-SPIKE's early-phase reference (with the first step's)
+            self.log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} tokens); "
+                     f"ln(vocab) = {record['ln_vocab']:.4f}")
+        elif self.cfg.check_init_loss:  # no eval set: judge the start on the first train batch, unconsumed
+            state = self.train_loader.state_dict()
+            first = [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
+            record["first_train_batch"] = evaluate(self.model, first, self.device, self.cfg.dtype,
+                                                   reduce=self.reduce)
+            self.train_loader.load_state_dict(state)
+        return record
+
+    def check_start(self, record: dict[str, Any]) -> None:
+        """GUARD-INIT-LOSS on a pretrained start (cfg.check_init_loss)."""
+        if not self.cfg.check_init_loss:
+            return
+        ev0 = record.get("eval") or record.get("first_train_batch")
+        extra = getattr(self.cfg, "extra", None) or {}  # the untyped dict that TrainConfig.init/model replace
+        source = str(getattr(self.cfg, "init", None) or getattr(self.cfg, "model", None)
+                     or extra.get("init") or extra.get("model"))
+        guards.check_init_loss(ev0["loss"], self.vocab_size, source)
+        self.log(f"GUARD-INIT-LOSS ok: step-0 loss {ev0['loss']:.4f} < ln(vocab) {record['ln_vocab']:.4f}")
+
+    # ---- one step --------------------------------------------------------------------------------
+    def fetch_micro_batches(self) -> list[dict]:
+        return [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
+
+    def count_loss_tokens(self, micro: list[dict]) -> int:
+        """The loss-token total of the step: what every micro-batch's loss sum is divided by. The one
+        place the distributed run all-reduces it (self.reduce)."""
+        return int(self.reduce.all_reduce_sum(sum(loss_token_count(b) for b in micro)))
+
+    def _count_empty_samples(self, micro: list[dict], step: int) -> None:
+        empty = sum(int(((b["labels"] != IGNORE_INDEX).sum(dim=1) == 0).sum()) for b in micro)
+        if empty:
+            self.counters["zero_loss_samples"] += empty
+            self.message(f"GUARD-ZERO-LOSS-TOKENS: step {step} has {empty} sample(s) without loss tokens; "
+                         f"they add nothing and are not averaged in (total so far "
+                         f"{self.counters['zero_loss_samples']})")
+
+    def forward_backward(self, micro: list[dict], total_tokens: int) -> tuple[float, float]:
+        """Backward of every micro-batch, gradient clipping; (mean loss per token, grad norm before
+        clipping), read from the device together: the step's one host sync."""
+        loss_sum = self.reduce.all_reduce_sum(
+            backward_micro_batches(self.model, micro, self.device, self.cfg.dtype, total_tokens))
+        max_norm = self.cfg.clip if self.cfg.clip > 0 else float("inf")
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
+        loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]).tolist()
+        return loss_sum / total_tokens, grad_norm
+
+    def guard_step(self, loss: float, grad_norm: float, step: int, sample_ids: list,
+                   pre_step: tuple[dict, dict]) -> str:
+        """'ok' (apply the update) or 'skip'. GUARD-NONFINITE 'stop' keeps the last good state, then raises."""
+        verdict = guards.check_nonfinite(loss, grad_norm, self.cfg.on_nonfinite)
+        if verdict == "stop":
+            kept = self.keep_last_good(step - 1, *pre_step)
+            raise guards.nonfinite_error(loss, grad_norm, step, sample_ids, self.kept_text(kept))
+        if verdict == "skip":
+            self.counters["nonfinite_skipped"] += 1
+            self.message(f"GUARD-NONFINITE: step {step} skipped (loss {loss}, grad_norm {grad_norm}, "
+                         f"samples {sample_ids}); {self.counters['nonfinite_skipped']} skipped so far")
+            return "skip"
+        spike, spike_msg = self.spikes.check(loss, grad_norm, step, sample_ids)
+        if spike == "ok":
+            return "ok"
+        self.message(spike_msg + (" -> update skipped" if spike == "skip" else " (warning)"))
+        if spike == "skip":
+            self.counters["spike_skipped"] += 1
+            return "skip"
+        return "ok"
+
+    def train_step(self, step: int) -> dict[str, Any]:
+        """One optimizer step; returns its metrics record."""
+        t0 = time.perf_counter()
+        pre_step = (self.train_loader.state_dict(), rng_state())  # what a last-good checkpoint of step-1 needs
+        micro = self.fetch_micro_batches()
+        sample_ids = _sample_ids(micro)
+        total_tokens = self.count_loss_tokens(micro)
+        guards.check_loss_tokens(total_tokens, step, sample_ids)
+        self._count_empty_samples(micro, step)
+        lr = self.schedule.apply(self.optimizer)
+        loss, grad_norm = self.forward_backward(micro, total_tokens)
+        skip = self.guard_step(loss, grad_norm, step, sample_ids, pre_step) != "ok"
+        if not skip:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.schedule.advance()
+        step_tokens = sum(int(b["input_ids"].numel()) for b in micro)
+        self.tokens += step_tokens
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        dt = time.perf_counter() - t0
+        self.step_seconds += dt
+        if not skip:
+            self.recent_losses.append(loss)
+            self.last_loss = loss
+        tok_s = step_tokens / dt
+        peak = peak_flops(self.device, self.cfg.dtype)
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
+                "loss_tokens": total_tokens, "tok_s": tok_s,
+                "mfu": (self.model.cfg.flops_per_token(self.cfg.seq_len) * tok_s / peak) if peak else None,
+                "mem_mb": peak_memory_mb(self.device), "epoch": getattr(self.train_loader, "epoch", None),
+                "skipped": skip}
+
+    # ---- eval / save -------------------------------------------------------------------------------
+    def run_eval(self, step: int) -> dict[str, Any]:
+        """Evaluate on the eval set and log it (eval.jsonl); no guards."""
+        ev = evaluate(self.model, self.eval_loader.iter_epoch(), self.device, self.cfg.dtype,
+                      self.cfg.eval_batches, reduce=self.reduce)
+        self.eval_log.write({"step": step, **ev})
+        self.eval_history.append({"step": step, **ev})
+        if math.isfinite(ev["loss"]):
+            self.best_eval = ev["loss"] if self.best_eval is None else min(self.best_eval, ev["loss"])
+        return ev
+
+    def evaluate(self, step: int) -> dict[str, Any]:
+        """A scheduled eval and its guards: non-finite, collapse to ln(vocab), anomaly (leak)."""
+        best_before = self.best_eval
+        ev = self.run_eval(step)
+        self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
+        guards.check_eval_finite(ev["loss"], step, self.kept_text(self.last_saved))
+        guards.check_eval_collapse(ev["loss"], best_before, self.vocab_size, step)
+        window = self.recent_losses[-20:]
+        guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
+        return ev
+
+    def kept_text(self, kept: Path | None) -> str:
+        if kept is None:
+            return ("no checkpoint was kept (none was written before the weights went bad); restart "
+                    "without --resume at a lower --lr")
+        return f"the last good checkpoint is {kept}"
+
+    def keep_last_good(self, step: int, data_state: dict, rng: dict) -> Path | None:
+        """After a non-finite step: save the state before it (step `step`) if its weights are finite and
+        not exploded; otherwise keep the previous checkpoint. Returns the good checkpoint or None."""
+        if step <= 0 or (self.last_saved is not None and self.last_saved.name == step_dir_name(step)):
+            return self.last_saved
+        self.optimizer.zero_grad(set_to_none=True)
+        problem = guards.weights_problem(self.params, self.weights_ref)
+        if problem is not None:
+            self.message(f"GUARD-NONFINITE: step {step} is not saved as a good checkpoint: {problem}")
+            return self.last_saved
+        return self.save(step, data_state, rng)
+
+    def save(self, step: int, data_state: dict | None = None, rng: dict | None = None) -> Path:
+        """An atomic checkpoint of step `step`; its weights are checked first (GUARD-NONFINITE if they
+        are non-finite or exploded: a checkpoint is only ever a good one)."""
+        problem = guards.weights_problem(self.params, self.weights_ref)
+        if problem is not None:
+            raise guards.weights_error(f"checkpoint {step_dir_name(step)}", problem,
+                                       self.kept_text(self.last_saved), step)
+        state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
+                                   rng if rng is not None else rng_state())
+        self.last_saved = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer, state,
+                                          self.run_config, self.cfg.keep, extra_files=self.checkpoint_files)
+        return self.last_saved
+
+    # ---- the run ---------------------------------------------------------------------------------
+    def message(self, text: str) -> None:
+        if self.progress is not None:
+            self.progress.message(text)
+        else:
+            self.log(text)
+
+    def after_step(self, step: int) -> None:
+        """The scheduled eval and checkpoint after step `step`."""
+        cfg = self.cfg
+        if self.eval_loader is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
+            self.evaluate(step)
+        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            self.save(step)
+
+    def finish(self) -> None:
+        """final/ through save_final, only from weights checked finite (GUARD-NONFINITE otherwise)."""
+        if self.save_final is None:
+            return
+        problem = guards.weights_problem(self.params, self.weights_ref)
+        if problem is not None:
+            raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
+        self.save_final(self.model, self.run_dir / "final")
+
+    def fit(self) -> dict[str, Any]:
+        """Steps start_step+1 .. cfg.steps with their evals and checkpoints, then final/. Returns a summary."""
+        cfg = self.cfg
+        self.progress = Progress(cfg.steps, self.start_step, sys.stderr, cfg.log_every)
+        t_train, tokens_at_start, step = time.perf_counter(), self.tokens, self.start_step
+        try:
+            for step in range(self.start_step + 1, cfg.steps + 1):
+                record = self.train_step(step)
+                self.metrics_log.write(record)
+                self.progress.update(step, record["loss"], record["tok_s"],
+                                     f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f}")
+                self.after_step(step)
+        except KeyboardInterrupt as e:
+            raise TrainingInterrupted(step, self.last_saved, self.resume_command) from e
+        finally:
+            self.progress.close()
+            self.progress = None
+        self.finish()
+        return {"steps": cfg.steps, "start_step": self.start_step, "tokens": self.tokens,
+                "final_train_loss": self.last_loss if math.isfinite(self.last_loss) else None,
+                # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
+                "tok_s": (self.tokens - tokens_at_start) / self.step_seconds if self.step_seconds > 0 else None,
+                "seconds": time.perf_counter() - t_train, "eval": self.eval_history,
+                "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir)}
+
+
+def write_preflight(run_dir: Path, preflight: dict, step0: dict) -> None:
+    """RUN/preflight.json: the command's checks plus the step-0 record."""
+    atomic_write(Path(run_dir) / "preflight.json",
+                 json.dumps({**preflight, "step0": step0}, indent=2, default=str) + "\n")
+
+
 def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path,
           resume: str | None = None, preflight: dict | None = None,
           save_final: Callable[[torch.nn.Module, Path], None] | None = None,
           log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Train `model` for cfg.steps optimizer steps. Writes metrics.jsonl, eval.jsonl, preflight.json,
-    checkpoints/ and (through save_final) final/ under run_dir. Returns a summary dict."""
-    cfg.validate()
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    device = torch.device(cfg.device)
-    progress_stream = sys.stderr
-    log = log or (lambda text: print(text, file=progress_stream, flush=True))
-    run_config = cfg.to_dict()
-    vocab_size = model.cfg.vocab_size
-
-    seed_everything(cfg.seed)
-    model.train()
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay)
-    schedule = Schedule(cfg.lr, cfg.warmup, cfg.steps, cfg.schedule, cfg.min_lr_ratio)
-    spikes = guards.SpikeGuard(cfg.on_spike, cfg.spike_window, cfg.spike_sigma)
-    metrics_log, eval_log = JsonlLog(run_dir / "metrics.jsonl"), JsonlLog(run_dir / "eval.jsonl")
-    ckpt_root = run_dir / "checkpoints"
-    counters = {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0}
-    start_step, tokens = 0, 0
-    recent_losses: list[float] = []
-    eval_history: list[dict] = []
-
-    ckpt_path = find_resume(run_dir, resume, log) if resume else None
-    if ckpt_path is not None:
-        ckpt = load_checkpoint(ckpt_path)
-        _check_resume_config(ckpt["run_config"], run_config, cfg.allow_config_change, log)
-        restore_model(model, ckpt["model"])
-        optimizer.load_state_dict(ckpt["optimizer"])
-        st = ckpt["trainer_state"]
-        schedule.load_state_dict(st["schedule"])
-        train_loader.load_state_dict(st["data"])
-        spikes.load_state_dict(st["spike"])
-        counters.update(st["counters"])
-        recent_losses = list(st["recent_losses"])
-        start_step, tokens = int(st["step"]), int(st["tokens"])
-        metrics_log.truncate_after(start_step)
-        eval_log.truncate_after(start_step)
-        set_rng_state(st["rng"])
-        log(f"resume: step {start_step}, {tokens} tokens seen, optimizer sha256 "
-            f"{ckpt['meta']['sha256']['optimizer.pt'][:16]}..")
-    else:
-        step0: dict[str, Any] = {"ln_vocab": math.log(vocab_size), "vocab_size": vocab_size,
-                                 "parameters": sum(p.numel() for p in model.parameters()),
-                                 "trainable_parameters": sum(p.numel() for p in params)}
-        if eval_loader is not None:
-            ev = evaluate(model, eval_loader.iter_epoch(), device, cfg.dtype, cfg.eval_batches)
-            eval_log.write({"step": 0, **ev})
-            eval_history.append({"step": 0, **ev})
-            step0["eval"] = ev
-            spikes.set_reference(ev["loss"])  # GUARD-SPIKE's early-phase reference (with the first step's)
-            log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} tokens); "
-                f"ln(vocab) = {step0['ln_vocab']:.4f}")
-        elif cfg.check_init_loss:  # no eval set: judge the start on the first train batch, unconsumed
-            state = train_loader.state_dict()
-            ev = evaluate(model, [train_loader.next_batch() for _ in range(cfg.grad_accum)], device, cfg.dtype)
-            train_loader.load_state_dict(state)
-            step0["first_train_batch"] = ev
+    """Resume or run step 0 (writing preflight.json when `preflight` is given), then fit: the whole
+    run as the commands drive it, for library callers and tests."""
+    trainer = Trainer(model, train_loader, eval_loader, cfg, run_dir, save_final=save_final, log=log)
+    if trainer.resume(resume) is None:
+        record = trainer.step0()
         if preflight is not None:
-            import json
-            record = {**preflight, "step0": step0}
-            (run_dir / "preflight.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
-        if cfg.check_init_loss:
-            ev0 = step0.get("eval") or step0.get("first_train_batch")
-            guards.check_init_loss(ev0["loss"], vocab_size, str(cfg.init or cfg.model))
-            log(f"GUARD-INIT-LOSS ok: step-0 loss {ev0['loss']:.4f} < ln(vocab) {step0['ln_vocab']:.4f}")
+            write_preflight(run_dir, preflight, record)
+        trainer.check_start(record)
+    return trainer.fit()
 
-    def trainer_state(step: int, data_state: dict, rng: dict) -> dict[str, Any]:
-        return {"step": step, "tokens": tokens, "schedule": schedule.state_dict(), "data": data_state,
-                "spike": spikes.state_dict(), "counters": dict(counters), "recent_losses": recent_losses[-64:],
-                "rng": rng, "epoch": getattr(train_loader, "epoch", None)}
-
-    last_saved = ckpt_path.name if ckpt_path is not None else None
-    peak = peak_flops(device, cfg.dtype)
-    flops_per_token = model.cfg.flops_per_token(cfg.seq_len)
-    progress = Progress(cfg.steps, start_step, progress_stream, cfg.log_every)
-    t_train, tokens_at_start, step_seconds = time.perf_counter(), tokens, 0.0
-    last_loss = float("nan")
-    try:
-        for step in range(start_step + 1, cfg.steps + 1):
-            t0 = time.perf_counter()
-            pre_data, pre_rng = train_loader.state_dict(), rng_state()  # for a last-good checkpoint
-            micro = [train_loader.next_batch() for _ in range(cfg.grad_accum)]
-            sample_ids = _sample_ids(micro)
-            total_tokens = sum(loss_token_count(b) for b in micro)
-            guards.check_loss_tokens(total_tokens, step, sample_ids)
-            empty = sum(int(((b["labels"] != IGNORE_INDEX).sum(dim=1) == 0).sum()) for b in micro)
-            if empty:
-                counters["zero_loss_samples"] += empty
-                progress.message(f"GUARD-ZERO-LOSS-TOKENS: step {step} has {empty} sample(s) without loss "
-                                 f"tokens; they add nothing and are not averaged in (total so far "
-                                 f"{counters['zero_loss_samples']})")
-            lr = schedule.apply(optimizer)
-            loss = forward_backward(model, micro, device, cfg.dtype, total_tokens)
-            max_norm = cfg.clip if cfg.clip > 0 else float("inf")
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True))
-            skip = guards.check_nonfinite(loss, grad_norm, step, sample_ids, "skip")
-            if skip and cfg.on_nonfinite == "stop":
-                if last_saved != step_dir_name(step - 1) and step - 1 > 0:
-                    optimizer.zero_grad(set_to_none=True)
-                    save_checkpoint(ckpt_root, step - 1, model, optimizer,
-                                    trainer_state(step - 1, pre_data, pre_rng), run_config, cfg.keep)
-                guards.check_nonfinite(loss, grad_norm, step, sample_ids, "stop")
-            verdict, spike_msg = ("ok", "") if skip else spikes.check(loss, grad_norm, step, sample_ids)
-            if skip:
-                counters["nonfinite_skipped"] += 1
-                progress.message(f"GUARD-NONFINITE: step {step} skipped (loss {loss}, grad_norm {grad_norm}, "
-                                 f"samples {sample_ids}); {counters['nonfinite_skipped']} skipped so far")
-            elif verdict != "ok":
-                progress.message(spike_msg + (" -> update skipped" if verdict == "skip" else " (warning)"))
-                if verdict == "skip":
-                    counters["spike_skipped"] += 1
-                    skip = True
-            if not skip:
-                optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            schedule.advance()
-            step_tokens = sum(int(b["input_ids"].numel()) for b in micro)
-            tokens += step_tokens
-            if device.type == "cuda":
-                torch.cuda.synchronize(device)
-            dt = time.perf_counter() - t0
-            step_seconds += dt
-            tok_s = step_tokens / dt
-            if not skip:
-                recent_losses.append(loss)
-                last_loss = loss
-            record = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": tokens,
-                      "loss_tokens": total_tokens, "tok_s": tok_s,
-                      "mfu": (flops_per_token * tok_s / peak) if peak else None,
-                      "mem_mb": peak_memory_mb(device), "epoch": getattr(train_loader, "epoch", None),
-                      "skipped": skip}
-            metrics_log.write(record)
-            progress.update(step, loss, tok_s, f"lr {lr:.2e} gnorm {grad_norm:.3f}")
-
-            if eval_loader is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
-                ev = evaluate(model, eval_loader.iter_epoch(), device, cfg.dtype, cfg.eval_batches)
-                eval_log.write({"step": step, **ev})
-                eval_history.append({"step": step, **ev})
-                progress.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
-                window = recent_losses[-20:]
-                guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
-            if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
-                path = save_checkpoint(ckpt_root, step, model, optimizer,
-                                       trainer_state(step, train_loader.state_dict(), rng_state()),
-                                       run_config, cfg.keep)
-                last_saved = path.name
-    finally:
-        progress.close()
-    elapsed = time.perf_counter() - t_train
-    if save_final is not None:
-        save_final(model, run_dir / "final")
-    return {"steps": cfg.steps, "start_step": start_step, "tokens": tokens, "final_train_loss": last_loss,
-            # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
-            "tok_s": (tokens - tokens_at_start) / step_seconds if step_seconds > 0 else None,
-            "seconds": elapsed,
-            "eval": eval_history, "counters": {**counters, "spikes": spikes.count},
-            "run_dir": str(run_dir)}

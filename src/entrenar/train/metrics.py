@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import resource
 import sys
 import time
@@ -12,6 +11,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 import torch
+
+from ..fileio import atomic_write
+from ..fileio import read_jsonl as fileio_read_jsonl
 
 # Dense peak FLOP/s per GPU by name fragment: (bf16, tf32, fp32). For MFU only.
 PEAK_FLOPS = {
@@ -42,8 +44,24 @@ def peak_memory_mb(device: torch.device) -> float:
     return rss_kb / 1024
 
 
+def strict_record(record: dict[str, Any]) -> dict[str, Any]:
+    """`record` with each non-finite float replaced by None and its key listed under "nonfinite":
+    json.dumps writes bare NaN/Infinity, which strict JSON parsers (jq, JavaScript, Go) reject."""
+    clean, bad = {}, []
+    for k, v in record.items():
+        if isinstance(v, float) and not math.isfinite(v):
+            clean[k] = None
+            bad.append(k)
+        else:
+            clean[k] = v
+    if bad:
+        clean["nonfinite"] = bad
+    return clean
+
+
 class JsonlLog:
-    """Append-only JSON lines; on resume, lines beyond the resumed step are dropped (atomically)."""
+    """Append-only strict JSON lines (see strict_record); on resume, lines beyond the resumed step
+    are dropped (atomically)."""
 
     def __init__(self, path: Path):
         self.path = path
@@ -53,20 +71,25 @@ class JsonlLog:
             return
         kept = [line for line in self.path.read_text().splitlines()
                 if line.strip() and json.loads(line).get("step", 0) <= step]
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text("".join(line + "\n" for line in kept))
-        os.replace(tmp, self.path)
+        atomic_write(self.path, "".join(line + "\n" for line in kept))
+
+    def reset(self) -> None:
+        """A run that starts at step 0 drops the lines of an earlier attempt in the same directory."""
+        if self.path.exists():
+            atomic_write(self.path, "")
 
     def write(self, record: dict[str, Any]) -> None:
+        line = json.dumps(strict_record(record), allow_nan=False)
         with open(self.path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+            f.write(line + "\n")
             f.flush()
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
+    """Every record of a metrics/eval log ([] when it does not exist yet)."""
+    if not Path(path).exists():
         return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [obj for _, obj in fileio_read_jsonl(path)]
 
 
 def _fmt_time(seconds: float) -> str:
