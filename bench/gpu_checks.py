@@ -62,7 +62,7 @@ def model_parity(name: str, batch: int, seq: int) -> list[dict]:
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
             with torch.no_grad():
                 logits = model(ids).float()
-            loss_sum, n = model.loss(ids, labels)
+            loss_sum, n = model(ids, labels=labels)
             loss = loss_sum / n
         loss.backward()
         grads = {k: p.grad.float() for k, p in model.named_parameters()}

@@ -73,7 +73,7 @@ def run_entrenar(args) -> dict:
 
     def step() -> float:
         with torch.autocast("cuda", dtype=torch.bfloat16):
-            loss_sum, n = model.loss(input_ids, labels)
+            loss_sum, n = model(input_ids, labels=labels)
             loss = loss_sum / n
         loss.backward()
         opt.step()

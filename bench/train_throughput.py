@@ -124,10 +124,10 @@ def bench_model(cfg_name, cfg, args, device, results, liger_state):
 
         def step():
             if backend is None:
-                loss_sum, n = model.loss(input_ids, labels)
+                loss_sum, n = model(input_ids, labels=labels)
             else:
                 with sdpa_kernel(backend):
-                    loss_sum, n = model.loss(input_ids, labels)
+                    loss_sum, n = model(input_ids, labels=labels)
             return loss_sum / n
 
         try:
@@ -181,13 +181,13 @@ def bench_model(cfg_name, cfg, args, device, results, liger_state):
     results["training"].extend(rows)
 
 
-def fused_qkv_forward(self, x, cos, sin, mask, ops, cache=None, trace=None):
+def fused_qkv_forward(self, x, cos, sin, mask, ops, cache=None):
     """Bench prototype of Attention.forward with one Q/K/V matmul (weights concatenated per call).
 
     Saves the two grad-accumulation adds on the norm output and the small K/V matmuls; the training
-    path (no cache, no doc mask, no trace) only.
+    path (no cache, no doc mask, no verify records) only.
     """
-    assert cache is None and mask is None and trace is None
+    assert cache is None and mask is None and self.internals is None
     cfg, B, T = self.cfg, x.shape[0], x.shape[1]
     d = cfg.head_dim
     nq, nk = cfg.num_heads * d, cfg.num_kv_heads * d
@@ -244,7 +244,7 @@ def profile_step(cfg, args, device, dtype, autocast):
 
     def step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
-            loss_sum, n = model.loss(input_ids, labels)
+            loss_sum, n = model(input_ids, labels=labels)
             loss = loss_sum / n
         loss.backward()
         opt.step()

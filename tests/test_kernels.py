@@ -309,7 +309,7 @@ def test_model_triton_matches_torch_kernels(name):
     out = {}
     for key, model in (("ref", ref), ("fast", fast)):
         logits = model(ids)
-        loss, n = model.loss(ids, labels)
+        loss, n = model(ids, labels=labels)
         loss.backward()
         out[key] = (logits, loss, n, {k: p.grad for k, p in model.named_parameters()})
     assert rel_l2(out["fast"][0], out["ref"][0]) <= 1e-5
@@ -333,7 +333,7 @@ def test_model_triton_under_bf16_autocast_matches_torch_kernels():
     out = []
     for model in (ref, fast):
         with torch.autocast(DEVICE, dtype=torch.bfloat16):
-            loss, _ = model.loss(ids, labels)
+            loss, _ = model(ids, labels=labels)
         loss.backward()
         out.append((loss.item(), torch.cat([p.grad.flatten() for p in model.parameters()])))
     assert abs(out[0][0] - out[1][0]) <= 1e-2 * abs(out[0][0])

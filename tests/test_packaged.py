@@ -19,6 +19,7 @@ from entrenar import cli
 from entrenar.formats import gguf as ggufmod
 from entrenar.formats import load_model
 from entrenar.tensors import rel_l2
+from entrenar.verify.trace import record_ours
 
 pytestmark = pytest.mark.real_model
 
@@ -64,8 +65,8 @@ def test_packaged_parity_vs_transformers_gguf(which, request):
     report = []
     for ids in _sequences(cfg.vocab_size):
         trace: dict = {}
-        with torch.no_grad():
-            logits = ours(ids, trace=trace)
+        with torch.no_grad(), record_ours(ours, trace):  # verify's hooks: embed, layers.i, norm
+            logits = ours(ids)
             out = theirs(ids, output_hidden_states=True)
         hs = out.hidden_states  # embeddings, after each layer; the last one after the final norm
         layer_errs = [rel_l2(trace[f"layers.{i}"], hs[i + 1]) for i in range(L - 1)]

@@ -5,12 +5,19 @@ an HF checkpoint is a rename-free copy. Every numeric choice (eps, theta, RoPE p
 scaling, Q/K/V bias, qk-norm, tied head) comes from ``ModelConfig``.
 
 Shapes: B batch, T sequence, H heads, K kv heads, D head_dim, C hidden.
-Labels passed to ``loss`` are already shifted: ``labels[:, t]`` is the target of position t.
+Labels passed to ``forward`` are already shifted: ``labels[:, t]`` is the target of position t.
+
+Verification (``entrenar verify``) reads intermediates with forward hooks on these modules, as it does
+on transformers' modules of the same names. The two values no hook can see -- q/k after RoPE and the
+attention probabilities, which the fast path never builds -- are kept only inside
+``CausalLM.record_internals(trace)``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,12 +27,6 @@ from torch import nn
 from .config import ModelConfig
 from .kernels import Ops, get_ops
 from .tensors import IGNORE_INDEX, positions_from_doc_ids
-
-
-def _record(trace: dict | None, name: str, x: torch.Tensor) -> None:
-    """Keep an intermediate for `verify` (per-op bisection). Costs nothing when trace is None."""
-    if trace is not None:
-        trace[name] = x.detach()
 
 
 # ---- RoPE tables --------------------------------------------------------------------------
@@ -92,9 +93,13 @@ class KVCache:
 
 
 class Attention(nn.Module):
+    # Where q/k after RoPE and the attention probabilities go while CausalLM.record_internals is on.
+    internals: dict | None
+
     def __init__(self, cfg: ModelConfig, layer: int):
         super().__init__()
         self.cfg, self.layer = cfg, layer
+        self.internals = None
         h, d = cfg.hidden_size, cfg.head_dim
         self.q_proj = nn.Linear(h, cfg.num_heads * d, bias=cfg.attention_bias)
         self.k_proj = nn.Linear(h, cfg.num_kv_heads * d, bias=cfg.attention_bias)
@@ -104,39 +109,38 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None,
-                trace: dict | None = None):
+    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None):
         cfg, B, T = self.cfg, x.shape[0], x.shape[1]
-        p = f"layers.{self.layer}."
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        _record(trace, p + "q_proj", q)
-        _record(trace, p + "k_proj", k)
-        _record(trace, p + "v_proj", v)
         if cfg.qk_norm:
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rope(q, k, cos, sin, cfg.rope_style)
-        _record(trace, p + "q_rope", q)
-        _record(trace, p + "k_rope", k)
+        internals = self.internals
+        if internals is not None:
+            p = f"layers.{self.layer}."
+            internals[p + "q_rope"], internals[p + "k_rope"] = q.detach(), k.detach()
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
-        if trace is not None:  # probabilities only for bisection; the fast path never builds them
-            kk = k.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)
-            scores = (q @ kk.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
-            if mask is None:
-                Tk = k.shape[2]
-                causal = torch.ones(T, Tk, dtype=torch.bool, device=x.device).tril(Tk - T)
-                scores = scores.masked_fill(~causal, float("-inf"))
-            else:
-                scores = scores.masked_fill(~mask, float("-inf"))
-            _record(trace, p + "attn_probs", scores.float().softmax(-1).to(q.dtype))
+        if internals is not None:
+            internals[f"layers.{self.layer}.attn_probs"] = self.attention_probs(q, k, mask)
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                            enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         y = y.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
-        _record(trace, p + "attn_out", y)
         return self.o_proj(y)
+
+    def attention_probs(self, q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+        """softmax(q k^T / sqrt(D)) with the forward's mask, [B, H, T, Tk]: for verify only (the fused
+        attention never builds it). q [B, H, T, D], k [B, K, Tk, D] after RoPE and the cache."""
+        cfg, T, Tk = self.cfg, q.shape[2], k.shape[2]
+        kk = k.repeat_interleave(cfg.num_heads // cfg.num_kv_heads, dim=1)
+        scores = (q @ kk.transpose(-1, -2)) / math.sqrt(cfg.head_dim)
+        if mask is None:
+            mask = torch.ones(T, Tk, dtype=torch.bool, device=q.device).tril(Tk - T)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        return scores.detach().float().softmax(-1).to(q.dtype)
 
 
 class MLP(nn.Module):
@@ -146,13 +150,8 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
-    def forward(self, x, ops: Ops, trace: dict | None = None, prefix: str = ""):
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        _record(trace, prefix + "gate_proj", gate)
-        _record(trace, prefix + "up_proj", up)
-        act = ops.swiglu(gate, up)
-        _record(trace, prefix + "act", act)
-        return self.down_proj(act)
+    def forward(self, x, ops: Ops):
+        return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
 class Block(nn.Module):
@@ -164,22 +163,9 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None,
-                trace: dict | None = None):
-        p = f"layers.{self.layer}."
-        h = self.input_layernorm(x, ops)
-        _record(trace, p + "input_norm", h)
-        a = self.self_attn(h, cos, sin, mask, ops, cache, trace)
-        _record(trace, p + "o_proj", a)
-        x = x + a
-        _record(trace, p + "attn_residual", x)
-        h = self.post_attention_layernorm(x, ops)
-        _record(trace, p + "post_attention_norm", h)
-        m = self.mlp(h, ops, trace, p)
-        _record(trace, p + "down_proj", m)
-        x = x + m
-        _record(trace, p + "mlp_residual", x)
-        return x
+    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None):
+        x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, mask, ops, cache)
+        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
 
 
 class Backbone(nn.Module):
@@ -193,19 +179,42 @@ class Backbone(nn.Module):
 
 
 class CausalLM(nn.Module):
+    cfg: ModelConfig
+    kernels: str  # "torch" (reference ops) or "triton" (fused kernels), see kernels.get_ops
+    source: dict | None  # where the weights came from (formats.load_model): inspect, run.json
+    peft_config: dict | None  # LoRA hyper-parameters while adapters are injected (peft), else None
+    activation_checkpointing: bool  # recompute each block in backward (training only)
+
     def __init__(self, cfg: ModelConfig, kernels: str = "torch"):
         super().__init__()
+        get_ops(kernels)  # an unknown name, or triton where it cannot be imported, fails here, not mid-run
         self.cfg = cfg
         self.kernels = kernels
+        self.source = None
+        self.peft_config = None
+        self.activation_checkpointing = False
         self.model = Backbone(cfg)
         # A tied head has no tensor of its own (as in HF safetensors): it reads embed_tokens.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
                                                                       bias=False)
-        self.activation_checkpointing = False
 
     @property
     def ops(self) -> Ops:
         return get_ops(self.kernels)
+
+    @contextlib.contextmanager
+    def record_internals(self, trace: dict, layers: Iterable[int] | None = None) -> Iterator[dict]:
+        """The one switch for in-model verification records: while on, each forward stores
+        ``layers.{i}.q_rope`` / ``k_rope`` [B, T, heads, D] and ``layers.{i}.attn_probs`` [B, H, T, Tk]
+        of the given layers (default all) in ``trace``. Everything else verify reads with forward hooks."""
+        attns = [self.model.layers[i].self_attn for i in (range(self.cfg.num_layers) if layers is None else layers)]
+        for attn in attns:
+            attn.internals = trace
+        try:
+            yield trace
+        finally:
+            for attn in attns:
+                attn.internals = None
 
     @property
     def head_weight(self) -> torch.Tensor:
@@ -232,8 +241,7 @@ class CausalLM(nn.Module):
                              f"{self.cfg.vocab_size} (tokenizer and model disagree?)")
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                      trace: dict | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, C].
 
         doc_ids [B, T]: attention stays inside runs of equal id (packed sequences); positions
@@ -261,21 +269,16 @@ class CausalLM(nn.Module):
             mask = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
         ops = self.ops
         x = self.model.embed_tokens(input_ids)
-        _record(trace, "embed", x)
         for block in self.model.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, ops, cache, trace,
-                                                      use_reentrant=False)
+                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, ops, cache, use_reentrant=False)
             else:
-                x = block(x, cos, sin, mask, ops, cache, trace)
-            _record(trace, f"layers.{block.layer}", x)
-        x = self.model.norm(x, ops)
-        _record(trace, "norm", x)
-        return x
+                x = block(x, cos, sin, mask, ops, cache)
+        return self.model.norm(x, ops)
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, trace: dict | None = None):
+                cache: KVCache | None = None):
         """The one entry point (train, eval, generation, torch.compile, FSDP hooks).
 
         Without labels: logits [B, T, V]. With labels (already shifted, IGNORE_INDEX ignored):
@@ -283,7 +286,7 @@ class CausalLM(nn.Module):
         fused linear cross-entropy, which never builds the logits on GPU. Callers divide by the
         token count of the whole step (all micro-batches), never per micro-batch.
         """
-        h = self.hidden_states(input_ids, position_ids, doc_ids, cache, trace)
+        h = self.hidden_states(input_ids, position_ids, doc_ids, cache)
         if labels is None:
             return F.linear(h, self.head_weight)
         flat_labels = labels.reshape(-1)
@@ -291,8 +294,3 @@ class CausalLM(nn.Module):
         loss = self.ops.linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight,
                                              flat_labels, ignore_index=IGNORE_INDEX, reduction="sum")
         return loss, n
-
-    def loss(self, input_ids: torch.Tensor, labels: torch.Tensor, position_ids: torch.Tensor | None = None,
-             doc_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """Deprecated alias of ``forward(input_ids, labels=...)`` (being removed)."""
-        return self(input_ids, labels=labels, position_ids=position_ids, doc_ids=doc_ids)

@@ -1,15 +1,19 @@
-"""Kernels: each module holds a torch reference, a Triton kernel and its autograd.Function.
+"""Kernels: the torch references (``reference.py``) and, per op, a Triton kernel with its autograd.Function.
 
-``get_ops("torch")`` returns the references (any device, any dtype, float64 included);
-``get_ops("triton")`` the fused kernels (CUDA, or the CPU interpreter with TRITON_INTERPRET=1).
+``get_ops("torch")`` returns the references (any device, any dtype, float64 included; torch only).
+``get_ops("triton")`` the fused kernels (CUDA, or the CPU interpreter with TRITON_INTERPRET=1). Triton is
+imported there, on first request, not here: ``import entrenar.model`` works where Triton is absent, and
+asking for Triton kernels there is an InputError that names the remedy.
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from . import cross_entropy, rmsnorm, rope, swiglu
+from ..errors import InputError
+from . import reference
 
 
 @dataclass(frozen=True)
@@ -20,22 +24,46 @@ class Ops:
     linear_cross_entropy: Callable
 
 
-TORCH_OPS = Ops(rmsnorm.rms_norm_reference, rope.rope_reference, swiglu.swiglu_reference,
-                cross_entropy.linear_cross_entropy_reference)
+TORCH_OPS = Ops(reference.rms_norm_reference, reference.rope_reference, reference.swiglu_reference,
+                reference.linear_cross_entropy_reference)
+
+
+@functools.cache
+def _triton_ops() -> Ops:
+    try:
+        from . import cross_entropy, rmsnorm, rope, swiglu
+    except ImportError as e:
+        # Only a missing triton is the user's to fix; an ImportError of anything else is a bug: raise it.
+        if e.name is None or not e.name.split(".")[0] == "triton":
+            raise
+        raise InputError(f"--kernels triton: the triton package cannot be imported ({e}). Install it "
+                         f"(`pip install triton`, CUDA Linux; it comes with torch's CUDA wheels) or use "
+                         f"--kernels torch.") from e
+    return Ops(rmsnorm.rms_norm, rope.rope, swiglu.swiglu, cross_entropy.linear_cross_entropy)
+
+
+def triton_available() -> bool:
+    """Whether the Triton kernels can be imported here (imports them on the first call)."""
+    try:
+        _triton_ops()
+    except InputError:
+        return False
+    return True
 
 
 def resolve_kernels(kind: str, device: str) -> str:
-    """'auto' -> Triton on CUDA (the fast path), the torch references elsewhere."""
+    """'auto' -> Triton on CUDA (the fast path) when it can be imported, the torch references elsewhere."""
     if kind == "auto":
-        return "triton" if str(device).startswith("cuda") else "torch"
+        return "triton" if str(device).startswith("cuda") and triton_available() else "torch"
     if kind not in ("torch", "triton"):
         raise ValueError(f"kernels {kind!r} not in ('auto', 'torch', 'triton')")
     return kind
 
 
 def get_ops(kind: str) -> Ops:
+    """The ops of ``kind``; 'triton' without an importable triton raises InputError (exit 2) naming the fix."""
     if kind == "torch":
         return TORCH_OPS
     if kind == "triton":
-        return Ops(rmsnorm.rms_norm, rope.rope, swiglu.swiglu, cross_entropy.linear_cross_entropy)
+        return _triton_ops()
     raise ValueError(f"kernels {kind!r} not in ('torch', 'triton')")

@@ -1,4 +1,5 @@
-"""LM head + cross-entropy. The reference builds the logits; the fused path never builds all of them.
+"""LM head + cross-entropy. The reference (``reference.py``, re-exported here) builds the logits; the
+fused path never builds all of them.
 
 ``linear_cross_entropy`` walks the tokens in chunks: for each chunk it computes that chunk's logits
 [chunk, vocab] with one matmul, and a Triton kernel makes one pass for the log-sum-exp and the target
@@ -12,19 +13,11 @@ Peak extra memory is one [chunk, vocab] buffer (``_CHUNK_BYTES``), never [tokens
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import _common
-
-
-def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                   ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
-    """hidden [N, H], weight [V, H], labels [N] (already shifted) -> summed (or mean) loss."""
-    logits = (hidden @ weight.t()).float()
-    return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
-
+from .reference import linear_cross_entropy_reference  # noqa: F401 -- re-exported: each kernel next to its reference
 
 # Size of one chunk's logits buffer; tests shrink it to run several chunks (and a remainder).
 _CHUNK_BYTES = 1 << 30

@@ -1,8 +1,9 @@
 """RMSNorm: y = x / sqrt(mean(x^2) + eps) * weight, statistics in fp32.
 
-``rms_norm_reference`` is the eager path (any device/dtype, float64 too); ``rms_norm`` is the Triton
-kernel pair (forward + backward) behind an autograd.Function. Rows are the last dimension; rows may
+``rms_norm`` is the Triton kernel pair (forward + backward) behind an autograd.Function. Rows are the last dimension; rows may
 be strided (a view into a wider buffer), which is how the tests show loads never read past a row's end.
+The eager path, ``rms_norm_reference``, lives in ``reference.py`` (importable without Triton) and is
+re-exported here next to its kernel.
 """
 
 from __future__ import annotations
@@ -12,15 +13,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    # Same op order as transformers: normalise in (at least) fp32, cast back, then scale.
-    dtype = x.dtype
-    xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-    xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * xf.to(dtype)
-
+from .reference import rms_norm_reference  # noqa: F401 -- re-exported: each kernel next to its reference
 
 # Loads are masked at the row end. Tests flip this to False to show that a reduction reading past
 # the end of short rows (BLOCK > n_cols) is caught; production code never touches it.

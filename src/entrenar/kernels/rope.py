@@ -4,7 +4,7 @@ neox: pairs (i, i + d/2) -- transformers' LLaMA and Qwen2 ("rotate_half").
 gptj: pairs (2i, 2i + 1) -- adjacent, GPT-J / original Meta layout.
 q, k: [batch, seq, heads, head_dim]; cos, sin: [batch, seq, head_dim // 2], fp32.
 
-``rope_reference`` is the eager path; ``rope`` runs one Triton program per (batch, position) that
+``rope_reference`` (``reference.py``, re-exported here) is the eager path; ``rope`` runs one Triton program per (batch, position) that
 rotates every head of q and k (trig loaded once, in fp32); the backward is the same kernel rotating
 by the negative angle.
 """
@@ -16,29 +16,7 @@ import triton
 import triton.language as tl
 
 from . import _common
-
-
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
-    cos = cos.unsqueeze(2)  # broadcast over heads
-    sin = sin.unsqueeze(2)
-    # at least fp32, and float64 stays float64 (an earlier `x.float()` silently rounded the fp64 oracle)
-    xf = x.to(torch.promote_types(torch.promote_types(x.dtype, cos.dtype), torch.float32))
-    if style == "neox":
-        half = x.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-        out = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
-    elif style == "gptj":
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
-        out = torch.stack((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).flatten(-2)
-    else:
-        raise ValueError(f"rope style {style!r} not in ('neox', 'gptj')")
-    return out.to(x.dtype)
-
-
-def rope_reference(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-                   style: str) -> tuple[torch.Tensor, torch.Tensor]:
-    return _rotate(q, cos, sin, style), _rotate(k, cos, sin, style)
-
+from .reference import rope_reference  # noqa: F401 -- re-exported: each kernel next to its reference
 
 # Which element pairs the kernel rotates. Tests swap the two codes to show a pairing mix-up is caught.
 _STYLE_CODE = {"neox": 0, "gptj": 1}

@@ -1,21 +1,17 @@
 """SwiGLU activation: silu(gate) * up.
 
-``swiglu_reference`` is the eager path; ``swiglu`` is an elementwise Triton forward/backward pair
+``swiglu_reference`` (``reference.py``, re-exported here) is the eager path; ``swiglu`` is an elementwise Triton forward/backward pair
 (fp32 math, one rounding to the output dtype).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 import triton
 import triton.language as tl
 
 from . import _common
-
-
-def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    return F.silu(gate) * up
+from .reference import swiglu_reference  # noqa: F401 -- re-exported: each kernel next to its reference
 
 
 @triton.jit

@@ -18,23 +18,19 @@ from __future__ import annotations
 import contextlib
 import math
 import re
-import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
+from ..errors import InputError
 from ..model import CausalLM
-from ..tensors import rel_l2
+from ..tensors import IGNORE_INDEX, rel_l2
 from .probe import ProbeSequence
-
-# Ops inside one block, in execution order (names recorded by CausalLM.forward(trace=...)).
-OP_ORDER = ("input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_probs", "attn_out",
-            "o_proj", "attn_residual", "post_attention_norm", "gate_proj", "up_proj", "act", "down_proj",
-            "mlp_residual")
+from .trace import OP_ORDER, FilteredTrace, keep_block, keep_layers, record_hf, record_ours
 
 
 @dataclass(frozen=True)
@@ -98,6 +94,11 @@ HINTS = {
 
 
 
+UNRECORDED_HINT = ("the bisection's hooks never saw this op (a module layout the tracing does not know, or a "
+                   "forward that bypasses the named modules): the op is unchecked, fix the tracing in "
+                   "entrenar/verify/trace.py")
+
+
 def dtype_name(dtype: torch.dtype | str) -> str:
     if isinstance(dtype, str):
         if dtype not in DTYPES:
@@ -112,34 +113,13 @@ def hint(name: str) -> str:
 
 
 # ---- traces --------------------------------------------------------------------------------
-class FilteredTrace(dict):
-    """A trace dict that keeps only wanted names, moved to CPU float64 at once (saves device memory)."""
-
-    def __init__(self, keep: Callable[[str], bool]):
-        super().__init__()
-        self.keep = keep
-
-    def __setitem__(self, name: str, value: torch.Tensor) -> None:
-        if self.keep(name):
-            super().__setitem__(name, value.detach().to("cpu", torch.float64))
-
-
 def layer_names(num_layers: int) -> list[str]:
     return ["embed", *(f"layers.{i}" for i in range(num_layers)), "norm"]
 
 
-def _keep_layers(name: str) -> bool:
-    return name in ("embed", "norm") or re.fullmatch(r"layers\.\d+", name) is not None
-
-
-def _keep_block(layer: int) -> Callable[[str], bool]:
-    prefix = f"layers.{layer}."
-    return lambda name: name.startswith(prefix)
-
-
 def _targets(ids: torch.Tensor) -> torch.Tensor:
     """Shifted labels for one sequence: labels[:, t] = ids[:, t + 1], last position ignored."""
-    labels = torch.full_like(ids, -100)
+    labels = torch.full_like(ids, IGNORE_INDEX)
     labels[:, :-1] = ids[:, 1:]
     return labels
 
@@ -168,7 +148,7 @@ class OurPath:
         self.device = next(model.parameters()).device
         self.autocast_dtype = autocast_dtype
         self.label = label or f"{self.device.type} {DTYPE_NAMES.get(self.param_dtype, self.param_dtype)} " \
-                              f"kernels={getattr(model, 'kernels', '?')}"
+                              f"kernels={model.kernels}"
 
     @property
     def param_dtype(self) -> torch.dtype:
@@ -181,12 +161,12 @@ class OurPath:
 
     def forward(self, ids: torch.Tensor, keep: Callable[[str], bool]) -> tuple[torch.Tensor, dict]:
         trace = FilteredTrace(keep)
-        with torch.no_grad(), self._autocast():
-            logits = self.model(ids.to(self.device), trace=trace)
+        with torch.no_grad(), self._autocast(), record_ours(self.model, trace, keep):
+            logits = self.model(ids.to(self.device))
         return logits[0].to("cpu", torch.float64), dict(trace)
 
     def grads(self, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
-        """One backward of the training loss (model.loss, the kernel path training uses)."""
+        """One backward of the training loss (forward with labels: the kernel path training uses)."""
         params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
         saved = {n: p.grad for n, p in params.items()}
         for p in params.values():
@@ -194,7 +174,7 @@ class OurPath:
         try:
             ids = ids.to(self.device)
             with torch.enable_grad(), self._autocast():
-                loss_sum, n = self.model.loss(ids, _targets(ids))
+                loss_sum, n = self.model(ids, labels=_targets(ids))
                 loss = loss_sum / n
             loss.backward()
             grads = {n: p.grad.detach().to("cpu", torch.float64) for n, p in params.items()
@@ -217,84 +197,13 @@ class HFPath:
         else:
             hf_model.config._attn_implementation = "eager"
         cfg = hf_model.config
-        self.num_heads = cfg.num_attention_heads
-        self.num_kv_heads = cfg.num_key_value_heads or self.num_heads
-        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // self.num_heads
-
-    @contextlib.contextmanager
-    def _hooks(self, trace: dict, keep: Callable[[str], bool], B: int, T: int) -> Iterator[None]:
-        H, K, D = self.num_heads, self.num_kv_heads, self.head_dim
-        base = self.model.model
-        handles = []
-
-        def rec(name: str, x: torch.Tensor, shape: tuple | None = None, transpose: bool = False) -> None:
-            if keep(name):
-                if transpose:
-                    x = x.transpose(1, 2)
-                if shape is not None:
-                    x = x.reshape(shape)
-                trace[name] = x.detach().to("cpu", torch.float64)
-
-        def out_hook(name: str, shape: tuple | None = None, index: int | None = None):
-            def hook(_mod, _inp, out):
-                rec(name, out[index] if index is not None else (out[0] if isinstance(out, tuple) else out),
-                    shape)
-            return hook
-
-        def in_hook(name: str):
-            def hook(_mod, inp):
-                rec(name, inp[0])
-            return hook
-
-        handles.append(base.embed_tokens.register_forward_hook(out_hook("embed")))
-        for i, layer in enumerate(base.layers):
-            p = f"layers.{i}."
-            attn, mlp = layer.self_attn, layer.mlp
-            handles += [
-                layer.input_layernorm.register_forward_hook(out_hook(p + "input_norm")),
-                attn.q_proj.register_forward_hook(out_hook(p + "q_proj", (B, T, H, D))),
-                attn.k_proj.register_forward_hook(out_hook(p + "k_proj", (B, T, K, D))),
-                attn.v_proj.register_forward_hook(out_hook(p + "v_proj", (B, T, K, D))),
-                attn.register_forward_hook(out_hook(p + "attn_probs", index=1)),
-                attn.o_proj.register_forward_pre_hook(in_hook(p + "attn_out")),
-                attn.o_proj.register_forward_hook(out_hook(p + "o_proj")),
-                layer.post_attention_layernorm.register_forward_pre_hook(in_hook(p + "attn_residual")),
-                layer.post_attention_layernorm.register_forward_hook(out_hook(p + "post_attention_norm")),
-                mlp.gate_proj.register_forward_hook(out_hook(p + "gate_proj")),
-                mlp.up_proj.register_forward_hook(out_hook(p + "up_proj")),
-                mlp.down_proj.register_forward_pre_hook(in_hook(p + "act")),
-                mlp.down_proj.register_forward_hook(out_hook(p + "down_proj")),
-                layer.register_forward_hook(out_hook(p + "mlp_residual")),
-                layer.register_forward_hook(out_hook(f"layers.{i}")),
-            ]
-        handles.append(base.norm.register_forward_hook(out_hook("norm")))
-        # q, k after RoPE live inside the attention forward: wrap the modeling module's function.
-        modeling = sys.modules[type(base.layers[0].self_attn).__module__]
-        original = modeling.apply_rotary_pos_emb
-        calls = [0]
-
-        def recording_rope(q, k, *args, **kwargs):
-            q2, k2 = original(q, k, *args, **kwargs)
-            i = calls[0]
-            calls[0] += 1
-            rec(f"layers.{i}.q_rope", q2, transpose=True)
-            rec(f"layers.{i}.k_rope", k2, transpose=True)
-            return q2, k2
-
-        modeling.apply_rotary_pos_emb = recording_rope
-        try:
-            yield
-        finally:
-            modeling.apply_rotary_pos_emb = original
-            for h in handles:
-                h.remove()
+        self.head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
 
     def forward(self, ids: torch.Tensor, keep: Callable[[str], bool]) -> tuple[torch.Tensor, dict]:
-        trace: dict = {}
-        B, T = ids.shape
-        with torch.no_grad(), self._hooks(trace, keep, B, T):
+        trace = FilteredTrace(keep)
+        with torch.no_grad(), record_hf(self.model, trace, self.head_dim):
             logits = self.model(input_ids=ids.to(self.device), use_cache=False).logits
-        return logits[0].to("cpu", torch.float64), trace
+        return logits[0].to("cpu", torch.float64), dict(trace)
 
     def grads(self, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
         params = {n: p for n, p in self.model.named_parameters() if p.requires_grad}
@@ -369,10 +278,15 @@ def hf_from_source(path: Any) -> Any:
 
 # ---- comparisons -----------------------------------------------------------------------------
 def _entries(names: list[str], test: dict, ref: dict, bound: float) -> list[dict]:
+    """relL2 per name. A name one side never recorded is a failure: its parity is unknown, and an
+    unchecked op must never pass as a checked one."""
     out = []
     for name in names:
-        if name not in test or name not in ref:
-            out.append({"name": name, "rel_l2": None, "bound": bound, "ok": True, "note": "not recorded"})
+        missing = [side for side, trace in (("the path under test", test), ("the reference", ref))
+                   if name not in trace]
+        if missing:
+            out.append({"name": name, "rel_l2": None, "bound": bound, "ok": False,
+                        "note": f"never recorded by {' and '.join(missing)}"})
             continue
         r = rel_l2(test[name], ref[name])
         out.append({"name": name, "rel_l2": r, "bound": bound, "ok": r <= bound})
@@ -387,8 +301,8 @@ def _ce(logits: torch.Tensor, ids: torch.Tensor) -> float:
 
 def compare_sequence(test: Any, ref: Any, seq: ProbeSequence, num_layers: int, bounds: Bounds) -> dict:
     """Logits, CE, per-layer hidden states and (if a layer breaks) per-op relL2 for one sequence."""
-    t_logits, t_trace = test.forward(seq.input_ids, _keep_layers)
-    r_logits, r_trace = ref.forward(seq.input_ids, _keep_layers)
+    t_logits, t_trace = test.forward(seq.input_ids, keep_layers)
+    r_logits, r_trace = ref.forward(seq.input_ids, keep_layers)
     ce_t, ce_r = _ce(t_logits, seq.input_ids), _ce(r_logits, seq.input_ids)
     logits_rel = rel_l2(t_logits, r_logits)
     max_abs = float((t_logits - r_logits).abs().max()) if t_logits.numel() else 0.0
@@ -408,8 +322,8 @@ def compare_sequence(test: Any, ref: Any, seq: ProbeSequence, num_layers: int, b
         res["first_bad_layer"] = bad["name"]
         if bad["name"].startswith("layers."):
             li = int(bad["name"].split(".")[1])
-            _, t_ops = test.forward(seq.input_ids, _keep_block(li))
-            _, r_ops = ref.forward(seq.input_ids, _keep_block(li))
+            _, t_ops = test.forward(seq.input_ids, keep_block(li))
+            _, r_ops = ref.forward(seq.input_ids, keep_block(li))
             res["ops"] = _entries([f"layers.{li}.{op}" for op in OP_ORDER], t_ops, r_ops, bounds.op)
             first_op = next((e for e in res["ops"] if not e["ok"]), None)
             res["first_divergent"] = dict(first_op or bad)
@@ -475,12 +389,29 @@ def verify_paths(test: Any, ref: Any, probe: list[ProbeSequence], num_layers: in
                   "note": f"no gradient for {grad_report['missing_in_test'][:5]}"})
         first["sequence"] = grad_report["sequence"]
     if first is not None:
-        first["hint"] = hint(first["name"])
+        first["hint"] = (UNRECORDED_HINT if first.get("rel_l2") is None and "never recorded" in first.get("note", "")
+                         else hint(first["name"]))
     ok = first is None
     return {**(meta or {}), "test_path": test.label, "reference_path": ref.label,
             "bounds": asdict(bounds), "sequences": seqs, "grads": grad_report,
             "first_divergent": first, "ok": ok, "exit_code": 0 if ok else 1,
             "seconds": round(time.time() - t0, 2)}
+
+
+def check_finite_weights(model: torch.nn.Module) -> None:
+    """InputError naming the tensors that hold NaN/Inf. Non-finite weights make every op diverge from the
+    reference, and a table blaming the first op would send the user to fix a kernel that is fine."""
+    bad = []
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.is_floating_point():
+            n_bad = int((~torch.isfinite(t.detach())).sum())
+            if n_bad:
+                bad.append(f"{name} ({n_bad} of {t.numel()} values)")
+    if bad:
+        more = f"; {len(bad) - 3} more tensors too" if len(bad) > 3 else ""
+        raise InputError(f"weights contain NaN/Inf in {', '.join(bad[:3])}{more}: the model itself is broken (saved "
+                         f"from a diverged run, or a corrupt file), not the compute path. Use an earlier checkpoint or "
+                         f"re-download / re-convert the model; `entrenar inspect MODEL` lists its tensors.")
 
 
 def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSequence] | None = None,
@@ -494,6 +425,7 @@ def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSeq
     """
     from .probe import build_probe
 
+    check_finite_weights(model)
     if probe is None:
         probe = build_probe(tokenizer, seq_len)
     param_dtype = next(model.parameters()).dtype
@@ -502,7 +434,7 @@ def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSeq
     model.eval()
     try:
         test = OurPath(model, autocast_dtype=run_dtype)
-        test.label = f"{test.device.type} {DTYPE_NAMES[run_dtype]} kernels={getattr(model, 'kernels', '?')}"
+        test.label = f"{test.device.type} {DTYPE_NAMES[run_dtype]} kernels={model.kernels}"
         if against == "reference":
             ref = OurPath(reference_model(model), label="cpu fp64 kernels=torch (reference)")
         elif against == "hf":
@@ -556,6 +488,8 @@ def format_report(rep: dict) -> str:
     if fd is None:
         lines.append("PASS: every bound holds")
     else:
-        lines.append(f"FAIL: first divergence at {fd['name']} ({fd['sequence']} probe): relL2 {_fmt(fd['rel_l2'])} "
-                     f"> {fd['bound']:g}. Likely cause: {fd['hint']}")
+        what = (fd["note"] if fd.get("rel_l2") is None and fd.get("note")
+                else f"relL2 {_fmt(fd['rel_l2'])} > {fd['bound']:g}")
+        lines.append(f"FAIL: first divergence at {fd['name']} ({fd['sequence']} probe): {what}. "
+                     f"Likely cause: {fd['hint']}")
     return "\n".join(lines)
