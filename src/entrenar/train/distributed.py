@@ -1,0 +1,303 @@
+"""Several processes, one run: the torchrun environment, the process group, reductions, and the
+data split by global sample index.
+
+`torchrun --nproc-per-node N -m entrenar pretrain|finetune ...` starts N processes with RANK,
+WORLD_SIZE and LOCAL_RANK set; `init_from_env` turns that into a process group (NCCL on CUDA,
+gloo on CPU) and a 1-D device mesh. Without torchrun (or with WORLD_SIZE=1) nothing is
+initialised and every helper here is the identity, so a single process behaves as before.
+
+Exactness rules (docs/design.md, "Distributed"):
+- every rank draws the same *global* micro-batch (world x batch rows, in the loader's seeded
+  order) and keeps its own contiguous rows (`RankSlice`), so the samples of step k are the same
+  at any world size with the same global batch;
+- the loss-token total of a step is summed over ranks before the backward, and each rank
+  backpropagates loss_sum / global_total with gradient reduction set to a plain SUM
+  (train/parallel.py), which is the single-process update on the global batch.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+
+from ..errors import EntrenarError, GuardError, InputError
+from ..tensors import IGNORE_INDEX
+
+T = TypeVar("T")
+
+# A collective that waits longer than this raises instead of hanging forever (seconds).
+TIMEOUT_ENV = "ENTRENAR_DIST_TIMEOUT"
+DEFAULT_TIMEOUT_S = 900
+
+
+@dataclass
+class DistContext:
+    """Where this process sits in the job. world == 1: a plain single-process run."""
+
+    rank: int = 0
+    world: int = 1
+    local_rank: int = 0
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh (1-D, "dp") when active
+
+    @property
+    def active(self) -> bool:
+        return self.world > 1
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    # ---- reductions (identity when not active) --------------------------------------------
+    def _comm_device(self) -> torch.device:
+        # NCCL reduces CUDA tensors only; gloo reduces CPU tensors.
+        return self.device if self.device.type == "cuda" else torch.device("cpu")
+
+    def all_reduce(self, values: Sequence[float], op: str = "sum") -> list[float]:
+        """Element-wise sum / max / min over ranks, in float64 (token counts stay exact to 2^53)."""
+        if not self.active:
+            return [float(v) for v in values]
+        t = torch.tensor([float(v) for v in values], dtype=torch.float64, device=self._comm_device())
+        dist.all_reduce(t, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                               "min": dist.ReduceOp.MIN}[op])
+        return t.cpu().tolist()
+
+    def sum_int(self, n: int) -> int:
+        return round(self.all_reduce([n])[0])
+
+    def sum_float(self, x: float) -> float:
+        return self.all_reduce([x])[0]
+
+    def any_true(self, flag: bool) -> bool:
+        return self.all_reduce([1.0 if flag else 0.0], "max")[0] > 0
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        if not self.active:
+            return [obj]
+        out: list[Any] = [None] * self.world
+        dist.all_gather_object(out, obj)
+        return out
+
+    def broadcast_object(self, obj: Any, src: int = 0) -> Any:
+        if not self.active:
+            return obj
+        box = [obj if self.rank == src else None]
+        dist.broadcast_object_list(box, src=src)
+        return box[0]
+
+    def barrier(self) -> None:
+        if self.active:
+            dist.barrier()
+
+    # ---- rank-0-only side effects -------------------------------------------------------------
+    def log(self, text: str) -> None:
+        """Print on rank 0 only: one message per job, not one per process."""
+        if self.is_main:
+            print(text, file=sys.stderr, flush=True)
+
+    def run_on_main(self, fn: Callable[[], T]) -> T:
+        """Run `fn` on rank 0 only and hand its result to every rank. An EntrenarError (a guard
+        verdict, a bad input) raised on rank 0 is raised on every rank, so all exit with its code;
+        any other failure on rank 0 reaches the other ranks as a RuntimeError naming it."""
+        if not self.active:
+            return fn()
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.is_main:
+            try:
+                outcome = ("ok", fn())
+            except EntrenarError as e:
+                outcome = ("error", _encode_error(e))
+            except Exception as e:  # reported to the other ranks (they would wait forever), re-raised here
+                self.broadcast_object(("crash", f"{type(e).__name__}: {e}"))
+                raise
+        outcome = self.broadcast_object(outcome)
+        kind, value = outcome
+        if kind == "error":
+            raise _decode_error(value)
+        if kind == "crash":
+            raise RuntimeError(f"rank 0 failed: {value}")
+        return value
+
+
+def _encode_error(e: EntrenarError) -> dict[str, Any]:
+    # GuardError's constructor takes (guard_id, cause, ...), which pickle's default
+    # reconstruction (cls(*args)) does not supply: send its fields instead.
+    if isinstance(e, GuardError):
+        return {"cls": type(e), "guard": [e.guard_id, e.cause, e.remedy, e.exit_code, e.details]}
+    return {"cls": type(e), "message": str(e)}
+
+
+def _decode_error(d: dict[str, Any]) -> EntrenarError:
+    if "guard" in d:
+        guard_id, cause, remedy, code, details = d["guard"]
+        err = GuardError(guard_id, cause, remedy, exit_code=code, details=details)
+        err.__class__ = d["cls"] if issubclass(d["cls"], GuardError) else GuardError
+        return err
+    return d["cls"](d["message"])
+
+
+_CURRENT = DistContext()
+
+
+def current() -> DistContext:
+    """The context of this process (single-process until `init_from_env` found torchrun)."""
+    return _CURRENT
+
+
+def env_world() -> tuple[int, int, int]:
+    """(rank, world, local_rank) from the torchrun environment; (0, 1, 0) without it."""
+    def num(name: str, default: int) -> int:
+        raw = os.environ.get(name)
+        if raw is None or raw == "":
+            return default
+        try:
+            return int(raw)
+        except ValueError as e:
+            raise InputError(f"environment variable {name}={raw!r} is not an integer (torchrun sets it)") from e
+    return num("RANK", 0), num("WORLD_SIZE", 1), num("LOCAL_RANK", 0)
+
+
+def init_from_env(device: str = "cpu") -> DistContext:
+    """Join the job torchrun started (idempotent). `device` is the user's --device: "cuda" becomes
+    cuda:LOCAL_RANK (one GPU per process, NCCL); "cpu" uses gloo."""
+    global _CURRENT
+    rank, world, local_rank = env_world()
+    if world <= 1:
+        _CURRENT = DistContext(device=torch.device(device))
+        return _CURRENT
+    if _CURRENT.active:
+        return _CURRENT
+    if not 0 <= rank < world:
+        raise InputError(f"RANK={rank} is outside WORLD_SIZE={world}; start the job with torchrun")
+    if str(device).startswith("cuda"):
+        if torch.cuda.device_count() <= local_rank:
+            raise InputError(f"LOCAL_RANK={local_rank} but this node has {torch.cuda.device_count()} CUDA "
+                             f"device(s); use torchrun --nproc-per-node <= the number of GPUs")
+        dev, backend = torch.device("cuda", local_rank), "nccl"
+        torch.cuda.set_device(dev)
+    else:
+        dev, backend = torch.device("cpu"), "gloo"
+    timeout = timedelta(seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S)))
+    if not dist.is_initialized():
+        kwargs: dict[str, Any] = {"device_id": dev} if backend == "nccl" else {}
+        dist.init_process_group(backend, timeout=timeout, **kwargs)
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
+    _CURRENT = DistContext(rank=rank, world=world, local_rank=local_rank, device=dev, mesh=mesh)
+    return _CURRENT
+
+
+def shutdown() -> None:
+    """Leave the process group (at the end of a command, also after an error)."""
+    global _CURRENT
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    _CURRENT = DistContext(device=_CURRENT.device)
+
+
+# ---- the data split by global sample index ------------------------------------------------------
+def row_sample_ids(batch: dict[str, Any]) -> list[list]:
+    """The sample ids of each row: one per row (pretraining windows, padded SFT), or, for packed
+    rows, as many as the row has documents (doc_ids 0, 1, ... with -1 for padding)."""
+    ids = list(batch.get("sample_ids") or [])
+    rows = int(batch["input_ids"].shape[0])
+    if len(ids) == rows:
+        return [[i] for i in ids]
+    if not ids:
+        return [[] for _ in range(rows)]
+    if "doc_ids" not in batch:
+        raise ValueError(f"batch has {len(ids)} sample ids for {rows} rows and no doc_ids to split them")
+    counts = (batch["doc_ids"].max(dim=1).values + 1).clamp(min=0).tolist()
+    out, at = [], 0
+    for c in counts:
+        out.append(ids[at:at + int(c)])
+        at += int(c)
+    return out
+
+
+def slice_rows(batch: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """Rows [lo, hi) of a batch with their sample ids. An empty range gives one row whose labels
+    are all ignored (0 loss tokens): under FSDP every rank must run the forward, even a rank
+    that the last eval batch left without rows."""
+    per_row = row_sample_ids(batch)
+    if hi <= lo:
+        out = {k: v[:1].clone() for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        out["labels"].fill_(IGNORE_INDEX)
+        out["sample_ids"] = []
+        return out
+    out = {k: v[lo:hi] for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    out["sample_ids"] = [i for row in per_row[lo:hi] for i in row]
+    return out
+
+
+class RankSlice:
+    """A loader of this rank's share of every global micro-batch.
+
+    The wrapped loader is switched to draw world x batch rows per `next_batch` (the global
+    micro-batch, in its seeded order); rank r keeps rows [r*batch, (r+1)*batch). Its state (epoch,
+    position in samples) is therefore the same on every rank and independent of the world size,
+    which is what makes resuming on a different world size continue the same sample order.
+    Eval (`iter_epoch`) splits each global batch the same way.
+    """
+
+    def __init__(self, loader: Any, ctx: DistContext):
+        self.inner, self.rank, self.world = loader, ctx.rank, ctx.world
+        self.per_rank = int(loader.batch_size)
+        loader.batch_size = self.per_rank * self.world
+
+    def _mine(self, batch: dict[str, Any]) -> dict[str, Any]:
+        rows = int(batch["input_ids"].shape[0])
+        lo, hi = min(self.rank * self.per_rank, rows), min((self.rank + 1) * self.per_rank, rows)
+        return slice_rows(batch, lo, hi)
+
+    def next_batch(self) -> dict[str, Any]:
+        return self._mine(self.inner.next_batch())
+
+    def iter_epoch(self) -> Iterator[dict[str, Any]]:
+        for batch in self.inner.iter_epoch():
+            yield self._mine(batch)
+
+    @property
+    def epoch(self) -> int:
+        return self.inner.epoch
+
+    @property
+    def batch_size(self) -> int:
+        return self.per_rank
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.inner.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.inner.load_state_dict(sd)
+
+    def __getattr__(self, name: str) -> Any:  # kind, seq_len, ... of the wrapped loader
+        return getattr(self.inner, name)
+
+
+def shard_loader(loader: Any, ctx: DistContext | None = None) -> Any:
+    """`loader` itself in a single process, else its `RankSlice` for this rank."""
+    ctx = ctx or current()
+    if loader is None or not ctx.active:
+        return loader
+    return RankSlice(loader, ctx)
+
+
+def global_batch(batch_size: int, grad_accum: int, world: int) -> int:
+    """Samples (rows) per optimizer step over the whole job."""
+    return int(batch_size) * int(grad_accum) * int(world)
+
+
+__all__ = ["DistContext", "RankSlice", "current", "env_world", "global_batch", "init_from_env", "row_sample_ids",
+           "shard_loader", "shutdown", "slice_rows"]

@@ -1,0 +1,240 @@
+"""The distributed building blocks (train/distributed.py, train/parallel.py) on 2 gloo processes.
+
+A worker script runs a few optimizer steps by hand with the same rules the Trainer uses (global
+token total summed before the backward, loss_sum / global total, SUM gradient reduction, clip by
+the global norm) on unequal-length samples; its parameters must equal a single process's with
+the whole global batch. Also: the data split keeps the global sample order, a sharded
+torch.distributed.checkpoint written by 2 ranks loads into 1 process, run_on_main carries a
+GuardError to every rank.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrenar.config import ModelConfig
+from entrenar.model import CausalLM
+from entrenar.tensors import IGNORE_INDEX, rel_l2
+from entrenar.train import distributed as D
+from entrenar.train import parallel as P
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
+           "ENTRENAR_DIST_TIMEOUT": "60"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+
+
+class ListLoader:
+    """Right-padded token lists in a seeded order (the loaders' interface)."""
+
+    def __init__(self, samples: list[list[int]], batch_size: int, seed: int = 0):
+        self.samples, self.batch_size, self.seed = samples, batch_size, seed
+        self.epoch, self.pos = 0, 0
+
+    def next_batch(self) -> dict:
+        order = torch.randperm(len(self.samples), generator=torch.Generator().manual_seed(self.seed)).tolist()
+        idx = [order[(self.pos + i) % len(order)] for i in range(self.batch_size)]
+        self.pos += self.batch_size
+        seqs = [self.samples[i] for i in idx]
+        T = max(len(s) for s in seqs)
+        ids = torch.zeros(len(seqs), T, dtype=torch.long)
+        labels = torch.full((len(seqs), T), IGNORE_INDEX, dtype=torch.long)
+        for r, s in enumerate(seqs):
+            ids[r, :len(s)] = torch.tensor(s)
+            labels[r, :len(s) - 1] = torch.tensor(s[1:])
+        return {"input_ids": ids, "labels": labels, "sample_ids": idx}
+
+    def state_dict(self) -> dict:
+        return {"pos": self.pos}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.pos = sd["pos"]
+
+
+def samples() -> list[list[int]]:
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 64, (int(n),), generator=g).tolist() for n in
+            torch.randint(3, 24, (32,), generator=g)]
+
+
+def tiny(seed: int = 0, tie: bool = True) -> CausalLM:
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=tie, max_position_embeddings=128)
+    m = CausalLM(cfg)
+    m.init_weights(seed)
+    return m
+
+
+def manual_steps(ctx: D.DistContext, parallel: str, per_rank_batch: int, accum: int, steps: int,
+                 tie: bool = True, average_per_rank: bool = False) -> tuple[P.Parallel, list[float]]:
+    """The Trainer's step rules written out: count, all-reduce, backprop loss_sum / global, clip."""
+    model = tiny(0, tie)
+    par = P.apply_parallel(model, ctx, parallel)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+    loader = D.shard_loader(ListLoader(samples(), per_rank_batch), ctx)
+    losses = []
+    for _ in range(steps):
+        micro = [loader.next_batch() for _ in range(accum)]
+        local = sum(int((b["labels"] != IGNORE_INDEX).sum()) for b in micro)
+        total = local if average_per_rank else ctx.sum_int(local)
+        loss_sum = 0.0
+        for j, b in enumerate(micro):
+            with par.sync_context(j == accum - 1):
+                s, _ = par.forward_module(b["input_ids"], labels=b["labels"])
+                (s / total).backward()
+            loss_sum += float(s.detach())
+        norm = par.clip_grad_norm(model.parameters(), 0.5)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        losses.append(ctx.sum_float(loss_sum) / ctx.sum_int(local))
+        assert norm > 0
+    return par, losses
+
+
+WORKER = """
+import json, sys, torch
+sys.path.insert(0, {tests!r})
+from test_distributed_toy import manual_steps, tiny
+from entrenar.train import distributed as D, parallel as P
+ctx = D.init_from_env("cpu")
+mode, tie, avg, out = sys.argv[1], sys.argv[2] == "tie", sys.argv[3] == "avg", sys.argv[4]
+par, losses = manual_steps(ctx, mode, 2, 2, 3, tie=tie, average_per_rank=avg)
+full = P.full_model_state(par)
+if ctx.is_main:
+    torch.save({{"losses": losses, "params": full}}, out + "/result.pt")
+# a sharded checkpoint of model + optimizer, written by both ranks
+opt = torch.optim.AdamW(par.module.parameters(), lr=1e-2)
+P.save_sharded(out + "/dcp", par, opt)
+try:
+    ctx.run_on_main(lambda: (_ for _ in ()).throw(__import__("entrenar.errors").errors.GuardError(
+        "GUARD-TEST", "rank 0 says stop", "nothing")))
+except Exception as e:
+    print(f"rank {{ctx.rank}} got {{type(e).__name__}} {{e.guard_id}} exit {{e.exit_code}}", flush=True)
+D.shutdown()
+"""
+
+
+@pytest.fixture(scope="module")
+def worker(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("worker") / "worker.py"
+    path.write_text(WORKER.format(tests=str(Path(__file__).parent)))
+    return path
+
+
+def _single(mode: str, tie: bool):
+    torch.manual_seed(0)
+    par, losses = manual_steps(D.DistContext(), mode, 4, 2, 3, tie=tie)
+    return {n: p.detach().clone() for n, p in par.module.state_dict().items()}, losses
+
+
+@pytest.mark.parametrize("mode,tie", [("fsdp", True), ("fsdp", False), ("ddp", True)])
+def test_two_ranks_equal_one_process_on_unequal_samples(worker, tmp_path, mode, tie):
+    proc = torchrun(worker, [mode, "tie" if tie else "untied", "global", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "result.pt")
+    ref_params, ref_losses = _single(mode, tie)
+    for a, b in zip(got["losses"], ref_losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert set(got["params"]) == set(ref_params)
+    worst = max(rel_l2(got["params"][n], ref_params[n]) for n in ref_params)
+    assert worst <= 1e-5, worst
+    # the guard verdict of rank 0 reached rank 1 with its id and exit code
+    assert proc.stdout.count("got GuardError GUARD-TEST exit 3") == 2, proc.stdout
+
+    # the 2-rank sharded checkpoint loads into one process (resharding 2 -> 1)
+    model = tiny(9, tie)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    one = P.apply_parallel(model, D.DistContext(), "auto")
+    P.load_sharded(tmp_path / "dcp", one, opt)
+    assert max(rel_l2(model.state_dict()[n], ref_params[n]) for n in ref_params) <= 1e-5
+
+
+def test_averaging_per_rank_is_detected(worker, tmp_path):
+    """The mutation the exactness rule exists for: each rank divides by its own token count."""
+    proc = torchrun(worker, ["fsdp", "tie", "avg", str(tmp_path)])
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = torch.load(tmp_path / "result.pt")
+    ref_params, _ = _single("fsdp", True)
+    assert max(rel_l2(got["params"][n], ref_params[n]) for n in ref_params) > 1e-4
+
+
+def test_rank_slice_keeps_the_global_sample_order():
+    """Ranks' shares of a global micro-batch, concatenated, are the single-process batch; the
+    loader's position is global (the same on every rank)."""
+    one = ListLoader(samples(), 6)
+    ref = [one.next_batch() for _ in range(3)]
+    parts = []
+    for rank in range(3):
+        ctx = D.DistContext(rank=rank, world=3)
+        sl = D.RankSlice(ListLoader(samples(), 2), ctx)
+        parts.append([sl.next_batch() for _ in range(3)])
+        assert sl.state_dict() == one.state_dict() and sl.batch_size == 2
+    for k in range(3):
+        assert [i for r in range(3) for i in parts[r][k]["sample_ids"]] == ref[k]["sample_ids"]
+        assert torch.equal(torch.cat([parts[r][k]["input_ids"] for r in range(3)]), ref[k]["input_ids"])
+
+
+def test_packed_rows_split_their_sample_ids():
+    batch = {"input_ids": torch.zeros(3, 6, dtype=torch.long), "labels": torch.zeros(3, 6, dtype=torch.long),
+             "doc_ids": torch.tensor([[0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 0, 0], [0, 1, -1, -1, -1, -1]]),
+             "sample_ids": [10, 11, 12, 13, 14, 15]}
+    assert D.row_sample_ids(batch) == [[10, 11, 12], [13], [14, 15]]
+    assert D.slice_rows(batch, 1, 3)["sample_ids"] == [13, 14, 15]
+    empty = D.slice_rows(batch, 3, 3)  # a rank the last eval batch left without rows
+    assert empty["input_ids"].shape == (1, 6) and bool((empty["labels"] == IGNORE_INDEX).all())
+    assert empty["sample_ids"] == []
+
+
+def test_single_process_is_untouched(monkeypatch):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    ctx = D.init_from_env("cpu")
+    assert not ctx.active and ctx.is_main and ctx.all_reduce([1.5, 2.0]) == [1.5, 2.0]
+    model = tiny()
+    par = P.apply_parallel(model, ctx, "auto")
+    assert par.kind == "single" and par.forward_module is model
+    loader = ListLoader(samples(), 4)
+    assert D.shard_loader(loader, ctx) is loader
+
+
+def test_parallel_choice():
+    assert P.resolve_parallel("auto", adapters=False) == "fsdp"
+    assert P.resolve_parallel("auto", adapters=True) == "ddp"
+    from entrenar.errors import InputError
+
+    with pytest.raises(InputError, match="--parallel"):
+        P.resolve_parallel("zero3", adapters=False)
+    with pytest.raises(InputError, match="ddp"):
+        P.resolve_parallel("fsdp", adapters=True)
+
+
+def test_bad_torchrun_env_is_input_error(monkeypatch):
+    from entrenar.errors import InputError
+
+    monkeypatch.setenv("WORLD_SIZE", "two")
+    with pytest.raises(InputError, match="WORLD_SIZE"):
+        D.init_from_env("cpu")
+
+
+def test_results_are_json_safe():
+    # reductions return plain floats (they go into metrics.jsonl)
+    assert json.dumps(D.DistContext().all_reduce([1, 2])) == "[1.0, 2.0]"
