@@ -54,7 +54,6 @@ COPY = ("src", "tests", "contracts", "tools", "pyproject.toml", "conftest.py")
 COSTS = ("fast", "slow")
 DEFAULT_TIMEOUT = 600.0
 OK = "caught"
-FAST_MARKERS = "not real_model"
 
 
 @dataclass
@@ -382,8 +381,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=1, help="mutants run at once (default 1)")
     p.add_argument("--json", action="store_true", help="one JSON document instead of the table")
     g = p.add_mutually_exclusive_group()
-    g.add_argument("--fast", action="store_true",
-                   help="only cost: fast invariants, without their real_model tests (the default without --id)")
+    g.add_argument("--fast", action="store_true", help="only cost: fast invariants (the default without --id)")
+    p.add_argument("--markers", help="pytest -m expression for the named tests (e.g. 'not real_model')")
     g.add_argument("--all", action="store_true", help="every invariant, fast and slow")
     p.add_argument("--list", action="store_true", help="list the selected invariants and exit")
     p.add_argument("--lint", action="store_true", help="check contracts/*.yaml and exit")
@@ -428,9 +427,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _run_all(chosen: list[Invariant], python: str, parent: Path, args) -> list[Result]:
-    # CI's fast set leaves out the tests that load a packaged model (minutes each on a CPU): a fast
-    # invariant must be caught by its other tests; its real-model tests run under --all / --id.
-    markers = FAST_MARKERS if args.fast or not (args.all or args.id) else ""
+    markers = args.markers or ""
     def one(inv: Invariant) -> Result:
         r = run_one(inv, python, parent, args.baseline, markers=markers)
         if not args.json:
