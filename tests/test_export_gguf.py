@@ -109,7 +109,20 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
 
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory) -> Path:
-    return train_tokenizer(tmp_path_factory.mktemp("tok") / "tokenizer")
+    """A tokenizer trained by `entrenar tokenizer train` (LLaMA-3 split, no ignore_merges, ChatML)."""
+    from entrenar.tokenizer_train import train_tokenizer as entrenar_train
+
+    root = tmp_path_factory.mktemp("tok")
+    for i, text in enumerate(CORPUS[:5]):
+        (root / f"doc{i}.txt").write_text(text * 3, encoding="utf-8")
+    entrenar_train([str(root / f"doc{i}.txt") for i in range(5)], 420, root / "tokenizer", min_frequency=1)
+    return root / "tokenizer"
+
+
+@pytest.fixture(scope="module")
+def bos_tok_dir(tmp_path_factory) -> Path:
+    """A second trained tokenizer: Qwen2's split and add_bos=True (BOS = <|endoftext|>)."""
+    return train_tokenizer(tmp_path_factory.mktemp("tok-bos") / "tokenizer", add_bos=True)
 
 
 @pytest.fixture(scope="module")
@@ -224,14 +237,36 @@ def test_tokenizer_survives_our_reader(tok_dir, exports):
     back = load_tokenizer(exports["qwen2", "f16"])
     for s in TOKENIZE_STRINGS:
         assert back.encode(s) == src.encode(s), s
-    assert (back.bos_id, back.eos_id, back.pad_id, back.add_bos) == (src.bos_id, src.eos_id, src.pad_id,
-                                                                      src.add_bos)
-    assert back.chat_template == CHATML
+    assert (back.bos_id, back.eos_id, back.pad_id, back.eot_id, back.add_bos) == (
+        src.bos_id, src.eos_id, src.pad_id, src.eot_id, src.add_bos)
+    assert back.chat_template == src.chat_template and "<|im_start|>" in src.chat_template
     fields = open_reader(exports["qwen2", "f16"]).fields
-    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "qwen2"
+    # entrenar's trainer: LLaMA-3's split, merges always applied -> llama.cpp's smaug-bpe
+    assert fields["tokenizer.ggml.model"] == "gpt2" and fields["tokenizer.ggml.pre"] == "smaug-bpe"
     types = fields["tokenizer.ggml.token_type"]
     assert [types[src.tokenizer.token_to_id(t)] for t in SPECIALS] == [3, 3, 3]
     assert types[len(src):] == [5] * 12 and fields["tokenizer.ggml.tokens"][-1] == f"[PAD{len(src) + 11}]"
+    assert set(types[:len(src)]) == {1, 3}
+
+
+def bos_model_gguf(tmp_path: Path, bos_tok_dir: Path, typ: str = "f32") -> Path:
+    """A tiny llama with the add-BOS tokenizer (Qwen2 split), exported."""
+    tok = load_tokenizer(bos_tok_dir)
+    model = random_model(tiny_cfg("llama", len(tok), bos_token_id=tok.bos_id, eos_token_id=tok.eos_id), seed=7)
+    out = tmp_path / "bos.gguf"
+    gw.write_gguf(model.cfg, model.state_dict(), tok, out, typ)
+    return out
+
+
+def test_bos_tokenizer_metadata(tmp_path, bos_tok_dir):
+    out = bos_model_gguf(tmp_path, bos_tok_dir)
+    fields = open_reader(out).fields
+    src = load_tokenizer(bos_tok_dir)
+    assert fields["tokenizer.ggml.pre"] == "qwen2" and fields["tokenizer.ggml.add_bos_token"] is True
+    assert fields["tokenizer.ggml.bos_token_id"] == src.bos_id
+    back = load_tokenizer(out)
+    assert back.add_bos and back.encode("hi there")[0] == src.bos_id == back.bos_id
+    assert [back.encode(s) for s in TOKENIZE_STRINGS] == [src.encode(s) for s in TOKENIZE_STRINGS]
 
 
 # ---- pre-tokenizer choice -------------------------------------------------------------------------
@@ -274,12 +309,21 @@ def test_cli_export_summary_and_refusals(tmp_path, tiny_dirs):
     r = _run_json(["export", "gguf", str(tiny_dirs["llama"]), str(out), "--type", "q8_0", "--json"])
     assert r["ok"] and r["exit_code_seen"] == 0 and out.is_file()
     assert r["tensors"] == len(open_reader(out).tensors) and r["bytes"] == out.stat().st_size
-    assert r["tensor_types"] == {"F32": 5, "Q8_0": 16} and r["pre_tokenizer"] == "qwen2"
+    assert r["tensor_types"] == {"F32": 5, "Q8_0": 16} and r["pre_tokenizer"] == "smaug-bpe"
     assert r["seconds"] > 0 and r["mb_per_s"] > 0
     again = _run_json(["export", "gguf", str(tiny_dirs["llama"]), str(out), "--json"])
     assert again["exit_code_seen"] == 2 and "already exists" in again["error"]
     missing = _run_json(["export", "gguf", str(tiny_dirs["llama"]), str(tmp_path / "no" / "x.gguf"), "--json"])
     assert missing["exit_code_seen"] == 2 and "does not exist" in missing["error"]
+
+
+def test_convert_to_gguf_path_writes_a_gguf_file(tmp_path, tiny_dirs):
+    """Issue 18 item 5: `convert MODEL x.gguf` made a directory named x.gguf; it now exports."""
+    out = tmp_path / "merged.gguf"
+    r = _run_json(["convert", str(tiny_dirs["qwen2"]), str(out), "--dtype", "bf16", "--json"])
+    assert r["ok"] and r["dispatched_to"] == "export gguf" and r["type"] == "bf16"
+    assert out.is_file() and not out.is_dir()
+    assert load_gguf(out)[2]["stored_dtypes"]["model.layers.0.mlp.up_proj.weight"] == "BF16"
 
 
 def test_model_without_tokenizer_needs_tokenizer_flag(tmp_path, tok_dir):
@@ -352,3 +396,135 @@ def test_unexportable_configs_refused():
         gw.check_exportable(tiny_cfg("llama", 300, attention_bias=True))
     with pytest.raises(InputError, match="llama3"):
         gw.check_exportable(tiny_cfg("llama", 300, rope_scaling={"rope_type": "llama3", "factor": 8.0}))
+
+
+# ---- transformers reads our f16 export ----------------------------------------------------------
+def test_transformers_loads_f16_export(tiny_dirs, exports):
+    from transformers import AutoModelForCausalLM
+
+    for arch in ("llama", "qwen2"):
+        path = exports[arch, "f16"]
+        hf = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name, dtype=torch.float32)
+        assert hf.config.model_type == arch
+        with torch.no_grad():
+            theirs = hf(PROBE).logits[0]
+        assert rel_l2(theirs, our_logits(tiny_dirs[arch])) <= 1e-2, arch  # f16 rounding only
+
+
+# ---- llama.cpp (llama-cpp-python) as the client ---------------------------------------------------
+def llama_cpp(path: Path, n_ctx: int = 256, vocab_only: bool = False):
+    """llama.cpp on the file, CPU, 2 threads, every position's logits kept."""
+    from llama_cpp import Llama
+
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=2,
+                 n_threads_batch=2, logits_all=True, vocab_only=vocab_only, verbose=False)
+
+
+def llama_cpp_logits(llm, ids: list[int]) -> torch.Tensor:
+    llm.reset()
+    llm.eval(ids)
+    return torch.from_numpy(np.array(llm.scores[:len(ids)], dtype=np.float32))
+
+
+def llama_cpp_greedy(llm, prompt_ids: list[int], n: int, stop_ids: set[int]) -> list[int]:
+    """Greedy continuation by argmax over llama.cpp's logits (no sampler in between)."""
+    llm.reset()
+    llm.eval(prompt_ids)
+    out: list[int] = []
+    for _ in range(n):
+        nxt = int(np.argmax(llm.scores[llm.n_tokens - 1]))
+        out.append(nxt)
+        if nxt in stop_ids:
+            break
+        llm.eval([nxt])
+    return out
+
+
+def llama_cpp_tokenize(llm, text: str) -> list[int]:
+    """llama.cpp's ids; add_bos=True means "as the model's add-BOS flag says"; special tokens parsed."""
+    return llm.tokenize(text.encode("utf-8"), add_bos=True, special=True)
+
+
+def agreement(ours: torch.Tensor, theirs: torch.Tensor) -> float:
+    return (ours.argmax(-1) == theirs.argmax(-1)).double().mean().item()
+
+
+LOGIT_BOUNDS = {"f32": 1e-4, "f16": 1e-2}
+
+
+@pytest.mark.parametrize("typ", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_llama_cpp_logits_match_ours(arch, typ, tiny_dirs, exports):
+    """Full forward of a 40-token prompt: llama.cpp on our file vs our model on the source weights."""
+    ids = PROBE[0].tolist()
+    ours = our_logits(tiny_dirs[arch])
+    theirs = llama_cpp_logits(llama_cpp(exports[arch, typ]), ids)
+    assert theirs.shape == ours.shape
+    if typ in LOGIT_BOUNDS:
+        assert rel_l2(theirs, ours) <= LOGIT_BOUNDS[typ], (arch, typ, rel_l2(theirs, ours))
+    assert agreement(ours, theirs) >= 0.99, (arch, typ, agreement(ours, theirs))
+
+
+def test_llama_cpp_tokenizes_like_us_trained_tokenizer(tok_dir, exports):
+    ours = load_tokenizer(tok_dir)
+    llm = llama_cpp(exports["llama", "f16"], vocab_only=True)
+    for s in TOKENIZE_STRINGS:
+        assert llama_cpp_tokenize(llm, s) == ours.encode(s), s
+    chat = ours.encode_chat([{"role": "user", "content": "def f(x):\n    return 2 * x"}],
+                            add_generation_prompt=True)
+    text = ours.render_chat([{"role": "user", "content": "def f(x):\n    return 2 * x"}], True).text
+    assert llama_cpp_tokenize(llm, text) == chat.ids
+
+
+def test_llama_cpp_tokenizes_like_us_bos_tokenizer(tmp_path, bos_tok_dir):
+    """Qwen2 split and add_bos=True: llama.cpp prepends BOS exactly when we do."""
+    ours = load_tokenizer(bos_tok_dir)
+    llm = llama_cpp(bos_model_gguf(tmp_path, bos_tok_dir), vocab_only=True)
+    for s in TOKENIZE_STRINGS:
+        assert llama_cpp_tokenize(llm, s) == ours.encode(s), s
+    assert llama_cpp_tokenize(llm, "x")[0] == ours.bos_id
+
+
+def lora_finetune(base: Path, out: Path, qlora: bool, steps: int = 30) -> Path:
+    """A real (tiny) LoRA / QLoRA fine-tune: AdamW on one chat until its answer is learned, saved as
+    a PEFT adapter recording `base`."""
+    from entrenar import peft
+
+    tok = load_tokenizer(base)
+    model = load_model(base, dtype=torch.float32)
+    peft.apply_lora(model, rank=4, alpha=8, quantize_nf4=qlora, seed=0)
+    chat = tok.encode_chat([{"role": "user", "content": "say a poem"},
+                            {"role": "assistant", "content": "roses are red, violets are blue"}])
+    ids = torch.tensor([chat.ids])
+    labels = torch.tensor([chat.ids[1:] + [-100]])
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    model.train()
+    for _ in range(steps):
+        loss_sum, n = model(ids, labels=labels)
+        (loss_sum / n).backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+    return peft.save_adapter(model, out, str(base))
+
+
+@pytest.mark.parametrize("qlora", [False, True], ids=["lora", "qlora"])
+def test_adapter_export_generates_like_generate_adapter(qlora, tmp_path, tiny_dirs):
+    base = tiny_dirs["llama"]
+    adapter = lora_finetune(base, tmp_path / "adapter", qlora)
+    prompt = "say a poem"
+    ours = _run_json(["generate", "--model", str(base), "--adapter", str(adapter), "--prompt", prompt,
+                      "--chat", "--max-new-tokens", "24", "--device", "cpu", "--json"])
+    assert ours["ok"]
+    without = _run_json(["generate", "--model", str(base), "--prompt", prompt, "--chat",
+                         "--max-new-tokens", "24", "--device", "cpu", "--json"])
+    assert without["token_ids"] != ours["token_ids"]  # the fine-tune changed the answer
+    out = tmp_path / "merged.gguf"
+    r = _run_json(["export", "gguf", str(base), str(out), "--adapter", str(adapter), "--type", "f32", "--json"])
+    assert r["ok"] and r["adapters_merged"] == 14
+    tok = load_tokenizer(base)
+    text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True).text
+    llm = llama_cpp(out)
+    prompt_ids = llama_cpp_tokenize(llm, text)
+    assert prompt_ids == tok.encode_rendered(text)
+    assert llama_cpp_greedy(llm, prompt_ids, 24, tok.stop_ids) == ours["token_ids"]

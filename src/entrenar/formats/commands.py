@@ -79,10 +79,25 @@ def _has_tokenizer(spec: str) -> bool:
     return "tokenizer.ggml.tokens" in open_reader(path).fields
 
 
+def _convert_to_gguf(args: argparse.Namespace, out: Path) -> dict:
+    """`convert MODEL x.gguf` is `export gguf MODEL x.gguf` (fp32 -> f32, bf16 -> bf16, keep -> f16)."""
+    from .export import cmd_export_gguf
+
+    export_type = {"fp32": "f32", "bf16": "bf16"}.get(args.dtype, "f16")
+    ns = argparse.Namespace(model=args.model, out=str(out), export_type=export_type, adapter=None,
+                            tokenizer=None, force_base=False, json=args.json)
+    if not args.json:
+        print(f"{out.name} ends in .gguf: writing a GGUF file as `entrenar export gguf --type {export_type}` "
+              f"does (see `entrenar export gguf --help` for --type and --adapter)")
+    return {**cmd_export_gguf(ns), "dispatched_to": "export gguf"}
+
+
 def cmd_convert(args: argparse.Namespace) -> dict:
     from . import load_model, save_hf_dir
 
     out = Path(args.out_dir)
+    if out.suffix.lower() == ".gguf":  # a GGUF file, not an HF directory named x.gguf (issue 18 item 5)
+        return _convert_to_gguf(args, out)
     if out.exists():
         raise InputError(f"{out}: output directory already exists; choose a new path")
     if not out.parent.is_dir():
