@@ -214,22 +214,21 @@ def _missing_message(path: Path, missing: list[str]) -> str:
     return f"{path} is missing {', '.join(missing)}{legacy}"
 
 
-def _intact_candidates(run_dir: Path, log: Callable[[str], None]) -> tuple[list[Path], int]:
-    """Complete checkpoints with every file present, newest first, and how many complete ones exist."""
+def _intact_candidates(run_dir: Path, log: Callable[[str], None]) -> tuple[list[Path], list[str]]:
+    """Complete checkpoints with every file present, newest first, and what is wrong with the others."""
     root = run_dir / "checkpoints"
     for d in incomplete_checkpoints(root):
         log(f"resume: ignoring incomplete checkpoint {d} (no {COMPLETE} marker: interrupted while "
             f"being written)")
-    done = complete_checkpoints(root)
-    intact = []
-    for d in reversed(done):
+    intact, problems = [], []
+    for d in reversed(complete_checkpoints(root)):
         missing = missing_files(d)
         if missing:
-            log(f"resume: skipping {_missing_message(d, missing)}; falling back to the previous complete "
-                f"checkpoint")
+            problems.append(_missing_message(d, missing))
+            log(f"resume: skipping {problems[-1]}; falling back to the previous complete checkpoint")
         else:
             intact.append(d)
-    return intact, len(done)
+    return intact, problems
 
 
 def _explicit_checkpoint(spec: str, log: Callable[[str], None]) -> Path:
@@ -261,13 +260,13 @@ def find_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print) ->
     (InputError otherwise). Reads no checkpoint contents (load_resume verifies them)."""
     if spec != "auto":
         return _explicit_checkpoint(spec, log)
-    intact, n_complete = _intact_candidates(Path(run_dir), log)
+    intact, problems = _intact_candidates(Path(run_dir), log)
     if intact:
         log(f"resume: continuing from {intact[0]}")
         return intact[0]
-    if n_complete:
-        raise InputError(f"--resume auto: none of the {n_complete} complete checkpoint(s) under "
-                         f"{Path(run_dir) / 'checkpoints'} has all its files; start a new run (new --out)")
+    if problems:
+        raise InputError(f"--resume auto: no usable checkpoint under {Path(run_dir) / 'checkpoints'} "
+                         f"({'; '.join(problems)}); start a new run (new --out) or restore a checkpoint")
     log(f"resume: no complete checkpoint under {Path(run_dir) / 'checkpoints'}; starting from step 0")
     return None
 
@@ -280,8 +279,7 @@ def load_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print
     if spec != "auto":
         path = _explicit_checkpoint(spec, log)
         return path, load_checkpoint(path)
-    intact, n_complete = _intact_candidates(Path(run_dir), log)
-    problems = []
+    intact, problems = _intact_candidates(Path(run_dir), log)
     for path in intact:
         try:
             ckpt = load_checkpoint(path)
@@ -291,10 +289,9 @@ def load_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print
             continue
         log(f"resume: continuing from {path}")
         return path, ckpt
-    if n_complete:
+    if problems:
         raise InputError(f"--resume auto: no usable checkpoint under {Path(run_dir) / 'checkpoints'} "
-                         f"({'; '.join(problems) or 'every complete one is missing files'}); start a new "
-                         f"run (new --out) or restore a checkpoint")
+                         f"({'; '.join(problems)}); start a new run (new --out) or restore a checkpoint")
     log(f"resume: no complete checkpoint under {Path(run_dir) / 'checkpoints'}; starting from step 0")
     return None, None
 
