@@ -27,10 +27,38 @@ from entrenar.train.metrics import read_jsonl
 STDLIB = Path(json.__file__).parent  # json/*.py: ~40 kB of text
 
 
-class ByteTokenizer:
-    """Bytes as ids 0..255, eos 256, bos 257: enough for `data pack`."""
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte -> printable character map (what tokenizers' ByteLevel pre-tokenizer emits)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs, n = bs[:], 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
 
-    eos_id, bos_id, add_bos = 256, 257, False
+
+def _byte_tokenizers_model():
+    """A real tokenizers.Tokenizer whose ids are the UTF-8 bytes (no merges), eos 256, bos 257:
+    `data pack` stores it with the shards, and pretrain loads it from there."""
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    tok = Tokenizer(models.BPE(vocab, []))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<bos>", special=True)])
+    return tok
+
+
+class ByteTokenizer:
+    """Bytes as ids 0..255, eos 256, bos 257: enough for `data pack` (which saves `.tokenizer`)."""
+
+    eos_id, bos_id, pad_id, add_bos = 256, 257, None, False
+
+    def __init__(self) -> None:
+        self.tokenizer = _byte_tokenizers_model()
 
     def encode(self, text: str, add_special: bool = True) -> list[int]:
         return list(text.encode("utf-8"))

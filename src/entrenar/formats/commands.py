@@ -14,6 +14,7 @@ import torch
 
 from ..cli_registry import add_command
 from ..errors import InputError
+from ..outpaths import check_creatable
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -100,6 +101,7 @@ def cmd_convert(args: argparse.Namespace) -> dict:
         return _convert_to_gguf(args, out)
     if out.exists():
         raise InputError(f"{out}: output directory already exists; choose a new path")
+    check_creatable(out, "OUT_DIR")  # a parent that is a file or read-only: exit 2 before loading
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: parent directory of OUT_DIR does not exist")
     model = load_model(args.model, dtype=_DTYPES.get(args.dtype))

@@ -1,0 +1,323 @@
+"""Bad inputs a new user hit (issue 18), one table row each: argv, expected exit code, a substring
+the message must contain, and what must not have been written. Every row runs through `cli.main`
+with --json, so each also checks the JSON contract: one strict-JSON line {"ok": false, ...}.
+
+Seen red before the fixes (run against the tree before them): convert-gguf-out (made a directory),
+batch/rank rows (no check: the run started), alpha-0 (ZeroDivisionError traceback), alpha-negative
+("--lr must be > 0, got -0.0004"), max-seq-len-0 ("--seq-len must be ..."), sft-from-code rows
+(IsADirectoryError; a silent overwrite), uncreatable --out rows (tracebacks), argparse rows (no JSON
+line), lr-auto-pretrain (ValueError traceback).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrenar import cli
+from entrenar.config import ModelConfig
+from entrenar.formats import save_hf_dir
+from entrenar.model import CausalLM
+
+
+def _no_constants(name: str) -> float:
+    raise AssertionError(f"non-strict JSON constant {name} in --json output")
+
+
+def strict_loads(line: str) -> dict:
+    """json.loads that rejects NaN / Infinity (what JavaScript, jq and Go parsers do)."""
+    return json.loads(line, parse_constant=_no_constants)
+
+
+def run_cli(argv: list[str], capsys) -> tuple[int, dict | None, str]:
+    code = cli.main(argv)
+    out, err = capsys.readouterr()
+    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
+    return code, (strict_loads(lines[-1]) if lines and lines[-1].startswith("{") else None), err
+
+
+# ---- fixtures: one small world per module ------------------------------------------------------------
+@dataclass
+class World:
+    root: Path
+    model: Path  # a tiny HF model directory with SmolLM2's tokenizer and chat template
+    sft: Path  # 11 chat rows
+    byte_model: Path  # a tiny model over a byte vocabulary (pretrain)
+    shards: Path  # byte shards (pretrain)
+    adapter: Path  # a LoRA adapter of `model`
+    a_file: Path  # an existing regular file
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    from test_train_cli import STDLIB, ByteTokenizer
+
+    from entrenar.data.corpus import pack
+    from entrenar.peft import apply_lora, save_adapter
+    from entrenar.tokenizer import load_tokenizer
+
+    root = tmp_path_factory.mktemp("world")
+    tok = load_tokenizer("smollm2-135m-instruct")
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    m = CausalLM(cfg)
+    m.init_weights(0)
+    model = save_hf_dir(m, root / "tiny", tok)
+    sft = root / "sft.jsonl"
+    sft.write_text("".join(json.dumps({"prompt": f"Say {i}.", "completion": f"{i}!"}) + "\n" for i in range(11)))
+    bcfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                       num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    bm = CausalLM(bcfg)
+    bm.init_weights(0)
+    byte_model = save_hf_dir(bm, root / "bytemodel")
+    shards = root / "shards"
+    pack([str(STDLIB / "decoder.py")], ByteTokenizer(), shards, val_fraction=0.0, seed=1)
+    lm = apply_lora(CausalLM(cfg), 4, 8.0, targets="q_proj,v_proj", seed=0)
+    adapter = save_adapter(lm, root / "adapter", str(model))
+    a_file = root / "a_file.txt"
+    a_file.write_text("keep me\n")
+    return World(root, model, sft, byte_model, shards, Path(adapter), a_file)
+
+
+def finetune(w: World, out: Path, *extra: str) -> list[str]:
+    return ["finetune", "--model", str(w.model), "--data", str(w.sft), "--out", str(out), "--steps", "1",
+            "--val-fraction", "0", "--max-seq-len", "64", "--no-preflight", "--json", *extra]
+
+
+def pretrain(w: World, out: Path, *extra: str) -> list[str]:
+    return ["pretrain", "--model", str(w.byte_model), "--data", str(w.shards), "--out", str(out), "--steps", "1",
+            "--seq-len", "32", "--no-preflight", "--json", *extra]
+
+
+@dataclass
+class Case:
+    argv: Callable[[World, Path], list[str]]  # (world, a fresh tmp dir) -> argv
+    code: int
+    message: str  # substring of stderr (and of the JSON "error")
+    untouched: Callable[[World, Path], list[Path]]  # paths that must not exist afterwards
+    absent_message: str | None = None  # a misleading text that must not appear
+
+
+def _nothing(w: World, t: Path) -> list[Path]:
+    return []
+
+
+CASES = {
+    # item 7: validate before allocating
+    "finetune-batch-over-samples": Case(lambda w, t: finetune(w, t / "run", "--batch-size", "100000"), 2,
+                                        "--batch-size 100000 is more than the 11 training samples",
+                                        lambda w, t: [t / "run"]),
+    "pretrain-batch-over-windows": Case(lambda w, t: pretrain(w, t / "run", "--batch-size", "100000"), 2,
+                                        "--batch-size 100000 is more than the", lambda w, t: [t / "run"]),
+    "lora-rank-over-width": Case(lambda w, t: finetune(w, t / "run", "--mode", "lora", "--rank", "100000"), 2,
+                                 "--rank 100000 is larger than", lambda w, t: [t / "run"]),
+    # item 8: tracebacks
+    "lora-alpha-0-lr-auto": Case(lambda w, t: finetune(w, t / "run", "--mode", "lora", "--alpha", "0"), 2,
+                                 "--alpha must be", lambda w, t: [t / "run"]),
+    "sft-from-code-out-is-dir": Case(lambda w, t: ["data", "sft-from-code", "--out", str(w.root), str(STDLIB_JSON),
+                                                   "--json"], 2, "is a directory", _nothing),
+    "convert-out-under-a-file": Case(lambda w, t: ["convert", str(w.model), str(w.a_file / "sub"), "--json"], 2,
+                                     "cannot be created", _nothing),
+    "finetune-out-under-a-file": Case(lambda w, t: finetune(w, w.a_file / "run"), 2, "cannot be created",
+                                      _nothing),
+    "merge-out-under-a-file": Case(lambda w, t: ["merge", "--base", str(w.model), "--adapter", str(w.adapter),
+                                                 "--out", str(w.a_file / "merged"), "--json"], 2,
+                                   "cannot be created", _nothing),
+    # item 9: argparse errors still print the JSON line
+    "argparse-missing-flag": Case(lambda w, t: ["finetune", "--model", str(w.model), "--data", str(w.sft), "--json"],
+                                  2, "the following arguments are required: --out", _nothing),
+    "argparse-bad-choice": Case(lambda w, t: finetune(w, t / "run", "--mode", "bogus"), 2, "invalid choice",
+                                lambda w, t: [t / "run"]),
+    "argparse-steps-1e9": Case(lambda w, t: pretrain(w, t / "run", "--steps", "1e9"), 2,
+                               "argument --steps: invalid int value", lambda w, t: [t / "run"]),
+    # item 10: silent overwrites
+    "sft-from-code-over-a-file": Case(lambda w, t: ["data", "sft-from-code", "--out", str(w.a_file),
+                                                    str(STDLIB_JSON), "--json"], 2, "--overwrite", _nothing),
+    "pack-over-a-pack": Case(lambda w, t: ["data", "pack", "--model", str(w.model), "--out", str(w.shards),
+                                           str(w.sft), "--json"], 2, "--overwrite", _nothing),
+    # item 11: messages that point the wrong way
+    "finetune-max-seq-len-0": Case(lambda w, t: [*finetune(w, t / "run")[:-4], "--max-seq-len", "0", "--json"], 2,
+                                   "--max-seq-len must be a positive integer", lambda w, t: [t / "run"],
+                                   absent_message="--seq-len must"),
+    "lora-alpha-negative": Case(lambda w, t: finetune(w, t / "run", "--mode", "lora", "--alpha", "-16"), 2,
+                                "--alpha must be", lambda w, t: [t / "run"], absent_message="--lr must"),
+    "lr-auto-for-pretrain": Case(lambda w, t: pretrain(w, t / "run", "--lr", "auto"), 2, "--lr auto",
+                                 lambda w, t: [t / "run"]),
+    "bad-device": Case(lambda w, t: finetune(w, t / "run", "--device", "gpu0"), 2, "not a device",
+                       lambda w, t: [t / "run"]),
+}
+STDLIB_JSON = Path(json.__file__).parent
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_bad_input(name, world, tmp_path, capsys):
+    case = CASES[name]
+    before = {p: p.read_bytes() for p in (world.a_file, world.sft, world.shards / "index.json")}
+    code, result, err = run_cli(case.argv(world, tmp_path), capsys)
+    assert code == case.code, err[-3000:]
+    assert case.message in err, err[-3000:]
+    assert "Traceback" not in err
+    if case.absent_message:
+        assert case.absent_message not in err
+    assert result is not None, "--json must print a JSON line on failure too"
+    assert result["ok"] is False and result["exit_code"] == case.code and case.message in result["error"]
+    for path in case.untouched(world, tmp_path):
+        assert not path.exists(), f"{path} was written"
+    for path, data in before.items():
+        assert path.read_bytes() == data, f"{path} was changed"
+
+
+def test_convert_to_a_gguf_path_writes_a_gguf_file_not_a_directory(world, tmp_path, capsys):
+    """Issue 18 item 5: `convert MODEL out/merged.gguf` made a directory named merged.gguf (seen red);
+    it now writes the GGUF file (dispatching to `export gguf`)."""
+    out = tmp_path / "merged.gguf"
+    code, result, err = run_cli(["convert", str(world.model), str(out), "--json"], capsys)
+    assert code == 0, err[-3000:]
+    assert out.is_file() and out.read_bytes()[:4] == b"GGUF" and result["ok"] is True
+
+
+# ---- the JSON contract ---------------------------------------------------------------------------------
+def test_ctrl_c_prints_json_with_exit_130_and_the_resume_hint(monkeypatch, capsys):
+    from entrenar.train import commands
+
+    class Interrupted(KeyboardInterrupt):  # what the trainer raises: carries the checkpoint and command
+        checkpoint = "runs/x/checkpoints/step-0000004"
+        resume_command = "entrenar pretrain ... --resume auto"
+
+        def __str__(self) -> str:
+            return f"the last complete checkpoint is {self.checkpoint}; continue with: {self.resume_command}"
+
+    def boom(args):
+        raise Interrupted()
+
+    monkeypatch.setattr(commands, "cmd_plot", boom)
+    code, result, err = run_cli(["plot", "some-run", "--json"], capsys)
+    assert code == 130
+    assert result == {"ok": False, "error": f"interrupted: {Interrupted()}", "exit_code": 130, "guard": None,
+                      "checkpoint": Interrupted.checkpoint, "resume_command": Interrupted.resume_command}
+    assert "step-0000004" in err and "--resume auto" in err
+
+
+def test_plain_ctrl_c_still_prints_json(monkeypatch, capsys):
+    from entrenar.train import commands
+
+    def boom(args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(commands, "cmd_plot", boom)
+    code, result, _ = run_cli(["plot", "some-run", "--json"], capsys)
+    assert code == 130 and result["ok"] is False and result["error"] == "interrupted"
+
+
+def test_nonfinite_numbers_are_null_and_named(monkeypatch, capsys):
+    from entrenar.train import commands
+
+    monkeypatch.setattr(commands, "cmd_plot", lambda args: {
+        "loss": float("nan"), "ok_value": 1.5, "curve": [1.0, float("inf"), -float("inf")],
+        "nested": {"x": float("nan")}})
+    code, result, _ = run_cli(["plot", "r", "--json"], capsys)
+    assert code == 0
+    assert result["loss"] is None and result["curve"] == [1.0, None, None] and result["nested"] == {"x": None}
+    assert result["ok_value"] == 1.5
+    assert result["nonfinite"] == ["curve[1]", "curve[2]", "loss", "nested.x"]
+
+
+def test_strict_json_leaves_finite_values_alone():
+    nonfinite: list[str] = []
+    obj = {"a": [1, 2.5, "NaN", None, True], "b": {"c": -0.0}}
+    assert cli.strict_json(obj, nonfinite=nonfinite) == obj and nonfinite == []
+    assert math.isnan(float("nan"))  # the helper below must see a real NaN
+    assert cli.strict_json(float("nan"), nonfinite=nonfinite) is None and nonfinite == ["$"]
+
+
+def test_errors_are_strict_json_too(monkeypatch, capsys):
+    from entrenar.errors import GuardError
+    from entrenar.train import commands
+
+    def guard(args):
+        raise GuardError("GUARD-NONFINITE", "loss is nan", "lower --lr", details={"loss": float("nan")})
+
+    monkeypatch.setattr(commands, "cmd_plot", guard)
+    code, result, _ = run_cli(["plot", "r", "--json"], capsys)
+    assert code == 3 and result["guard"] == "GUARD-NONFINITE" and result["details"] == {"loss": None}
+    assert result["nonfinite"] == ["details.loss"]
+
+
+def test_help_and_success_without_json_print_no_json(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["finetune", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "0 = keep all" in out  # --keep 0 keeps every checkpoint (issue 18 item 12)
+    assert "--max-skip-fraction" in out  # GUARD-DATA's remedy names a flag finetune has
+
+
+# ---- runs that never trained do not block a retry ------------------------------------------------------
+def test_run_dir_that_never_reached_step_1_is_reused(world, tmp_path, capsys):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{}")  # what an OOM-killed first step left behind
+    (out / "data_report.json").write_text("{}")
+    (out / "metrics.jsonl").write_text("")
+    (out / "checkpoints").mkdir()
+    code, _, err = run_cli(pretrain(world, out), capsys)
+    assert code == 0, err[-3000:]
+    assert "never reached step 1" in err
+    assert json.loads((out / "run.json").read_text())["command"] == "pretrain"
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
+
+
+@pytest.mark.parametrize("leftover", ["metrics-line", "checkpoint", "user-file"])
+def test_run_dir_with_progress_or_other_files_still_blocks(world, tmp_path, capsys, leftover):
+    out = tmp_path / "run"
+    out.mkdir()
+    (out / "run.json").write_text("{}")
+    if leftover == "metrics-line":
+        (out / "metrics.jsonl").write_text('{"step": 1}\n')
+    elif leftover == "checkpoint":
+        (out / "checkpoints" / "step-0000001").mkdir(parents=True)
+    else:
+        (out / "notes.txt").write_text("mine")
+    code, _, err = run_cli(pretrain(world, out), capsys)
+    assert code == 2 and "not empty" in err
+    assert (out / "run.json").read_text() == "{}"
+
+
+def test_lora_warns_when_adapters_outgrow_the_model(capsys):
+    from entrenar.train.commands import _check_lora_fits
+    from entrenar.train.config import LoRAConfig
+
+    cfg = ModelConfig(vocab_size=16, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=4, tie_word_embeddings=True, max_position_embeddings=64)
+    model = CausalLM(cfg)
+    _check_lora_fits(model, LoRAConfig(rank=32))
+    assert "more than the model's" in capsys.readouterr().err
+    _check_lora_fits(model, LoRAConfig(rank=2))
+    assert capsys.readouterr().err == ""
+
+
+def test_plot_prints_its_path(tmp_path, capsys):
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": s, "loss": 3.0 / s, "lr": 1e-3, "grad_norm": 1.0, "tok_s": 100.0}) + "\n"
+        for s in (1, 2, 3)))
+    assert cli.main(["plot", str(run)]) == 0
+    assert capsys.readouterr().out.strip() == f"wrote {run / 'curves.png'}"
+    code, result, _ = run_cli(["plot", str(run), "--out", str(tmp_path / "c.png"), "--json"], capsys)
+    assert code == 0 and result["out"] == str(tmp_path / "c.png") and (tmp_path / "c.png").is_file()
+
+
+def test_a_nan_from_torch_is_also_caught(monkeypatch, capsys):
+    """A tensor's .item() NaN (what eval returns on a broken model) goes through the same rule."""
+    from entrenar.train import commands
+
+    monkeypatch.setattr(commands, "cmd_plot", lambda args: {"loss": torch.tensor(float("nan")).item()})
+    code, result, _ = run_cli(["plot", "r", "--json"], capsys)
+    assert code == 0 and result["loss"] is None and result["nonfinite"] == ["loss"]
