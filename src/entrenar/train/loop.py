@@ -246,7 +246,7 @@ class Trainer:
         self.last_loss = float("nan")
         self.last_saved: Path | None = None
         # largest |w| of the trainable weights at the start: what "exploded" is measured against
-        self.weights_ref = guards.weights_max_abs(self.params)
+        self.weights_ref = self.weights_max_abs()
         self.step_seconds = 0.0
         self.progress: Progress | None = None
 
@@ -265,18 +265,35 @@ class Trainer:
         if int(st["step"]) >= self.cfg.steps:
             raise InputError(f"--resume: {path} is already at step {st['step']} and --steps is {self.cfg.steps}: "
                              f"nothing to do (final/ is left as it is). Raise --steps to train further")
-        _check_resume_config(ckpt["run_config"], self.run_config, self.cfg.allow_config_change, self.log)
+        self.check_resume_config(ckpt["run_config"])
         for change in changed_settings(ckpt["run_config"], self.run_config):
             self.log(f"resume: {change}")
-        restore_model(self.model, ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
+        self.restore_state(ckpt)
         self.load_trainer_state(st)
         self.metrics_log.truncate_after(self.start_step)
         self.eval_log.truncate_after(self.start_step)
         self.last_saved = path
-        self.log(f"resume: step {self.start_step}, {self.tokens} tokens seen, optimizer sha256 "
-                 f"{ckpt['meta']['sha256']['optimizer.pt'][:16]}..")
+        digest = ckpt["meta"]["sha256"].get("optimizer.pt")
+        self.log(f"resume: step {self.start_step}, {self.tokens} tokens seen"
+                 + (f", optimizer sha256 {digest[:16]}.." if digest else ""))
         return path
+
+    def check_resume_config(self, saved: dict[str, Any]) -> None:
+        """Refuse (InputError) a checkpoint trained with other batch settings (see RESUME_SENSITIVE)."""
+        _check_resume_config(saved, self.run_config, self.cfg.allow_config_change, self.log)
+
+    def restore_state(self, ckpt: dict[str, Any]) -> None:
+        """Weights and optimizer state from a loaded checkpoint (the distributed trainer reshards)."""
+        restore_model(self.model, ckpt["model"])
+        self.optimizer.load_state_dict(ckpt["optimizer"])
+
+    def weights_max_abs(self) -> float:
+        """Largest |w| of the trainable weights (over every rank's shard in a distributed run)."""
+        return guards.weights_max_abs(self.params)
+
+    def weights_problem(self) -> str | None:
+        """Why the trainable weights are not good to keep (non-finite, exploded), or None."""
+        return guards.weights_problem(self.params, self.weights_ref)
 
     def trainer_state(self, step: int, data_state: dict, rng: dict) -> dict[str, Any]:
         """Everything but weights and optimizer that a bit-exact resume needs (JSON apart from rng)."""
@@ -392,7 +409,7 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
-        step_tokens = sum(int(b["input_ids"].numel()) for b in micro)
+        step_tokens = int(self.reduce.all_reduce_sum(sum(int(b["input_ids"].numel()) for b in micro)))  # all ranks
         self.tokens += step_tokens
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
@@ -405,7 +422,9 @@ class Trainer:
         peak = peak_flops(self.device, self.cfg.dtype)
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "tokens": self.tokens,
                 "loss_tokens": total_tokens, "tok_s": tok_s,
-                "mfu": (self.model.cfg.flops_per_token(self.cfg.seq_len) * tok_s / peak) if peak else None,
+                # per device: tok_s counts every rank's tokens, peak is one device's
+                "mfu": (self.model.cfg.flops_per_token(self.cfg.seq_len) * tok_s / self.reduce.world_size / peak)
+                if peak else None,
                 "mem_mb": peak_memory_mb(self.device), "epoch": getattr(self.train_loader, "epoch", None),
                 "skipped": skip}
 
@@ -443,7 +462,7 @@ class Trainer:
         if step <= 0 or (self.last_saved is not None and self.last_saved.name == step_dir_name(step)):
             return self.last_saved
         self.optimizer.zero_grad(set_to_none=True)
-        problem = guards.weights_problem(self.params, self.weights_ref)
+        problem = self.weights_problem()
         if problem is not None:
             self.message(f"GUARD-NONFINITE: step {step} is not saved as a good checkpoint: {problem}")
             return self.last_saved
@@ -452,7 +471,7 @@ class Trainer:
     def save(self, step: int, data_state: dict | None = None, rng: dict | None = None) -> Path:
         """An atomic checkpoint of step `step`; its weights are checked first (GUARD-NONFINITE if they
         are non-finite or exploded: a checkpoint is only ever a good one)."""
-        problem = guards.weights_problem(self.params, self.weights_ref)
+        problem = self.weights_problem()
         if problem is not None:
             raise guards.weights_error(f"checkpoint {step_dir_name(step)}", problem,
                                        self.kept_text(self.last_saved), step)
@@ -481,7 +500,7 @@ class Trainer:
         """final/ through save_final, only from weights checked finite (GUARD-NONFINITE otherwise)."""
         if self.save_final is None:
             return
-        problem = guards.weights_problem(self.params, self.weights_ref)
+        problem = self.weights_problem()
         if problem is not None:
             raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
         self.save_final(self.model, self.run_dir / "final")
