@@ -288,6 +288,52 @@ def test_cli_exit_code_in_a_real_process(tmp_path):
     assert json.loads(proc.stdout.strip().splitlines()[-1])["ok"] is False
 
 
+# ---- non-finite weights: a clear error, never "ok" with <|endoftext|> x N ------------------------------
+POISONED = "model.layers.1.mlp.down_proj.weight"
+
+
+def _poisoned_model(tok, value: float = float("nan")) -> CausalLM:
+    model = tiny_model(len(tok))
+    with torch.no_grad():
+        model.get_parameter(POISONED)[3, 5] = value
+    return model
+
+
+def test_nan_weight_stops_generation_naming_the_tensor(tok):
+    with pytest.raises(InputError) as e:
+        generate(_poisoned_model(tok), tok, tok.encode(PROMPT), 8)
+    msg = str(e.value)
+    assert "non-finite logits" in msg and POISONED in msg and "on the prompt" in msg
+
+
+def test_overflow_without_bad_weights_says_so(tok):
+    model = tiny_model(len(tok))
+    with torch.no_grad():
+        model.lm_head.weight.mul_(1e38)  # finite weights, logits overflow to inf
+    assert all(torch.isfinite(p).all() for p in model.parameters())
+    with pytest.raises(InputError, match="no weight is NaN/Inf"):
+        generate(model, tok, tok.encode(PROMPT), 4)
+
+
+def test_nonfinite_check_mutation_is_caught(tok, monkeypatch):
+    """Mutation: no logits check -> NaN logits 'generate' token 0 over and over and report success."""
+    import entrenar.generate as eg
+
+    monkeypatch.setattr(eg, "check_logits_finite", lambda model, logits, generated: None)
+    result = generate(_poisoned_model(tok), tok, tok.encode(PROMPT), 8, stop_ids=[])
+    assert result.token_ids == [0] * 8  # the silent failure the check exists to stop
+
+
+def test_cli_generate_on_nan_weights_exits_2(tmp_path, capsys):
+    from entrenar.formats import save_hf_dir
+
+    tokenizer = tiny_tokenizer()
+    d = save_hf_dir(_poisoned_model(tokenizer), tmp_path / "nan", tokenizer=tokenizer)
+    rc, js, _, err = _run(["--model", str(d), "--prompt", "the", "--max-new-tokens", "5", "--json"], capsys)
+    assert rc == 2 and js["ok"] is False, err
+    assert POISONED in js["error"] and "NaN/Inf" in js["error"]
+
+
 # ---- packaged models vs transformers (same GGUF weights, fp32) ------------------------------------
 CHAT_PROMPTS = ["What is the capital of France?",
                 "Write a Python function that checks if a number is prime.",

@@ -340,3 +340,12 @@ def test_lm_head_is_not_a_target():
     m = tiny_model(qwen=False, tie_word_embeddings=False)
     with pytest.raises(InputError, match="lm_head"):
         ep.apply_lora(m, rank=4, alpha=8, targets="lm_head")
+
+
+@pytest.mark.parametrize("alpha", [0, 0.0, -16, float("nan"), float("inf")])
+def test_auto_lr_rejects_bad_alpha_naming_it(alpha):
+    """--alpha 0 with --lr auto was a ZeroDivisionError traceback (issue 18); now exit 2 naming --alpha."""
+    with pytest.raises(InputError, match="--alpha"):
+        ep.auto_lr("lora", 8, False, alpha=alpha)
+    with pytest.raises(InputError, match="--alpha"):
+        ep.auto_lr("qlora", 8, True, alpha=alpha)

@@ -148,7 +148,7 @@ def test_finetune_unknown_target_exits_2_listing_linears(tmp_path, capsys):
                             for w in ("one", "two", "three")))
     out = tmp_path / "run"
     code = cli.main(["finetune", "--model", str(base), "--data", str(data), "--out", str(out), "--mode", "lora",
-                     "--targets", "q_proj,attn.c_attn", "--steps", "1", "--no-preflight", "--json"])
+                     "--targets", "q_proj,attn.c_attn", "--steps", "1", "--batch-size", "1", "--no-preflight", "--json"])
     err = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["error"]
     assert code == 2 and "attn.c_attn" in err
     assert all(name in err for name in ep.DEFAULT_TARGETS)

@@ -10,11 +10,13 @@ max_new_tokens. Text is streamed through `on_text` as soon as it decodes to whol
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import torch
+from torch import nn
 
 from .errors import InputError
 from .model import CausalLM, KVCache
@@ -79,6 +81,28 @@ class TextStream:
         return self.tokenizer.decode(self.ids)
 
 
+def first_nonfinite_tensor(model: nn.Module) -> str | None:
+    """Name of the first floating-point parameter or buffer holding NaN/Inf, or None."""
+    for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            return name
+    return None
+
+
+def check_logits_finite(model: nn.Module, logits: torch.Tensor, generated: int) -> None:
+    """NaN/Inf logits stop generation with an InputError (exit 2) naming the poisoned tensor when there
+    is one. Sampling from them would not fail: argmax of NaN is token 0 (often <|endoftext|>), and the
+    command reported success on a destroyed model."""
+    if bool(torch.isfinite(logits).all()):
+        return
+    bad = first_nonfinite_tensor(model)
+    cause = (f"the weights contain NaN/Inf in {bad}: the checkpoint is corrupt or diverged; re-download or "
+             f"re-convert it, or use an earlier checkpoint (`entrenar inspect` lists its tensors)" if bad else
+             "no weight is NaN/Inf, so an activation overflowed its dtype; run in float32 or check the model")
+    where = "on the prompt" if generated == 0 else f"after {generated} generated tokens"
+    raise InputError(f"the model produced non-finite logits {where}: {cause}")
+
+
 def generate(model: CausalLM, tokenizer, prompt_ids: Sequence[int], max_new_tokens: int,
              temperature: float = 0.0, top_p: float = 1.0, seed: int | None = None,
              on_text: Callable[[str], None] | None = None, *, use_cache: bool = True,
@@ -120,6 +144,7 @@ def generate(model: CausalLM, tokenizer, prompt_ids: Sequence[int], max_new_toke
             cache = KVCache() if use_cache else None
             logits = model(ids, cache=cache)[0, -1]
             for _ in range(max_new_tokens):
+                check_logits_finite(model, logits, len(out))
                 if keep_logits:
                     step_logits.append(logits.float().cpu())
                 nxt = sample_next(logits, temperature, top_p, generator)

@@ -10,17 +10,19 @@ trained one's (a LoRA adapter trained on 16-bit weights gives the same model eit
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from . import peft as ep
 from .errors import GuardError, InputError
+from .fileio import atomic_dir
+from .peft import adapter_path, load_adapter, read_adapter_config
+from .peft.lora import ONTO, merge_in_place  # the merge math lives with LoRALinear
 
-ONTO = ("trained", "original")
+__all__ = ["MERGE_TOLERANCE", "ONTO", "GuardError", "merge", "merge_in_place", "probe_ids"]
+
 MERGE_TOLERANCE = 1e-4  # relL2 of merged vs base+adapter logits (fp32); measured ~1e-7
 
 
@@ -33,71 +35,59 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 
 
-@torch.no_grad()
-def merge_in_place(model: nn.Module, onto: str = "trained",
-                   original: dict[str, torch.Tensor] | None = None, dtype: torch.dtype | None = None) -> int:
-    """Replace every LoRALinear / NF4Linear by a plain nn.Linear; returns the number of adapters merged.
-
-    onto="trained": base weight = what the forward used (NF4-dequantized where the base is NF4).
-    onto="original": base weight = ``original[path + '.weight']`` (the 16-bit weights before NF4).
-    """
-    if onto not in ONTO:
-        raise InputError(f"--onto must be one of {ONTO}, got {onto!r}")
-    merged = 0
-    for path, mod in list(model.named_modules()):
-        if isinstance(mod, ep.LoRALinear):
-            base = mod.base_layer
-            w = base_weight(base, path, onto, original)
-            w = w + mod.delta_weight()
-            merged += 1
-        elif isinstance(mod, ep.NF4Linear) and not path.endswith(".base_layer"):
-            base = mod
-            w = base_weight(base, path, onto, original)
-        else:
-            continue
-        out_dtype = dtype or (base.weight_dtype if isinstance(base, ep.NF4Linear) else base.weight.dtype)
-        lin = nn.Linear(base.in_features, base.out_features, bias=base.bias is not None,
-                        device=w.device, dtype=out_dtype)
-        lin.weight.copy_(w.to(out_dtype))
-        if base.bias is not None:
-            lin.bias.copy_(base.bias.to(out_dtype))
-        lin.requires_grad_(False)
-        ep._set_module(model, path, lin)
-    model.peft_config = None
-    return merged
+def _check_out(out_dir: Path) -> None:
+    """Refuse an --out that exists (non-empty) or cannot be created, before anything is loaded."""
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise InputError(f"{out_dir}: already exists and is not empty; choose a new --out")
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise InputError(f"--out {out_dir}: its parent directory cannot be created ({e.strerror}); "
+                         f"choose a writable --out") from e
+    if not os.access(out_dir.parent, os.W_OK):
+        raise InputError(f"--out {out_dir}: {out_dir.parent} is not writable; choose a writable --out")
 
 
-def base_weight(base: nn.Module, path: str, onto: str, original: dict[str, torch.Tensor] | None) -> torch.Tensor:
-    if onto == "original" and isinstance(base, ep.NF4Linear):
-        if original is None or f"{path}.weight" not in original:
-            raise InputError(f"--onto original needs the 16-bit weight of {path}")
-        return original[f"{path}.weight"].float()
-    if isinstance(base, ep.NF4Linear):
-        return base.dequantized_weight(torch.float32)
-    return base.weight.detach().float()
+def _save_merged(model: nn.Module, base: str | os.PathLike, out_dir: Path) -> bool:
+    """Write the merged HF directory atomically (a crash leaves no half --out); True if a tokenizer went too."""
+    from .formats import resolve_model, save_hf_dir
+
+    tokenizer = None
+    base_path = resolve_model(base)
+    if base_path.is_file() or (base_path / "tokenizer.json").is_file():
+        from .tokenizer import load_tokenizer
+
+        tokenizer = load_tokenizer(base)
+    if out_dir.exists():
+        out_dir.rmdir()  # empty (checked): atomic_dir renames onto a path that does not exist
+    with atomic_dir(out_dir) as tmp:
+        save_hf_dir(model, tmp, tokenizer=tokenizer)
+    return tokenizer is not None
 
 
 def merge(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.PathLike,
-          onto: str = "trained") -> dict[str, Any]:
-    """Merge and write an HF directory; returns what was done and the logit differences."""
-    from .formats import load_model, resolve_model, save_hf_dir
+          onto: str = "trained", *, force_base: bool = False) -> dict[str, Any]:
+    """Merge and write an HF directory; returns what was done and the logit differences.
+
+    The base must be the one the adapter recorded (name + weights fingerprint): another base of the same
+    shape is an InputError naming both, unless ``force_base`` (then a warning, in the result too)."""
+    from .formats import load_model
 
     if onto not in ONTO:
         raise InputError(f"--onto must be one of {ONTO}, got {onto!r}")
-    adapter_dir = Path(adapter)
-    if not (adapter_dir / ep.ADAPTER_CONFIG).is_file() and (adapter_dir / "final" / ep.ADAPTER_CONFIG).is_file():
-        adapter_dir = adapter_dir / "final"
-    _, note = ep.read_adapter_config(adapter_dir)
+    adapter_dir = adapter_path(adapter)
+    _, note = read_adapter_config(adapter_dir)
     trained_nf4 = note.get("trained_against") == "nf4"
     out_dir = Path(out)
-    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())):
-        raise InputError(f"{out_dir}: already exists and is not empty; choose a new --out")
+    _check_out(out_dir)
 
     model = load_model(base)
     dtype = model.model.embed_tokens.weight.dtype
     original = {f"{p}.weight": m.weight.detach().clone() for p, m in model.named_modules()
                 if isinstance(m, nn.Linear) and ".layers." in f".{p}"} if trained_nf4 else None
-    ep.load_adapter(model, adapter_dir)  # the model as trained: NF4 base when it was trained so
+    # the model as trained: NF4 base when it was trained so; the base identity is checked here
+    load_adapter(model, adapter_dir, force_base=force_base, base_name=str(base))
+    base_check = model.peft_config["base_check"]
     model.float().eval()
     ids = probe_ids(model.cfg.vocab_size)
     with torch.no_grad():
@@ -113,27 +103,17 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.Pat
                          f"(> {MERGE_TOLERANCE:g}); nothing was written.",
                          "report this as a bug; use the unmerged adapter (--adapter) meanwhile")
     model.to(dtype)
-
-    tokenizer = None
-    base_path = resolve_model(base)
-    if base_path.is_file() or (base_path / "tokenizer.json").is_file():
-        from .tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(base)
-    tmp = out_dir.with_name(out_dir.name + ".merging")
-    if tmp.exists():
-        shutil.rmtree(tmp)  # leftover of an interrupted merge to the same --out
-    save_hf_dir(model, tmp, tokenizer=tokenizer)
-    if out_dir.exists():
-        out_dir.rmdir()
-    os.replace(tmp, out_dir)
+    has_tokenizer = _save_merged(model, base, out_dir)
     result = {
         "out_dir": str(out_dir), "onto": onto, "adapters_merged": n_merged,
         "trained_against": "nf4" if trained_nf4 else "base weights",
         "logit_rel_l2_vs_trained": rel_vs_trained,
         "logit_max_abs_diff_vs_trained": (merged_logits - trained_logits).abs().max().item(),
-        "dtype": str(dtype).removeprefix("torch."), "tokenizer": tokenizer is not None,
+        "dtype": str(dtype).removeprefix("torch."), "tokenizer": has_tokenizer,
+        "base_check": base_check["status"],
     }
+    if base_check["status"] != "match":
+        result["base_check_message"] = base_check["message"]
     if onto == "original" and trained_nf4:
         result["note"] = ("merged onto the 16-bit weights, not the NF4 weights the adapter was trained "
                           f"against: logits move by relL2 {rel_vs_trained:.3g} from the trained model")

@@ -20,13 +20,15 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
     """Arguments that change which weights generate runs (e.g. a LoRA adapter) go here."""
     p.add_argument("--adapter", default=None,
                    help="LoRA/QLoRA adapter directory (PEFT format, or a LoRA run) applied on --model unmerged")
+    p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
 
 
 def load_generation_model(args: argparse.Namespace, device: str) -> Any:
     """The model to generate with. Arguments from add_model_source_args are applied here."""
     from .formats import load_model_with_adapter
 
-    return load_model_with_adapter(args.model, getattr(args, "adapter", None), device=device)
+    return load_model_with_adapter(args.model, getattr(args, "adapter", None), device=device,
+                                   force_base=getattr(args, "force_base", False))
 
 
 def prompt_ids_for(tokenizer: Any, prompt: str, chat: bool, system: str | None) -> list[int]:
@@ -78,7 +80,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
     from .merge import merge
 
-    result = merge(args.base, args.adapter, args.out, args.onto)
+    result = merge(args.base, args.adapter, args.out, args.onto, force_base=args.force_base)
     if not args.json:
         print(f"merged {result['adapters_merged']} adapters onto the {result['onto']} weights "
               f"({result['trained_against']}) -> {result['out_dir']}")
@@ -95,6 +97,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--base", required=True, help="base MODEL the adapter was trained on")
     p.add_argument("--adapter", required=True, help="PEFT adapter directory (or a LoRA run directory)")
     p.add_argument("--out", required=True, help="HF directory to create (must not exist or be empty)")
+    p.add_argument("--force-base", action="store_true",
+                   help="merge even if --base is not the base the adapter recorded (exit 2 otherwise)")
     p.add_argument("--onto", choices=ONTO, default="trained",
                    help="trained (default): onto the weights the adapter was trained against (NF4-"
                         "dequantized for QLoRA); original: onto the 16-bit weights, and report the change")

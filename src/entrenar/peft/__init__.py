@@ -48,13 +48,3 @@ __all__ = [
     "merge_in_place", "parse_targets", "read_adapter_config", "save_adapter", "set_module",
 ]
 
-
-# Transitional, until every caller imports from its new home (formats.load_model_with_adapter,
-# peft.set_module); removed once `grep -rn "peft import load_model_with_adapter\|_set_module" src` is empty.
-_set_module = set_module
-
-
-def load_model_with_adapter(*args, **kwargs):
-    from ..formats import load_model_with_adapter as load
-
-    return load(*args, **kwargs)

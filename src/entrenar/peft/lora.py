@@ -42,9 +42,12 @@ class LoRALinear(nn.Module):
         self.scaling = alpha / math.sqrt(rank) if rslora else alpha / rank
         device = next(itertools.chain(base_layer.parameters(), base_layer.buffers())).device
         # fp32 whatever the base dtype: adapters are the master weights AdamW updates. Initialised on the
-        # CPU so a CPU generator seeds them wherever the base lives (CUDA init would use the CUDA RNG).
-        self.lora_A = nn.Linear(self.in_features, rank, bias=False, device="cpu", dtype=torch.float32)
-        self.lora_B = nn.Linear(rank, self.out_features, bias=False, device="cpu", dtype=torch.float32)
+        # CPU so a CPU generator seeds them wherever the base lives (CUDA init would use the CUDA RNG);
+        # skip_init: nn.Linear's own init would draw from the global RNG (and be overwritten anyway).
+        self.lora_A = nn.utils.skip_init(nn.Linear, self.in_features, rank, bias=False, device="cpu",
+                                         dtype=torch.float32)
+        self.lora_B = nn.utils.skip_init(nn.Linear, rank, self.out_features, bias=False, device="cpu",
+                                         dtype=torch.float32)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
         nn.init.zeros_(self.lora_B.weight)

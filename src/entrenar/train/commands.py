@@ -407,7 +407,7 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
         _check_lora_fits(model, lora)
         model = apply_lora(model, args.rank, lora.effective_alpha,
                            dropout=args.dropout, rslora=args.rslora, targets=args.targets,
-                           quantize_nf4=args.mode == "qlora")
+                           quantize_nf4=args.mode == "qlora", seed=cfg.seed)  # --seed covers the adapter init
         _log(describe_parameters(model))
         save_final = _adapter_saver(tokenizer, args.model)
     else:
@@ -441,15 +441,16 @@ def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:
 
 # ---- eval ------------------------------------------------------------------------------------------
 def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
-                   adapter: str | None = None) -> tuple[torch.nn.Module, Any, Path]:
+                   adapter: str | None = None, force_base: bool = False) -> tuple[torch.nn.Module, Any, Path]:
     """A full model (plus `adapter`, unmerged) or a LoRA adapter directory (loaded onto its recorded
     base). Returns (model, tokenizer or None, resolved path)."""
     from ..formats import load_model_with_adapter, resolve_model
-    from ..peft import read_adapter_config
+    from ..peft import is_adapter_dir, read_adapter_config
 
     path = resolve_model(spec)
-    model = load_model_with_adapter(spec, adapter, dtype=torch.float32, device=device, kernels=kernels)
-    if path.is_dir() and not (path / "config.json").is_file():  # an adapter: its tokenizer, else the base's
+    model = load_model_with_adapter(spec, adapter, dtype=torch.float32, device=device, kernels=kernels,
+                                    force_base=force_base)
+    if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's
         base = read_adapter_config(path)[0]["base_model_name_or_path"]
         tok = _tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else base)
     else:
@@ -464,7 +465,8 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     data = Path(args.data)
     if not data.exists():
         raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
-    model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter)
+    model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
+                                      getattr(args, "force_base", False))
     if data.is_dir():
         from ..data.corpus import PretrainLoader, read_index
 

@@ -25,6 +25,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="auto = triton on cuda, torch elsewhere (auto)")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
+    p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     p.add_argument("--against", default="reference", choices=("reference", "hf"),
                    help="reference: our eager model in float64 on the CPU, same weights; hf: transformers "
                         "loading the same file itself (also catches loader bugs)")
@@ -35,6 +36,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                                        "unterminated, unparseable or gibberish answers; exit 1 on failure")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
+    p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     add_device_option(p)
     p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
@@ -47,15 +49,17 @@ def _device(name: str) -> torch.device:
     return torch.device(resolve_device(name))
 
 
-def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dtype, kernels: str):
+def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dtype, kernels: str,
+          force_base: bool = False):
     from ..formats import load_model_with_adapter
 
-    return load_model_with_adapter(spec, adapter, dtype=dtype, device=device, kernels=kernels)
+    return load_model_with_adapter(spec, adapter, dtype=dtype, device=device, kernels=kernels,
+                                   force_base=force_base)
 
 
 def run_verify(spec: str, device: str = "cpu", dtype: str = "fp32", kernels: str = "torch",
                against: str = "reference", seq_len: int = 512, adapter: str | None = None,
-               grads: bool = True) -> dict:
+               grads: bool = True, force_base: bool = False) -> dict:
     """Load MODEL on the path under test, load the oracle, compare; the report dict (exit_code 0/1)."""
     from ..formats.registry import resolve_model
     from ..tokenizer import load_tokenizer
@@ -68,7 +72,7 @@ def run_verify(spec: str, device: str = "cpu", dtype: str = "fp32", kernels: str
     path = resolve_model(spec)
     tokenizer = load_tokenizer(spec)
     probe = build_probe(tokenizer, seq_len)
-    model = _load(spec, adapter, dev, DTYPES[dtype], kernels)
+    model = _load(spec, adapter, dev, DTYPES[dtype], kernels, force_base)
     for s in probe:
         tokenizer.check_ids(s.input_ids[0].tolist(), model.cfg.vocab_size)
     hf_model = None
@@ -100,7 +104,7 @@ def jsonable(x: Any) -> Any:
 
 def cmd_verify(args: argparse.Namespace) -> dict:
     rep = run_verify(args.model, args.device, args.dtype, args.kernels, args.against, args.seq_len, args.adapter,
-                     grads=not args.no_grads)
+                     grads=not args.no_grads, force_base=args.force_base)
     if not args.json:
         print(format_report(rep), flush=True)
     return jsonable(rep)
@@ -112,7 +116,7 @@ def cmd_qa(args: argparse.Namespace) -> dict:
 
     dev = _device(args.device)
     tokenizer = load_tokenizer(args.model)
-    model = _load(args.model, args.adapter, dev, DTYPES[args.dtype], args.kernels)
+    model = _load(args.model, args.adapter, dev, DTYPES[args.dtype], args.kernels, args.force_base)
     rep: dict[str, Any] = run_qa(model, tokenizer)
     rep.update(model=args.model, adapter=args.adapter)
     if not args.json:
