@@ -272,3 +272,61 @@ def test_preflight_raises_guard_naming_the_op(tok, monkeypatch):
     assert e.exit_code == 3 and e.guard_id == "GUARD-PARITY"
     assert "layers.0.q_proj" in str(e) and "bias" in str(e)
     assert e.details["first_divergent"]["name"] == "layers.0.q_proj"
+
+
+# ---- what must never pass silently ----------------------------------------------------------------------
+def _drop_from_test_trace(monkeypatch, name: str) -> None:
+    """The path under test (kernels='triton') never records ``name``, as with a module the hooks do not know."""
+    from entrenar.verify import bisect
+
+    real = bisect.OurPath.forward
+
+    def forward(self, ids, keep):
+        logits, trace = real(self, ids, keep)
+        if self.model.kernels == "triton":
+            trace.pop(name, None)
+        return logits, trace
+
+    monkeypatch.setattr(bisect.OurPath, "forward", forward)
+
+
+def test_unrecorded_layer_fails_naming_it(probe, monkeypatch):
+    """A hidden state one path never recorded used to count as ok: True (a clean PASS on an unchecked layer)."""
+    _drop_from_test_trace(monkeypatch, "layers.1")
+    rep = verify_model(fast_path(monkeypatch, tiny_qwen2()), probe=probe, grads=False)
+    assert not rep["ok"] and rep["exit_code"] == 1
+    assert first(rep) == "layers.1", format_report(rep)
+    assert "never recorded by the path under test" in rep["first_divergent"]["note"]
+    assert "never saw this op" in rep["first_divergent"]["hint"]
+    assert "FAIL: first divergence at layers.1" in format_report(rep)
+
+
+def test_unrecorded_op_fails_naming_the_op(probe, monkeypatch):
+    """Bisecting a RoPE defect while q_rope is never recorded: the answer is the unchecked op, not k_rope."""
+    _drop_from_test_trace(monkeypatch, "layers.0.q_rope")
+    swapped = dataclasses.replace(FAST_OPS, rope=lambda q, k, cos, sin, style: rope_reference(
+        q, k, cos, sin, "gptj" if style == "neox" else "neox"))
+    rep = verify_model(fast_path(monkeypatch, tiny_qwen2(), swapped), probe=probe, grads=False)
+    assert first(rep) == "layers.0.q_rope", format_report(rep)
+    ops = ops_of(rep)
+    assert not ops["q_rope"]["ok"] and ops["q_rope"]["rel_l2"] is None
+    assert ops["q_proj"]["ok"] and not ops["k_rope"]["ok"]
+
+
+def _plant_nan(model: CausalLM, name: str = "model.layers.1.mlp.down_proj.weight") -> CausalLM:
+    with torch.no_grad():
+        dict(model.named_parameters())[name][3, 5] = float("nan")
+    return model
+
+
+def test_nan_weight_is_named_as_bad_weights_not_a_bad_op(tok, probe, monkeypatch):
+    """NaN in the weights made every op diverge and the report said 'fix the op'; it names the tensor now."""
+    from entrenar.errors import InputError
+
+    model = _plant_nan(fast_path(monkeypatch, tiny_qwen2()))
+    with pytest.raises(InputError, match=r"weights contain NaN/Inf in model\.layers\.1\.mlp\.down_proj\.weight "
+                                         r"\(1 of 8192 values\)") as err:
+        verify_model(model, probe=probe)
+    assert err.value.exit_code == 2 and "fix the op" not in str(err.value)
+    with pytest.raises(InputError, match="weights contain NaN/Inf in model.layers.1.mlp.down_proj.weight"):
+        preflight(model, tok, "cpu", "fp32", "triton")

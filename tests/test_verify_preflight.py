@@ -81,3 +81,20 @@ def test_clean_triton_path_passes_preflight_and_trains(tiny_dir_and_data, tmp_pa
     pre = json.loads((out / "preflight.json").read_text())
     assert pre["verify"]["ok"] and pre["verify"]["kernels"] == "triton"
     assert [s["name"] for s in pre["verify"]["sequences"]] == ["short", "long"]
+
+
+def test_verify_import_error_stops_finetune_with_the_cause(tiny_dir_and_data, tmp_path, capsys, monkeypatch):
+    """An ImportError inside entrenar.verify used to turn the preflight off silently (run trained, preflight.json
+    said 'skipped'); now it stops the run before step 1 naming the failed import."""
+    import sys
+
+    import entrenar.verify.commands  # noqa: F401 -- the CLI registers `verify` from it, before the patch
+
+    model_dir, data = tiny_dir_and_data
+    _route_triton(monkeypatch, dataclasses.replace(TORCH_OPS))  # a clean path: only the import is broken
+    monkeypatch.setitem(sys.modules, "entrenar.verify", None)  # `from ..verify import preflight` -> ImportError
+    out = tmp_path / "run"
+    code, result, err = _finetune(model_dir, data, out, capsys)
+    assert code == 3 and result["guard"] == "GUARD-PARITY", err
+    assert "entrenar.verify does not import" in err and "ModuleNotFoundError" in err and "--no-preflight" in err
+    assert not (out / "metrics.jsonl").exists() and not (out / "final").exists()

@@ -26,7 +26,7 @@ import torch
 
 from ..cli_registry import add_command
 from ..config import PRESETS, preset
-from ..errors import InputError
+from ..errors import GuardError, InputError
 from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from .checkpoint import find_resume
@@ -157,8 +157,11 @@ def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: 
         return {"verify": {"skipped": "no tokenizer"}}
     try:
         from ..verify import preflight
-    except ImportError as e:
-        return {"verify": {"skipped": f"entrenar.verify unavailable: {e}"}}
+    except ImportError as e:  # never a silent skip: a broken verify would turn the parity check off unnoticed
+        raise GuardError("GUARD-PARITY", f"the preflight cannot run: entrenar.verify does not import "
+                         f"({type(e).__name__}: {e}).",
+                         remedy="repair the installation (`pip install -e .` in the entrenar checkout) or the "
+                                "module named above; --no-preflight skips the check (logged), at your own risk.") from e
     t0 = time.perf_counter()
     result = preflight(model, tokenizer, args.device, args.dtype, getattr(model, "kernels", "torch"),
                        seq_len=min(64, seq_len))
