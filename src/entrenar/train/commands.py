@@ -31,7 +31,7 @@ from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from .checkpoint import find_resume
 from .config import DataConfig, LoRAConfig, add_options, from_args
-from .loop import TrainConfig, Trainer, evaluate
+from .loop import TrainConfig, Trainer, check_resume_has_work, evaluate
 
 
 def _log(text: str) -> None:
@@ -340,6 +340,8 @@ def _resume_command() -> str | None:
 
 def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final) -> dict:
     """Everything validated: create the run directory, preflight, train, summarise."""
+    if args.resume:  # a resume with nothing left to do is refused before run.json is touched
+        check_resume_has_work(out, args.resume, cfg.steps)
     _start_run_dir(out, _run_json(args, command, cfg, model, tokenizer), data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
         _run_preflight(args, model, tokenizer, cfg.seq_len)

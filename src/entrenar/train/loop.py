@@ -39,7 +39,15 @@ from ..errors import GuardError, InputError
 from ..fileio import atomic_write
 from ..tensors import IGNORE_INDEX
 from . import guards
-from .checkpoint import load_resume, restore_model, rng_state, save_checkpoint, set_rng_state, step_dir_name
+from .checkpoint import (
+    find_resume,
+    load_resume,
+    restore_model,
+    rng_state,
+    save_checkpoint,
+    set_rng_state,
+    step_dir_name,
+)
 from .config import RESUME_SENSITIVE, TrainConfig
 from .metrics import JsonlLog, Progress, peak_flops, peak_memory_mb
 from .optim import Schedule, build_optimizer
@@ -204,6 +212,25 @@ def changed_settings(saved: dict, current: dict) -> list[str]:
             if k not in skip and a.get(k) != b.get(k)]
 
 
+def _nothing_to_do(path: Path, step: int, steps: int) -> str:
+    return (f"--resume: {path} is already at step {step} and --steps is {steps}: nothing to do (final/ and "
+            f"the logs are left as they are). Raise --steps to train further")
+
+
+def check_resume_has_work(run_dir: Path, spec: str, steps: int) -> None:
+    """InputError when the checkpoint `--resume spec` would continue from is already at >= `steps`:
+    the command calls it before it touches anything in run_dir (Trainer.resume checks it again)."""
+    path = find_resume(Path(run_dir), spec, log=lambda _text: None)
+    if path is None:
+        return
+    try:
+        step = int(json.loads((path / "meta.json").read_text())["step"])
+    except (OSError, ValueError, KeyError):
+        return  # unreadable meta.json: Trainer.resume's full load reports it (or falls back) with the cause
+    if step >= steps:
+        raise InputError(_nothing_to_do(path, step, steps))
+
+
 def _stderr_log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -263,8 +290,7 @@ class Trainer:
             return None
         st = ckpt["trainer_state"]
         if int(st["step"]) >= self.cfg.steps:
-            raise InputError(f"--resume: {path} is already at step {st['step']} and --steps is {self.cfg.steps}: "
-                             f"nothing to do (final/ is left as it is). Raise --steps to train further")
+            raise InputError(_nothing_to_do(path, int(st["step"]), self.cfg.steps))
         self.check_resume_config(ckpt["run_config"])
         for change in changed_settings(ckpt["run_config"], self.run_config):
             self.log(f"resume: {change}")
