@@ -182,6 +182,16 @@ def test_convert_to_a_gguf_path_writes_a_gguf_file_not_a_directory(world, tmp_pa
     assert out.is_file() and out.read_bytes()[:4] == b"GGUF" and result["ok"] is True
 
 
+def test_finetune_header_names_the_model_as_given(world, tmp_path, capsys):
+    """Issue 18 item 12: the data header showed the packaged model's GGUF path (seen red)."""
+    argv = ["finetune", "--model", "smollm2-135m-instruct", "--data", str(world.sft), "--out", str(tmp_path / "r"),
+            "--batch-size", "1000", "--max-seq-len", "64", "--json"]
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2 and "--batch-size 1000 is more than" in err  # stops after the header, before the model
+    assert "(tokenizer smollm2-135m-instruct," in err and ".gguf" not in err.split("--batch-size 1000")[0]
+    assert not (tmp_path / "r").exists()
+
+
 # ---- the JSON contract ---------------------------------------------------------------------------------
 def test_ctrl_c_prints_json_with_exit_130_and_the_resume_hint(monkeypatch, capsys):
     from entrenar.train import commands
@@ -202,6 +212,19 @@ def test_ctrl_c_prints_json_with_exit_130_and_the_resume_hint(monkeypatch, capsy
     assert result == {"ok": False, "error": f"interrupted: {Interrupted()}", "exit_code": 130, "guard": None,
                       "checkpoint": Interrupted.checkpoint, "resume_command": Interrupted.resume_command}
     assert "step-0000004" in err and "--resume auto" in err
+
+
+def test_the_trainers_interruption_reaches_the_json_line(monkeypatch, capsys):
+    from entrenar.train import commands
+    from entrenar.train.loop import TrainingInterrupted
+
+    def boom(args):
+        raise TrainingInterrupted(5, Path("runs/x/checkpoints/step-0000004"), "entrenar pretrain --resume auto")
+
+    monkeypatch.setattr(commands, "cmd_plot", boom)
+    code, result, err = run_cli(["plot", "r", "--json"], capsys)
+    assert code == 130 and result["checkpoint"] == "runs/x/checkpoints/step-0000004"
+    assert result["resume_command"] == "entrenar pretrain --resume auto" and "step-0000004" in result["error"]
 
 
 def test_plain_ctrl_c_still_prints_json(monkeypatch, capsys):
@@ -269,7 +292,17 @@ def test_run_dir_that_never_reached_step_1_is_reused(world, tmp_path, capsys):
     code, _, err = run_cli(pretrain(world, out), capsys)
     assert code == 0, err[-3000:]
     assert "never reached step 1" in err
-    assert json.loads((out / "run.json").read_text())["command"] == "pretrain"
+    run = json.loads((out / "run.json").read_text())
+    # run.json: asdict of the configs plus provenance
+    from dataclasses import fields
+
+    from entrenar.train.config import DataConfig, TrainConfig
+
+    assert run["command"] == "pretrain" and run["lora"] is None
+    assert set(run["config"]) == {f.name for f in fields(TrainConfig)} and run["config"]["steps"] == 1
+    assert set(run["data"]) == {f.name for f in fields(DataConfig)} and run["data"]["data"] == str(world.shards)
+    assert run["config"]["model"] == str(world.byte_model) and run["config"]["command"] == "pretrain"
+    assert {"argv", "git_commit", "versions", "started_at", "host"} <= set(run)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 1
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -125,3 +126,130 @@ def test_invalid_configs_are_rejected(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(d))
     with pytest.raises(InputError, match=str(tmp_path / "config.json")):
         read_config(tmp_path)
+
+
+# ---- the run's typed config (train/config.py): one source of defaults, --help generated -------------------
+def _parser_defaults(command: str) -> dict:
+    from entrenar import cli
+
+    sub = next(a for a in cli.build_parser()._actions if a.__class__.__name__ == "_SubParsersAction")
+    p = sub.choices[command]
+    return {a.dest: a.default for a in p._actions if a.option_strings}, p
+
+
+@pytest.mark.parametrize("command", ["pretrain", "finetune", "eval"])
+def test_cli_defaults_are_the_dataclass_defaults(command):
+    from entrenar.train.config import CONFIGS, _cli, default_of
+
+    defaults, _ = _parser_defaults(command)
+    offered = 0
+    for cls in CONFIGS:
+        for f in dataclasses.fields(cls):
+            spec = _cli(f, command)
+            if spec is None:
+                assert f.name not in defaults or f.name in ("model", "data"), (command, f.name)
+                continue
+            offered += 1
+            if not spec["required"]:
+                assert defaults[f.name] == default_of(cls, f.name, command), (command, f.name)
+    assert offered >= {"pretrain": 20, "finetune": 30, "eval": 11}[command]
+
+
+def test_documented_defaults_win():
+    """The CLI's documented defaults (README / --help) are the dataclass's: TrainConfig used to say
+    steps 100 and eval_batches 0 (all) while the CLI said 1000 and 20."""
+    from entrenar.train.config import DataConfig, LoRAConfig, TrainConfig, default_of
+
+    t = TrainConfig()
+    assert (t.steps, t.batch_size, t.seq_len, t.lr, t.eval_batches, t.keep, t.weight_decay) == \
+        (1000, 8, 512, 3e-4, 20, 3, 0.1)
+    assert t.warmup == 100 and TrainConfig(steps=50).warmup == 5 and TrainConfig(warmup=0).warmup == 0
+    assert default_of(TrainConfig, "lr", "finetune") == "auto"
+    assert default_of(TrainConfig, "weight_decay", "finetune") == 0.0
+    assert default_of(TrainConfig, "eval_batches", "eval") == 0
+    assert (LoRAConfig().rank, LoRAConfig().alpha, LoRAConfig().effective_alpha) == (16, None, 32.0)
+    assert (DataConfig().max_seq_len, DataConfig().val_fraction, DataConfig().truncation) == (2048, 0.05, "skip")
+    assert not hasattr(TrainConfig(), "extra")  # mode, model spec and data paths are typed fields
+
+
+def test_a_default_lives_only_in_the_dataclass(monkeypatch):
+    """Changing the field's default changes the parser and its --help: nothing else holds it."""
+    from entrenar.train.config import TrainConfig
+
+    steps = next(f for f in dataclasses.fields(TrainConfig) if f.name == "steps")
+    monkeypatch.setattr(steps, "default", 777)
+    defaults, p = _parser_defaults("pretrain")
+    assert defaults["steps"] == 777 and "optimizer steps (777)" in p.format_help()
+
+
+def test_commands_module_declares_no_config_flag():
+    """train/commands.py adds only --out and --resume (and plot's); every other option is generated."""
+    import re
+
+    from entrenar.train import commands
+
+    text = Path(commands.__file__).read_text(encoding="utf-8")
+    flags = set(re.findall(r'add_argument\(\s*"(--[a-z0-9-]+)"', text))
+    assert flags == {"--out", "--resume"}, flags
+    assert "3e-4" not in text and "2048" not in text
+
+
+def test_from_args_reads_every_offered_flag():
+    from entrenar import cli
+    from entrenar.train.config import DataConfig, LoRAConfig, TrainConfig, from_args
+
+    args = cli.build_parser().parse_args([
+        "finetune", "--model", "m", "--data", "d.jsonl", "--out", "o", "--mode", "lora", "--rank", "4",
+        "--alpha", "8", "--steps", "7", "--lr", "1e-3", "--max-seq-len", "128", "--val-fraction", "0.2",
+        "--max-skip-fraction", "0.1", "--keep", "0", "--seed", "3", "--pack", "--rslora"])
+    t = from_args(TrainConfig, args, "finetune", command="finetune")
+    lo = from_args(LoRAConfig, args, "finetune")
+    d = from_args(DataConfig, args, "finetune")
+    assert (t.command, t.model, t.mode, t.steps, t.lr, t.keep, t.seed, t.weight_decay) == \
+        ("finetune", "m", "lora", 7, 1e-3, 0, 3, 0.0)
+    assert (lo.rank, lo.alpha, lo.rslora) == (4, 8.0, True)
+    assert (d.data, d.max_seq_len, d.val_fraction, d.max_skip_fraction, d.pack) == ("d.jsonl", 128, 0.2, 0.1, True)
+    assert t.seq_len == 512  # finetune's windows come from --max-seq-len; the command sets it (see below)
+
+
+@pytest.mark.parametrize("command,flag", [("pretrain", "--seq-len"), ("finetune", "--max-seq-len"),
+                                          ("eval", "--seq-len")])
+def test_validation_names_the_flag_of_the_command(command, flag):
+    from entrenar.train.config import TrainConfig
+
+    with pytest.raises(InputError, match=f"^{flag} must be a positive integer"):
+        TrainConfig(command=command, seq_len=0).validate()
+    with pytest.raises(InputError, match="--max-batches must be >= 0"):
+        TrainConfig(command="eval", eval_batches=-1).validate()
+
+
+@pytest.mark.parametrize("bad,message", [
+    ({"lr": float("nan")}, "--lr must be a finite number > 0"), ({"lr": -1e-3}, "--lr must be"),
+    ({"clip": -1.0}, "--clip"), ({"weight_decay": float("inf")}, "--weight-decay"),
+    ({"dtype": "fp16"}, "--dtype"), ({"keep": -1}, "--keep must be >= 0"), ({"device": "tpu"}, "not a device")])
+def test_train_config_validation(bad, message):
+    from entrenar.train.config import TrainConfig
+
+    with pytest.raises(InputError, match=message):
+        TrainConfig(**bad).validate()
+
+
+@pytest.mark.parametrize("cls,bad,message", [
+    ("LoRAConfig", {"alpha": 0.0}, "--alpha must be a finite number > 0"),
+    ("LoRAConfig", {"alpha": -16.0}, "--alpha must be"), ("LoRAConfig", {"rank": 0}, "--rank"),
+    ("LoRAConfig", {"dropout": 1.0}, "--dropout"), ("DataConfig", {"max_seq_len": 0}, "--max-seq-len"),
+    ("DataConfig", {"val_fraction": 1.0}, "--val-fraction"),
+    ("DataConfig", {"max_skip_fraction": 1.5}, "--max-skip-fraction")])
+def test_lora_and_data_validation(cls, bad, message):
+    from entrenar.train import config
+
+    with pytest.raises(InputError, match=message):
+        getattr(config, cls)(**bad).validate()
+
+
+def test_data_config_shares_the_data_modules_constants():
+    from entrenar.data import sft
+    from entrenar.train.config import DataConfig
+
+    assert DataConfig().max_skip_fraction == sft.DEFAULT_MAX_SKIP_FRACTION
+    assert DataConfig.__dataclass_fields__["truncation"].metadata["cli"]["choices"] == sft.TRUNCATION_POLICIES

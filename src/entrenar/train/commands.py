@@ -30,7 +30,7 @@ from ..errors import GuardError, InputError
 from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from .checkpoint import find_resume
-from .config import DataConfig, LoRAConfig, add_options, from_args
+from .config import DataConfig, LoRAConfig, add_options, default_of, from_args
 from .loop import TrainConfig, Trainer, check_resume_has_work, evaluate
 
 
@@ -125,8 +125,8 @@ def _configs(args: argparse.Namespace, command: str) -> tuple[TrainConfig, LoRAC
     lr = args.lr
     if lr == "auto":
         if command != "finetune":
-            raise InputError("--lr auto picks a fine-tuning rate by mode and adapter shape; give pretrain a "
-                             "number, e.g. --lr 3e-4")
+            raise InputError(f"--lr auto picks a fine-tuning rate by mode and adapter shape; give {command} a "
+                             f"number, e.g. --lr {default_of(TrainConfig, 'lr', 'pretrain'):g}")
         from ..peft import auto_lr
 
         lr, why = auto_lr(args.mode, lora.rank, lora.rslora, lora.alpha)
@@ -384,6 +384,7 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
         raise InputError(f"--val {args.val}: no such file")
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
+    tokenizer.name = args.model  # the data header names the model as given, not its resolved GGUF path
     examples, report = load_sft(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
                                 skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
     for line in report.summary_lines():
