@@ -15,15 +15,19 @@ from entrenar.cli import main
 from entrenar.config import PARAMETER_BANDS, preset, preset_for_tokenizer, round_vocab
 from entrenar.data.corpus import PretrainLoader, read_index
 from entrenar.errors import GuardError
-from entrenar.tokenizer_train import train_tokenizer
 
 CORPUS = [f"def add_{i}(a, b):\n    \"\"\"Add two numbers.\"\"\"\n    return a + b + {i}\n\n" for i in range(60)]
+
+
+CHAT = "".join(f"<|im_start|>user\nadd_{i}<|im_end|>\n<|im_start|>assistant\na + b + {i}<|im_end|>\n"
+               for i in range(10))
 
 
 def write_corpus(root, n: int = 60, shift: int = 0):
     root.mkdir(parents=True, exist_ok=True)
     for i in range(n):
         (root / f"m{i:02d}.py").write_text(CORPUS[(i + shift) % len(CORPUS)] * 3)
+        (root / f"chat{i:02d}.md").write_text(CHAT)  # ChatML turns, so a finetune starts below ln(vocab)
     return root
 
 
@@ -112,8 +116,8 @@ def test_padding_ids_are_never_targets(packed, tmp_path, monkeypatch):
     with pytest.raises(GuardError, match="GUARD-DATA.*token id 310.*only 300 tokens"):
         bad.next_batch()
     rc = main(["pretrain", "--model", "tiny", "--data", str(tmp_path / "bad"), "--out", str(tmp_path / "r"),
-               "--steps", "2", "--seq-len", "16", "--batch-size", "64", "--no-preflight"])
-    assert rc == 2
+               "--steps", "1", "--seq-len", "16", "--batch-size", str(len(loader)), "--no-preflight"])
+    assert rc == 2  # the first batch holds every window
 
 
 def test_llama_370m_with_a_32000_vocabulary_is_in_its_band(monkeypatch):
@@ -129,3 +133,33 @@ def test_llama_370m_with_a_32000_vocabulary_is_in_its_band(monkeypatch):
     monkeypatch.setitem(config.PRESETS, "llama-370m", wrong)
     with pytest.raises(ValueError, match=r"443,073,536 parameters .* outside its band"):
         preset("llama-370m")
+
+
+@pytest.fixture(scope="module")
+def base_model(packed):
+    """A tiny model pretrained well below ln(vocab), so a finetune's GUARD-INIT-LOSS accepts it."""
+    assert main(["pretrain", "--model", "tiny", "--data", str(packed / "shards"), "--out", str(packed / "base"),
+                 "--steps", "60", "--seq-len", "32", "--batch-size", "4", "--lr", "1e-2", "--no-preflight"]) == 0
+    return packed / "base" / "final"
+
+
+@pytest.mark.parametrize("mode", ["full", "lora", "qlora"])
+def test_finetune_checkpoints_are_runnable_models(base_model, tmp_path, capsys, mode):
+    """Every checkpoint of a finetune (full, LoRA, QLoRA) holds the tokenizer, generation_config.json
+    and config.json or the PEFT adapter files, so `generate --model CHECKPOINT` runs."""
+    rows = [{"messages": [{"role": "user", "content": f"add_{i}"}, {"role": "assistant", "content": f"a + b + {i}"}]}
+            for i in range(8)]
+    (tmp_path / "sft.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    rc = main(["finetune", "--model", str(base_model), "--data", str(tmp_path / "sft.jsonl"),
+               "--mode", mode, "--rank", "4", "--out", str(tmp_path / "ft"), "--steps", "2", "--batch-size", "2",
+               "--max-seq-len", "64", "--save-every", "1", "--no-preflight", "--lr", "1e-3"])
+    assert rc == 0, capsys.readouterr().err
+    for d in (tmp_path / "ft" / "checkpoints" / "step-0000001", tmp_path / "ft" / "final"):
+        names = {p.name for p in d.iterdir()}
+        assert {"tokenizer.json", "tokenizer_config.json", "generation_config.json"} <= names, names
+        assert ("config.json" if mode == "full" else "adapter_config.json") in names, names
+        assert json.loads((d / "generation_config.json").read_text())["eos_token_id"] == 0
+        capsys.readouterr()
+        rc = main(["generate", "--model", str(d), "--prompt", "add_3", "--chat", "--max-new-tokens", "4", "--json"])
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert rc == 0 and out["ok"], (d, out)
