@@ -399,7 +399,9 @@ def main(argv: list[str] | None = None) -> int:
             print(line)
         print(f"contracts lint: {len(problems)} problem(s)" if problems else "contracts lint: ok")
         return 1 if problems else 0
-    invariants, _ = load_contracts()
+    invariants, unreadable = load_contracts()
+    for line in unreadable:  # a file that does not parse hides its invariants: say so first
+        print(f"mutants: {line}", file=sys.stderr)
     chosen = select(invariants, args.id, None if args.all else "fast")
     if args.timeout:
         for inv in chosen:
