@@ -1,0 +1,110 @@
+"""`entrenar export gguf` on the packaged models (SmolLM2-135M llama, Qwen2.5-Coder-0.5B qwen2), checked
+with llama.cpp (llama-cpp-python): same token ids, same logits, same greedy answers. real_model: slow.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from test_export_gguf import (
+    TOKENIZE_STRINGS,
+    agreement,
+    llama_cpp,
+    llama_cpp_greedy,
+    llama_cpp_logits,
+    llama_cpp_tokenize,
+)
+
+from entrenar.formats.export import export_gguf
+from entrenar.formats.gguf import open_reader
+from entrenar.generate import generate
+from entrenar.tensors import rel_l2
+from entrenar.tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.real_model
+
+SMOLLM = "smollm2-135m-instruct"
+QWEN = "qwen2.5-coder-0.5b-instruct"
+PRE = {SMOLLM: "smollm", QWEN: "qwen2"}
+CHAT_PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is the capital of France? Answer in one sentence.",
+    "Explain what a hash map is to a beginner.",
+]
+LOGIT_BOUNDS = {"f32": 1e-4, "f16": 1e-2}
+
+
+@pytest.fixture(scope="module")
+def real_exports(tmp_path_factory):
+    """(model, type) -> our GGUF export of the packaged model, written once per module."""
+    root = tmp_path_factory.mktemp("real-gguf")
+
+    class Lazy(dict):
+        def __missing__(self, key):
+            name, typ = key
+            path = root / f"{name}-{typ}.gguf"
+            export_gguf(name, path, typ)
+            self[key] = path
+            return path
+
+    return Lazy()
+
+
+@pytest.fixture(scope="module")
+def models(request):
+    return {SMOLLM: request.getfixturevalue("smollm_model"), QWEN: request.getfixturevalue("qwen_model")}
+
+
+def chat_ids(tok, prompt: str) -> tuple[str, list[int]]:
+    text = tok.render_chat([{"role": "user", "content": prompt}], add_generation_prompt=True).text
+    return text, tok.encode_rendered(text)
+
+
+@pytest.mark.parametrize("name", [SMOLLM, QWEN])
+def test_llama_cpp_tokenizes_like_us(name, real_exports):
+    ours = load_tokenizer(name)
+    path = real_exports[name, "f16"]
+    assert open_reader(path).fields["tokenizer.ggml.pre"] == PRE[name]
+    llm = llama_cpp(path, vocab_only=True)
+    for s in TOKENIZE_STRINGS:
+        assert llama_cpp_tokenize(llm, s) == ours.encode(s), s
+    for prompt in CHAT_PROMPTS:
+        text, ids = chat_ids(ours, prompt)
+        assert llama_cpp_tokenize(llm, text) == ids, prompt
+
+
+@pytest.mark.parametrize("typ", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("name", [SMOLLM, QWEN])
+def test_llama_cpp_logits_match_ours(name, typ, real_exports, models):
+    tok = load_tokenizer(name)
+    ids = sum((chat_ids(tok, p)[1] for p in CHAT_PROMPTS), [])
+    with torch.no_grad():
+        ours = models[name](torch.tensor([ids]))[0]
+    theirs = llama_cpp_logits(llama_cpp(real_exports[name, typ], n_ctx=256), ids)
+    rel, top1 = rel_l2(theirs, ours), agreement(ours, theirs)
+    print(f"{name} {typ}: relL2 {rel:.3g}, top-1 agreement {top1:.4f} over {len(ids)} positions")
+    if typ in LOGIT_BOUNDS:
+        assert rel <= LOGIT_BOUNDS[typ], (name, typ, rel)
+    assert top1 >= 0.99 or typ != "q8_0", (name, typ, top1)
+
+
+@pytest.mark.parametrize("name", [SMOLLM, QWEN])
+def test_llama_cpp_greedy_equals_generate(name, real_exports, models):
+    """32 greedy tokens on 3 chat prompts: llama.cpp on our f16 export vs `entrenar generate`."""
+    tok = load_tokenizer(name)
+    llm = llama_cpp(real_exports[name, "f16"], n_ctx=256)
+    for prompt in CHAT_PROMPTS:
+        _, ids = chat_ids(tok, prompt)
+        ours = generate(models[name], tok, ids, 32).token_ids
+        theirs = llama_cpp_greedy(llm, ids, 32, tok.stop_ids)
+        print(f"{name}: {prompt[:30]!r}: {len(ours)} tokens, equal={ours == theirs}")
+        assert theirs == ours, (prompt, tok.decode(ours), tok.decode(theirs))
+
+
+def test_export_summary_numbers(real_exports):
+    """Qwen2.5-Coder at f16 and q8_0: sizes in the expected range (the timing goes into the note)."""
+    sizes = {typ: Path(real_exports[QWEN, typ]).stat().st_size for typ in ("f16", "q8_0")}
+    # 494M parameters (tied head): f16 ~ 2 bytes each (+ f32 norms/biases), q8_0 ~ 1.0625 bytes each
+    assert 0.95e9 <= sizes["f16"] <= 1.05e9 and 0.50e9 <= sizes["q8_0"] <= 0.56e9, sizes
