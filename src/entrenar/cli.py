@@ -124,14 +124,22 @@ def main(argv: list[str] | None = None) -> int:
         _resolve_common(args)
         result = args.func(args)
     except EntrenarError as e:
+        if _other_rank() and getattr(e, "guard_id", None):  # a guard decides on values reduced over ranks:
+            return e.exit_code  # every rank stops with it, and rank 0 prints the job's one message
         return _failure(command, str(e), e.exit_code, want_json, guard=getattr(e, "guard_id", None),
                         **_error_details(e))
     except KeyboardInterrupt as e:
         return _failure(command, _interrupted_message(e), EXIT_INTERRUPTED, want_json, guard=None,
                         **_interrupt_details(e))
-    if want_json:
+    if want_json and not _other_rank():  # under torchrun: one JSON line per job, from rank 0
         emit_json({"ok": True, **(result or {})})
     return int((result or {}).get("exit_code", 0))
+
+
+def _other_rank() -> bool:
+    from .train.distributed import other_rank
+
+    return other_rank()
 
 
 def _error_details(e: Exception) -> dict[str, Any]:

@@ -15,6 +15,11 @@ Contents -- nothing in a checkpoint is unpickled into code on load:
   run_config.json       the resolved config
   meta.json             step, tokens and the sha256 of each file above
   COMPLETE
+
+A distributed run (torchrun, train/parallel.py) writes a sharded checkpoint instead: dcp/ (model and
+optimizer through torch.distributed.checkpoint, one file per rank, loadable at any world size) in
+place of model.safetensors and optimizer.pt; rng.safetensors and trainer_state.json hold every
+rank's RNG; meta.json ("sharded": true, "world_size") hashes every file, the shards included.
 """
 
 from __future__ import annotations
@@ -43,6 +48,12 @@ MODEL, OPTIMIZER, STATE, RNG, RUN_CONFIG, META = ("model.safetensors", "optimize
                                                   "rng.safetensors", "run_config.json", "meta.json")
 HASHED = (MODEL, OPTIMIZER, STATE, RNG, RUN_CONFIG)
 REQUIRED = (*HASHED, META, COMPLETE)
+SHARDED = "dcp"  # torch.distributed.checkpoint directory of a distributed run's checkpoint
+SHARDED_REQUIRED = (f"{SHARDED}/.metadata", STATE, RNG, RUN_CONFIG, META, COMPLETE)
+
+
+def is_sharded(path: Path) -> bool:
+    return (Path(path) / SHARDED).is_dir()
 
 
 def step_dir_name(step: int) -> str:
@@ -205,7 +216,7 @@ def prune(ckpt_root: Path, keep: int) -> None:
 
 def missing_files(path: Path) -> list[str]:
     """The files of a checkpoint that are not there (an empty list for an intact one)."""
-    return [name for name in REQUIRED if not (path / name).is_file()]
+    return [name for name in (SHARDED_REQUIRED if is_sharded(path) else REQUIRED) if not (path / name).is_file()]
 
 
 def _missing_message(path: Path, missing: list[str]) -> str:
@@ -318,7 +329,8 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
         raise InputError(f"{_missing_message(path, missing)}: the checkpoint is incomplete; resume from "
                          f"an earlier one")
     meta = json.loads((path / META).read_text())
-    for name in HASHED:
+    sharded = is_sharded(path)
+    for name in (sorted(meta["sha256"]) if sharded else HASHED):  # sharded: every file, each shard too
         digest = meta["sha256"].get(name)
         actual = sha256_file(path / name)
         if actual != digest:
@@ -326,6 +338,14 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                              f"{(digest or 'none')[:12]}.. recorded when it was written: the checkpoint is "
                              f"corrupt; resume from an earlier one")
     state = json.loads((path / STATE).read_text())
+    if sharded:  # every rank's RNG: rng.safetensors keys "rank{r}.torch", ...; "rng" is rank 0's
+        tensors = load_file(str(path / RNG))
+        state["rng_ranks"] = [_rng_from_files(j, {k.split(".", 1)[1]: t for k, t in tensors.items()
+                                                  if k.startswith(f"rank{r}.")})
+                              for r, j in enumerate(state["rng"]["ranks"])]
+        state["rng"] = state["rng_ranks"][0]
+        return {"model": None, "optimizer": None, "sharded": path / SHARDED, "trainer_state": state,
+                "run_config": json.loads((path / RUN_CONFIG).read_text()), "meta": meta}
     state["rng"] = _rng_from_files(state["rng"], load_file(str(path / RNG)))
     return {
         "model": load_file(str(path / MODEL)),

@@ -31,7 +31,8 @@ from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from .checkpoint import find_resume
 from .config import DataConfig, LoRAConfig, add_options, default_of, from_args
-from .loop import TrainConfig, Trainer, check_resume_has_work, evaluate
+from .distributed import current, join_job
+from .loop import TrainConfig, check_resume_has_work, evaluate
 
 
 def _log(text: str) -> None:
@@ -255,6 +256,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
 
     out = Path(args.out)
     cfg, _, _ = _configs(args, "pretrain")
+    join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)
     if not _is_preset(args.model):
         resolve_model(args.model)  # InputError for a non-existent model
@@ -339,21 +341,32 @@ def _resume_command() -> str | None:
 
 
 def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final) -> dict:
-    """Everything validated: create the run directory, preflight, train, summarise."""
+    """Everything validated: create the run directory, preflight, train, summarise. Under torchrun
+    rank 0 writes the run directory's files and runs the preflight once (its verdict reaches every
+    rank); the trainer applies FSDP/DDP and splits the data (train/parallel.py)."""
+    from .parallel import build_trainer
+
+    ctx = current()
+    ctx.barrier()  # every rank has checked --out before rank 0 creates it
     if args.resume:  # a resume with nothing left to do is refused before run.json is touched
         check_resume_has_work(out, args.resume, cfg.steps)
-    _start_run_dir(out, _run_json(args, command, cfg, model, tokenizer), data_report, args.resume)
+    if ctx.is_main:
+        _start_run_dir(out, _run_json(args, command, cfg, model, tokenizer), data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
-        _run_preflight(args, model, tokenizer, cfg.seq_len)
-    trainer = Trainer(model, train_loader, eval_loader, cfg, out, save_final=save_final, log=_log,
-                      resume_command=_resume_command())
+        ctx.run_on_main(lambda: _run_preflight(args, model, tokenizer, cfg.seq_len))
+    trainer = build_trainer(model, train_loader, eval_loader, cfg, out, parallel=cfg.parallel,
+                            adapters=cfg.mode in ("lora", "qlora"), save_final=save_final, log=_log,
+                            resume_command=_resume_command())
     if trainer.resume(args.resume) is None:  # a fresh start: step 0, recorded before its guard judges it
         record = trainer.step0()
-        atomic_write(out / "preflight.json", json.dumps({**pre, "step0": record}, indent=2, default=str) + "\n")
+        if ctx.is_main:
+            atomic_write(out / "preflight.json", json.dumps({**pre, "step0": record}, indent=2, default=str)
+                         + "\n")
         trainer.check_start(record)
     result = trainer.fit()
     summary = _summary(result, out)
-    _print_summary(summary)
+    if ctx.is_main:
+        _print_summary(summary)
     return summary
 
 
@@ -377,6 +390,7 @@ def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
 
     out = Path(args.out)
     cfg, lora, data = _configs(args, "finetune")
+    join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)
     if not Path(args.data).is_file():
         raise InputError(f"--data {args.data}: no such file (SFT data is a JSONL file)")

@@ -29,6 +29,7 @@ from . import guards
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
 
 TRAIN_COMMANDS = ("pretrain", "finetune")
+PARALLEL_MODES = ("auto", "fsdp", "ddp")  # train/parallel.py (not imported here: it loads torch.distributed)
 MODES = ("full", "lora", "qlora")
 _EVERY = ("pretrain", "finetune", "eval")
 
@@ -118,6 +119,11 @@ class TrainConfig:
                                               "changed")
     no_preflight: bool = option(False, "skip the step-0 parity check (logged)")
     log_every: int | None = None  # plain-line progress period (None: steps/20)
+    # several processes (torchrun; train/parallel.py)
+    parallel: str = option("auto", "data parallelism under torchrun: auto = FSDP2 for full training, DDP for "
+                                   "LoRA/QLoRA (one process: ignored)", choices=PARALLEL_MODES)
+    activation_checkpointing: bool = option(False, "recompute each decoder block in the backward: activation "
+                                                   "memory of one block instead of all, ~1/3 more compute")
 
     def __post_init__(self) -> None:
         if self.warmup is None and isinstance(self.steps, int):
@@ -141,7 +147,8 @@ class TrainConfig:
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise InputError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         for f, allowed in (("dtype", ("fp32", "bf16")), ("mode", MODES), ("schedule", ("cosine", "linear", "constant")),
-                           ("on_nonfinite", guards.NONFINITE_POLICIES), ("on_spike", guards.SPIKE_POLICIES)):
+                           ("on_nonfinite", guards.NONFINITE_POLICIES), ("on_spike", guards.SPIKE_POLICIES),
+                           ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
                 raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")
         self.device = resolve_device(self.device)  # the one --device rule (entrenar.devices)

@@ -17,6 +17,7 @@ Exactness rules (docs/design.md, "Distributed"):
 
 from __future__ import annotations
 
+import atexit
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -195,6 +196,21 @@ def init_from_env(device: str = "cpu") -> DistContext:
     return _CURRENT
 
 
+def join_job(device: str = "cpu") -> DistContext:
+    """`init_from_env` for a command: the process group is left again when the process exits
+    (also after an error), so a failed rank does not leave its peers waiting on a dead group."""
+    ctx = init_from_env(device)
+    if ctx.active:
+        atexit.register(shutdown)
+    return ctx
+
+
+def other_rank() -> bool:
+    """True in a torchrun process other than rank 0 (from the environment: usable before the group exists)."""
+    rank, world, _ = env_world()
+    return world > 1 and rank != 0
+
+
 def shutdown() -> None:
     """Leave the process group (at the end of a command, also after an error)."""
     global _CURRENT
@@ -299,5 +315,5 @@ def global_batch(batch_size: int, grad_accum: int, world: int) -> int:
     return int(batch_size) * int(grad_accum) * int(world)
 
 
-__all__ = ["DistContext", "RankSlice", "current", "env_world", "global_batch", "init_from_env", "row_sample_ids",
-           "shard_loader", "shutdown", "slice_rows"]
+__all__ = ["DistContext", "RankSlice", "current", "env_world", "global_batch", "init_from_env", "join_job",
+           "other_rank", "row_sample_ids", "shard_loader", "shutdown", "slice_rows"]

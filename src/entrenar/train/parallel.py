@@ -23,7 +23,12 @@ averaging reduction would divide the update by the world size a second time.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterable, Iterator
+import json
+import math
+import os
+import shutil
+import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,9 +37,9 @@ import torch
 import torch.distributed as dist
 
 from ..errors import InputError
+from ..fileio import sha256_file
+from .config import PARALLEL_MODES
 from .distributed import DistContext
-
-PARALLEL_MODES = ("auto", "fsdp", "ddp")
 
 
 def resolve_parallel(mode: str, adapters: bool) -> str:
@@ -186,7 +191,9 @@ def load_sharded(path: Path, par: Parallel, optimizer: torch.optim.Optimizer) ->
     from torch.distributed.checkpoint.state_dict import set_state_dict
 
     state = sharded_state(par, optimizer)
-    dcp.load(state, checkpoint_id=str(path), no_dist=not par.ctx.active)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not par.ctx.active)
     set_state_dict(par.module, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
                    options=_state_options(ignore_frozen_params=True))
 
@@ -220,17 +227,251 @@ def load_full(par: Parallel, optimizer: torch.optim.Optimizer, model_tensors: di
                    options=_state_options(full_state_dict=True, strict=False))
 
 
-@contextlib.contextmanager
-def rank_zero_first(ctx: DistContext) -> Iterator[None]:
-    """Rank 0 runs the block, then the others (e.g. creating a directory they all write into)."""
+
+# ---- sharded checkpoints ------------------------------------------------------------------------------
+def save_sharded_checkpoint(ckpt_root: Path, step: int, par: Parallel, optimizer: torch.optim.Optimizer,
+                            trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int) -> Path:
+    """step-N of a distributed run, with the single-process checkpoint's atomicity: every rank writes
+    its model/optimizer shards (torch.distributed.checkpoint) into one hidden temporary directory;
+    rank 0 then adds every rank's RNG, the trainer state, meta.json (sha256 of every file) and
+    COMPLETE last, renames it to step-N and points `latest` at it. A kill at any point leaves no
+    step-N without COMPLETE; --resume never reads the temporary directory."""
+    from . import checkpoint as C
+
+    ctx = par.ctx
+    final = ckpt_root / C.step_dir_name(step)
+    tmp = ckpt_root / f".{final.name}.tmp-dist"  # one name every rank agrees on (checkpoint.TMP_RE)
     if ctx.is_main:
-        yield
-        ctx.barrier()
-    else:
-        ctx.barrier()
-        yield
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in C.stale_tmp_dirs(ckpt_root, max_step=step, min_step=step):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    ctx.barrier()
+    save_sharded(tmp / C.SHARDED, par, optimizer)
+    state = dict(trainer_state)
+    rngs = ctx.all_gather_object(C._rng_to_files(state.pop("rng", None) or C.rng_state()))
+
+    def finish() -> Path:
+        tensors = {f"rank{r}.{k}": t for r, (_, ts) in enumerate(rngs) for k, t in ts.items()}
+        C.save_file(tensors, str(tmp / C.RNG))
+        C._fsync_file(tmp / C.RNG)
+        C._write_bytes(tmp / C.STATE, (json.dumps({**state, "rng": {"ranks": [j for j, _ in rngs]}}, indent=1)
+                                       + "\n").encode())
+        C._write_bytes(tmp / C.RUN_CONFIG, (json.dumps(run_config, indent=2, default=str) + "\n").encode())
+        files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+        meta = {"step": step, "tokens": trainer_state.get("tokens"), "sharded": True, "world_size": ctx.world,
+                "sha256": {name: sha256_file(tmp / name) for name in files}}
+        C._write_bytes(tmp / C.META, (json.dumps(meta, indent=2) + "\n").encode())
+        C._write_bytes(tmp / C.COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
+        C._fsync_dir(tmp / C.SHARDED)
+        C._fsync_dir(tmp)
+        if final.exists():  # re-saving a step after resuming from an earlier checkpoint
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        C._fsync_dir(ckpt_root)
+        C._point_latest(ckpt_root, final)
+        C.prune(ckpt_root, keep)
+        return final
+
+    return ctx.run_on_main(finish)
 
 
-__all__ = ["PARALLEL_MODES", "Parallel", "apply_ddp", "apply_fsdp", "apply_parallel", "clip_grad_norm",
-           "full_model_state", "load_full", "load_sharded", "rank_zero_first", "resolve_parallel",
-           "save_sharded", "sharded_state"]
+# ---- the Trainer across ranks --------------------------------------------------------------------------
+class DistReduce:
+    """Trainer.reduce for a distributed run: numbers and tensors summed / maxed over every rank."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx, self.rank, self.world_size = ctx, ctx.rank, ctx.world
+
+    def _reduce(self, value: Any, op: str) -> Any:
+        if not self.ctx.active:
+            return value
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to(self.ctx._comm_device(), copy=True)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+            return t.to(value.device)
+        out = self.ctx.all_reduce([value], op)[0]
+        return round(out) if isinstance(value, int) else out
+
+    def all_reduce_sum(self, value: Any) -> Any:
+        return self._reduce(value, "sum")
+
+    def all_reduce_max(self, value: Any) -> Any:
+        return self._reduce(value, "max")
+
+
+class _NullLog:
+    """metrics.jsonl / eval.jsonl of ranks other than 0: they write nothing."""
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+
+def _trainer_base():
+    from .loop import Trainer
+
+    return Trainer
+
+
+class ParallelTrainer(_trainer_base()):
+    """The Trainer with its parts made global: the forward/backward through the FSDP/DDP module,
+    the clip norm over the shards, guards on reduced values naming the rank that went non-finite,
+    sharded checkpoints (resumable at another world size), and only rank 0 writing files. With one
+    process it is the plain Trainer, except that it can also resume a sharded checkpoint."""
+
+    def __init__(self, par: Parallel, train_loader: Any, eval_loader: Any, cfg: Any, run_dir: Path, **kw: Any):
+        self.par, self.ctx = par, par.ctx
+        self._local_loss = 0.0
+        super().__init__(par.module, train_loader, eval_loader, cfg, run_dir, reduce=DistReduce(par.ctx), **kw)
+        self.run_config["world_size"] = self.ctx.world
+        if not self.ctx.is_main:
+            self.metrics_log = self.eval_log = _NullLog()
+
+    # ---- global values ----------------------------------------------------------------------------
+    def weights_max_abs(self) -> float:
+        if self.par.kind != "fsdp":  # one process, or DDP's identical full replicas
+            return super().weights_max_abs()
+        from .guards import weights_max_abs
+
+        local = weights_max_abs([p.to_local() for p in self.params])  # this rank's shards
+        if self.ctx.any_true(math.isnan(local)):  # MAX over ranks is not NaN-propagating everywhere
+            return float("nan")
+        return self.ctx.all_reduce([local], "max")[0]
+
+    def forward_backward(self, micro: list[dict], total_tokens: int) -> tuple[float, float]:
+        """Each rank backpropagates its loss sums / the global token total (gradients are then
+        SUM-reduced, see apply_parallel); the loss is the global sum / global total."""
+        from . import loop
+
+        acc = torch.zeros((), dtype=torch.float64, device=self.device)
+        for j, b in enumerate(micro):
+            with self.par.sync_context(last_micro_batch=j == len(micro) - 1):
+                s = loop.loss_sum_of(self.par.forward_module, b, self.device, self.cfg.dtype)
+                (s / total_tokens).backward()
+            acc += s.detach().double()
+        local = float(acc)
+        self._local_loss = local
+        loss_sum = self.reduce.all_reduce_sum(local)
+        grad_norm = self.par.clip_grad_norm(self.params, self.cfg.clip if self.cfg.clip > 0 else float("inf"))
+        return loss_sum / total_tokens, grad_norm
+
+    def guard_step(self, loss: float, grad_norm: float, step: int, sample_ids: list,
+                   pre_step: tuple[dict, dict]) -> str:
+        if self.ctx.active and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # every rank sees the same reduced NaN; say where it came from: the ranks whose own loss
+            # was non-finite (all ranks when only the gradient norm was), with their samples
+            reports = self.ctx.all_gather_object((self.ctx.rank, math.isfinite(self._local_loss), sample_ids))
+            bad = [(r, ids) for r, ok, ids in reports if not ok] or [(r, ids) for r, _, ids in reports]
+            sample_ids = {f"rank {r}": ids for r, ids in bad}
+        return super().guard_step(loss, grad_norm, step, sample_ids, pre_step)
+
+    # ---- resume ---------------------------------------------------------------------------------------
+    def check_resume_config(self, saved: dict[str, Any]) -> None:
+        """At another world size the global batch (world x batch x accumulation) and the sequence
+        length must stay: the loader position is in samples, so the same steps then see the same
+        samples. Per-rank batch and accumulation may change."""
+        was, now = int(saved.get("world_size") or 1), self.ctx.world
+        if was == now:
+            return super().check_resume_config(saved)
+        from .distributed import global_batch
+
+        g_was = global_batch(saved.get("batch_size") or 0, saved.get("grad_accum") or 0, was)
+        g_now = global_batch(self.cfg.batch_size, self.cfg.grad_accum, now)
+        if (g_was != g_now or saved.get("seq_len") != self.cfg.seq_len) and not self.cfg.allow_config_change:
+            raise InputError(
+                f"--resume: the checkpoint was written by {was} process(es) with a global batch of {g_was} "
+                f"(world {was} x batch {saved.get('batch_size')} x accumulation {saved.get('grad_accum')}, "
+                f"seq_len {saved.get('seq_len')}); now {now} x {self.cfg.batch_size} x {self.cfg.grad_accum} = "
+                f"{g_now} (seq_len {self.cfg.seq_len}). Keep world x --batch-size x --grad-accum and "
+                f"--seq-len the same to continue the same run (e.g. --batch-size "
+                f"{max(1, g_was // max(1, now * self.cfg.grad_accum))}), or pass --allow-config-change")
+        self.log(f"resume: world size {was} -> {now}, global batch {g_was} -> {g_now}; resharding model and "
+                 f"optimizer")
+        return super().check_resume_config({**saved, "batch_size": self.cfg.batch_size,
+                                            "grad_accum": self.cfg.grad_accum})
+
+    def restore_state(self, ckpt: dict[str, Any]) -> None:
+        if ckpt.get("sharded") is not None:
+            load_sharded(ckpt["sharded"], self.par, self.optimizer)
+        elif self.par.kind == "single":
+            super().restore_state(ckpt)
+        else:  # a single-process checkpoint continued on several ranks: each keeps its shard
+            load_full(self.par, self.optimizer, ckpt["model"], ckpt["optimizer"])
+
+    def load_trainer_state(self, st: dict[str, Any]) -> None:
+        ranks = st.get("rng_ranks")
+        if ranks and len(ranks) == self.ctx.world:  # the same world size: each rank its own RNG
+            st = {**st, "rng": ranks[self.ctx.rank]}
+        super().load_trainer_state(st)
+
+    # ---- save / final --------------------------------------------------------------------------------
+    def save(self, step: int, data_state: dict | None = None, rng: dict | None = None) -> Path:
+        if not self.ctx.active:
+            return super().save(step, data_state, rng)
+        from . import guards
+        from .checkpoint import rng_state, step_dir_name
+
+        problem = self.weights_problem()
+        if problem is not None:
+            raise guards.weights_error(f"checkpoint {step_dir_name(step)}", problem,
+                                       self.kept_text(self.last_saved), step)
+        state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
+                                   rng if rng is not None else rng_state())
+        self.last_saved = save_sharded_checkpoint(self.ckpt_root, step, self.par, self.optimizer, state,
+                                                  self.run_config, self.cfg.keep)
+        return self.last_saved
+
+    def finish(self) -> None:
+        """final/: one consolidated directory, written by rank 0 whatever the world size."""
+        if not self.ctx.active or self.save_final is None:
+            return super().finish()
+        from . import guards
+
+        problem = self.weights_problem()
+        if problem is not None:
+            raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
+        model = self.model
+        if self.par.kind == "fsdp":
+            full = full_model_state(self.par)  # a collective; the tensors land on rank 0
+            model = consolidated_copy(self.model, full) if self.ctx.is_main else None
+        self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
+
+    def fit(self) -> dict[str, Any]:
+        if self.ctx.is_main:
+            return super().fit()
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):  # one progress bar per job
+            return super().fit()
+
+
+def consolidated_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) -> torch.nn.Module:
+    """A plain CausalLM (CPU) holding the consolidated weights of a sharded one, for the savers."""
+    from ..model import CausalLM
+
+    with torch.device("meta"):
+        plain = CausalLM(model.cfg, kernels=getattr(model, "kernels", "torch"))
+    plain.load_state_dict(state, assign=True, strict=True)
+    return plain.eval()
+
+
+def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: Any, run_dir: Path,
+                  parallel: str = "auto", adapters: bool = False, **kw: Any) -> ParallelTrainer:
+    """The trainer of a command: parallelism applied to `model` (nothing in one process), the loaders
+    split by global sample index, logging on rank 0 only."""
+    from .distributed import current, shard_loader
+
+    ctx = current()
+    par = apply_parallel(model, ctx, parallel, cfg.dtype, adapters)
+    if not ctx.is_main:
+        kw["log"] = lambda text: None
+    return ParallelTrainer(par, shard_loader(train_loader, ctx), shard_loader(eval_loader, ctx), cfg, run_dir, **kw)
+
+
+__all__ = ["PARALLEL_MODES", "DistReduce", "Parallel", "ParallelTrainer", "apply_ddp", "apply_fsdp", "apply_parallel",
+           "build_trainer", "clip_grad_norm", "consolidated_copy", "full_model_state", "load_full", "load_sharded",
+           "resolve_parallel", "save_sharded", "save_sharded_checkpoint", "sharded_state"]
