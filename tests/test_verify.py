@@ -330,3 +330,9 @@ def test_nan_weight_is_named_as_bad_weights_not_a_bad_op(tok, probe, monkeypatch
     assert err.value.exit_code == 2 and "fix the op" not in str(err.value)
     with pytest.raises(InputError, match="weights contain NaN/Inf in model.layers.1.mlp.down_proj.weight"):
         preflight(model, tok, "cpu", "fp32", "triton")
+
+
+def test_preflight_stops_on_an_unrecorded_layer(tok, monkeypatch):
+    _drop_from_test_trace(monkeypatch, "layers.1")
+    with pytest.raises(GuardError, match="cannot be checked at layers.1 .*never recorded by the path under test"):
+        preflight(fast_path(monkeypatch, tiny_qwen2()), tok, "cpu", "fp32", "triton")

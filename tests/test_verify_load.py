@@ -124,3 +124,50 @@ def test_json_line_is_strict_with_nonfinite_numbers(capsys, monkeypatch):
     monkeypatch.setattr(commands, "run_verify", lambda *a, **k: report)
     code, rep = _run(capsys, ["verify", "--model", "whatever"])
     assert code == 1 and rep["first_divergent"]["rel_l2"] == "inf" and rep["sequences"][0]["logits_rel_l2"] == "nan"
+
+
+def test_verify_against_hf_prints_no_third_party_noise(bf16_dir):
+    """Issue 18: torchao's 'Failed to load .../torchao/_C_*.so', torch's _pytree Enum deprecation and the
+    'Loading weights' bar leaked into `verify --against hf` (a fresh process: they print on first import)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    src = Path(__file__).resolve().parents[1] / "src"
+    proc = subprocess.run([sys.executable, "-m", "entrenar", "verify", "--model", str(bf16_dir), "--against", "hf",
+                           "--seq-len", "32", "--no-grads"], check=False, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(src)}, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "PASS" in proc.stdout
+    for noise in ("torchao", "_pytree", "Failed to load", "register_constant", "Loading weights", "Warning"):
+        assert noise not in proc.stderr, proc.stderr
+
+
+def test_third_party_filter_is_narrow(caplog):
+    """Only the known records are dropped: another torchao message, or another warning, still shows."""
+    import logging
+    import warnings
+
+    from entrenar.verify.quiet import quiet_third_party
+
+    with caplog.at_level(logging.WARNING), warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        with quiet_third_party():
+            _log_and_warn_noise()
+    assert [r.getMessage() for r in caplog.records] == ["torchao: a real problem"]
+    assert [str(w.message) for w in seen] == ["something else is deprecated"]
+    logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_mxfp8.so")  # outside: not filtered
+    assert caplog.records[-1].getMessage().startswith("Failed to load")
+
+
+def _log_and_warn_noise() -> None:
+    import logging
+    import warnings
+
+    logging.getLogger("torchao").warning("Failed to load /x/torchao/_C_mxfp8.so: Could not load this library")
+    logging.getLogger("torchao").warning("torchao: a real problem")
+    logging.getLogger("torch.utils._pytree").warning("<enum 'E'> is an Enum subclass and is now natively "
+                                                     "supported by torch.compile as an opaque value type.")
+    warnings.warn("`is_gradient_checkpointing` is deprecated", FutureWarning, stacklevel=1)
+    warnings.warn("something else is deprecated", FutureWarning, stacklevel=1)

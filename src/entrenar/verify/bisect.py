@@ -30,6 +30,7 @@ from ..errors import InputError
 from ..model import CausalLM
 from ..tensors import IGNORE_INDEX, rel_l2
 from .probe import ProbeSequence
+from .quiet import quiet_third_party
 from .trace import OP_ORDER, FilteredTrace, keep_block, keep_layers, record_hf, record_ours
 
 
@@ -241,6 +242,7 @@ def reference_model(model: CausalLM) -> CausalLM:
     return ref
 
 
+@quiet_third_party()
 def hf_from_model(model: CausalLM) -> Any:
     """A transformers model holding ``model``'s weights (fp32): checks compute, not loading."""
     import transformers
@@ -261,6 +263,7 @@ def hf_from_model(model: CausalLM) -> Any:
     return hf.float().eval()
 
 
+@quiet_third_party()
 def hf_from_source(path: Any) -> Any:
     """transformers loading the model file itself (fp32, CPU): an independent loader."""
     from pathlib import Path
@@ -274,6 +277,14 @@ def hf_from_source(path: Any) -> Any:
     else:
         hf = transformers.AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
     return hf.eval()  # GGUF: transformers dequantized to float32 itself (and refuses .float())
+
+
+@quiet_third_party()
+def hf_with_adapter(hf_model: Any, adapter: Any) -> Any:
+    """``hf_model`` with a PEFT-format LoRA adapter merged by peft itself (an independent implementation)."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(hf_model, str(adapter)).merge_and_unload().eval()
 
 
 # ---- comparisons -----------------------------------------------------------------------------

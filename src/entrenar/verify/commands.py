@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from ..errors import InputError
-from .bisect import DTYPES, format_report, hf_from_source, verify_model
+from .bisect import DTYPES, format_report, hf_from_source, hf_with_adapter, verify_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -81,9 +81,7 @@ def run_verify(spec: str, device: str = "cpu", dtype: str = "fp32", kernels: str
     if against == "hf":
         hf_model = hf_from_source(path)
         if adapter:
-            from peft import PeftModel
-
-            hf_model = PeftModel.from_pretrained(hf_model, adapter).merge_and_unload().eval()
+            hf_model = hf_with_adapter(hf_model, adapter)
     rep = verify_model(model, probe=probe, dtype=DTYPES[dtype], against=against, hf_model=hf_model, grads=grads,
                        meta={"model": str(spec), "path": str(path), "adapter": adapter, "device": str(dev),
                              "kernels": kernels, "seq_len": seq_len})

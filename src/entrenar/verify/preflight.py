@@ -56,12 +56,15 @@ def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device
         result["note"] = f"model.kernels={model_kernels!r} differs from the run's kernels={kernels!r}"
     if not rep["ok"]:
         fd = rep["first_divergent"]
-        rel = "n/a" if fd.get("rel_l2") is None else f"{fd['rel_l2']:.3e}"
+        if fd.get("rel_l2") is None and fd.get("note"):  # unchecked (never recorded), not a measured divergence
+            what = f"cannot be checked at {fd['name']} on the {fd['sequence']} probe ({fd['note']})"
+        else:
+            what = (f"diverges from the float64 reference first at {fd['name']} on the {fd['sequence']} probe "
+                    f"(relL2 {fd['rel_l2']:.3e} > bound {fd['bound']:g})")
         raise GuardError(
             GUARD_ID,
-            f"the training path ({device}, {DTYPE_NAMES[run_dtype]}, kernels={model_kernels}) diverges from the "
-            f"float64 reference first at {fd['name']} on the {fd['sequence']} probe (relL2 {rel} > bound "
-            f"{fd['bound']:g}); likely cause: {fd['hint']}.",
+            f"the training path ({device}, {DTYPE_NAMES[run_dtype]}, kernels={model_kernels}) {what}; "
+            f"likely cause: {fd['hint']}.",
             remedy=f"fix the op named above; `entrenar verify --model MODEL --device {torch.device(device).type} "
                    f"--dtype {DTYPE_NAMES[run_dtype]} --kernels {model_kernels}` prints the full per-layer and "
                    f"per-op table. --no-preflight skips this check (logged), at your own risk.",
