@@ -105,3 +105,26 @@ def test_fingerprint_records_sample_and_shapes(bases):
     assert fp == identity.base_fingerprint(load_model(a, dtype=torch.float32))
     other_shape = tiny_model(hidden_size=32, intermediate_size=48)
     assert "shapes differ" in identity._difference(fp, identity.base_fingerprint(other_shape))
+
+
+def test_adapter_dir_or_run_dir_as_model_loads_its_base(bases, tmp_path):
+    """An adapter directory (or a LoRA run holding one in final/) given as MODEL: its recorded base + it."""
+    import shutil
+
+    a, _, adapter = bases
+    assert ep.is_adapter_dir(adapter) and not ep.is_adapter_dir(a) and not ep.is_adapter_dir(tmp_path)
+    run = tmp_path / "run"
+    shutil.copytree(adapter, run / "final")
+    assert ep.adapter_path(run) == run / "final"
+    for spec in (adapter, run):
+        m = load_model_with_adapter(str(spec))
+        assert len(ep.lora_modules(m)) == 14 and m.peft_config["base_check"]["status"] == "match"
+
+
+def test_merge_out_that_cannot_be_created_exits_2(bases, tmp_path, capsys):
+    """An --out under a regular file was a NotADirectoryError traceback (issue 18 item 8)."""
+    a, _, adapter = bases
+    blocker = tmp_path / "a-file"
+    blocker.write_text("x")
+    code, out, _ = merge_cli(a, adapter, blocker / "merged", capsys)
+    assert code == 2 and "--out" in out["error"] and "cannot be created" in out["error"]
