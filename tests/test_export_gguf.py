@@ -373,7 +373,7 @@ def test_f16_overflow_refused_with_remedy(tmp_path, tiny_dirs):
     with torch.no_grad():
         model.model.layers[0].mlp.down_proj.weight[0, 0] = 1e6
     tok = load_tokenizer(tiny_dirs["llama"])
-    with pytest.raises(InputError, match="float16's range.*--type bf16"):
+    with pytest.raises(InputError, match="beyond F16's range.*--type bf16"):
         gw.write_gguf(model.cfg, model.state_dict(), tok, tmp_path / "x.gguf", "f16")
     gw.write_gguf(model.cfg, model.state_dict(), tok, tmp_path / "x.gguf", "bf16")
 

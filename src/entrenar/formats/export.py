@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -92,11 +93,14 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
         raise InputError(f"{out.parent}: directory of the output file does not exist; create it first")
     if export_type not in EXPORT_TYPES:
         raise InputError(f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}")
+    start = time.perf_counter()
     chat_tokenizer = _tokenizer_for(spec, tokenizer)  # before the weights: a refusal costs nothing
     model, n_merged = _merged_model(spec, adapter, force_base)
+    load_seconds = time.perf_counter() - start
     name = Path(str(spec).rstrip("/")).name.removesuffix(".gguf")
     result = write_gguf(model.cfg, model.state_dict(), chat_tokenizer, out, export_type, name=name)
-    result.update(model=str(spec), adapter=adapter, adapters_merged=n_merged)
+    result.update(model=str(spec), adapter=adapter, adapters_merged=n_merged,
+                  load_seconds=round(load_seconds, 3), total_seconds=round(time.perf_counter() - start, 3))
     return result
 
 
@@ -106,7 +110,8 @@ def cmd_export_gguf(args: argparse.Namespace) -> dict[str, Any]:
         types = ", ".join(f"{k} x{v}" for k, v in sorted(result["tensor_types"].items()))
         merged = f", {result['adapters_merged']} adapters merged" if result["adapters_merged"] else ""
         print(f"wrote {result['out']}: {result['architecture']}, {result['tensors']} tensors ({types}), "
-              f"{result['bytes'] / 1e6:.1f} MB in {result['seconds']:.1f} s ({result['mb_per_s']} MB/s); "
+              f"{result['bytes'] / 1e6:.1f} MB written in {result['seconds']:.1f} s ({result['mb_per_s']} MB/s; "
+              f"{result['total_seconds']:.1f} s with loading); "
               f"tokenizer: {result['vocab']} tokens, pre-tokenizer {result['pre_tokenizer']}, "
               f"add_bos {str(result['add_bos']).lower()}{merged}")
         for note in result["notes"]:

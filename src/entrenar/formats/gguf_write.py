@@ -130,25 +130,29 @@ def tensor_nbytes(shape: tuple[int, ...], qtype) -> int:
     return int(np.prod(shape, dtype=np.int64)) // block * type_size
 
 
+def _check_finite(x: torch.Tensor, name: str) -> None:
+    if not bool(torch.isfinite(x).all()):
+        raise InputError(f"weights contain NaN/Inf in {name}; refusing to export a broken model "
+                         f"(check the checkpoint with `entrenar inspect`)")
+
+
 def encode_tensor(t: torch.Tensor, qtype, name: str) -> np.ndarray:
     """The bytes of `t` as GGML type `qtype` (a numpy array whose tofile() is the tensor data)."""
     from gguf import GGMLQuantizationType as T
     from gguf import quants
 
     x = t.detach().to("cpu", torch.float32).contiguous()
-    if not bool(torch.isfinite(x).all()):
-        raise InputError(f"weights contain NaN/Inf in {name}; refusing to export a broken model "
-                         f"(check the checkpoint with `entrenar inspect`)")
+    if qtype in (T.F16, T.BF16):
+        # one finiteness pass, over the converted tensor: NaN/Inf in x or an f16 overflow both show there
+        y = x.to(torch.float16 if qtype == T.F16 else torch.bfloat16)
+        if not bool(torch.isfinite(y).all()):
+            _check_finite(x, name)
+            raise InputError(f"{name} has values beyond {qtype.name}'s range (max |x| = "
+                             f"{x.abs().max().item():.4g}); export with --type bf16 or f32")
+        return y.numpy() if qtype == T.F16 else y.view(torch.int16).numpy().view(np.uint16)  # RNE rounding
+    _check_finite(x, name)
     if qtype == T.F32:
         return x.numpy()
-    if qtype == T.F16:
-        y = x.to(torch.float16)
-        if not bool(torch.isfinite(y).all()):
-            raise InputError(f"{name} has values beyond float16's range (max |x| = "
-                             f"{x.abs().max().item():.4g} > 65504); export with --type bf16 or f32")
-        return y.numpy()
-    if qtype == T.BF16:
-        return x.to(torch.bfloat16).view(torch.int16).numpy().view(np.uint16)  # round-to-nearest-even
     return quants.quantize(x.numpy(), qtype)
 
 
@@ -201,7 +205,7 @@ def _pre_split(pre_tokenizer: Any, text: str) -> list[str]:
     return [piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)]
 
 
-def detect_pre_tokenizer(tokenizer: Any, source: str = "tokenizer") -> str:
+def detect_pre_tokenizer(tokenizer: Any, source: str = "tokenizer", ignore_merges: bool | None = None) -> str:
     """llama.cpp's pre-tokenizer name whose split equals this tokenizer's own on every probe.
 
     `tokenizer` is a ``tokenizers.Tokenizer`` (byte-level BPE). InputError when none matches:
@@ -213,11 +217,12 @@ def detect_pre_tokenizer(tokenizer: Any, source: str = "tokenizer") -> str:
     if own is None:
         raise InputError(f"{source}: the tokenizer has no pre-tokenizer; GGUF's byte-level BPE needs one "
                          f"of llama.cpp's splits ({', '.join(LLAMA_CPP_PRE_NAMES)})")
-    model = json.loads(tokenizer.to_str())["model"]
+    if ignore_merges is None:
+        ignore_merges = bool(json.loads(tokenizer.to_str())["model"].get("ignore_merges", False))
     own_splits = [_pre_split(own, p) for p in PRE_TOKENIZER_PROBES]
     for name in LLAMA_CPP_PRE_NAMES:
-        make, ignore_merges = GGUF_PRE_TOKENIZERS[name]
-        if bool(model.get("ignore_merges", False)) != ignore_merges:
+        make, candidate_ignores_merges = GGUF_PRE_TOKENIZERS[name]
+        if candidate_ignores_merges != ignore_merges:
             continue
         candidate = make()
         if all(_pre_split(candidate, p) == s for p, s in zip(PRE_TOKENIZER_PROBES, own_splits)):
@@ -255,7 +260,7 @@ def tokenizer_meta(chat_tokenizer: Any, vocab_size: int) -> TokenizerMeta:
     source = chat_tokenizer.source or "tokenizer"
     j = json.loads(tok.to_str())
     notes = _check_byte_level_bpe(j, source)
-    pre = detect_pre_tokenizer(tok, source)
+    pre = detect_pre_tokenizer(tok, source, bool(j["model"].get("ignore_merges", False)))
     merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]]
     merged = {m.replace(" ", "", 1) for m in merges}
     n = tok.get_vocab_size(with_added_tokens=True)
