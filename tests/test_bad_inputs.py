@@ -192,6 +192,21 @@ def test_finetune_header_names_the_model_as_given(world, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_check_creatable(tmp_path, monkeypatch):
+    from entrenar.errors import InputError
+    from entrenar.outpaths import check_creatable
+
+    check_creatable(tmp_path / "a" / "b" / "c")  # missing parents are fine: they will be created
+    assert not (tmp_path / "a").exists()  # ... but not here
+    (tmp_path / "f").write_text("x")
+    with pytest.raises(InputError, match="is a file, not a directory"):
+        check_creatable(tmp_path / "f" / "sub" / "x", "--out")
+    # root may write anywhere, so a read-only parent is simulated
+    monkeypatch.setattr("os.access", lambda path, mode: Path(path) != tmp_path)
+    with pytest.raises(InputError, match=f"{tmp_path} is not writable"):
+        check_creatable(tmp_path / "new", "--out")
+
+
 # ---- the JSON contract ---------------------------------------------------------------------------------
 def test_ctrl_c_prints_json_with_exit_130_and_the_resume_hint(monkeypatch, capsys):
     from entrenar.train import commands
