@@ -51,6 +51,7 @@ class World:
     byte_model: Path  # a tiny model over a byte vocabulary (pretrain)
     shards: Path  # byte shards (pretrain)
     adapter: Path  # a LoRA adapter of `model`
+    sft_one_long: Path  # the 11 short rows and one far longer than 64 tokens
     a_file: Path  # an existing regular file
 
 
@@ -82,7 +83,10 @@ def world(tmp_path_factory) -> World:
     adapter = save_adapter(lm, root / "adapter", str(model))
     a_file = root / "a_file.txt"
     a_file.write_text("keep me\n")
-    return World(root, model, sft, byte_model, shards, Path(adapter), a_file)
+    one_long = root / "one_long.jsonl"
+    one_long.write_text(sft.read_text() + json.dumps({"prompt": "Say " + "many words " * 60, "completion": "no"})
+                        + "\n")
+    return World(root, model, sft, byte_model, shards, Path(adapter), one_long, a_file)
 
 
 def finetune(w: World, out: Path, *extra: str) -> list[str]:
@@ -102,6 +106,7 @@ class Case:
     message: str  # substring of stderr (and of the JSON "error")
     untouched: Callable[[World, Path], list[Path]]  # paths that must not exist afterwards
     absent_message: str | None = None  # a misleading text that must not appear
+    guard: str | None = None  # the JSON line's "guard" (None: a plain input error)
 
 
 def _nothing(w: World, t: Path) -> list[Path]:
@@ -134,6 +139,14 @@ CASES = {
                                   2, "the following arguments are required: --out", _nothing),
     "argparse-bad-choice": Case(lambda w, t: finetune(w, t / "run", "--mode", "bogus"), 2, "invalid choice",
                                 lambda w, t: [t / "run"]),
+    "argparse-data-pack-missing-model": Case(lambda w, t: ["data", "pack", "--out", str(t / "p"), str(w.sft),
+                                                           "--json"], 2, "required: --model", lambda w, t: [t / "p"]),
+    # GUARD-DATA is exit 2 (found before training: bad input), and its remedy's flag exists on finetune
+    "finetune-guard-data-remedy-flag": Case(lambda w, t: ["finetune", "--model", str(w.model), "--data",
+                                                          str(w.sft_one_long), "--out", str(t / "run"),
+                                                          "--max-seq-len", "64", "--max-skip-fraction", "0.01",
+                                                          "--json"], 2, "raise --max-skip-fraction",
+                                            lambda w, t: [t / "run"], guard="GUARD-DATA"),
     "argparse-steps-1e9": Case(lambda w, t: pretrain(w, t / "run", "--steps", "1e9"), 2,
                                "argument --steps: invalid int value", lambda w, t: [t / "run"]),
     # item 10: silent overwrites
@@ -167,6 +180,7 @@ def test_bad_input(name, world, tmp_path, capsys):
         assert case.absent_message not in err
     assert result is not None, "--json must print a JSON line on failure too"
     assert result["ok"] is False and result["exit_code"] == case.code and case.message in result["error"]
+    assert result["guard"] == case.guard
     for path in case.untouched(world, tmp_path):
         assert not path.exists(), f"{path} was written"
     for path, data in before.items():
@@ -238,6 +252,7 @@ def test_the_trainers_interruption_reaches_the_json_line(monkeypatch, capsys):
 
     monkeypatch.setattr(commands, "cmd_plot", boom)
     code, result, err = run_cli(["plot", "r", "--json"], capsys)
+    assert "step-0000004" in err
     assert code == 130 and result["checkpoint"] == "runs/x/checkpoints/step-0000004"
     assert result["resume_command"] == "entrenar pretrain --resume auto" and "step-0000004" in result["error"]
 
