@@ -268,6 +268,20 @@ def test_plain_ctrl_c_still_prints_json(monkeypatch, capsys):
     assert code == 130 and result["ok"] is False and result["error"] == "interrupted"
 
 
+def test_an_internal_error_prints_the_json_line_then_raises(monkeypatch, capsys):
+    from entrenar.train import commands
+
+    def bug(args):
+        raise RuntimeError("index out of range in something")
+
+    monkeypatch.setattr(commands, "cmd_plot", bug)
+    with pytest.raises(RuntimeError):  # the traceback is kept: it is what a bug report needs
+        cli.main(["plot", "r", "--json"])
+    line = strict_loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert line["ok"] is False and line["exit_code"] == 1 and line["internal"] is True
+    assert "RuntimeError: index out of range" in line["error"]
+
+
 def test_nonfinite_numbers_are_null_and_named(monkeypatch, capsys):
     from entrenar.train import commands
 

@@ -4,8 +4,8 @@ module `cli_registry`, so no library module imports this one).
 Contract (docs/design.md): every command takes --json and then prints one JSON object as the last
 stdout line -- also when the arguments do not parse, on Ctrl-C and on errors ({"ok": false, ...});
 that line is strict JSON (non-finite floats become null, their keys listed under "nonfinite").
-Exit 0 success, 1 a check failed (verify, qa), 2 bad input, 3 a guard stopped training,
-130 interrupted.
+Exit 0 success, 1 a check failed (verify, qa) or an internal error (a traceback follows the JSON
+line), 2 bad input, 3 a guard stopped training, 130 interrupted.
 """
 
 from __future__ import annotations
@@ -131,6 +131,11 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt as e:
         return _failure(command, _interrupted_message(e), EXIT_INTERRUPTED, want_json, guard=None,
                         **_interrupt_details(e))
+    except Exception as e:  # a bug, not the user's input: the JSON line still comes, then the traceback
+        if want_json:
+            emit_json({"ok": False, "error": f"internal error ({type(e).__name__}: {e}); please report it with "
+                                             f"the traceback", "guard": None, "exit_code": 1, "internal": True})
+        raise
     if want_json and not _other_rank():  # under torchrun: one JSON line per job, from rank 0
         emit_json({"ok": True, **(result or {})})
     return int((result or {}).get("exit_code", 0))
