@@ -350,6 +350,62 @@ def run_one(inv: Invariant, python: str, parent: Path, baseline: bool = False, r
         shutil.rmtree(scratch, ignore_errors=True)
 
 
+def run_operator(m, tests: list[str], timeout: float, python: str, parent: Path) -> Result:
+    """One operator mutant (tools/operators.py) against its target's tests; Result.id is its label."""
+    start = time.monotonic()
+    scratch = make_scratch(parent)
+    try:
+        target = scratch / m.file
+        target.write_text(m.apply(target.read_text()))
+        status, failed, detail = run_tests(python, scratch, tests, timeout)
+        return Result(m.label, status, time.monotonic() - start, "op", failed, detail)
+    finally:
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def operator_summary(results: list[Result], targets: list, per_target: dict[str, list[Result]]) -> list[str]:
+    """Mutation score per module: killed (caught) / all, and every survivor (missed) by label."""
+    lines = []
+    for t in targets:
+        rs = per_target.get(t.name, [])
+        if not rs:
+            continue
+        killed = sum(r.status == OK for r in rs)
+        lines.append(f"{t.name} ({t.file}): {killed}/{len(rs)} killed, score {killed / len(rs):.0%}")
+        lines += [f"  {r.status}: {r.id}" + (f" ({r.detail})" if r.status != "missed" else "")
+                  for r in rs if r.status != OK]
+    return lines
+
+
+def _run_operators(args, python: str, parent: Path) -> int:
+    from operators import load_targets, mutants_of
+
+    targets = [t for t in load_targets(ROOT / "tools" / "mutation_targets.yaml")
+               if not args.target or t.name in args.target]
+    jobs = [(t, m) for t in targets for m in mutants_of(ROOT, t.file, t.functions)]
+    if args.list:
+        for t, m in jobs:
+            print(f"{t.name}\t{m.label}")
+        return 0
+    per_target: dict[str, list[Result]] = {}
+
+    def one(job) -> Result:
+        t, m = job
+        r = run_operator(m, t.tests, args.timeout or t.timeout, python, parent)
+        print(f"  {r.status}: {r.id} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)
+        return r
+
+    with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+        results = list(pool.map(one, jobs))
+    for (t, _), r in zip(jobs, results):
+        per_target.setdefault(t.name, []).append(r)
+    if args.json:
+        print(json.dumps({t: [asdict(r) for r in rs] for t, rs in per_target.items()}, indent=1))
+    else:
+        print("\n".join(operator_summary(results, targets, per_target)))
+    return 0 if all(r.status == OK for r in results) else 1
+
+
 def print_table(results: list[Result], out=sys.stdout) -> None:
     w = max([len(r.id) for r in results] + [2])
     print(f"{'id':<{w}}  {'result':<14}  {'cost':<4}  {'seconds':>7}  caught by / detail", file=out)
@@ -389,10 +445,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", action="store_true",
                    help="first run the named tests unmutated; report baseline-fails if they fail")
     p.add_argument("--timeout", type=float, help="seconds per mutant (default: each invariant's timeout, 600)")
+    p.add_argument("--operators", action="store_true",
+                   help="general operator mutants over tools/mutation_targets.yaml instead of the contracts")
+    p.add_argument("--target", action="append", default=[], help="with --operators: only this target (repeatable)")
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
                    help="interpreter that runs pytest (default .venv/bin/python)")
     args = p.parse_args(argv)
 
+    python = args.python if Path(args.python).exists() else sys.executable
+    if args.operators:
+        sys.path.insert(0, str(ROOT / "tools"))
+        parent = Path(tempfile.mkdtemp(prefix="entrenar-mutants-"))
+        try:
+            return _run_operators(args, python, parent)
+        finally:
+            shutil.rmtree(parent, ignore_errors=True)
     problems = lint()
     if args.lint:
         for line in problems:
@@ -410,7 +477,6 @@ def main(argv: list[str] | None = None) -> int:
         for inv in chosen:
             print(f"{inv.id}\t{inv.cost}\t{inv.source}\t{' '.join(inv.tests)}")
         return 0
-    python = args.python if Path(args.python).exists() else sys.executable
     parent = Path(tempfile.mkdtemp(prefix="entrenar-mutants-"))
     try:
         why = check_isolation(python, parent)
@@ -432,8 +498,7 @@ def _run_all(chosen: list[Invariant], python: str, parent: Path, args) -> list[R
     markers = args.markers or ""
     def one(inv: Invariant) -> Result:
         r = run_one(inv, python, parent, args.baseline, markers=markers)
-        if not args.json:
-            print(f"  {r.id}: {r.status} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)
+        print(f"  {r.id}: {r.status} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)  # progress
         return r
 
     with ThreadPoolExecutor(max_workers=max(1, args.jobs)) as pool:
