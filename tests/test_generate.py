@@ -11,11 +11,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_model
+from conftest import make_hf_model, tiny_causal_lm, tiny_config
 from test_tokenizer import QWEN, SMOLLM, tiny_tokenizer
 
 from entrenar.cli import main as cli_main
-from entrenar.config import ModelConfig
 from entrenar.errors import InputError
 from entrenar.generate import TextStream, generate, sample_next
 from entrenar.model import CausalLM, KVCache
@@ -25,19 +24,9 @@ from entrenar.tokenizer import ChatTokenizer
 
 def tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0) -> CausalLM:
     """A random CausalLM; nonzero Q/K/V biases for qwen2 so the bias path is exercised."""
-    cfg = ModelConfig(vocab_size=vocab_size, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-                      num_kv_heads=2, attention_bias=arch == "qwen2", architecture=arch,
-                      tie_word_embeddings=False, rms_norm_eps=1e-6, max_position_embeddings=256)
-    model = CausalLM(cfg)
-    model.init_weights(seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.mul_(10.0)  # sharper logits, so greedy choices are not near-ties
-    return model.eval()
+    cfg = tiny_config(arch, vocab_size=vocab_size, attention_bias=arch == "qwen2", tie_word_embeddings=False,
+                      rms_norm_eps=1e-6, max_position_embeddings=256)
+    return tiny_causal_lm(cfg, seed, bias_std=0.3, head_scale=10.0).eval()
 
 
 @pytest.fixture(scope="module")

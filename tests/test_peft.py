@@ -7,6 +7,7 @@ import re
 
 import pytest
 import torch
+from conftest import tiny_causal_lm, tiny_config
 from torch import nn
 
 from entrenar import peft as ep
@@ -19,22 +20,12 @@ from entrenar.peft import nf4_linear
 
 
 def tiny_cfg(qwen: bool = True, **kw) -> ModelConfig:
-    base = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 96, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2}
-    if qwen:
-        base.update(attention_bias=True, architecture="qwen2", tie_word_embeddings=True, rms_norm_eps=1e-6)
-    base.update(kw)
-    return ModelConfig(**base)
+    return tiny_config("qwen2" if qwen else "llama", **{"intermediate_size": 96, **kw})
 
 
 def tiny_model(qwen: bool = True, seed: int = 0, **kw) -> CausalLM:
-    torch.manual_seed(seed)
-    m = CausalLM(tiny_cfg(qwen, **kw))
-    m.init_weights(seed)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith(".bias"):  # nonzero Q/K/V biases, so dropping them shows
-                p.normal_(0, 0.5)
-    return m.eval()
+    """Nonzero Q/K/V biases (qwen), so dropping them shows."""
+    return tiny_causal_lm(tiny_cfg(qwen, **kw), seed, bias_std=0.5).eval()
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

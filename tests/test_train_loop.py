@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import tiny_causal_lm, tiny_config
 
 from entrenar.config import ModelConfig
 from entrenar.errors import GuardError, InputError
@@ -31,14 +32,12 @@ VOCAB = 97
 
 
 def tiny_cfg() -> ModelConfig:
-    return ModelConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=128)
+    return tiny_config(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, tie_word_embeddings=True,
+                       max_position_embeddings=128)
 
 
 def tiny_model(seed: int = 0) -> CausalLM:
-    m = CausalLM(tiny_cfg())
-    m.init_weights(seed)
-    return m
+    return tiny_causal_lm(tiny_cfg(), seed)
 
 
 def make_samples(n: int, seed: int = 1, min_len: int = 5, max_len: int = 17) -> list[list[int]]:

@@ -13,10 +13,10 @@ import math
 
 import pytest
 import torch
+from conftest import tiny_causal_lm, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import entrenar.model as model_mod
-from entrenar.config import ModelConfig
 from entrenar.errors import GuardError
 from entrenar.kernels import TORCH_OPS, Ops
 from entrenar.kernels.rmsnorm import rms_norm_reference
@@ -40,19 +40,8 @@ def byte_tokenizer() -> Tokenizer:
 
 def tiny_qwen2(seed: int = 0, num_layers: int = 2) -> CausalLM:
     """Qwen2-shaped: Q/K/V bias, eps 1e-6, theta 1e6, GQA, tied head; biases and norms non-trivial."""
-    cfg = ModelConfig(vocab_size=272, hidden_size=64, intermediate_size=128, num_layers=num_layers, num_heads=4,
-                      num_kv_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True,
-                      tie_word_embeddings=True, architecture="qwen2")
-    m = CausalLM(cfg)
-    m.init_weights(seed)
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in m.named_parameters():
-            if name.endswith(".bias"):
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.5)
-            elif name.endswith("norm.weight"):
-                p.copy_(1 + 0.1 * torch.randn(p.shape, generator=gen))
-    return m
+    return tiny_causal_lm(tiny_config("qwen2", vocab_size=272, num_layers=num_layers, rope_theta=1e6), seed,
+                          bias_std=0.5, norm_std=0.1)
 
 
 @pytest.fixture(scope="module")
