@@ -1,7 +1,10 @@
-"""Errors with exit codes from the command-line contract (DESIGN.md).
+"""Errors with exit codes from the command-line contract (docs/design.md, "Command line").
 
 InputError (exit 2): the user's input is wrong; the message names the file and the problem.
-GuardError (exit 3 unless the guard is about input): a named guard stopped the run.
+GuardError (exit 3): a named guard stopped the run. Guards that judge the input before training
+starts exit 2 like any bad input: GUARD-LOAD (checkpoint tensors vs model) and GUARD-DATA (the data
+set cannot train what the user thinks). `entrenar.cli` turns each into its exit code and, under
+--json, into {"ok": false, "error": str(e), "guard": guard_id, "exit_code": ...}.
 """
 
 from __future__ import annotations
