@@ -147,6 +147,13 @@ CASES = {
                                                           "--max-seq-len", "64", "--max-skip-fraction", "0.01",
                                                           "--json"], 2, "raise --max-skip-fraction",
                                             lambda w, t: [t / "run"], guard="GUARD-DATA"),
+    "eval-guard-data-max-skip-fraction": Case(lambda w, t: ["eval", "--model", str(w.model), "--data",
+                                                            str(w.sft_one_long), "--max-seq-len", "64",
+                                                            "--max-skip-fraction", "0.01", "--json"], 2,
+                                              "raise --max-skip-fraction", _nothing, guard="GUARD-DATA"),
+    "eval-batch-size-0": Case(lambda w, t: ["eval", "--model", str(w.model), "--data", str(w.sft),
+                                            "--batch-size", "0", "--json"], 2,
+                              "--batch-size must be a positive integer", _nothing),
     "argparse-steps-1e9": Case(lambda w, t: pretrain(w, t / "run", "--steps", "1e9"), 2,
                                "argument --steps: invalid int value", lambda w, t: [t / "run"]),
     # item 10: silent overwrites
