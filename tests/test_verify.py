@@ -83,6 +83,19 @@ def test_probe_has_short_and_long_sequences(tok):
         build_probe(tok, 16)
 
 
+def test_probe_does_not_swallow_a_type_error_inside_encode():
+    """The probe used to catch TypeError from encode(text, add_special=True) and retry without BOS, hiding a bug."""
+
+    class BuggyTokenizer:
+        def encode(self, text: str, add_special: bool = False) -> list[int]:
+            if add_special:
+                raise TypeError("bug inside encode")
+            return [1] * len(text)
+
+    with pytest.raises(TypeError, match="bug inside encode"):
+        build_probe(BuggyTokenizer(), 64)
+
+
 def test_rel_l2():
     ref = torch.tensor([3.0, 4.0])
     assert rel_l2(ref, ref) == 0.0

@@ -100,14 +100,6 @@ UNRECORDED_HINT = ("the bisection's hooks never saw this op (a module layout the
                    "entrenar/verify/trace.py")
 
 
-def dtype_name(dtype: torch.dtype | str) -> str:
-    if isinstance(dtype, str):
-        if dtype not in DTYPES:
-            raise ValueError(f"dtype {dtype!r} not in {sorted(DTYPES)}")
-        return DTYPE_NAMES[DTYPES[dtype]]
-    return DTYPE_NAMES[dtype]
-
-
 def hint(name: str) -> str:
     key = name.rsplit(".", 1)[-1] if name.startswith("layers.") else name.split(":")[0]
     return HINTS.get(key, HINTS.get(name.split(".")[0], "a difference in the compute path"))

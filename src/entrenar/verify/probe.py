@@ -73,13 +73,13 @@ class ProbeSequence:
 
 def encode_text(tokenizer: Any, text: str) -> list[int]:
     """Ids from our ChatTokenizer (with BOS as in training) or a bare ``tokenizers.Tokenizer``."""
-    try:
-        ids = tokenizer.encode(text, add_special=True)
-    except TypeError:  # tokenizers.Tokenizer.encode has add_special_tokens instead
-        ids = tokenizer.encode(text)
-    if hasattr(ids, "ids"):
-        ids = ids.ids
-    return list(ids)
+    import tokenizers
+
+    if isinstance(tokenizer, tokenizers.Tokenizer):  # its encode has add_special_tokens, and returns an Encoding
+        return list(tokenizer.encode(text).ids)
+    # Not a `try: ... except TypeError`: a TypeError raised inside our own encode is a bug to see, not a cue
+    # to retry without BOS.
+    return list(tokenizer.encode(text, add_special=True))
 
 
 def build_probe(tokenizer: Any, seq_len: int = 512, short: bool = True) -> list[ProbeSequence]:
