@@ -104,6 +104,10 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
                 p.copy_(noise)
             else:
                 p.copy_(noise / p.shape[-1] ** 0.5)
+        if not cfg.tie_word_embeddings:
+            # an untied head near the embedding: peaked next-token distributions as in trained models
+            # (a fully random head has near-ties at many positions, where top-1 is a coin flip)
+            m.lm_head.weight.mul_(0.5).add_(m.model.embed_tokens.weight)
     return m.eval()
 
 
@@ -412,12 +416,15 @@ def test_transformers_loads_f16_export(tiny_dirs, exports):
 
 
 # ---- llama.cpp (llama-cpp-python) as the client ---------------------------------------------------
-def llama_cpp(path: Path, n_ctx: int = 256, vocab_only: bool = False):
-    """llama.cpp on the file, CPU, 2 threads, every position's logits kept."""
-    from llama_cpp import Llama
+def llama_cpp(path: Path, n_ctx: int = 256, vocab_only: bool = False, f32_cache: bool = False):
+    """llama.cpp on the file, CPU, 2 threads, every position's logits kept. Its KV cache is f16 by
+    default (relL2 ~2e-4 on its own); f32_cache keeps K/V in f32 for the f32 comparison."""
+    from llama_cpp import GGML_TYPE_F32, Llama
 
+    cache = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_cache else {}
     return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=2,
-                 n_threads_batch=2, logits_all=True, vocab_only=vocab_only, verbose=False)
+                 n_threads_batch=2, logits_all=True, vocab_only=vocab_only, flash_attn=False,
+                 verbose=False, **cache)
 
 
 def llama_cpp_logits(llm, ids: list[int]) -> torch.Tensor:
@@ -449,20 +456,28 @@ def agreement(ours: torch.Tensor, theirs: torch.Tensor) -> float:
     return (ours.argmax(-1) == theirs.argmax(-1)).double().mean().item()
 
 
-LOGIT_BOUNDS = {"f32": 1e-4, "f16": 1e-2}
+# relL2 of llama.cpp's logits vs our forward on the source weights (the issue's bounds) ...
+SOURCE_BOUNDS = {"f32": 1e-4, "f16": 1e-2, "bf16": 1e-2}
+# ... and vs our forward on the weights as stored in the file (dequantized): what is left is llama.cpp's
+# own arithmetic (f16 KV cache; activations quantized to 8 bits in q8_0/q4_0 matmuls, ~1e-2 measured)
+STORED_BOUNDS = {"f32": 1e-4, "f16": 1e-2, "bf16": 1e-2, "q8_0": 3e-2, "q4_0": 3e-2}
+LONG_PROBE = torch.randint(0, 400, (1, 200), generator=torch.Generator().manual_seed(11))
 
 
-@pytest.mark.parametrize("typ", ["f32", "f16", "q8_0"])
+@pytest.mark.parametrize("typ", gw.EXPORT_TYPES)
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_llama_cpp_logits_match_ours(arch, typ, tiny_dirs, exports):
-    """Full forward of a 40-token prompt: llama.cpp on our file vs our model on the source weights."""
-    ids = PROBE[0].tolist()
-    ours = our_logits(tiny_dirs[arch])
-    theirs = llama_cpp_logits(llama_cpp(exports[arch, typ]), ids)
-    assert theirs.shape == ours.shape
-    if typ in LOGIT_BOUNDS:
-        assert rel_l2(theirs, ours) <= LOGIT_BOUNDS[typ], (arch, typ, rel_l2(theirs, ours))
-    assert agreement(ours, theirs) >= 0.99, (arch, typ, agreement(ours, theirs))
+    """Full forward of a 200-token prompt: llama.cpp on our file vs our model."""
+    ids = LONG_PROBE[0].tolist()
+    source = our_logits(tiny_dirs[arch], LONG_PROBE)
+    stored = our_logits(exports[arch, typ], LONG_PROBE)
+    theirs = llama_cpp_logits(llama_cpp(exports[arch, typ], f32_cache=typ == "f32"), ids)
+    assert theirs.shape == source.shape
+    if typ in SOURCE_BOUNDS:
+        assert rel_l2(theirs, source) <= SOURCE_BOUNDS[typ], (arch, typ, rel_l2(theirs, source))
+    assert rel_l2(theirs, stored) <= STORED_BOUNDS[typ], (arch, typ, rel_l2(theirs, stored))
+    if typ in ("f32", "f16", "q8_0"):
+        assert agreement(source, theirs) >= 0.99, (arch, typ, agreement(source, theirs))
 
 
 def test_llama_cpp_tokenizes_like_us_trained_tokenizer(tok_dir, exports):
