@@ -1,0 +1,312 @@
+"""`torchrun --nproc-per-node 2 -m entrenar finetune ...` on CPU (gloo) against one process.
+
+Each run is the real CLI in a subprocess (with a timeout, on a free port). The global batch is
+the same in every comparison: 2 ranks x --batch-size 2 == 1 process x --batch-size 4, both with
+--grad-accum 2, on SFT samples of unequal length (so averaging per rank instead of by the global
+token count would show). fp32 throughout.
+
+  - FSDP and DDP: per-step losses within 1e-5 relative, final/ within 1e-5 relL2 after 10 steps,
+    final/ of the 2-rank run loads in transformers;
+  - resume across world sizes (2 -> 1, 1 -> 2) continues within 1e-5; a changed global batch is
+    refused (exit 2);
+  - SIGKILL of the whole job, then --resume auto: bit-identical losses;
+  - NaN on rank 1 only: every rank exits 3 with one message naming rank 1, no half checkpoint;
+  - LoRA under DDP == one process (adapter weights relL2 <= 1e-5), one PEFT adapter saved.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrenar.config import ModelConfig
+from entrenar.fileio import read_jsonl
+from entrenar.formats import save_hf_dir
+from entrenar.model import CausalLM
+from entrenar.tensors import IGNORE_INDEX, rel_l2
+
+SRC = str(Path(__file__).resolve().parents[1] / "src")
+TIMEOUT = 240  # seconds for one CLI run; a hang (a rank waiting on a dead peer) fails instead of blocking CI
+STEPS = 10
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "OMP_NUM_THREADS": "1", "ENTRENAR_DIST_TIMEOUT": "90"}
+
+
+def run_cli(argv: list[str], nproc: int = 1, script: str | None = None) -> subprocess.CompletedProcess:
+    """`python -m entrenar ARGV` (nproc 1) or under torchrun; `script` replaces `-m entrenar` with a
+    python file that patches something, then calls the CLI with sys.argv[1:]."""
+    target = [script] if script else ["-m", "entrenar"]
+    if nproc == 1:
+        cmd = [sys.executable, *target, *argv]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
+               "127.0.0.1", "--master-port", str(free_port()), *target, *argv]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), check=False)
+
+
+def losses(run: Path) -> list[float]:
+    return [r["loss"] for _, r in read_jsonl(run / "metrics.jsonl")]
+
+
+def weights(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
+
+
+def worst_rel(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    assert set(a) == set(b)
+    return max(rel_l2(a[n], b[n]) for n in a)
+
+
+def close(a: list[float], b: list[float], rel: float = 1e-5) -> bool:
+    return len(a) == len(b) and all(abs(x - y) <= rel * abs(y) for x, y in zip(a, b, strict=True))
+
+
+# ---- data and a tiny "pretrained" model ------------------------------------------------------------
+WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
+
+
+@pytest.fixture(scope="module")
+def sft_data(tmp_path_factory) -> Path:
+    """Answers of 1 to 12 words: loss-token counts differ a lot between samples and ranks."""
+    path = tmp_path_factory.mktemp("sft") / "train.jsonl"
+    rows = [{"prompt": f"Count to {i % 12 + 1} in words, starting at {WORDS[i % 5]}.",
+             "completion": " ".join(WORDS[(i % 5 + k) % 12] for k in range(i % 12 + 1)) + "."}
+            for i in range(30)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture(scope="module")
+def base_model(tmp_path_factory, sft_data) -> Path:
+    """A tiny untied model (the embedding in its own FSDP group) with the SmolLM2 tokenizer whose
+    step-0 loss is far below ln(vocab), as finetune's GUARD-INIT-LOSS requires of a pretrained start:
+    every embedding shares a large component u and the head rows of the data's tokens point along u."""
+    from entrenar.data.sft import load_sft
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")
+    examples, _ = load_sft(sft_data, tok, 64)
+    used = sorted({int(t) for e in examples for t in e.labels if t != IGNORE_INDEX})
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=False, max_position_embeddings=128)
+    m = CausalLM(cfg)
+    m.init_weights(1)
+    g = torch.Generator().manual_seed(2)
+    u = torch.randn(cfg.hidden_size, generator=g)
+    u = u / u.norm()
+    with torch.no_grad():
+        m.model.embed_tokens.weight.add_(u)
+        m.lm_head.weight[used] += 2.0 * u
+    return save_hf_dir(m, tmp_path_factory.mktemp("base") / "tiny", tok)
+
+
+def finetune_args(model: Path, data: Path, out: Path, batch: int, extra: tuple = ()) -> list[str]:
+    return ["finetune", "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(STEPS),
+            "--batch-size", str(batch), "--grad-accum", "2", "--max-seq-len", "64", "--lr", "1e-3",
+            "--warmup", "2", "--val-fraction", "0.2", "--eval-every", "5", "--eval-batches", "0",
+            "--save-every", "5", "--seed", "3", "--device", "cpu", "--no-preflight", "--json", *extra]
+
+
+def ok(proc: subprocess.CompletedProcess) -> dict:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, proc.stdout  # one JSON line per job, whatever the number of ranks
+    return json.loads(lines[0])
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory, base_model, sft_data) -> Path:
+    """The reference: one process, batch 4 x accumulation 2."""
+    out = tmp_path_factory.mktemp("single") / "run"
+    ok(run_cli(finetune_args(base_model, sft_data, out, 4)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory, base_model, sft_data) -> Path:
+    out = tmp_path_factory.mktemp("fsdp") / "run"
+    ok(run_cli(finetune_args(base_model, sft_data, out, 2), nproc=2))
+    return out
+
+
+# ---- the same math as one process ------------------------------------------------------------------
+def test_fsdp_two_ranks_equal_one_process(single, fsdp):
+    a, b = losses(fsdp), losses(single)
+    assert len(b) == STEPS and close(a, b), (a, b)
+    ev_a = [r["loss"] for _, r in read_jsonl(fsdp / "eval.jsonl")]
+    ev_b = [r["loss"] for _, r in read_jsonl(single / "eval.jsonl")]
+    assert close(ev_a, ev_b)
+    tok_a = [r["loss_tokens"] for _, r in read_jsonl(fsdp / "metrics.jsonl")]
+    assert tok_a == [r["loss_tokens"] for _, r in read_jsonl(single / "metrics.jsonl")]  # global totals
+    assert len(set(tok_a)) > 1  # unequal samples: the counts differ between steps
+    assert worst_rel(weights(fsdp / "final/model.safetensors"), weights(single / "final/model.safetensors")) <= 1e-5
+    # only rank 0 wrote the run directory's files: one line per step and eval
+    assert [r["step"] for _, r in read_jsonl(fsdp / "metrics.jsonl")] == list(range(1, STEPS + 1))
+    run = json.loads((fsdp / "run.json").read_text())
+    assert run["config"]["parallel"] == "auto"
+    ckpt = fsdp / "checkpoints" / "latest"
+    meta = json.loads((ckpt / "meta.json").read_text())
+    assert meta["sharded"] and meta["world_size"] == 2 and (ckpt / "dcp" / ".metadata").is_file()
+    assert len(json.loads((ckpt / "trainer_state.json").read_text())["rng"]["ranks"]) == 2
+
+
+def test_final_of_two_ranks_loads_in_transformers(fsdp):
+    transformers = pytest.importorskip("transformers")
+    from entrenar.formats import load_model
+
+    ours = load_model(fsdp / "final", dtype=torch.float32)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(fsdp / "final"), torch_dtype=torch.float32).eval()
+    ids = torch.randint(0, 1000, (2, 11), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert rel_l2(ours(ids), hf(ids).logits) < 1e-5
+    assert (fsdp / "final" / "tokenizer.json").is_file()
+
+
+def test_ddp_two_ranks_equal_one_process(tmp_path, single, base_model, sft_data):
+    out = tmp_path / "ddp"
+    ok(run_cli(finetune_args(base_model, sft_data, out, 2, ("--parallel", "ddp")), nproc=2))
+    assert close(losses(out), losses(single))
+    assert worst_rel(weights(out / "final/model.safetensors"), weights(single / "final/model.safetensors")) <= 1e-5
+
+
+# ---- resume across world sizes -----------------------------------------------------------------------
+def _rewind(src: Path, dst: Path, step: int) -> None:
+    """A copy of a finished run as it was right after checkpoint `step`."""
+    shutil.copytree(src, dst, symlinks=True)
+    shutil.rmtree(dst / "final")
+    for d in (dst / "checkpoints").iterdir():
+        if d.name.startswith("step-") and int(d.name.split("-")[1]) > step:
+            shutil.rmtree(d)
+    (dst / "checkpoints" / "latest").unlink()
+    (dst / "checkpoints" / "latest").symlink_to(f"step-{step:07d}")
+
+
+def test_resume_two_ranks_on_one_and_one_on_two(tmp_path, single, fsdp, base_model, sft_data):
+    two_to_one, one_to_two = tmp_path / "2to1", tmp_path / "1to2"
+    _rewind(fsdp, two_to_one, 5)
+    _rewind(single, one_to_two, 5)
+    res = ok(run_cli(finetune_args(base_model, sft_data, two_to_one, 4, ("--resume", "auto"))))
+    assert res["start_step"] == 5
+    ok(run_cli(finetune_args(base_model, sft_data, one_to_two, 2, ("--resume", "auto")), nproc=2))
+    for run in (two_to_one, one_to_two):
+        assert close(losses(run), losses(single)), run
+        assert worst_rel(weights(run / "final/model.safetensors"),
+                         weights(single / "final/model.safetensors")) <= 1e-5
+    # a different global batch does not continue the same run: refused, nothing written
+    bad = tmp_path / "bad"
+    _rewind(fsdp, bad, 5)
+    proc = run_cli(finetune_args(base_model, sft_data, bad, 2, ("--resume", "auto")))
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    assert "global batch of 8" in proc.stderr and "--batch-size 4" in proc.stderr
+    assert not (bad / "final").exists()
+
+
+KILL = """
+import os, signal, sys
+from entrenar.train import metrics
+orig = metrics.Progress.update
+def update(self, step, *a, **k):
+    orig(self, step, *a, **k)
+    if step == 7:  # the whole job dies at once: both ranks, no cleanup
+        os.kill(os.getpid(), signal.SIGKILL)
+metrics.Progress.update = update
+from entrenar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, fsdp, base_model, sft_data):
+    script = tmp_path / "kill.py"
+    script.write_text(KILL)
+    out = tmp_path / "killed"
+    argv = finetune_args(base_model, sft_data, out, 2)
+    proc = run_cli(argv, nproc=2, script=str(script))
+    assert proc.returncode != 0
+    assert [r["step"] for _, r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 8))
+    assert not (out / "final").exists()
+    proc = run_cli([*argv, "--resume", "auto"], nproc=2)
+    ok(proc)
+    assert "step-0000005" in proc.stderr
+    assert losses(out) == losses(fsdp)  # bit-identical
+    assert weights(out / "final/model.safetensors").keys() == weights(fsdp / "final/model.safetensors").keys()
+    a, b = weights(out / "final/model.safetensors"), weights(fsdp / "final/model.safetensors")
+    assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+NAN = """
+import os, sys
+from entrenar.train import loop
+orig = loop.loss_sum_of
+calls = {"n": 0}
+def loss_sum_of(model, batch, device, dtype):
+    s = orig(model, batch, device, dtype)
+    if model.training and os.environ.get("RANK") == "1":
+        calls["n"] += 1
+        if calls["n"] == 13:  # step 7, micro-batch 1, on rank 1 only
+            return s * float("nan")
+    return s
+loop.loss_sum_of = loss_sum_of
+from entrenar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_nan_on_one_rank_stops_every_rank_with_exit_3(tmp_path, base_model, sft_data):
+    script = tmp_path / "nan.py"
+    script.write_text(NAN)
+    out = tmp_path / "nan"
+    proc = run_cli(finetune_args(base_model, sft_data, out, 2, ("--save-every", "4")), nproc=2, script=str(script))
+    # torchrun reports the first failed worker's code; both must have exited 3 (not a crash, no hang)
+    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 3") == 2, proc.stderr[-3000:]
+    assert proc.stderr.count("GUARD-NONFINITE: loss is non-finite at step 7") == 1  # one message, by rank 0
+    assert "'rank 1': [" in proc.stderr and "'rank 0'" not in proc.stderr  # names the rank and its samples
+    result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
+    assert result["guard"] == "GUARD-NONFINITE" and result["exit_code"] == 3
+    assert [r["step"] for _, r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 7))
+    # the last good state (step 6) was saved by every rank together; nothing half-written remains
+    ckpts = sorted(d.name for d in (out / "checkpoints").iterdir())
+    assert ckpts == ["latest", "step-0000004", "step-0000006"], ckpts
+    assert all((out / "checkpoints" / d / "COMPLETE").is_file() for d in ckpts[1:])
+    assert not (out / "final").exists()
+
+
+# ---- adapters ---------------------------------------------------------------------------------------
+def test_lora_ddp_two_ranks_equal_one_process(tmp_path, base_model, sft_data):
+    lora = ("--mode", "lora", "--rank", "4", "--lr", "2e-3")
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok(run_cli(finetune_args(base_model, sft_data, one, 4, lora)))
+    proc = run_cli(finetune_args(base_model, sft_data, two, 2, lora), nproc=2)
+    ok(proc)
+    assert close(losses(two), losses(one))
+    a, b = weights(two / "final/adapter_model.safetensors"), weights(one / "final/adapter_model.safetensors")
+    assert len(a) > 0 and worst_rel(a, b) <= 1e-5
+    assert (two / "final/adapter_config.json").is_file() and not (two / "final/model.safetensors").exists()
+
+
+def test_torchrun_refuses_bad_parallel_choice(tmp_path, base_model, sft_data):
+    proc = run_cli(finetune_args(base_model, sft_data, tmp_path / "x", 4, ("--parallel", "zero")))
+    assert proc.returncode == 2 and "--parallel" in proc.stderr
+
+
+def test_signal_module_is_posix():
+    assert signal.SIGKILL  # the SIGKILL test needs a POSIX system
