@@ -87,7 +87,8 @@ def test_qlora_step0_equals_nf4_dequantized_base():
 
 
 def test_qlora_dropped_bias_is_caught(monkeypatch):
-    """Mutation: NF4Linear forgets the Q/K/V bias (the GPU bug of the system we replace)."""
+    """Mutation: NF4Linear forgets the Q/K/V bias (a QLoRA path that dropped Qwen's Q/K/V biases
+    computed another model from step 0)."""
     def no_bias(self, x):
         return nf4_linear._NF4LinearFn.apply(x, self.nf4_weight, None)
 

@@ -65,7 +65,8 @@ def test_qlora_merge_onto_original_reports_difference(base_dir, tmp_path):
 
 
 def test_qlora_merge_onto_original_weights_mutation_is_caught(base_dir, tmp_path, monkeypatch):
-    """Mutation: the default merge uses the 16-bit weights (the peers' bug) -> the trained-merge check fires."""
+    """Mutation: the default merge uses the 16-bit weights (a QLoRA adapter merged onto weights it never
+    saw changes the model) -> the trained-merge check fires."""
     _adapter(base_dir, tmp_path / "ad", quantize_nf4=True)
     real = em.merge_in_place
     monkeypatch.setattr(em, "merge_in_place", lambda model, onto="trained", original=None, dtype=None:
@@ -153,3 +154,38 @@ def test_finetune_unknown_target_exits_2_listing_linears(tmp_path, capsys):
     assert code == 2 and "attn.c_attn" in err
     assert all(name in err for name in ep.DEFAULT_TARGETS)
     assert not out.exists()  # refused before the run directory is created
+
+
+def test_generate_and_eval_adapter_on_wrong_base_exit_2(tmp_path, capsys):
+    """`generate/eval --adapter` onto a same-shape base the adapter was not trained on: exit 2 naming both
+    bases; `--force-base` runs it anyway (a warning on stderr)."""
+    from entrenar.config import ModelConfig
+    from entrenar.model import CausalLM
+    from entrenar.tokenizer import load_tokenizer
+
+    tok = load_tokenizer("smollm2-135m-instruct")  # reads the GGUF's tokenizer metadata only
+    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
+                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    bases = {}
+    for name, seed in (("A", 0), ("B", 1)):
+        m = CausalLM(cfg)
+        m.init_weights(seed)
+        bases[name] = save_hf_dir(m, tmp_path / f"base-{name}", tok)
+    m = load_model(bases["A"], dtype=torch.float32)
+    ep.apply_lora(m, rank=4, alpha=8, seed=0)
+    randomize_adapters(m, std=2.0)
+    ep.save_adapter(m, tmp_path / "ad", str(bases["A"]))
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say {w}.", "completion": f"{w}!"}) + "\n"
+                            for w in ("one", "two", "three")))
+    gen = ["generate", "--model", str(bases["B"]), "--adapter", str(tmp_path / "ad"), "--prompt", "Hello",
+           "--max-new-tokens", "3", "--device", "cpu", "--json"]
+    ev = ["eval", "--model", str(bases["B"]), "--adapter", str(tmp_path / "ad"), "--data", str(data),
+          "--max-seq-len", "64", "--batch-size", "2", "--json"]
+    for argv in (gen, ev):
+        code = cli.main(argv)
+        out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+        assert code == 2 and str(bases["A"]) in out["error"] and str(bases["B"]) in out["error"], out
+        code = cli.main([*argv, "--force-base"])
+        captured = capsys.readouterr()
+        assert code == 0 and "warning: --force-base" in captured.err
