@@ -1,4 +1,5 @@
-"""Each bug of the system entrenar replaces, re-introduced by monkeypatch, turns a real test red.
+"""Each known model bug (RoPE pairs swapped, Q/K/V biases dropped, eps 1e-5 on a 1e-6 model, bidirectional
+attention, BF16 saved or read as F16, unpermuted GGUF Q/K), re-introduced by monkeypatch, turns a real test red.
 
 Every test here runs the same check the green test runs (parity vs transformers, exact
 causality, BF16 round trip) and asserts that under the mutation that check FAILS; a sanity
@@ -124,7 +125,7 @@ def test_bf16_written_as_f16_is_caught(tmp_path, tiny_hf_dir, monkeypatch):
 
 
 def test_bf16_read_as_f16_is_caught(tmp_path, monkeypatch):
-    """GGUF import tags BF16 bits as F16 (the seed bug): the bit-exact read check fails."""
+    """GGUF import tags BF16 bits as F16 (every BF16 weight becomes garbage): the bit-exact read check fails."""
     assert bf16_gguf_roundtrip_ok(tmp_path)
     real = ggufmod._tensor_to_torch
 

@@ -79,3 +79,16 @@ def test_causality_exact(arch, tiny_hf_dir):
     _, path = tiny_hf_dir(arch)
     ours = load_model(path)
     check_causality(ours, ours.cfg.vocab_size)
+
+
+def test_model_fields_are_declared(tiny_hf_dir):
+    """source / peft_config / activation_checkpointing are CausalLM fields, not attributes set ad hoc from outside."""
+    from entrenar.model import CausalLM
+
+    _, path = tiny_hf_dir("llama")
+    ours = load_model(path)
+    assert isinstance(ours.source, dict) and ours.peft_config is None and ours.activation_checkpointing is False
+    fresh = CausalLM(ours.cfg)
+    assert (fresh.source, fresh.peft_config, fresh.activation_checkpointing, fresh.kernels) == (None, None, False,
+                                                                                                "torch")
+    assert {"source", "peft_config", "activation_checkpointing", "kernels"} <= set(CausalLM.__annotations__)

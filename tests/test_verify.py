@@ -2,8 +2,8 @@
 
 Each defect is injected into the path under test only: the model under test runs with
 kernels="triton", whose ops (and attention) the test replaces by a defective version; the
-float64 oracle always runs the clean torch reference ops. That is exactly the situation of the
-seed bugs (a fast GPU path wrong, the CPU path right).
+float64 oracle always runs the clean torch reference ops: a fast GPU path wrong while the CPU path
+is right, as with the RoPE pairing, Q/K/V-bias and eps defects earlier fast paths shipped.
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ def test_every_op_is_compared_against_hf(probe, monkeypatch):
     assert ops["up_proj"]["ok"] and not ops["act"]["ok"]
 
 
-# ---- the six seed defects (five here; BF16-as-F16 at load is in test_verify_load.py) -------------------
+# ---- six planted defects (five here; BF16-as-F16 at load is in test_verify_load.py) ------------------
 def test_rope_pairs_swapped_is_named_q_rope(probe, monkeypatch):
     swapped = dataclasses.replace(FAST_OPS, rope=lambda q, k, cos, sin, style: rope_reference(
         q, k, cos, sin, "gptj" if style == "neox" else "neox"))

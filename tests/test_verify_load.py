@@ -1,6 +1,6 @@
 """`entrenar verify` end to end on a tiny HF directory with BF16 weights.
 
-The sixth seed defect, BF16 weights decoded as F16 at load, lives in the loader, so it is
+The sixth planted defect, BF16 weights decoded as F16 at load, lives in the loader, so it is
 invisible against our own float64 reference (same load) and caught against transformers, which
 loads the file itself: first divergence at the embedding.
 """
@@ -47,7 +47,7 @@ def _run(capsys, argv: list[str]) -> tuple[int, dict]:
 
 
 def _decode_bf16_as_f16(monkeypatch):
-    """The seed loader bug: BF16 tensors tagged F16, so their bits are read as IEEE half."""
+    """A loader bug seen before: BF16 tensors tagged F16, so their bits are read as IEEE half."""
     original = hf_format.read_safetensors
 
     def misread(path):

@@ -66,7 +66,8 @@ DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat1
           "fp64": torch.float64, "float64": torch.float64}
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
-# What a divergence first seen at an op most likely means (the seed bugs, named).
+# What a divergence first seen at an op most likely means: the defects earlier fast paths shipped (RoPE pairs
+# swapped, Q/K/V bias dropped, eps hard-coded to 1e-5, non-causal attention, BF16 bits read as F16), named.
 HINTS = {
     "embed": "weights decoded wrongly at load (dtype tag, dequantization, transposition); compare with "
              "`entrenar verify --against hf`",

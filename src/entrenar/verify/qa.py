@@ -6,8 +6,9 @@ Prompts: plain continuation and chat-templated, prose and code. Gates per answer
 - ``stops`` (chat): generation ended with end-of-turn / EOS within the token budget;
 - ``code_parses`` (chat code): every fenced Python block parses with ``ast``;
 - ``coherent``: not gibberish (mostly word-like text, no leaked template markup) and it
-  contains the expected answer. A chat answer failing this while the plain prompt's passes is
-  the seed's ChatML failure (template tokens not understood), reported as such.
+  contains the expected answer. A chat answer failing this while the plain prompt's passes means a
+  chat template whose markers the model was never trained on (ChatML tokens read as plain text: plain
+  continuations fine, chat answers gibberish), reported as such.
 
 The budget is small (a few dozen tokens per prompt) so qa runs in seconds on a CPU.
 """
@@ -181,7 +182,7 @@ def run_qa(model: torch.nn.Module, tokenizer: Any, prompts: tuple[GoldenPrompt, 
     diagnosis = None
     if plain_ok and chat_bad:
         diagnosis = ("chat answers fail while plain continuations are fine: the chat template / special tokens "
-                     "are not what the model was trained with (the seed's ChatML failure)")
+                     "are not what the model was trained with (e.g. ChatML markers it reads as plain text)")
     elif not plain_ok:
         diagnosis = "plain continuations fail too: the weights or the forward are wrong (run `entrenar verify`)"
     ok = all(r.ok for r in results)
