@@ -392,3 +392,19 @@ def test_seed_drives_dropout_same_seed_same_run(tmp_path):
     T.run(tmp_path / "c", 3, model=dropout_model(), lr=1e-2, seed=6)
     assert T.losses(tmp_path / "a") == T.losses(tmp_path / "b")
     assert T.losses(tmp_path / "a")[1:] != T.losses(tmp_path / "c")[1:]
+
+
+def test_resume_after_a_kill_mid_log_line(tmp_path):
+    """A SIGKILL while metrics.jsonl's line for step 5 was being written leaves half a line: the old
+    truncate_after died on it with JSONDecodeError (seen red); resume drops it, a bad line elsewhere
+    is named."""
+    T.run(tmp_path, 4, save_every=2)
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "loss": 4.1')
+    T.run(tmp_path, 6, save_every=2, resume="auto")
+    assert [r["step"] for r in strict_rows(tmp_path / "metrics.jsonl")] == [1, 2, 3, 4, 5, 6]
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    lines[1] = lines[1][:20]
+    (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
+    with pytest.raises(InputError, match="metrics.jsonl:2"):
+        T.run(tmp_path, 8, save_every=2, resume="auto")

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import torch
 
+from ..errors import InputError
 from ..fileio import atomic_write
 from ..fileio import read_jsonl as fileio_read_jsonl
 
@@ -67,10 +68,25 @@ class JsonlLog:
         self.path = path
 
     def truncate_after(self, step: int) -> None:
+        """Keep the lines of steps <= `step`. A last line cut short (a kill in the middle of writing it)
+        is dropped; a malformed line anywhere else is an InputError naming file:line."""
         if not self.path.exists():
             return
-        kept = [line for line in self.path.read_text().splitlines()
-                if line.strip() and json.loads(line).get("step", 0) <= step]
+        lines = self.path.read_text().splitlines()
+        last = max((i for i, line in enumerate(lines) if line.strip()), default=-1)
+        kept = []
+        for i, line in enumerate(lines):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                if i == last:
+                    break
+                raise InputError(f"{self.path}:{i + 1}: not valid JSON ({e.msg}); this run's log was edited "
+                                 f"or corrupted: repair or remove that line, then resume") from None
+            if record.get("step", 0) <= step:
+                kept.append(line)
         atomic_write(self.path, "".join(line + "\n" for line in kept))
 
     def reset(self) -> None:
