@@ -23,6 +23,7 @@ import torch
 
 from entrenar.config import preset
 from entrenar.model import CausalLM
+from entrenar.tensors import IGNORE_INDEX
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,7 +57,7 @@ def model_parity(name: str, batch: int, seq: int) -> list[dict]:
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
     labels = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen).to(device)
-    labels[:, : seq // 4] = -100  # a prompt part, as in SFT
+    labels[:, : seq // 4] = IGNORE_INDEX  # a prompt part, as in SFT
 
     def run(model, autocast):
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):

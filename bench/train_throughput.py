@@ -28,6 +28,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from entrenar.config import ModelConfig, preset
 from entrenar.kernels import cross_entropy, rmsnorm, rope, swiglu
 from entrenar.model import Attention, CausalLM
+from entrenar.tensors import IGNORE_INDEX
 
 ORIGINAL_ATTENTION_FORWARD = Attention.forward
 
@@ -40,7 +41,7 @@ def make_batch(cfg: ModelConfig, batch: int, seq: int, seed: int = 0):
     ids = torch.randint(0, cfg.vocab_size, (batch, seq + 1), generator=gen)
     input_ids = ids[:, :-1].contiguous()
     shifted = ids[:, 1:].contiguous()  # entrenar: labels already shifted
-    shifted[:, -1] = -100  # HF shifts internally and cannot see the last target: same T-1 targets for all
+    shifted[:, -1] = IGNORE_INDEX  # HF shifts internally and cannot see the last target: same T-1 targets for all
     return input_ids, shifted
 
 
@@ -379,7 +380,7 @@ def micro_lce(device, liger_ok):
     if liger_ok:
         from liger_kernel.ops.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyFunction
 
-        impls.append(("liger", lambda: LigerFusedLinearCrossEntropyFunction.apply(h, wt, lab, None, None, -100, 0.0,
+        impls.append(("liger", lambda: LigerFusedLinearCrossEntropyFunction.apply(h, wt, lab, None, None, IGNORE_INDEX, 0.0,
                                                                                    0.0, "sum")[0]))
     rows = []
     for name, fn in impls:

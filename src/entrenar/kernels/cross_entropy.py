@@ -16,6 +16,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..tensors import IGNORE_INDEX
 from . import _common
 from .reference import linear_cross_entropy_reference  # noqa: F401 -- re-exported: each kernel next to its reference
 
@@ -127,7 +128,7 @@ class _LinearCrossEntropyFunction(torch.autograd.Function):
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, reduction: str = "sum") -> torch.Tensor:
     """Fused LM head + CE (Triton): hidden [N, H], weight [V, H], labels [N] -> fp32 scalar loss.
 
     reduction "sum" (the caller knows the non-ignored count) or "mean"; every label ignored gives

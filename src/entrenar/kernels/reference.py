@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from ..tensors import IGNORE_INDEX
+
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     # Same op order as transformers: normalise in (at least) fp32, cast back, then scale.
@@ -46,7 +48,7 @@ def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 def linear_cross_entropy_reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                                   ignore_index: int = -100, reduction: str = "sum") -> torch.Tensor:
+                                   ignore_index: int = IGNORE_INDEX, reduction: str = "sum") -> torch.Tensor:
     """hidden [N, H], weight [V, H], labels [N] (already shifted) -> summed (or mean) loss."""
     logits = (hidden @ weight.t()).float()
     return F.cross_entropy(logits, labels, ignore_index=ignore_index, reduction=reduction)
