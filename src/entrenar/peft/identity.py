@@ -87,8 +87,8 @@ def check_base_identity(note: dict[str, Any], current: dict[str, Any], adapter: 
     recorded = note.get("base_fingerprint")
     if not isinstance(recorded, dict) or recorded.get("method") != FINGERPRINT_METHOD:
         return {"status": "unrecorded",
-                "message": f"note: {adapter} records no base fingerprint (written before entrenar checked "
-                           f"base identity); cannot check that {base_name or 'the base'} is the model it was "
+                "message": f"note: {adapter} records no base fingerprint (written by peft, or by entrenar before "
+                           f"it recorded one); cannot check that {base_name or 'the base'} is the model it was "
                            f"trained on ({recorded_name or 'base unrecorded'})"}
     why = _difference(recorded, current)
     if why is None:

@@ -21,7 +21,7 @@ from torch import nn
 from ..errors import InputError
 from ..fileio import atomic_write
 from ..kernels import nf4
-from .identity import base_fingerprint, check_base_identity
+from .identity import check_base_identity
 from .lora import apply_lora, lora_modules
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -184,7 +184,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool |
     load_adapter_weights(model, d)  # shape errors name the tensor before the identity check speaks
     if base_name is None:
         base_name = (getattr(model, "source", None) or {}).get("spec")
-    fingerprint = model.peft_config.get("base_fingerprint") or base_fingerprint(model)
+    fingerprint = model.peft_config["base_fingerprint"]  # taken by apply_lora before it wrapped anything
     check = check_base_identity(note, fingerprint, str(d), base_name, force_base)
     if check["status"] != "match":
         print(check["message"], file=sys.stderr, flush=True)
