@@ -22,7 +22,7 @@ from entrenar.kernels import TORCH_OPS, Ops
 from entrenar.kernels.rmsnorm import rms_norm_reference
 from entrenar.kernels.rope import rope_reference
 from entrenar.model import Attention, CausalLM
-from entrenar.verify import BOUNDS, format_report, preflight, rel_l2, verify_model
+from entrenar.verify import BOUNDS, OP_ORDER, format_report, preflight, rel_l2, verify_model
 from entrenar.verify.probe import build_probe
 
 SEQ_LEN = 128
@@ -338,3 +338,28 @@ def test_preflight_stops_on_an_unrecorded_layer(tok, monkeypatch):
     _drop_from_test_trace(monkeypatch, "layers.1")
     with pytest.raises(GuardError, match="cannot be checked at layers.1 .*never recorded by the path under test"):
         preflight(fast_path(monkeypatch, tiny_qwen2()), tok, "cpu", "fp32", "triton")
+
+
+def test_record_internals_is_the_only_switch(monkeypatch):
+    """Outside record_internals the forward builds no attention probabilities and records nothing; inside, only
+    the asked layers record, and the switch is off again afterwards."""
+    from entrenar.verify.trace import FilteredTrace, keep_block, record_ours
+
+    built = []
+    real = Attention.attention_probs
+    monkeypatch.setattr(Attention, "attention_probs", lambda self, q, k, mask: built.append(self.layer) or real(
+        self, q, k, mask))
+    model = tiny_qwen2()
+    ids = torch.randint(0, 272, (1, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        plain = model(ids)
+        assert built == []
+        trace = FilteredTrace(keep_block(1))
+        with record_ours(model, trace, keep_block(1)):
+            recorded = model(ids)
+        assert built == [1] and torch.equal(plain, recorded)
+        assert {n.split(".", 2)[2] for n in trace} == set(OP_ORDER) and all(n.startswith("layers.1.") for n in trace)
+        assert trace["layers.1.attn_probs"].shape == (1, 4, 9, 9)
+        assert all(layer.self_attn.internals is None for layer in model.model.layers)
+        model(ids)
+    assert built == [1]
