@@ -45,3 +45,51 @@ def test_top_p_excludes_a_token_whose_preceding_mass_already_reaches_p():
     binary) and top_p 0.5: the nucleus is the first token alone, so every draw is the same token."""
     draws = _draws(torch.zeros(2), 1.0, 0.5, 200)
     assert len(set(draws)) == 1
+
+
+# ---- schedule and optimizer groups (src/entrenar/train/optim.py) -------------------------------------
+def test_every_trainable_parameter_is_optimized_once_and_1d_ones_without_decay():
+    """Mutant: the no-decay group dropped from param_groups -- norms and biases would never train."""
+    from entrenar.config import ModelConfig
+    from entrenar.model import CausalLM
+    from entrenar.train.optim import build_optimizer
+
+    model = CausalLM(ModelConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                 num_kv_heads=1, attention_bias=True, architecture="qwen2"))
+    opt = build_optimizer(model, 1e-3, 0.1)
+    seen = [id(p) for g in opt.param_groups for p in g["params"]]
+    assert sorted(seen) == sorted(id(p) for p in model.parameters() if p.requires_grad)
+    for g in opt.param_groups:
+        assert g["weight_decay"] == (0.1 if g["params"][0].dim() >= 2 else 0.0)
+
+
+def test_warmup_reaches_the_peak_exactly_and_never_passes_it():
+    """Mutants: ``step < warmup`` -> ``<=`` (step `warmup` gets (w+1)/w x peak) and ``warmup > 0`` ->
+    ``warmup > 1`` (a one-step warmup starts below the peak)."""
+    from entrenar.train.optim import Schedule
+
+    s = Schedule(1.0, warmup=4, total=20, kind="cosine", min_ratio=0.1)
+    lrs = [s.lr_at(i) for i in range(21)]
+    assert lrs[4] == 1.0 and max(lrs) == 1.0
+    assert Schedule(1.0, warmup=1, total=20).lr_at(0) == 1.0
+
+
+def test_cosine_and_linear_differ_between_their_end_points():
+    """Mutant: ``kind == "linear"`` -> ``!=`` swaps the two decays; they agree at 0, 1/2 and 1 of the
+    decay, so only a point like 1/4 tells them apart (cosine 0.854, linear 0.75)."""
+    import math
+
+    from entrenar.train.optim import Schedule
+
+    cos = Schedule(1.0, warmup=0, total=100, kind="cosine", min_ratio=0.0)
+    lin = Schedule(1.0, warmup=0, total=100, kind="linear", min_ratio=0.0)
+    assert cos.lr_at(25) == 0.5 * (1 + math.cos(math.pi / 4))
+    assert lin.lr_at(25) == 0.75
+
+
+def test_schedule_with_no_decay_steps_stays_finite():
+    """Mutant: ``max(1, total - warmup)`` -> ``max(0, ...)``: total == warmup divides by zero after warmup."""
+    from entrenar.train.optim import Schedule
+
+    s = Schedule(1.0, warmup=10, total=10, min_ratio=0.1)
+    assert s.lr_at(10) == 1.0 and s.lr_at(11) == 0.1
