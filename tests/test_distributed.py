@@ -245,8 +245,8 @@ def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, fsdp, base_model, s
     assert [r["step"] for _, r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 8))
     assert not (out / "final").exists()
     proc = run_cli([*argv, "--resume", "auto"], nproc=2)
-    ok(proc)
-    assert "step-0000005" in proc.stderr
+    assert ok(proc)["start_step"] == 5, proc.stderr[-2000:]
+    assert "resume: continuing from" in proc.stderr and "step-0000005" in proc.stderr
     assert losses(out) == losses(fsdp)  # bit-identical
     assert weights(out / "final/model.safetensors").keys() == weights(fsdp / "final/model.safetensors").keys()
     a, b = weights(out / "final/model.safetensors"), weights(fsdp / "final/model.safetensors")

@@ -1,0 +1,236 @@
+#!/usr/bin/env python3
+"""Data-parallel scaling of the real CLI under torchrun (issue 12): tokens/s and peak memory per GPU.
+
+    PYTHONPATH=src NCCL_NVLS_ENABLE=0 python bench/distributed_scaling.py            # 2 GPUs, < 9 min
+    PYTHONPATH=src python bench/distributed_scaling.py --smoke                        # CPU, tiny, gloo
+
+Runs `python -m torch.distributed.run --nproc-per-node N <cli> pretrain --model PRESET ...` with
+random weights of the preset's real shapes on random-token shards written here (the pack format of
+data/corpus.py, vocabulary = the preset's, so no shapes change). Rows:
+
+  qwen2.5-0.5b   full training, bf16 compute / fp32 master, batch 8 x 2048 per GPU, 1 and 2 GPUs
+  llama-370m     pretraining, same settings, 1 and 2 GPUs
+  qwen2.5-coder-7b  full training on 2 GPUs (FSDP2, fp32 master sharded, bf16 compute,
+                 --activation-checkpointing), batch 2 x 2048 per GPU (1 x 2048 if that does not fit);
+                 with the memory arithmetic whether or not it fits
+
+1 GPU is the plain single-process path (torchrun with one process: no process group, no FSDP);
+2 GPUs is FSDP2 (MixedPrecisionPolicy bf16/fp32). tok/s per GPU = the CLI's tok_s (all ranks'
+tokens per step time) / GPUs, median over the steps after the first 3; peak memory = the CLI's
+mem_mb (torch.cuda.max_memory_allocated on rank 0; FSDP ranks are symmetric). MFU = the CLI's
+(6N + attention FLOPs per token, per device, against the card's dense bf16 peak).
+
+The only thing not the plain CLI: checkpoints and final/ are switched off (a wrapper replaces
+Trainer.save / finish with no-ops before calling entrenar.cli.main): a 7B DCP checkpoint is
+~120 GB and would dominate the time. A run that fails with --kernels auto (Triton) is retried with
+--kernels torch, and the table says which kernels ran. Prints a markdown table at the end.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+WRAPPER = """
+import sys
+from entrenar.train import loop, parallel
+# bench: no checkpoint / final/ I/O (a 7B sharded checkpoint is ~120 GB); the steps are the CLI's
+loop.Trainer.save = lambda self, step, *a, **k: None
+loop.Trainer.finish = lambda self: None
+parallel.ParallelTrainer.save = lambda self, step, *a, **k: None
+parallel.ParallelTrainer.finish = lambda self: None
+from entrenar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def write_shards(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
+    """Random token ids in [0, vocab) in entrenar's shard format (data/corpus.py): index.json,
+    train-00000.bin (little-endian uint32), train.docs.bin (one document)."""
+    from entrenar.data.corpus import FORMAT
+    from entrenar.fileio import sha256_file
+
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype("<u2") if vocab < 65536 else np.dtype("<u4")
+    ids = np.random.default_rng(seed).integers(0, vocab, size=tokens).astype(dtype)
+    ids.tofile(out / "train-00000.bin")
+    np.zeros(1, dtype="<u8").tofile(out / "train.docs.bin")
+    index = {"format": FORMAT, "dtype": dtype.str, "vocab_size": vocab,
+             "tokenizer": {"model": None, "vocab_size": vocab, "eos_id": None},
+             "source_sha256": f"random-{seed}-{vocab}-{tokens}", "tokens": tokens, "documents": 1,
+             "splits": {"train": {"documents": 1, "tokens": tokens, "doc_offsets": "train.docs.bin",
+                                  "shards": [{"file": "train-00000.bin", "tokens": tokens,
+                                              "sha256": sha256_file(out / "train-00000.bin")}]}}}
+    (out / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+def num_parameters(preset_name: str) -> int:
+    import torch
+
+    from entrenar.config import preset
+    from entrenar.model import CausalLM
+
+    with torch.device("meta"):
+        model = CausalLM(preset(preset_name))
+    return sum(p.numel() for p in model.parameters())
+
+
+def run_one(work: Path, name: str, preset_name: str, gpus: int, batch: int, seq: int, steps: int, device: str,
+            dtype: str, extra: list[str], timeout: float) -> dict:
+    """One torchrun job; its metrics summarised (or the failure)."""
+    wrapper = work / "bench_cli.py"
+    wrapper.write_text(WRAPPER)
+    out = work / f"{name}-{gpus}"
+    shards = work / f"shards-{preset_name}"
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+           "NCCL_NVLS_ENABLE": "0"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-addr",
+           "127.0.0.1", "--master-port", str(free_port()), str(wrapper), "pretrain", "--model", preset_name,
+           "--data", str(shards), "--out", str(out), "--steps", str(steps), "--batch-size", str(batch),
+           "--seq-len", str(seq), "--lr", "1e-4", "--warmup", "2", "--device", device, "--dtype", dtype,
+           "--no-preflight", "--json", *extra]
+    t0 = time.perf_counter()
+    try:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+        code, err = proc.returncode, proc.stderr
+    except subprocess.TimeoutExpired as e:
+        code, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+    row: dict = {"name": name, "gpus": gpus, "batch": batch, "seq": seq, "seconds": time.perf_counter() - t0,
+                 "kernels": "torch" if "--kernels" in extra else "auto", "ok": code == 0}
+    metrics = out / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
+    later = [r for r in records if r["step"] > 3] or records[1:] or records
+    if code != 0:
+        tail = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[W")][-6:]
+        row["error"] = f"exit {code}: " + " | ".join(tail)[-600:]
+    if later:
+        row["tok_s_per_gpu"] = statistics.median(r["tok_s"] for r in later) / gpus
+        mfu = [r["mfu"] for r in later if r.get("mfu") is not None]
+        row["mfu"] = statistics.median(mfu) if mfu else None
+        row["peak_mem_gib"] = max(r["mem_mb"] for r in records) / 1024
+        row["steps_measured"] = len(later)
+    print(json.dumps(row), flush=True)
+    return row
+
+
+def memory_arithmetic(preset_name: str, gpus: int, batch: int, seq: int) -> str:
+    from entrenar.config import preset
+
+    cfg = preset(preset_name)
+    n = num_parameters(preset_name)
+    gib = 2**30
+    states = 16 * n / gpus / gib  # fp32 master 4 + fp32 grad 4 + AdamW m, v 8 bytes, sharded
+    per_block = (n - cfg.vocab_size * cfg.hidden_size * (1 if cfg.tie_word_embeddings else 2)) / cfg.num_layers
+    gathered = 2 * 2 * per_block / gib  # bf16 all-gathered block (+ the prefetched next one)
+    head = 2 * cfg.vocab_size * cfg.hidden_size / gib  # the root's bf16 head, gathered for the whole step
+    act = cfg.num_layers * batch * seq * cfg.hidden_size * 2 / gib  # checkpointed block inputs (bf16)
+    return (f"{preset_name}: {n / 1e9:.2f} B parameters; per GPU at {gpus} GPUs: {states:.1f} GiB sharded fp32 "
+            f"master+grad+AdamW (16 B/param / {gpus}) + {gathered:.1f} GiB gathered bf16 blocks + {head:.1f} GiB "
+            f"bf16 head + {act:.2f} GiB checkpointed activations (batch {batch} x {seq}) + one block's "
+            f"recompute and the loss chunks = {states + gathered + head + act:.1f} GiB before allocator overhead; "
+            f"1 GPU would need {16 * n / gib:.0f} GiB for the states alone")
+
+
+def fmt(row: dict) -> str:
+    def num(key: str, spec: str) -> str:
+        v = row.get(key)
+        return format(v, spec) if isinstance(v, (int, float)) else "-"
+
+    status = "ok" if row["ok"] else row.get("error", "failed")[:160].replace("|", "/")
+    return (f"| {row['name']} | {row['gpus']} | {row['batch']} x {row['seq']} | {num('tok_s_per_gpu', ',.0f')} | "
+            f"{num('scaling', '.1%')} | {num('mfu', '.1%')} | {num('peak_mem_gib', '.1f')} | {row['kernels']} | "
+            f"{status} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--smoke", action="store_true", help="CPU/gloo, the tiny preset, 2 steps: checks the plumbing")
+    ap.add_argument("--budget", type=float, default=510.0, help="seconds for all runs (default 510)")
+    ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    args = ap.parse_args()
+    t_start = time.perf_counter()
+    work = Path(args.work or tempfile.mkdtemp(prefix="entrenar-dist-bench-"))
+    if args.smoke:
+        device, dtype, seq, steps = "cpu", "fp32", 64, 5
+        plan = [("tiny pretrain", "tiny", g, 2, [], 120) for g in (1, 2)]
+        big = None
+    else:
+        import torch
+
+        if torch.cuda.device_count() < 2:
+            print(f"needs 2 GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+            return 2
+        print(f"cards: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}")
+        device, dtype, seq, steps = "cuda", "bf16", 2048, 10
+        plan = [("qwen2.5-0.5b full", "qwen2.5-0.5b", g, 8, [], 100) for g in (1, 2)]
+        plan += [("llama-370m pretrain", "llama-370m", g, 8, [], 100) for g in (1, 2)]
+        big = ("qwen2.5-coder-7b full", "qwen2.5-coder-7b", 2, 2, ["--activation-checkpointing"], 240)
+    from entrenar.config import preset
+
+    for _, preset_name, gpus, batch, _, _ in plan + ([big] if big else []):
+        need = steps * batch * gpus * seq + seq + 1
+        if not (work / f"shards-{preset_name}" / "index.json").is_file():
+            write_shards(work / f"shards-{preset_name}", preset(preset_name).vocab_size, max(need, 4 * need))
+    rows: list[dict] = []
+    for name, preset_name, gpus, batch, extra, timeout in plan:
+        left = args.budget - (time.perf_counter() - t_start)
+        if left < 30:
+            rows.append({"name": name, "gpus": gpus, "batch": batch, "seq": seq, "kernels": "-", "ok": False,
+                         "error": "skipped: time budget spent"})
+            continue
+        row = run_one(work, name, preset_name, gpus, batch, seq, steps, device, dtype, extra, min(timeout, left))
+        if not row["ok"] and "tok_s_per_gpu" not in row and not args.smoke and row["seconds"] < left - 60:
+            row = run_one(work, name, preset_name, gpus, batch, seq, steps, device, dtype,
+                          [*extra, "--kernels", "torch"], min(timeout, left - row["seconds"]))
+            if row["ok"] and gpus > 1 and big:  # Triton failed under FSDP: the 7B run goes to torch directly
+                big = (*big[:4], [*big[4], "--kernels", "torch"], big[5])
+        rows.append(row)
+    for row in rows:  # per-GPU throughput at N GPUs relative to the same model at 1 GPU
+        base = next((r for r in rows if r["name"] == row["name"] and r["gpus"] == 1 and r.get("tok_s_per_gpu")), None)
+        if base and row.get("tok_s_per_gpu") and row["gpus"] > 1:
+            row["scaling"] = row["tok_s_per_gpu"] / base["tok_s_per_gpu"]
+    notes = []
+    if big:
+        name, preset_name, gpus, batch, extra, timeout = big
+        notes.append(memory_arithmetic(preset_name, gpus, batch, seq))
+        left = args.budget + 20 - (time.perf_counter() - t_start)
+        for b in (batch, 1):
+            if left < 60:
+                rows.append({"name": name, "gpus": gpus, "batch": b, "seq": seq, "kernels": "-", "ok": False,
+                             "error": f"skipped: {left:.0f} s of the time budget left"})
+                break
+            row = run_one(work, name, preset_name, gpus, b, seq, steps, device, dtype, extra, min(timeout, left))
+            rows.append(row)
+            left -= row["seconds"]
+            if row["ok"] or "out of memory" not in row.get("error", "").lower():
+                break
+    print("\n| run | GPUs | batch/GPU | tok/s per GPU | vs 1 GPU | MFU | peak mem GiB/GPU | kernels | status |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(fmt(row))
+    for note in notes:
+        print(f"\n{note}")
+    print(f"\ntotal {time.perf_counter() - t_start:.0f} s; work dir {work}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
