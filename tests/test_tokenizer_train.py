@@ -148,3 +148,20 @@ def test_a_tokenizer_directory_is_a_model_spec_for_data_commands(trained, tmp_pa
                str(root / "corpus")])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["tokens"] > 0
+
+
+def test_parquet_and_jsonl_gz_inputs_train_the_same_tokenizer_as_jsonl(tmp_path):
+    """tokenizer train reads the same input kinds as data pack; the texts, not their container, decide."""
+    pa = pytest.importorskip("pyarrow")
+    import pyarrow.parquet as pq
+
+    texts = [CODE, PROSE, CODE.replace("items", "things"), PROSE.upper()] * 3
+    rows = "".join(json.dumps({"text": t}) + "\n" for t in texts)
+    (tmp_path / "a.jsonl").write_text(rows)
+    (tmp_path / "b.jsonl.gz").write_bytes(gzip.compress(rows.encode()))
+    pq.write_table(pa.table({"text": texts}), tmp_path / "c.parquet", row_group_size=5)
+    for name in ("a.jsonl", "b.jsonl.gz", "c.parquet"):
+        train_tokenizer([str(tmp_path / name)], 330, tmp_path / f"tok-{name}")
+    want = (tmp_path / "tok-a.jsonl" / "tokenizer.json").read_bytes()
+    assert (tmp_path / "tok-b.jsonl.gz" / "tokenizer.json").read_bytes() == want
+    assert (tmp_path / "tok-c.parquet" / "tokenizer.json").read_bytes() == want
