@@ -121,6 +121,22 @@ results = {{}}
 for avg in (False, True):  # the rule, then the mutation: each rank divides by its own token count
     par, losses = manual_steps(ctx, "fsdp", 2, 2, 3, tie=True, average_per_rank=avg)
     results["avg" if avg else "global"] = {{"losses": losses, "params": P.full_model_state(par)}}
+# QLoRA under DDP: the gradient buckets hold the adapters only (the frozen NF4 base is never reduced)
+from entrenar.peft import apply_lora
+reduced = []
+orig_hook = P._sum_hook
+def spy(process_group, bucket):
+    reduced.append(bucket.buffer().numel())
+    return orig_hook(process_group, bucket)
+P._sum_hook = spy
+qlora = apply_lora(tiny(0, True), 4, 8.0, quantize_nf4=True, seed=0)
+qpar = P.apply_parallel(qlora, ctx, "auto", adapters=True)
+ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(ctx.rank))
+s, _ = qpar.forward_module(ids, labels=ids)
+s.backward()
+results["qlora"] = {{"kind": qpar.kind, "reduced": sum(reduced),
+                    "trainable": sum(p.numel() for p in qlora.parameters() if p.requires_grad),
+                    "total": sum(p.numel() for p in qlora.parameters())}}
 if ctx.is_main:
     torch.save(results, out + "/result.pt")
 # a sharded checkpoint of model + optimizer, written by both ranks (the per-rank-average model)
@@ -175,6 +191,13 @@ def test_averaging_per_rank_is_detected(two_ranks):
     got = torch.load(out / "result.pt")["avg"]
     ref_params, _ = _single("fsdp", True)
     assert max(rel_l2(got["params"][n], ref_params[n]) for n in ref_params) > 1e-4
+
+
+def test_qlora_ddp_reduces_only_the_adapters(two_ranks):
+    """auto picks DDP for adapters; its buckets carry the LoRA tensors, not the frozen NF4 base."""
+    q = torch.load(two_ranks[0] / "result.pt")["qlora"]
+    assert q["kind"] == "ddp" and 0 < q["trainable"] < q["total"]
+    assert q["reduced"] == q["trainable"]
 
 
 def test_sharded_checkpoint_of_two_ranks_loads_in_one_process(two_ranks):
