@@ -6,7 +6,6 @@ zlib so the command never needs a plotting stack.
 
 from __future__ import annotations
 
-import json
 import math
 import struct
 import zlib
@@ -16,19 +15,12 @@ from typing import Any
 import numpy as np
 
 from .errors import InputError
+from .fileio import atomic_write, read_jsonl
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
-    if not path.exists():
-        return []
-    rows = []
-    for i, line in enumerate(path.read_text().splitlines(), 1):
-        if line.strip():
-            try:
-                rows.append(json.loads(line))
-            except json.JSONDecodeError as e:
-                raise InputError(f"{path}:{i}: not JSON ({e.msg})") from e
-    return rows
+    # fileio.read_jsonl: the one JSONL reader (a bad line is an InputError naming file:line)
+    return [row for _, row in read_jsonl(path)] if path.exists() else []
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -79,7 +71,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
             ax.grid(alpha=0.3)
         fig.suptitle(str(run_dir))
         fig.tight_layout()
-        fig.savefig(out, dpi=100)
+        atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))  # never a half-written image
         plt.close(fig)
     last_eval = evals[-1]["loss"] if evals else None
     return {"out": str(out), "backend": backend, "steps": len(metrics), "evals": len(evals),
@@ -117,4 +109,4 @@ def _draw_png(panels: list, out: Path, w: int = 400, h: int = 250) -> None:
 
     png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2 * w, 2 * h, 8, 2, 0, 0, 0))
            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
-    out.write_bytes(png)
+    atomic_write(out, png)
