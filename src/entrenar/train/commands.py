@@ -164,7 +164,9 @@ def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: 
                          remedy="repair the installation (`pip install -e .` in the entrenar checkout) or the "
                                 "module named above; --no-preflight skips the check (logged), at your own risk.") from e
     t0 = time.perf_counter()
-    result = preflight(model, tokenizer, args.device, args.dtype, getattr(model, "kernels", "torch"),
+    from .precision import verify_dtype  # bf16-weights is checked on the kernels' bf16 path
+
+    result = preflight(model, tokenizer, args.device, verify_dtype(args.dtype), getattr(model, "kernels", "torch"),
                        seq_len=min(64, seq_len))
     worst = max((s["logits_rel_l2"] for s in result.get("sequences", []) if s.get("logits_rel_l2") is not None),
                 default=None)

@@ -51,6 +51,7 @@ from .checkpoint import (
 from .config import RESUME_SENSITIVE, TrainConfig
 from .metrics import JsonlLog, Progress, peak_flops, peak_memory_mb
 from .optim import Schedule, build_optimizer
+from .precision import BF16Weights, make_precision, step_weights, uses_bf16
 
 __all__ = ["LocalReduce", "TrainConfig", "Trainer", "TrainingInterrupted", "evaluate", "forward_backward",
            "train"]
@@ -63,11 +64,15 @@ def seed_everything(seed: int) -> None:
 
 
 def autocast(device: torch.device, dtype: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=dtype == "bf16")
+    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(dtype))
 
 
 def _to_device(batch: dict, device: torch.device) -> dict:
-    return {k: (v.to(device, non_blocking=True) if isinstance(v, torch.Tensor) else v)
+    # pinned host memory: the copy is truly asynchronous (from pageable memory it may wait for the
+    # stream, i.e. for the previous step's optimizer, before the host can queue the forward)
+    pin = device.type == "cuda"
+    return {k: ((v.pin_memory() if pin and v.device.type == "cpu" else v).to(device, non_blocking=True)
+                if isinstance(v, torch.Tensor) else v)
             for k, v in batch.items()}
 
 
@@ -276,6 +281,11 @@ class Trainer:
         self.weights_ref = self.weights_max_abs()
         self.step_seconds = 0.0
         self.progress: Progress | None = None
+        # --dtype bf16-weights: bf16 compute copies of the fp32 masters (train/precision.py), built on
+        # the first step (a subclass that steps differently, e.g. under FSDP, never builds them)
+        self.precision: BF16Weights | None = None
+        # ((step, evals so far, last checkpoint), wall time) of the last step's readback: see step_time
+        self._timing: tuple[tuple, float] | None = None
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay)
@@ -391,8 +401,11 @@ class Trainer:
     def forward_backward(self, micro: list[dict], total_tokens: int) -> tuple[float, float]:
         """Backward of every micro-batch, gradient clipping; (mean loss per token, grad norm before
         clipping), read from the device together: the step's one host sync."""
-        loss_sum = self.reduce.all_reduce_sum(
-            backward_micro_batches(self.model, micro, self.device, self.cfg.dtype, total_tokens))
+        if self.precision is None and self.cfg.dtype == "bf16-weights":
+            self.precision = make_precision(self.model, self.cfg.dtype)
+        with step_weights(self.precision):  # forward AND backward on the same (bf16 copy) weights
+            loss_sum = self.reduce.all_reduce_sum(
+                backward_micro_batches(self.model, micro, self.device, self.cfg.dtype, total_tokens))
         max_norm = self.cfg.clip if self.cfg.clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
         loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]).tolist()
@@ -430,6 +443,7 @@ class Trainer:
         self._count_empty_samples(micro, step)
         lr = self.schedule.apply(self.optimizer)
         loss, grad_norm = self.forward_backward(micro, total_tokens)
+        t_read = time.perf_counter()  # the device has finished this step's backward
         skip = self.guard_step(loss, grad_norm, step, sample_ids, pre_step) != "ok"
         if not skip:
             self.optimizer.step()
@@ -437,9 +451,7 @@ class Trainer:
         self.schedule.advance()
         step_tokens = int(self.reduce.all_reduce_sum(sum(int(b["input_ids"].numel()) for b in micro)))  # all ranks
         self.tokens += step_tokens
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        dt = time.perf_counter() - t0
+        dt = self.step_time(step, t0, t_read)
         self.step_seconds += dt
         if not skip:
             self.recent_losses.append(loss)
@@ -453,6 +465,25 @@ class Trainer:
                 if peak else None,
                 "mem_mb": peak_memory_mb(self.device), "epoch": getattr(self.train_loader, "epoch", None),
                 "skipped": skip}
+
+    def step_time(self, step: int, t0: float, t_read: float) -> float:
+        """Seconds of step `step` without a device sync of its own where possible. A step that directly
+        follows the previous one (no eval, checkpoint or resume in between) runs from the previous
+        step's readback to its own: one optimizer update (the previous step's, still on the device
+        while the host queued this step), the host's work and this forward/backward, i.e. one period of
+        the steady state; nothing is counted twice. Any other step (the first, one after an eval or a
+        checkpoint) waits for its own update and runs from its start. So the step times add up to the
+        training wall time less evals and checkpoints (and the last update before each of those)."""
+        marker = (step, len(self.eval_history), self.last_saved)
+        if self._timing is not None and self._timing[0] == (step - 1, *marker[1:]):
+            dt, anchor = t_read - self._timing[1], t_read
+        else:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            anchor = time.perf_counter()
+            dt = anchor - t0
+        self._timing = (marker, anchor)
+        return dt
 
     # ---- eval / save -------------------------------------------------------------------------------
     def run_eval(self, step: int) -> dict[str, Any]:

@@ -32,7 +32,7 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
     name = torch.cuda.get_device_name(device)
     for key, (bf16, tf32, fp32) in PEAK_FLOPS.items():
         if key in name:
-            if dtype == "bf16":
+            if dtype in ("bf16", "bf16-weights"):  # train/precision.BF16_DTYPES: bf16 matmuls
                 return bf16
             return tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32
     return None

@@ -1,0 +1,115 @@
+"""Training precision: what `--dtype` means for one optimizer step.
+
+  fp32          everything fp32.
+  bf16          (the GPU default) fp32 master weights are the model's parameters; the step runs under
+                bf16 autocast: matmuls, attention and the fused kernels in bf16, the residual stream,
+                norms' inputs and the embedding in fp32. Holds the bf16 parity bounds (logits relL2 <= 2e-2).
+  bf16-weights  fp32 master weights stay the model's parameters (the optimizer, checkpoints, guards and
+                resume see only them, unchanged), but the step's forward and backward run on bf16 copies
+                of every floating parameter, refreshed from the masters once per step (one multi-tensor
+                copy), with no per-op weight casts and a bf16 residual stream: the numerics of a bf16
+                model (the benchmark's "bf16 weights" rows), the update of an fp32 one. Each bf16
+                gradient is moved into its master's fp32 `.grad` as soon as autograd has it (summed in
+                fp32 over micro-batches), so the bf16 gradients never all exist at once.
+
+Only the single-process Trainer swaps weights (`Trainer.forward_backward`). Under torchrun the
+FSDP2 MixedPrecisionPolicy / DDP + autocast path casts instead (train/parallel.py overrides
+forward_backward), so nothing is cast twice there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from .config import DTYPES
+
+BF16_DTYPES = ("bf16", "bf16-weights")
+
+
+def uses_bf16(dtype: str) -> bool:
+    """True for the dtypes whose matmuls run in bf16 (autocast is on for eval and the bf16 path)."""
+    return dtype in BF16_DTYPES
+
+
+def verify_dtype(dtype: str) -> str:
+    """The dtype the step-0 parity check (`verify.preflight`) runs: the kernels' bf16 path. bf16-weights
+    is checked as bf16, whose bounds it is documented to exceed on random init (logits ~2.5e-2)."""
+    return "bf16" if uses_bf16(dtype) else dtype
+
+
+def _owner(model: nn.Module, name: str) -> tuple[nn.Module, str]:
+    module_name, _, attr = name.rpartition(".")
+    return (model.get_submodule(module_name) if module_name else model), attr
+
+
+class BF16Weights:
+    """bf16 compute copies of `model`'s floating parameters (see the module docstring).
+
+    `with precision.compute():` refreshes the trainable copies from the masters, puts the copies in the
+    modules' place for the forward AND the backward (activation checkpointing recomputes blocks inside
+    the backward, and must see the same weights), then puts the masters back, also on an exception."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        # named_parameters() lists a tied tensor once: one copy serves both of its uses
+        named = [(n, p) for n, p in model.named_parameters() if p.is_floating_point()]
+        self.slots = [(*_owner(model, n), p) for n, p in named]
+        self.copies = [nn.Parameter(p.detach().to(torch.bfloat16), requires_grad=p.requires_grad)
+                       for _, p in named]
+        self.trainable = [(m, c) for (_, _, m), c in zip(self.slots, self.copies, strict=True) if m.requires_grad]
+        for master, copy in self.trainable:
+            copy.register_post_accumulate_grad_hook(self._grad_hook(master))
+        self.active = False
+
+    @staticmethod
+    def _grad_hook(master: nn.Parameter):
+        def move(copy: torch.Tensor) -> None:
+            grad, copy.grad = copy.grad, None
+            if master.grad is None:
+                master.grad = grad.to(torch.float32)
+            else:
+                master.grad.add_(grad)  # fp32 sum over the micro-batches of the step
+        return move
+
+    def refresh(self) -> None:
+        """bf16 copies <- fp32 masters (trainable ones: frozen weights never change)."""
+        if self.trainable:
+            with torch.no_grad():
+                torch._foreach_copy_([c for _, c in self.trainable], [m for m, _ in self.trainable])
+
+    @contextlib.contextmanager
+    def compute(self) -> Iterator[None]:
+        if self.active:  # re-entered (e.g. an eval inside a step): already swapped
+            yield
+            return
+        self.refresh()
+        for (module, attr, _), copy in zip(self.slots, self.copies, strict=True):
+            module._parameters[attr] = copy
+        self.active = True
+        try:
+            yield
+        finally:
+            for module, attr, master in self.slots:
+                module._parameters[attr] = master
+            self.active = False
+
+
+def make_precision(model: nn.Module, dtype: str) -> BF16Weights | None:
+    """The weight-swapping helper for `dtype`, or None where the step needs none (fp32, bf16 autocast)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
+    return BF16Weights(model) if dtype == "bf16-weights" else None
+
+
+@contextlib.contextmanager
+def step_weights(precision: BF16Weights | None) -> Iterator[None]:
+    """The weights one step computes with: the bf16 copies under `precision`, else the model's own."""
+    if precision is None:
+        yield
+        return
+    with precision.compute():
+        yield

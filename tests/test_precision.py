@@ -1,0 +1,191 @@
+"""--dtype bf16-weights (train/precision.py) and the Trainer's step timing without a device sync per step."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import test_train_loop as T
+import torch
+
+from entrenar.train import checkpoint as ckpt_mod
+from entrenar.train import loop
+from entrenar.train.config import TrainConfig, add_options
+from entrenar.train.metrics import peak_flops, read_jsonl
+from entrenar.train.precision import BF16Weights, make_precision, verify_dtype
+
+CPU = torch.device("cpu")
+
+
+def _micro(n_micro: int = 2, batch: int = 2, seed: int = 4) -> list[dict]:
+    loader = T.ListLoader(T.make_samples(8, seed=seed), batch, seed=0)
+    return [loader.next_batch() for _ in range(n_micro)]
+
+
+def _backward(model, micro, precision=None, dtype="bf16-weights") -> float:
+    total = sum(loop.loss_token_count(b) for b in micro)
+    with loop.step_weights(precision):
+        return loop.forward_backward(model, micro, CPU, dtype, total)
+
+
+def test_forward_and_backward_run_on_bf16_copies_masters_stay_fp32():
+    model = T.tiny_model(2)
+    masters = dict(model.named_parameters())
+    seen = []
+    model.model.layers[0].self_attn.q_proj.register_forward_pre_hook(lambda m, _a: seen.append(m.weight.dtype))
+    precision = BF16Weights(model)
+    _backward(model, _micro(), precision)
+    assert seen == [torch.bfloat16, torch.bfloat16]  # each micro-batch's forward saw the bf16 copy
+    for name, p in model.named_parameters():  # the masters are back in place, fp32, with fp32 grads
+        assert p is masters[name] and p.dtype == torch.float32, name
+        assert p.grad is not None and p.grad.dtype == torch.float32, name
+    assert all(c.grad is None for c in precision.copies)  # bf16 grads handed over as they arrived
+
+
+def test_grads_are_summed_over_micro_batches_in_fp32():
+    micro = _micro()
+    model = T.tiny_model(2)
+    precision = BF16Weights(model)
+    per_micro = []
+    for b in micro:  # each micro-batch alone, normalised by the step's total as the step does
+        model.zero_grad(set_to_none=True)
+        total = sum(loop.loss_token_count(x) for x in micro)
+        with loop.step_weights(precision):
+            loop.backward_micro_batches(model, [b], CPU, "bf16-weights", total)
+        per_micro.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    model.zero_grad(set_to_none=True)
+    _backward(model, micro, precision)
+    for name, p in model.named_parameters():
+        # exactly the fp32 sum of the two (bf16-accumulated grads would be rounded to bf16)
+        assert torch.equal(p.grad, per_micro[0][name] + per_micro[1][name]), name
+
+
+def test_swap_is_undone_when_the_step_raises():
+    model = T.tiny_model(2)
+    before = {n: p for n, p in model.named_parameters()}
+    precision = BF16Weights(model)
+    with pytest.raises(RuntimeError, match="boom"), precision.compute():
+        assert model.model.norm.weight.dtype == torch.bfloat16
+        raise RuntimeError("boom")
+    assert {n: p for n, p in model.named_parameters()} == before
+    assert not precision.active
+
+
+def test_activation_checkpointing_recomputes_with_the_same_bf16_weights():
+    micro = _micro()
+    grads = []
+    for checkpointing in (False, True):
+        model = T.tiny_model(2)
+        model.activation_checkpointing = checkpointing
+        _backward(model, micro, BF16Weights(model))
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+    assert torch.equal(grads[0], grads[1])
+
+
+def test_copies_are_refreshed_from_the_masters_each_step():
+    model = T.tiny_model(2)
+    precision = BF16Weights(model)
+    with torch.no_grad():
+        model.model.norm.weight.mul_(3.0)  # an optimizer update of the master
+    with precision.compute():
+        assert torch.equal(model.model.norm.weight, (3.0 * torch.ones(32)).to(torch.bfloat16))
+
+
+def test_bf16_weights_loss_and_grads_close_to_fp32():
+    micro = _micro()
+    ref = T.tiny_model(2)
+    loss_ref = _backward(ref, micro, None, "fp32")
+    model = T.tiny_model(2)
+    loss = _backward(model, micro, BF16Weights(model))
+    assert loss == pytest.approx(loss_ref, rel=1e-2)
+    g_ref = torch.cat([p.grad.flatten() for p in ref.parameters()])
+    g = torch.cat([p.grad.flatten() for p in model.parameters()])
+    assert float((g - g_ref).norm() / g_ref.norm()) < 5e-2
+
+
+def test_bf16_weights_run_resumes_exactly(tmp_path):
+    T.run(tmp_path / "full", 4, save_every=2, dtype="bf16-weights")
+    T.run(tmp_path / "part", 2, save_every=2, dtype="bf16-weights")
+    T.run(tmp_path / "part", 4, save_every=2, dtype="bf16-weights", resume="auto")
+    a = ckpt_mod.load_checkpoint(tmp_path / "full" / "checkpoints" / "latest")["model"]
+    b = ckpt_mod.load_checkpoint(tmp_path / "part" / "checkpoints" / "latest")["model"]
+    assert all(a[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)  # fp32 masters, same bits
+    la = [r["loss"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")]
+    lb = [r["loss"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")]
+    assert la == lb
+
+
+def test_trainer_builds_copies_only_for_bf16_weights(tmp_path):
+    for dtype, expect in (("fp32", False), ("bf16", False), ("bf16-weights", True)):
+        T.run(tmp_path / dtype, 1, dtype=dtype)
+        assert (make_precision(T.tiny_model(), dtype) is not None) == expect
+    with pytest.raises(ValueError, match="bf16w"):
+        make_precision(T.tiny_model(), "bf16w")
+
+
+def test_dtype_choices_flag_help_and_dependent_checks(capsys):
+    import argparse
+
+    p = argparse.ArgumentParser()
+    add_options(p, TrainConfig, "pretrain")
+    assert p.parse_args(["--model", "x", "--dtype", "bf16-weights"]).dtype == "bf16-weights"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--model", "x", "--dtype", "bf16w"])
+    p.print_help()
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "bf16-weights" in help_text and "outside the bound" in help_text
+    assert verify_dtype("bf16-weights") == "bf16" and verify_dtype("fp32") == "fp32"
+    assert loop.autocast(CPU, "bf16-weights").fast_dtype == torch.bfloat16
+    assert loop.autocast(CPU, "bf16-weights")._enabled and not loop.autocast(CPU, "fp32")._enabled
+
+
+def test_mfu_of_bf16_weights_uses_the_bf16_peak(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_a: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda")
+    assert peak_flops(cuda, "bf16-weights") == peak_flops(cuda, "bf16") == 989.4e12
+
+
+# ---- step timing: one readback per step, no synchronize -------------------------------------------
+def _trainer(tmp_path, **overrides):
+    cfg = TrainConfig(**{"steps": 6, "batch_size": 2, "seq_len": 32, "lr": 1e-3, "warmup": 1, "seed": 5,
+                         **overrides})
+    return loop.Trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3),
+                        T.ListLoader(T.make_samples(8, seed=99), 4), cfg, tmp_path, log=T.quiet)
+
+
+def test_step_time_runs_from_the_previous_readback_when_steps_follow(tmp_path):
+    tr = _trainer(tmp_path)
+    now = time.perf_counter()
+    first = tr.step_time(1, now - 1.0, now - 0.5)  # no previous step: from its own start
+    assert first >= 1.0
+    anchor = tr._timing[1]
+    assert tr.step_time(2, anchor + 0.1, anchor + 0.25) == pytest.approx(0.25)  # readback to readback
+    assert tr.step_time(3, anchor + 0.3, anchor + 0.75) == pytest.approx(0.5)
+    tr.eval_history.append({"step": 3})  # an eval between steps 3 and 4: not counted in step 4
+    now = time.perf_counter()
+    assert tr.step_time(4, now - 0.2, now - 0.1) == pytest.approx(0.2, abs=0.05)
+    anchor = tr._timing[1]
+    tr.last_saved = tmp_path / "step-4"  # a checkpoint between steps 4 and 5: likewise
+    now = time.perf_counter()
+    assert tr.step_time(5, now - 0.2, anchor + 1.0) == pytest.approx(0.2, abs=0.05)
+    assert tr.step_time(7, anchor + 2.0, anchor + 3.0) < 1.0  # not step 6: not consecutive
+
+
+def test_slow_evals_are_not_in_the_step_times(tmp_path, monkeypatch):
+    tr = _trainer(tmp_path, eval_every=2)
+    real_eval = loop.evaluate
+
+    def slow_eval(*a, **kw):
+        time.sleep(0.6)
+        return real_eval(*a, **kw)
+
+    monkeypatch.setattr(loop, "evaluate", slow_eval)
+    t0 = time.perf_counter()
+    summary = tr.fit()
+    wall = time.perf_counter() - t0
+    recs = read_jsonl(tmp_path / "metrics.jsonl")
+    seconds = [r["tokens"] / r["tok_s"] if i == 0 else (r["tokens"] - recs[i - 1]["tokens"]) / r["tok_s"]
+               for i, r in enumerate(recs)]
+    assert len(recs) == 6 and max(seconds) < 0.5  # 3 evals of 0.6 s, none inside a step
+    assert sum(seconds) == pytest.approx(tr.step_seconds) and tr.step_seconds < wall - 1.5
+    assert summary["tok_s"] == pytest.approx(summary["tokens"] / tr.step_seconds)
