@@ -20,9 +20,10 @@ tokens per step time) / GPUs, median over the steps after the first 3; peak memo
 mem_mb (torch.cuda.max_memory_allocated on rank 0; FSDP ranks are symmetric). MFU = the CLI's
 (6N + attention FLOPs per token, per device, against the card's dense bf16 peak).
 
-The only thing not the plain CLI: checkpoints and final/ are switched off (a wrapper replaces
-Trainer.save / finish with no-ops before calling entrenar.cli.main): a 7B DCP checkpoint is
-~120 GB and would dominate the time. A run that fails with --kernels auto (Triton) is retried with
+What is not the plain CLI (a wrapper patches it before calling entrenar.cli.main): checkpoints and
+final/ are switched off (a 7B DCP checkpoint is ~120 GB and would dominate the time), and the random
+weights are drawn on the GPU (same distribution as CausalLM.init_weights; the CLI draws them on the
+CPU, minutes for 7.6 B parameters). Neither is inside the measured steps. A run that fails with --kernels auto (Triton) is retried with
 --kernels torch, and the table says which kernels ran. Prints a markdown table at the end.
 """
 
@@ -43,13 +44,36 @@ import numpy as np
 
 REPO = Path(__file__).resolve().parents[1]
 WRAPPER = """
-import sys
+import math, sys
+import torch
+from entrenar.model import CausalLM
 from entrenar.train import loop, parallel
 # bench: no checkpoint / final/ I/O (a 7B sharded checkpoint is ~120 GB); the steps are the CLI's
 loop.Trainer.save = lambda self, step, *a, **k: None
 loop.Trainer.finish = lambda self: None
 parallel.ParallelTrainer.save = lambda self, step, *a, **k: None
 parallel.ParallelTrainer.finish = lambda self: None
+# bench: random weights built on this rank's GPU (the CLI builds them on the CPU: minutes for 7.6 B
+# parameters with one thread per rank); same distribution as CausalLM.init_weights
+_init = CausalLM.__init__
+def __init__(self, *a, **k):
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        _init(self, *a, **k)
+def init_weights(self, seed=None):
+    dev = next(self.parameters()).device
+    gen = torch.Generator(device=dev).manual_seed(seed or 0)
+    std = self.cfg.initializer_range
+    with torch.no_grad():
+        for name, p in self.named_parameters():
+            if name.endswith("norm.weight"):
+                p.fill_(1.0)
+            elif name.endswith(".bias"):
+                p.zero_()
+            else:
+                resid = name.endswith(("o_proj.weight", "down_proj.weight"))
+                p.normal_(0.0, std / math.sqrt(2 * self.cfg.num_layers) if resid else std, generator=gen)
+CausalLM.__init__ = __init__
+CausalLM.init_weights = init_weights
 from entrenar import cli
 sys.exit(cli.main(sys.argv[1:]))
 """
