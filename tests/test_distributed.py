@@ -164,6 +164,7 @@ def test_fsdp_two_ranks_equal_one_process(single, fsdp):
     assert [r["step"] for _, r in read_jsonl(fsdp / "metrics.jsonl")] == list(range(1, STEPS + 1))
     run = json.loads((fsdp / "run.json").read_text())
     assert run["config"]["parallel"] == "auto"
+    assert run["distributed"] == {"world_size": 2, "parallel": "fsdp", "global_batch": 8}
     ckpt = fsdp / "checkpoints" / "latest"
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["sharded"] and meta["world_size"] == 2 and (ckpt / "dcp" / ".metadata").is_file()

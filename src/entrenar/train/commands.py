@@ -31,12 +31,13 @@ from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from .checkpoint import find_resume
 from .config import DataConfig, LoRAConfig, add_options, default_of, from_args
-from .distributed import current, join_job
+from .distributed import current, join_job, other_rank
 from .loop import TrainConfig, check_resume_has_work, evaluate
 
 
 def _log(text: str) -> None:
-    print(text, file=sys.stderr, flush=True)
+    if not other_rank():  # under torchrun rank 0 speaks for the job
+        print(text, file=sys.stderr, flush=True)
 
 
 # ---- helpers ------------------------------------------------------------------------------------
@@ -353,7 +354,14 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
     if args.resume:  # a resume with nothing left to do is refused before run.json is touched
         check_resume_has_work(out, args.resume, cfg.steps)
     if ctx.is_main:
-        _start_run_dir(out, _run_json(args, command, cfg, model, tokenizer), data_report, args.resume)
+        run_json = _run_json(args, command, cfg, model, tokenizer)
+        if ctx.active:  # the job's shape (resuming on another world size keeps the global batch)
+            from .parallel import resolve_parallel
+
+            run_json["distributed"] = {
+                "world_size": ctx.world, "parallel": resolve_parallel(cfg.parallel, cfg.mode in ("lora", "qlora")),
+                "global_batch": ctx.world * cfg.batch_size * cfg.grad_accum}
+        _start_run_dir(out, run_json, data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
         ctx.run_on_main(lambda: _run_preflight(args, model, tokenizer, cfg.seq_len))
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, parallel=cfg.parallel,

@@ -76,7 +76,9 @@ class Parallel:
 def _mp_policy(dtype: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
-    if dtype == "bf16":
+    from .precision import uses_bf16
+
+    if uses_bf16(dtype):  # bf16 and bf16-weights: FSDP's bf16 all-gather is bf16 copies of fp32 masters
         return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
                                     cast_forward_inputs=False)
     return MixedPrecisionPolicy(cast_forward_inputs=False)
@@ -329,7 +331,8 @@ class ParallelTrainer(_trainer_base()):
         self.par, self.ctx = par, par.ctx
         self._local_loss = 0.0
         super().__init__(par.module, train_loader, eval_loader, cfg, run_dir, reduce=DistReduce(par.ctx), **kw)
-        self.run_config["world_size"] = self.ctx.world
+        if self.ctx.active:  # recorded in each checkpoint: resuming elsewhere compares global batches
+            self.run_config["world_size"] = self.ctx.world
         if not self.ctx.is_main:
             self.metrics_log = self.eval_log = _NullLog()
 
@@ -346,7 +349,10 @@ class ParallelTrainer(_trainer_base()):
 
     def forward_backward(self, micro: list[dict], total_tokens: int) -> tuple[float, float]:
         """Each rank backpropagates its loss sums / the global token total (gradients are then
-        SUM-reduced, see apply_parallel); the loss is the global sum / global total."""
+        SUM-reduced, see apply_parallel); the loss is the global sum / global total. One process:
+        the Trainer's own step (its --dtype bf16-weights copies included)."""
+        if self.par.kind == "single":
+            return super().forward_backward(micro, total_tokens)
         from . import loop
 
         acc = torch.zeros((), dtype=torch.float64, device=self.device)
