@@ -93,3 +93,58 @@ def test_schedule_with_no_decay_steps_stays_finite():
 
     s = Schedule(1.0, warmup=10, total=10, min_ratio=0.1)
     assert s.lr_at(10) == 1.0 and s.lr_at(11) == 0.1
+
+
+# ---- guards (src/entrenar/train/guards.py) -----------------------------------------------------------
+def test_nonfinite_verdict_needs_both_loss_and_grad_norm_finite():
+    """Mutant: ``isfinite(loss) and isfinite(grad_norm)`` -> ``or``: a NaN loss with a finite gradient
+    norm (or the reverse) would be applied as an ordinary update."""
+    from entrenar.train.guards import check_nonfinite
+
+    assert check_nonfinite(1.0, 2.0, "stop") == "ok"
+    assert check_nonfinite(float("nan"), 2.0, "stop") == "stop"
+    assert check_nonfinite(1.0, float("inf"), "skip") == "skip"
+
+
+def test_exploded_weights_threshold_is_a_factor_over_the_start():
+    """Mutants: ``top > EXPLODED_FACTOR * reference`` -> ``>=`` or ``/ reference``, and ``reference > 0``
+    -> ``>= 0`` (a zero start would call every later weight exploded)."""
+    import torch
+
+    from entrenar.train.guards import EXPLODED_FACTOR, weights_problem
+
+    ref = 0.01
+    at_limit = torch.tensor([EXPLODED_FACTOR * ref])
+    assert weights_problem([at_limit], ref) is None  # exactly the factor: not yet exploded
+    assert "exploded" in weights_problem([at_limit * 2], ref)  # 2000x the start (not 1000 / 0.01 = 1e5)
+    assert weights_problem([torch.tensor([5.0])], 0.0) is None  # no reference scale: cannot judge
+
+
+def test_eval_collapse_boundaries_are_inclusive():
+    """Mutants: ``best > WELL_BELOW * uniform`` -> ``>=`` and ``eval < COLLAPSED * uniform`` -> ``<=``.
+    The guard fires when the best eval was at most WELL_BELOW x ln V and the eval is at least COLLAPSED x ln V."""
+    import math
+
+    import pytest
+
+    from entrenar.errors import GuardError
+    from entrenar.train.guards import COLLAPSED, WELL_BELOW, check_eval_collapse
+
+    uniform = math.log(100)
+    with pytest.raises(GuardError, match="GUARD-EVAL-COLLAPSE|back at ln"):
+        check_eval_collapse(COLLAPSED * uniform, WELL_BELOW * uniform, 100, step=7)
+    check_eval_collapse(COLLAPSED * uniform * 0.999, WELL_BELOW * uniform, 100, step=7)  # not yet collapsed
+
+
+def test_init_loss_equal_to_ln_vocab_is_no_better_than_uniform():
+    """Mutant: ``eval_loss >= uniform`` -> ``>``: a step-0 loss of exactly ln V (a uniform model) passed."""
+    import math
+
+    import pytest
+
+    from entrenar.errors import GuardError
+    from entrenar.train.guards import check_init_loss
+
+    with pytest.raises(GuardError):
+        check_init_loss(math.log(1000), 1000, "m")
+    check_init_loss(math.log(1000) * 0.99, 1000, "m")

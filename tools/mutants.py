@@ -382,7 +382,8 @@ def _run_operators(args, python: str, parent: Path) -> int:
 
     targets = [t for t in load_targets(ROOT / "tools" / "mutation_targets.yaml")
                if not args.target or t.name in args.target]
-    jobs = [(t, m) for t in targets for m in mutants_of(ROOT, t.file, t.functions)]
+    jobs = [(t, m) for t in targets for m in mutants_of(ROOT, t.file, t.functions)
+            if not args.match or any(x in m.label for x in args.match)]
     if args.list:
         for t, m in jobs:
             print(f"{t.name}\t{m.label}")
@@ -448,6 +449,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--operators", action="store_true",
                    help="general operator mutants over tools/mutation_targets.yaml instead of the contracts")
     p.add_argument("--target", action="append", default=[], help="with --operators: only this target (repeatable)")
+    p.add_argument("--match", action="append", default=[],
+                   help="with --operators: only mutants whose label contains this text (repeatable)")
     p.add_argument("--python", default=str(ROOT / ".venv" / "bin" / "python"),
                    help="interpreter that runs pytest (default .venv/bin/python)")
     args = p.parse_args(argv)
