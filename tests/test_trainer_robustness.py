@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import pickle
 import shutil
 import sys
 from pathlib import Path
@@ -408,3 +409,48 @@ def test_resume_after_a_kill_mid_log_line(tmp_path):
     (tmp_path / "metrics.jsonl").write_text("\n".join(lines) + "\n")
     with pytest.raises(InputError, match="metrics.jsonl:2"):
         T.run(tmp_path, 8, save_every=2, resume="auto")
+
+
+# ---- 11.8 for sharded (torch.distributed.checkpoint) checkpoints ------------------------------------
+def _dcp_save(state: dict, path: Path) -> None:
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process"
+        warnings.simplefilter("ignore")
+        dcp.save(state, checkpoint_id=str(path))
+
+
+def test_dcp_files_of_a_real_sharded_save_pass_the_check(tmp_path):
+    model = T.tiny_model()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randint(0, T.VOCAB, (2, 5)), labels=torch.randint(0, T.VOCAB, (2, 5)))[0].backward()
+    opt.step()
+    _dcp_save({"model": model.state_dict(), "optim": opt.state_dict()}, tmp_path / "dcp")
+    ckpt_mod.check_dcp_files(tmp_path / "dcp")  # metadata types and the non-tensor entries are all plain
+
+
+def test_dcp_entry_or_metadata_with_a_pickled_callable_is_refused_and_runs_nothing(tmp_path):
+    """torch.distributed.checkpoint pickle.load()s .metadata and torch.load(weights_only=False)s every
+    non-tensor entry: a sharded checkpoint from someone else ran code on --resume (seen red below)."""
+    marker = tmp_path / "code-ran"
+    _dcp_save({"w": torch.ones(3), "payload": _Payload(marker)}, tmp_path / "entry")
+    with pytest.raises(InputError, match="refused") as e:
+        ckpt_mod.check_dcp_files(tmp_path / "entry")
+    assert e.value.exit_code == 2 and "payload" in str(e.value) and not marker.exists()
+
+    _dcp_save({"w": torch.ones(3)}, tmp_path / "meta")
+    (tmp_path / "meta" / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))  # a crafted .metadata
+    with pytest.raises(InputError, match=r"\.metadata: refused"):
+        ckpt_mod.check_dcp_files(tmp_path / "meta")
+    assert not marker.exists()
+
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # the payload is real: DCP's own loader runs it
+        warnings.simplefilter("ignore")
+        dcp.load({"w": torch.zeros(3), "payload": None}, checkpoint_id=str(tmp_path / "entry"))
+    assert marker.is_dir()

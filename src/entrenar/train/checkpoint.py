@@ -24,6 +24,10 @@ rank's RNG; meta.json ("sharded": true, "world_size") hashes every file, the sha
 
 from __future__ import annotations
 
+import dataclasses
+import enum
+import inspect
+import io
 import json
 import os
 import pickle
@@ -318,6 +322,61 @@ def _load_tensors_only(path: Path) -> Any:
                          f"Only resume from checkpoints you trust, written by entrenar") from None
 
 
+class _DcpMetadataUnpickler(pickle.Unpickler):
+    """Unpickles torch.distributed.checkpoint's .metadata allowing only its data classes, paths and
+    torch dtypes/sizes. torch itself pickle.load()s that file, so a crafted one would run code.
+    The module is checked before it is imported (importing a module can itself run code)."""
+
+    PLAIN = frozenset({("collections", "OrderedDict"), ("builtins", "set"), ("builtins", "frozenset"),
+                       ("builtins", "slice"), ("torch.serialization", "_get_layout"),
+                       *(("pathlib", n) for n in ("Path", "PosixPath", "PurePosixPath", "WindowsPath",
+                                                  "PureWindowsPath"))})
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in self.PLAIN:
+            return super().find_class(module, name)
+        if module == "torch":
+            obj = getattr(torch, name, None)
+            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout, torch.memory_format)):
+                return obj
+        elif module.startswith("torch.distributed.checkpoint."):
+            obj = super().find_class(module, name)
+            if inspect.isclass(obj) and (dataclasses.is_dataclass(obj) or issubclass(obj, enum.Enum)):
+                return obj  # a data holder: constructing it runs no code of the file's choosing
+        raise pickle.UnpicklingError(f"{module}.{name} is not a torch.distributed.checkpoint metadata type")
+
+
+def check_dcp_files(dcp_dir: Path) -> None:
+    """InputError unless loading this torch.distributed.checkpoint directory runs no code: its .metadata
+    holds only DCP data classes, and every non-tensor entry (which DCP's planner torch.load()s with
+    weights_only=False) loads with weights_only=True."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata, MetadataIndex
+
+    def refuse(what: str, why: str) -> InputError:
+        return InputError(f"{what}: refused to load: {why}, which unpickling would execute. Only resume from "
+                          f"checkpoints you trust, written by entrenar")
+    try:
+        with open(dcp_dir / ".metadata", "rb") as f:
+            metadata = _DcpMetadataUnpickler(f).load()
+    except (pickle.UnpicklingError, EOFError, AttributeError, ValueError) as e:
+        raise refuse(str(dcp_dir / ".metadata"), f"it holds more than checkpoint metadata ({e})") from None
+    for fqn, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, BytesStorageMetadata):
+            continue
+        info = metadata.storage_data[MetadataIndex(fqn)]
+        if getattr(info, "transform_descriptors", None):
+            raise refuse(f"{dcp_dir / info.relative_path} ({fqn})", "an entry stored transformed cannot be checked")
+        with open(dcp_dir / info.relative_path, "rb") as f:
+            f.seek(info.offset)
+            data = f.read(info.length)
+        try:
+            torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise refuse(f"{dcp_dir / info.relative_path} ({fqn})",
+                         f"it holds Python objects other than tensors and plain containers "
+                         f"({str(e).splitlines()[0][:200]})") from None
+
+
 def load_checkpoint(path: Path) -> dict[str, Any]:
     """Read and verify a COMPLETE checkpoint: {'model', 'optimizer', 'trainer_state', 'run_config', 'meta'}.
     Every file must be present and match its recorded sha256; nothing is unpickled into code."""
@@ -344,6 +403,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                                                   if k.startswith(f"rank{r}.")})
                               for r, j in enumerate(state["rng"]["ranks"])]
         state["rng"] = state["rng_ranks"][0]
+        check_dcp_files(path / SHARDED)  # before parallel.load_sharded hands it to dcp.load
         return {"model": None, "optimizer": None, "sharded": path / SHARDED, "trainer_state": state,
                 "run_config": json.loads((path / RUN_CONFIG).read_text()), "meta": meta}
     state["rng"] = _rng_from_files(state["rng"], load_file(str(path / RNG)))
