@@ -462,6 +462,9 @@ def consolidated_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     with torch.device("meta"):
         plain = CausalLM(model.cfg, kernels=getattr(model, "kernels", "torch"))
     plain.load_state_dict(state, assign=True, strict=True)
+    for name in ("source", "peft_config"):  # declared fields the savers may read (provenance)
+        if hasattr(model, name):
+            setattr(plain, name, getattr(model, name))
     return plain.eval()
 
 
