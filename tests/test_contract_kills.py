@@ -148,3 +148,23 @@ def test_init_loss_equal_to_ln_vocab_is_no_better_than_uniform():
     with pytest.raises(GuardError):
         check_init_loss(math.log(1000), 1000, "m")
     check_init_loss(math.log(1000) * 0.99, 1000, "m")
+
+
+def test_spike_zscore_uses_the_sample_std_from_min_history_values_on():
+    """Mutants: ``len(values) < min_history`` -> ``<=`` (scoring starts one value late) and the sample
+    variance's ``n - 1`` -> ``n + 1`` (z-scores inflated, ordinary steps become spikes)."""
+    import math
+    import statistics
+
+    import pytest
+
+    from entrenar.train.guards import SpikeDetector
+
+    d = SpikeDetector("loss", window=8, sigma=6.0, min_history=3)
+    for v in (1.0, 3.0):
+        assert d.update(v) is None
+    assert d.zscore(5.0) is None  # two values: no score yet
+    d.update(2.0)
+    values = [1.0, 3.0, 2.0]
+    assert d.zscore(5.0) == pytest.approx((5.0 - 2.0) / statistics.stdev(values))
+    assert math.isclose(d.zscore(2.0), 0.0, abs_tol=1e-12)

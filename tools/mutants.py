@@ -33,6 +33,7 @@ import ast
 import json
 import os
 import re
+import resource
 import shutil
 import signal
 import subprocess
@@ -83,6 +84,9 @@ class Result:
     cost: str
     failed: list[str] = field(default_factory=list)  # the named tests that failed (caught by)
     detail: str = ""
+    # CPU seconds of the test processes (user + system): with --jobs 1 on a busy machine this, not the
+    # wall time, estimates what the mutant costs a dedicated CI runner
+    cpu_seconds: float = 0.0
 
 
 # ---------------------------------------------------------------- loading and lint
@@ -330,6 +334,16 @@ def _error_excerpt(output: str) -> str:
 
 def run_one(inv: Invariant, python: str, parent: Path, baseline: bool = False, root: Path = ROOT,
             markers: str = "") -> Result:
+    return _run_one(inv, python, parent, baseline, root, markers, _children_cpu())
+
+
+def _children_cpu() -> float:
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _run_one(inv: Invariant, python: str, parent: Path, baseline: bool, root: Path, markers: str,
+             cpu0: float) -> Result:
     start = time.monotonic()
     scratch = make_scratch(parent, root)
     try:
@@ -345,7 +359,7 @@ def run_one(inv: Invariant, python: str, parent: Path, baseline: bool = False, r
         for name, text in texts.items():
             (scratch / name).write_text(text)
         status, failed, detail = run_tests(python, scratch, inv.tests, inv.timeout, markers)
-        return Result(inv.id, status, time.monotonic() - start, inv.cost, failed, detail)
+        return Result(inv.id, status, time.monotonic() - start, inv.cost, failed, detail, _children_cpu() - cpu0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
 
@@ -409,16 +423,16 @@ def _run_operators(args, python: str, parent: Path) -> int:
 
 def print_table(results: list[Result], out=sys.stdout) -> None:
     w = max([len(r.id) for r in results] + [2])
-    print(f"{'id':<{w}}  {'result':<14}  {'cost':<4}  {'seconds':>7}  caught by / detail", file=out)
+    print(f"{'id':<{w}}  {'result':<14}  {'cost':<4}  {'seconds':>7}  {'cpu s':>6}  caught by / detail", file=out)
     for r in results:
         why = ", ".join(f.split("::")[-1] for f in r.failed) if r.status == OK else r.detail
-        print(f"{r.id:<{w}}  {r.status:<14}  {r.cost:<4}  {r.seconds:7.1f}  {why}", file=out)
+        print(f"{r.id:<{w}}  {r.status:<14}  {r.cost:<4}  {r.seconds:7.1f}  {r.cpu_seconds:6.1f}  {why}", file=out)
     counts: dict[str, int] = {}
     for r in results:
         counts[r.status] = counts.get(r.status, 0) + 1
-    total = sum(r.seconds for r in results)
+    total, cpu = sum(r.seconds for r in results), sum(r.cpu_seconds for r in results)
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    print(f"{len(results)} mutations: {summary}; {total:.0f} s of test time", file=out)
+    print(f"{len(results)} mutations: {summary}; {total:.0f} s of test time ({cpu:.0f} CPU s)", file=out)
 
 
 def select(invariants: list[Invariant], ids: list[str], cost: str | None) -> list[Invariant]:
