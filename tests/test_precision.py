@@ -189,3 +189,69 @@ def test_slow_evals_are_not_in_the_step_times(tmp_path, monkeypatch):
     assert len(recs) == 6 and max(seconds) < 0.5  # 3 evals of 0.6 s, none inside a step
     assert sum(seconds) == pytest.approx(tr.step_seconds) and tr.step_seconds < wall - 1.5
     assert summary["tok_s"] == pytest.approx(summary["tokens"] / tr.step_seconds)
+
+
+# ---- the update queued before the readback (fused AdamW with found_inf) ---------------------------------
+def _fused_optimizer(monkeypatch) -> None:
+    """The fused AdamW the Trainer gets on CUDA, here on the CPU (torch's CPU fused kernel takes found_inf)."""
+    from entrenar.train.optim import param_groups
+
+    monkeypatch.setattr(loop, "build_optimizer", lambda model, lr, wd: torch.optim.AdamW(
+        param_groups(model, wd), lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True))
+
+
+def _never_queue(monkeypatch) -> None:
+    monkeypatch.setattr(loop.Trainer, "queue_update", lambda self, loss_sum, grad_norm: False)
+
+
+def _final(run_dir) -> tuple[dict, dict]:
+    ck = ckpt_mod.load_checkpoint(run_dir / "checkpoints" / "latest")
+    return ck["model"], ck["optimizer"]
+
+
+def _same(a: tuple[dict, dict], b: tuple[dict, dict]) -> bool:
+    (ma, oa), (mb, ob) = a, b
+    states = zip(oa["state"].values(), ob["state"].values(), strict=True)
+    return (all(torch.equal(ma[k], mb[k]) for k in ma)
+            and all(torch.equal(x[k], y[k]) for x, y in states for k in x))
+
+
+@pytest.mark.parametrize("nan_call", [None, 2])
+def test_queued_update_is_the_same_update(tmp_path, monkeypatch, nan_call):
+    """Queued before the guards (and skipped on the device for a non-finite step) or applied after
+    them: the same weights, optimizer state (step counts included) and skipped steps."""
+    _fused_optimizer(monkeypatch)
+    if nan_call:
+        T._nan_at_call(monkeypatch, nan_call)
+    calls = []
+    orig = loop.Trainer.queue_update
+    monkeypatch.setattr(loop.Trainer, "queue_update", lambda self, *a: calls.append(1) or orig(self, *a))
+    T.run(tmp_path / "queued", 4, on_nonfinite="skip")
+    assert len(calls) == 4
+    if nan_call:
+        T._nan_at_call(monkeypatch, nan_call)  # the counter starts again for the second run
+    _never_queue(monkeypatch)
+    T.run(tmp_path / "after", 4, on_nonfinite="skip")
+    assert _same(_final(tmp_path / "queued"), _final(tmp_path / "after"))
+    skipped = [[r["skipped"] for r in read_jsonl(tmp_path / d / "metrics.jsonl")] for d in ("queued", "after")]
+    assert skipped[0] == skipped[1] == [False, nan_call == 2, False, False]
+
+
+def test_queued_update_of_a_nonfinite_step_is_not_applied(tmp_path, monkeypatch):
+    """GUARD-NONFINITE stop after a queued update: the kept checkpoint is step 3's state, exactly."""
+    _fused_optimizer(monkeypatch)
+    T.run(tmp_path / "three", 3, save_every=3)
+    T._nan_at_call(monkeypatch, 4)
+    with pytest.raises(loop.GuardError, match="GUARD-NONFINITE"):
+        T.run(tmp_path / "stop", 8, save_every=0)
+    assert _same(_final(tmp_path / "three"), _final(tmp_path / "stop"))
+
+
+def test_update_not_queued_where_the_host_may_veto_it(tmp_path, monkeypatch):
+    _fused_optimizer(monkeypatch)
+    tr = _trainer(tmp_path, on_spike="skip")
+    assert tr.queue_update(torch.tensor(1.0), torch.tensor(1.0)) is False
+    tr = _trainer(tmp_path / "b")
+    assert tr.queue_update(torch.tensor(1.0), torch.tensor(1.0)) is True
+    monkeypatch.undo()
+    assert _trainer(tmp_path / "c").queue_update(torch.tensor(1.0), torch.tensor(1.0)) is False  # foreach (CPU)

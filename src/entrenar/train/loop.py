@@ -236,6 +236,22 @@ def check_resume_has_work(run_dir: Path, spec: str, steps: int) -> None:
         raise InputError(_nothing_to_do(path, step, steps))
 
 
+def _read_later(values: torch.Tensor) -> Callable[[], list[float]]:
+    """Start copying `values` to the host; the returned function waits for that copy only (not for
+    device work queued after it, e.g. the optimizer update) and returns the numbers."""
+    if values.device.type != "cuda":
+        return values.tolist
+    host = torch.empty(values.shape, dtype=values.dtype, pin_memory=True)
+    host.copy_(values, non_blocking=True)
+    copied = torch.cuda.Event()
+    copied.record()
+
+    def wait() -> list[float]:
+        copied.synchronize()
+        return host.tolist()
+    return wait
+
+
 def _stderr_log(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
@@ -286,6 +302,7 @@ class Trainer:
         self.precision: BF16Weights | None = None
         # ((step, evals so far, last checkpoint), wall time) of the last step's readback: see step_time
         self._timing: tuple[tuple, float] | None = None
+        self.update_queued = False  # this step's update already queued on the device (queue_update)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
         return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay)
@@ -408,8 +425,28 @@ class Trainer:
                 backward_micro_batches(self.model, micro, self.device, self.cfg.dtype, total_tokens))
         max_norm = self.cfg.clip if self.cfg.clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        loss_sum, grad_norm = torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]).tolist()
+        read = _read_later(torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]))
+        self.update_queued = self.queue_update(loss_sum, grad_norm)  # runs on the device after the copy
+        loss_sum, grad_norm = read()
         return loss_sum / total_tokens, grad_norm
+
+    def queue_update(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
+        """Queue the optimizer update BEFORE the step's readback, so the device does not idle while the
+        host reads the loss, runs the guards and launches the update. The fused AdamW skips it on the
+        device (and un-counts its step) when the loss or the grad norm is non-finite, which is exactly
+        when GUARD-NONFINITE says skip or stop: those then find the weights and optimizer state of
+        before the step, as when the update was never launched. Not done (False: train_step updates
+        after the guards) where the host alone may veto an update (--on-spike skip), without the fused
+        optimizer (CPU), or over several ranks (the distributed trainer's own order)."""
+        if (self.cfg.on_spike == "skip" or self.reduce.world_size != 1
+                or not self.optimizer.defaults.get("fused")):
+            return False
+        self.optimizer.found_inf = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).to(torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
+        return True
 
     def guard_step(self, loss: float, grad_norm: float, step: int, sample_ids: list,
                    pre_step: tuple[dict, dict]) -> str:
@@ -442,10 +479,11 @@ class Trainer:
         guards.check_loss_tokens(total_tokens, step, sample_ids)
         self._count_empty_samples(micro, step)
         lr = self.schedule.apply(self.optimizer)
+        self.update_queued = False  # forward_backward may queue the update (queue_update)
         loss, grad_norm = self.forward_backward(micro, total_tokens)
         t_read = time.perf_counter()  # the device has finished this step's backward
         skip = self.guard_step(loss, grad_norm, step, sample_ids, pre_step) != "ok"
-        if not skip:
+        if not skip and not self.update_queued:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
