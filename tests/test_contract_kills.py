@@ -168,3 +168,18 @@ def test_spike_zscore_uses_the_sample_std_from_min_history_values_on():
     values = [1.0, 3.0, 2.0]
     assert d.zscore(5.0) == pytest.approx((5.0 - 2.0) / statistics.stdev(values))
     assert math.isclose(d.zscore(2.0), 0.0, abs_tol=1e-12)
+
+
+def test_spike_std_floor_is_a_thousandth_of_the_mean():
+    """Mutants: the std floor ``1e-3 * abs(mean)`` -> ``1e-3 / abs(mean)`` or ``2e-3 * ...``. A flat
+    history of 2.0 floors the std at 0.002: +0.011 (5.5 sigma) is no spike, +0.013 (6.5 sigma) is."""
+    from entrenar.train.guards import SpikeDetector
+
+    def flat() -> SpikeDetector:
+        d = SpikeDetector("loss", window=32, sigma=6.0, min_history=16)
+        for _ in range(16):
+            d.update(2.0)
+        return d
+
+    assert flat().update(2.011) is None
+    assert flat().update(2.013) is not None
