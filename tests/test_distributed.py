@@ -19,7 +19,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -304,10 +303,7 @@ def test_lora_ddp_two_ranks_equal_one_process(tmp_path, base_model, sft_data):
     assert (two / "final/adapter_config.json").is_file() and not (two / "final/model.safetensors").exists()
 
 
-def test_torchrun_refuses_bad_parallel_choice(tmp_path, base_model, sft_data):
+def test_bad_parallel_choice_is_exit_2(tmp_path, base_model, sft_data):
     proc = run_cli(finetune_args(base_model, sft_data, tmp_path / "x", 4, ("--parallel", "zero")))
     assert proc.returncode == 2 and "--parallel" in proc.stderr
-
-
-def test_signal_module_is_posix():
-    assert signal.SIGKILL  # the SIGKILL test needs a POSIX system
+    assert not (tmp_path / "x").exists()
