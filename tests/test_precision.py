@@ -133,7 +133,7 @@ def test_dtype_choices_flag_help_and_dependent_checks(capsys):
         p.parse_args(["--model", "x", "--dtype", "bf16w"])
     p.print_help()
     help_text = " ".join(capsys.readouterr().out.split())
-    assert "bf16-weights" in help_text and "outside the bound" in help_text
+    assert "bf16-weights" in help_text and "2.5e-2 relL2 from fp32, outside" in help_text
     assert verify_dtype("bf16-weights") == "bf16" and verify_dtype("fp32") == "fp32"
     assert loop.autocast(CPU, "bf16-weights").fast_dtype == torch.bfloat16
     assert loop.autocast(CPU, "bf16-weights")._enabled and not loop.autocast(CPU, "fp32")._enabled
