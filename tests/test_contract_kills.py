@@ -183,3 +183,50 @@ def test_spike_std_floor_is_a_thousandth_of_the_mean():
 
     assert flat().update(2.011) is None
     assert flat().update(2.013) is not None
+
+
+def test_spike_is_more_than_sigma_not_equal():
+    """Mutant: ``z > sigma`` -> ``>=``. History -1, -1, 1, 1, 0 has mean 0 and sample std 1 exactly, so 6.0
+    is exactly 6 sigma: not a spike (it joins the window); 6.5 is."""
+    from entrenar.train.guards import SpikeDetector
+
+    d = SpikeDetector("loss", window=32, sigma=6.0, min_history=5)
+    for v in (-1.0, -1.0, 1.0, 1.0, 0.0):
+        d.update(v)
+    assert d.zscore(6.0) == 6.0
+    assert d.update(6.0) is None and len(d.values) == 6
+
+
+def _guard(min_history: int = 3):
+    from entrenar.train.guards import SpikeGuard
+
+    return SpikeGuard("warn", window=32, sigma=6.0, min_history=min_history)
+
+
+def test_early_spike_phase_uses_the_first_train_loss_as_reference():
+    """Mutants: ``if not self.first_seen`` -> ``if self.first_seen`` and the ``set_reference(loss)`` call
+    dropped: without a reference the early phase sees nothing (a step-1 blow-up passes)."""
+    g = _guard()
+    assert g.check(2.0, 1.0, 1, [])[0] == "ok"
+    verdict, msg = g.check(5.0, 1.0, 2, [])
+    assert verdict == "warn" and "starting loss" in msg
+
+
+def test_early_spike_reference_must_be_positive():
+    """Mutants: ``self.reference > 0`` -> ``>= 0`` (a zero starting loss makes every loss a spike) and
+    ``> 1`` (a starting loss below 1 disables the early check)."""
+    g = _guard()
+    assert g.check(0.0, 1.0, 1, [])[0] == "ok" and g.check(0.1, 1.0, 2, [])[0] == "ok"
+    g = _guard()
+    g.check(0.5, 1.0, 1, [])
+    assert g.check(1.2, 1.0, 2, [])[0] == "warn"  # 2.4x a starting loss of 0.5
+
+
+def test_early_phase_ends_when_the_window_holds_min_history_losses():
+    """Mutant: ``len(values) < min_history`` -> ``<=`` in SpikeGuard.check: the early (starting-loss)
+    rule would still judge the step after the window is full; the z-score must."""
+    g = _guard(min_history=3)
+    for step in range(3):
+        assert g.check(2.0, 1.0, step, [])[0] == "ok"
+    verdict, msg = g.check(4.5, 1.0, 3, [])
+    assert verdict == "warn" and "sigma" in msg and "starting loss" not in msg
