@@ -230,3 +230,11 @@ def test_early_phase_ends_when_the_window_holds_min_history_losses():
         assert g.check(2.0, 1.0, step, [])[0] == "ok"
     verdict, msg = g.check(4.5, 1.0, 3, [])
     assert verdict == "warn" and "sigma" in msg and "starting loss" not in msg
+
+
+def test_early_spike_is_above_twice_the_starting_loss_not_at_it():
+    """Mutant: ``loss > early_factor * reference`` -> ``>=``: exactly 2x the starting loss is no spike."""
+    g = _guard()
+    g.check(2.0, 1.0, 1, [])
+    assert g.check(4.0, 1.0, 2, [])[0] == "ok"
+    assert g.check(4.01, 1.0, 3, [])[0] == "warn"
