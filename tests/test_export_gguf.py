@@ -543,3 +543,35 @@ def test_adapter_export_generates_like_generate_adapter(qlora, tmp_path, tiny_di
     prompt_ids = llama_cpp_tokenize(llm, text)
     assert prompt_ids == tok.encode_rendered(text)
     assert llama_cpp_greedy(llm, prompt_ids, 24, tok.stop_ids) == ours["token_ids"]
+
+
+def llama_cpp_quantize(src: Path, out: Path, typ: str) -> Path:
+    """llama.cpp's own quantizer (llama_model_quantize, `pure`: every 2-D tensor to the one type)."""
+    import ctypes
+
+    import llama_cpp as lc
+
+    params = lc.llama_model_quantize_default_params()
+    params.ftype = {"q8_0": lc.LLAMA_FTYPE_MOSTLY_Q8_0, "q4_0": lc.LLAMA_FTYPE_MOSTLY_Q4_0}[typ]
+    params.pure = True
+    params.nthread = 2
+    assert lc.llama_model_quantize(str(src).encode(), str(out).encode(), ctypes.byref(params)) == 0
+    return out
+
+
+def assert_same_tensor_bytes(ours: Path, theirs: Path) -> None:
+    a = {t.name: t for t in open_reader(ours).tensors}
+    b = {t.name: t for t in open_reader(theirs).tensors}
+    assert set(a) == set(b)
+    for name, t in a.items():
+        assert t.tensor_type == b[name].tensor_type, (name, t.tensor_type, b[name].tensor_type)
+        assert np.array_equal(np.asarray(t.data).view(np.uint8), np.asarray(b[name].data).view(np.uint8)), name
+
+
+@pytest.mark.parametrize("typ", ["q8_0", "q4_0"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_quantized_export_is_llama_cpp_quantize_byte_for_byte(arch, typ, exports, tmp_path):
+    """Our q8_0/q4_0 tensors are exactly what llama.cpp's quantizer makes from our f32 export: any
+    logit difference left is llama.cpp's own quantized arithmetic, not the export."""
+    theirs = llama_cpp_quantize(exports[arch, "f32"], tmp_path / "theirs.gguf", typ)
+    assert_same_tensor_bytes(exports[arch, typ], theirs)

@@ -82,7 +82,7 @@ def test_llama_cpp_logits_match_ours(name, typ, real_exports, models):
     ids = [i for p in CHAT_PROMPTS for i in chat_ids(tok, p)[1]]
     with torch.no_grad():
         ours = models[name](torch.tensor([ids]))[0]
-    theirs = llama_cpp_logits(llama_cpp(real_exports[name, typ], n_ctx=256), ids)
+    theirs = llama_cpp_logits(llama_cpp(real_exports[name, typ], n_ctx=256, f32_cache=typ == "f32"), ids)
     rel, top1 = rel_l2(theirs, ours), agreement(ours, theirs)
     print(f"{name} {typ}: relL2 {rel:.3g}, top-1 agreement {top1:.4f} over {len(ids)} positions")
     if typ in LOGIT_BOUNDS:
