@@ -271,3 +271,31 @@ def test_bad_torchrun_env_is_input_error(monkeypatch):
 def test_results_are_json_safe():
     # reductions return plain floats (they go into metrics.jsonl)
     assert json.dumps(D.DistContext().all_reduce([1, 2])) == "[1.0, 2.0]"
+
+
+def test_activation_checkpointing_flag_recomputes_blocks_with_the_same_losses(tmp_path, monkeypatch):
+    """--activation-checkpointing (TrainConfig.activation_checkpointing) reaches the model through
+    build_trainer: every block runs under torch.utils.checkpoint, and the losses do not change."""
+    import torch.utils.checkpoint as ckpt
+
+    from entrenar.train.config import TrainConfig
+
+    calls = {"n": 0}
+    orig = ckpt.checkpoint
+
+    def counting(*a, **k):
+        calls["n"] += 1
+        return orig(*a, **k)
+
+    monkeypatch.setattr(ckpt, "checkpoint", counting)
+    runs = {}
+    for flag in (False, True):
+        cfg = TrainConfig(steps=2, batch_size=4, grad_accum=1, seq_len=32, lr=1e-2, warmup=0, device="cpu",
+                          eval_batches=0, activation_checkpointing=flag)
+        trainer = P.build_trainer(tiny(0), ListLoader(samples(), 4), None, cfg, tmp_path / str(flag),
+                                  log=lambda text: None)
+        assert trainer.model.activation_checkpointing is flag
+        runs[flag] = [r["loss"] for r in (trainer.train_step(s) for s in (1, 2))]
+    assert calls["n"] == 2 * 2  # 2 steps x 2 blocks, only with the flag
+    assert runs[True] == runs[False]
+

@@ -475,6 +475,8 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     from .distributed import current, shard_loader
 
     ctx = current()
+    if getattr(cfg, "activation_checkpointing", False):  # before fully_shard: the blocks are recomputed inside
+        model.activation_checkpointing = True
     par = apply_parallel(model, ctx, parallel, cfg.dtype, adapters)
     if not ctx.is_main:
         kw["log"] = lambda text: None
