@@ -255,3 +255,22 @@ def test_update_not_queued_where_the_host_may_veto_it(tmp_path, monkeypatch):
     assert tr.queue_update(torch.tensor(1.0), torch.tensor(1.0)) is True
     monkeypatch.undo()
     assert _trainer(tmp_path / "c").queue_update(torch.tensor(1.0), torch.tensor(1.0)) is False  # foreach (CPU)
+
+
+@pytest.mark.parametrize("nf4", [False, True])
+def test_bf16_weights_with_lora_and_qlora_adapters(nf4):
+    """Only the adapters (fp32 masters) get gradients; the frozen base computes in bf16 too."""
+    from entrenar.peft import apply_lora
+
+    micro = _micro()
+    model = apply_lora(T.tiny_model(2), rank=4, alpha=8.0, quantize_nf4=nf4, seed=0)
+    ref = apply_lora(T.tiny_model(2), rank=4, alpha=8.0, quantize_nf4=nf4, seed=0)
+    loss = _backward(model, micro, BF16Weights(model))
+    loss_ref = _backward(ref, micro, None, "fp32")
+    assert loss == pytest.approx(loss_ref, rel=2e-2)
+    for name, p in model.named_parameters():
+        assert p.dtype == torch.float32, name
+        assert (p.grad is not None) == p.requires_grad == ("lora_" in name), name
+    g = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
+    g_ref = torch.cat([p.grad.flatten() for p in ref.parameters() if p.requires_grad])
+    assert float(g_ref.norm()) > 0 and float((g - g_ref).norm() / g_ref.norm()) < 5e-2  # (A's grads are 0: B = 0)
