@@ -408,7 +408,8 @@ class Trainer:
         return int(self.reduce.all_reduce_sum(sum(loss_token_count(b) for b in micro)))
 
     def _count_empty_samples(self, micro: list[dict], step: int) -> None:
-        empty = sum(int(((b["labels"] != IGNORE_INDEX).sum(dim=1) == 0).sum()) for b in micro)
+        empty = int(self.reduce.all_reduce_sum(  # over every rank's share of the step
+            sum(int(((b["labels"] != IGNORE_INDEX).sum(dim=1) == 0).sum()) for b in micro)))
         if empty:
             self.counters["zero_loss_samples"] += empty
             self.message(f"GUARD-ZERO-LOSS-TOKENS: step {step} has {empty} sample(s) without loss tokens; "
@@ -436,9 +437,9 @@ class Trainer:
         device (and un-counts its step) when the loss or the grad norm is non-finite, which is exactly
         when GUARD-NONFINITE says skip or stop: those then find the weights and optimizer state of
         before the step, as when the update was never launched. Not done (False: train_step updates
-        after the guards) where the host alone may veto an update (--on-spike skip), without the fused
+        after the guards) where the host alone may veto an update (--on-spike skip|stop), without the fused
         optimizer (CPU), or over several ranks (the distributed trainer's own order)."""
-        if (self.cfg.on_spike == "skip" or self.reduce.world_size != 1
+        if (self.cfg.on_spike != "warn" or self.reduce.world_size != 1
                 or not self.optimizer.defaults.get("fused")):
             return False
         self.optimizer.found_inf = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).to(torch.float32)
