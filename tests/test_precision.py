@@ -249,8 +249,9 @@ def test_queued_update_of_a_nonfinite_step_is_not_applied(tmp_path, monkeypatch)
 
 def test_update_not_queued_where_the_host_may_veto_it(tmp_path, monkeypatch):
     _fused_optimizer(monkeypatch)
-    tr = _trainer(tmp_path, on_spike="skip")
-    assert tr.queue_update(torch.tensor(1.0), torch.tensor(1.0)) is False
+    for policy in ("skip", "stop"):
+        tr = _trainer(tmp_path / policy, on_spike=policy)
+        assert tr.queue_update(torch.tensor(1.0), torch.tensor(1.0)) is False
     tr = _trainer(tmp_path / "b")
     assert tr.queue_update(torch.tensor(1.0), torch.tensor(1.0)) is True
     monkeypatch.undo()
