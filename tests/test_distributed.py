@@ -290,6 +290,32 @@ def test_nan_on_one_rank_stops_every_rank_with_exit_3(tmp_path, base_model, sft_
     assert not (out / "final").exists()
 
 
+PREFLIGHT = """
+import os, sys
+from pathlib import Path
+from entrenar.errors import GuardError
+from entrenar.train import commands
+def preflight(args, model, tokenizer, seq_len):
+    Path(args.out, "..", f"preflight-ran-on-rank-{os.environ['RANK']}").touch()
+    raise GuardError("GUARD-PARITY", "planted: the probe disagrees with the reference", "none")
+commands._run_preflight = preflight
+from entrenar import cli
+sys.exit(cli.main(sys.argv[1:]))
+"""
+
+
+def test_preflight_runs_once_and_its_verdict_stops_every_rank(tmp_path, base_model, sft_data):
+    script = tmp_path / "preflight.py"
+    script.write_text(PREFLIGHT)
+    out = tmp_path / "runs" / "run"
+    argv = [a for a in finetune_args(base_model, sft_data, out, 2) if a != "--no-preflight"]
+    proc = run_cli(argv, nproc=2, script=str(script))
+    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 3") == 2, proc.stderr[-3000:]
+    assert sorted(p.name for p in (tmp_path / "runs").glob("preflight-ran-*")) == ["preflight-ran-on-rank-0"]
+    assert proc.stderr.count("GUARD-PARITY: planted") == 1
+    assert not (out / "metrics.jsonl").exists()
+
+
 # ---- adapters ---------------------------------------------------------------------------------------
 def test_lora_ddp_two_ranks_equal_one_process(tmp_path, base_model, sft_data):
     lora = ("--mode", "lora", "--rank", "4", "--lr", "2e-3")
