@@ -246,12 +246,12 @@ def main() -> int:
             left -= row["seconds"]
             if row["ok"] or "out of memory" not in row.get("error", "").lower():
                 break
-    print("\n| run | GPUs | batch/GPU | tok/s per GPU | vs 1 GPU | MFU | peak mem GiB/GPU | kernels | status |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for row in rows:
-        print(fmt(row))
-    for note in notes:
-        print(f"\n{note}")
+    lines = ["| run | GPUs | batch/GPU | tok/s per GPU | vs 1 GPU | MFU | peak mem GiB/GPU | kernels | status |",
+             "|---|---|---|---|---|---|---|---|---|", *(fmt(row) for row in rows), *(f"\n{n}" for n in notes)]
+    print("\n" + "\n".join(lines))
+    if os.environ.get("OUT"):  # the device tool brings $OUT back
+        Path(os.environ["OUT"], "distributed_scaling.md").write_text("\n".join(lines) + "\n")
+        Path(os.environ["OUT"], "distributed_scaling.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     print(f"\ntotal {time.perf_counter() - t_start:.0f} s; work dir {work}")
     return 0 if all(r["ok"] for r in rows) else 1
 
