@@ -142,8 +142,10 @@ def run_one(work: Path, name: str, preset_name: str, gpus: int, batch: int, seq:
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     later = [r for r in records if r["step"] > 3] or records[1:] or records
-    if code != 0:
-        tail = [ln for ln in err.splitlines() if ln.strip() and not ln.startswith("[W")][-6:]
+    if code != 0:  # the ranks' own error lines, not torchrun's ChildFailedError summary after them
+        causes = [ln for ln in err.splitlines() if ("Error" in ln or "error:" in ln or "out of memory" in ln)
+                  and "ChildFailedError" not in ln and "elastic" not in ln and not ln.startswith("[W")]
+        tail = causes[-3:] or [ln for ln in err.splitlines() if ln.strip()][-4:]
         row["error"] = f"exit {code}: " + " | ".join(tail)[-600:]
     if later:
         row["tok_s_per_gpu"] = statistics.median(r["tok_s"] for r in later) / gpus
