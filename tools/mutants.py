@@ -364,13 +364,16 @@ def _run_one(inv: Invariant, python: str, parent: Path, baseline: bool, root: Pa
         shutil.rmtree(scratch, ignore_errors=True)
 
 
-def run_operator(m, tests: list[str], timeout: float, python: str, parent: Path) -> Result:
+def run_operator(m, tests: list[str], timeout: float, python: str, parent: Path, root: Path = ROOT) -> Result:
     """One operator mutant (tools/operators.py) against its target's tests; Result.id is its label."""
     start = time.monotonic()
-    scratch = make_scratch(parent)
+    scratch = make_scratch(parent, root)
     try:
         target = scratch / m.file
-        target.write_text(m.apply(target.read_text()))
+        text = target.read_text()
+        if text[m.start:m.end] != m.original:
+            return Result(m.label, "broken", time.monotonic() - start, "op", [], "the source moved")
+        target.write_text(m.apply(text))
         status, failed, detail = run_tests(python, scratch, tests, timeout)
         return Result(m.label, status, time.monotonic() - start, "op", failed, detail)
     finally:
@@ -396,7 +399,9 @@ def _run_operators(args, python: str, parent: Path) -> int:
 
     targets = [t for t in load_targets(ROOT / "tools" / "mutation_targets.yaml")
                if not args.target or t.name in args.target]
-    jobs = [(t, m) for t in targets for m in mutants_of(ROOT, t.file, t.functions)
+    # One snapshot of the tree for the whole run: others keep editing the working tree meanwhile.
+    snapshot = make_scratch(parent)
+    jobs = [(t, m) for t in targets for m in mutants_of(snapshot, t.file, t.functions)
             if not args.match or any(x in m.label for x in args.match)]
     if args.list:
         for t, m in jobs:
@@ -406,7 +411,7 @@ def _run_operators(args, python: str, parent: Path) -> int:
 
     def one(job) -> Result:
         t, m = job
-        r = run_operator(m, t.tests, args.timeout or t.timeout, python, parent)
+        r = run_operator(m, t.tests, args.timeout or t.timeout, python, parent, snapshot)
         print(f"  {r.status}: {r.id} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)
         return r
 
@@ -500,7 +505,9 @@ def main(argv: list[str] | None = None) -> int:
         if why:
             print(f"mutants: {why}", file=sys.stderr)
             return 2
-        results = _run_all(chosen, python, parent, args)
+        # one snapshot of the working tree for the whole run (others edit it meanwhile); each mutant's
+        # scratch copy is made from it
+        results = _run_all(chosen, python, parent, args, make_scratch(parent))
     finally:
         shutil.rmtree(parent, ignore_errors=True)
     if args.json:
@@ -511,10 +518,10 @@ def main(argv: list[str] | None = None) -> int:
     return 0 if all(r.status == OK for r in results) else 1
 
 
-def _run_all(chosen: list[Invariant], python: str, parent: Path, args) -> list[Result]:
+def _run_all(chosen: list[Invariant], python: str, parent: Path, args, snapshot: Path) -> list[Result]:
     markers = args.markers or ""
     def one(inv: Invariant) -> Result:
-        r = run_one(inv, python, parent, args.baseline, markers=markers)
+        r = run_one(inv, python, parent, args.baseline, root=snapshot, markers=markers)
         print(f"  {r.id}: {r.status} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)  # progress
         return r
 
