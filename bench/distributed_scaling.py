@@ -32,6 +32,8 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import signal
 import socket
 import statistics
 import subprocess
@@ -85,6 +87,42 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def stop_job(proc: subprocess.Popen) -> str:
+    """A job past its time: SIGTERM to torchrun (it stops its workers), then SIGKILL to whatever is
+    left; an orphaned worker would keep its GPU memory and make every later run run out of it."""
+    workers = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        err = ""
+    for pid in [proc.pid, *workers]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    if proc.poll() is None or not err:
+        err = (err or "") + (proc.communicate()[1] or "")
+    return err
+
+
 def write_shards(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
     """Random token ids in [0, vocab) in entrenar's shard format (data/corpus.py): index.json,
     train-00000.bin (little-endian uint32), train.docs.bin (one document)."""
@@ -122,7 +160,9 @@ def run_one(work: Path, name: str, preset_name: str, gpus: int, batch: int, seq:
     """One torchrun job; its metrics summarised (or the failure)."""
     wrapper = work / "bench_cli.py"
     wrapper.write_text(WRAPPER)
-    out = work / f"{name}-{gpus}"
+    kernels = "torch" if "--kernels" in extra else "auto"
+    out = work / f"{name.replace(' ', '-')}-{gpus}gpu-b{batch}-{kernels}"  # fresh per attempt (retries too)
+    shutil.rmtree(out, ignore_errors=True)
     shards = work / f"shards-{preset_name}"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "NCCL_NVLS_ENABLE": "0"}
@@ -132,13 +172,14 @@ def run_one(work: Path, name: str, preset_name: str, gpus: int, batch: int, seq:
            "--seq-len", str(seq), "--lr", "1e-4", "--warmup", "2", "--device", device, "--dtype", dtype,
            "--no-preflight", "--json", *extra]
     t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
-        code, err = proc.returncode, proc.stderr
-    except subprocess.TimeoutExpired as e:
-        code, err = "timeout", (e.stderr or b"").decode(errors="replace") if isinstance(e.stderr, bytes) else ""
+        _, err = proc.communicate(timeout=timeout)
+        code = proc.returncode
+    except subprocess.TimeoutExpired:
+        err, code = stop_job(proc), f"timeout after {timeout:.0f} s"
     row: dict = {"name": name, "gpus": gpus, "batch": batch, "seq": seq, "seconds": time.perf_counter() - t0,
-                 "kernels": "torch" if "--kernels" in extra else "auto", "ok": code == 0}
+                 "kernels": kernels, "ok": code == 0}
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
     later = [r for r in records if r["step"] > 3] or records[1:] or records
