@@ -8,6 +8,7 @@ with nothing half-written.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 import os
@@ -275,23 +276,36 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
         _log(f"note: {args.data} has no val split of more than --seq-len {cfg.seq_len} tokens; no eval "
              f"(pack with --val-fraction for one)")
 
+    from ..data.corpus import check_same_tokenizer, shard_tokenizer
+
+    shards_tok = shard_tokenizer(args.data, index)  # the tokenizer packed with the shards (issue 13)
     if args.init:
         model = load_model(args.init, dtype=torch.float32, kernels=args.kernels)
         if _is_preset(args.model) and model.cfg.to_hf_dict() != preset(args.model).to_hf_dict():
             _log(f"note: --init {args.init} defines the architecture; preset {args.model} is ignored")
         cfg.check_init_loss = True
-        tok_spec = args.init
+        tok_spec, flag = args.init, "--init"
     else:
-        mcfg = preset(args.model) if _is_preset(args.model) else _model_config_of(args.model)
+        if _is_preset(args.model):
+            from ..config import preset_for_tokenizer
+
+            tok = shards_tok
+            mcfg, note = preset_for_tokenizer(args.model, index["vocab_size"], getattr(tok, "bos_id", None),
+                                              index["tokenizer"].get("eos_id"), getattr(tok, "pad_id", None))
+            if note:
+                _log(f"note: {note}")
+        else:
+            mcfg = _model_config_of(args.model)
         model = CausalLM(mcfg, kernels=args.kernels)
         model.init_weights(cfg.seed)
-        tok_spec = None if _is_preset(args.model) else args.model
-    tok_spec = tok_spec or (index.get("tokenizer") or {}).get("model")
+        tok_spec, flag = (None, None) if _is_preset(args.model) else (args.model, "--model")
+    own_tok = _tokenizer_or_none(tok_spec)
+    check_same_tokenizer(args.data, shards_tok, own_tok, tok_spec, flag)
     if index["vocab_size"] > model.cfg.vocab_size:
         raise InputError(f"{args.data}: shards were packed with a tokenizer of {index['vocab_size']} tokens, "
                          f"more than the model's vocab_size {model.cfg.vocab_size}; pack with the model's "
                          f"tokenizer or choose a matching --model")
-    tokenizer = _tokenizer_or_none(tok_spec)
+    tokenizer = shards_tok or own_tok or _tokenizer_or_none((index.get("tokenizer") or {}).get("model"))
     model = model.to(cfg.device).train()
     data_report = {"kind": "pretrain", "shards": str(args.data), "index": {k: v for k, v in index.items()
                                                                           if k != "inputs"},
@@ -315,13 +329,11 @@ def _hf_saver(tokenizer: Any):
 
 def _adapter_saver(tokenizer: Any, base_spec: str):
     def save(model: torch.nn.Module, final: Path) -> None:
-        from ..peft import save_adapter
+        from ..tokenizer import write_checkpoint_files
 
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_adapter(model, tmp, base_spec)
-        if tokenizer is not None:
-            tokenizer.save_hf(tmp)
+        write_checkpoint_files(model, tmp, tokenizer, base_spec)  # adapter + generation_config + tokenizer
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     return save
@@ -367,6 +379,9 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, parallel=cfg.parallel,
                             adapters=cfg.mode in ("lora", "qlora"), save_final=save_final, log=_log,
                             resume_command=_resume_command())
+    from ..tokenizer import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
+
+    trainer.checkpoint_files = functools.partial(write_checkpoint_files, tokenizer=tokenizer, base_spec=args.model)
     if trainer.resume(args.resume) is None:  # a fresh start: step 0, recorded before its guard judges it
         record = trainer.step0()
         if ctx.is_main:
