@@ -110,10 +110,10 @@ def test_padding_ids_are_never_targets(packed, tmp_path, monkeypatch):
     shutil.copytree(packed / "shards", tmp_path / "bad")
     shard = tmp_path / "bad" / index["splits"]["train"]["shards"][0]["file"]
     toks = np.fromfile(shard, dtype=index["dtype"])
-    toks[5] = 310  # a padding row of the rounded vocabulary
+    toks[5] = 300  # the first padding row of the rounded vocabulary (the boundary)
     toks.tofile(shard)
     bad = PretrainLoader(tmp_path / "bad", "train", seq_len=16, batch_size=len(loader))
-    with pytest.raises(GuardError, match="GUARD-DATA.*token id 310.*only 300 tokens"):
+    with pytest.raises(GuardError, match="GUARD-DATA.*token id 300.*only 300 tokens"):
         bad.next_batch()
     rc = main(["pretrain", "--model", "tiny", "--data", str(tmp_path / "bad"), "--out", str(tmp_path / "r"),
                "--steps", "1", "--seq-len", "16", "--batch-size", str(len(loader)), "--no-preflight"])
