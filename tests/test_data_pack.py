@@ -173,3 +173,14 @@ def test_a_utf8_bom_is_not_text(tmp_path, tok_dir):
     for name in ("bom.py", "bom.jsonl"):
         pack([str(tmp_path / name)], tok, tmp_path / f"out-{name}")
         assert tokens(tmp_path / f"out-{name}") == tok.encode("x = 1\n") + [tok.eos_id]
+
+
+def test_skipped_files_are_all_counted_and_the_first_20_listed(tmp_path, tok_dir):
+    (tmp_path / "in").mkdir()
+    for i in range(25):
+        (tmp_path / "in" / f"bad{i:02d}.txt").write_bytes(b"\xff not utf-8")
+    (tmp_path / "in" / "good.txt").write_text(TEXTS[0])
+    index = pack([str(tmp_path / "in")], load_tokenizer(tok_dir), tmp_path / "out")
+    assert index["skipped"]["count"] == 25 and len(index["skipped"]["listed"]) == 20
+    assert index["skipped"]["listed"][0].startswith(str(tmp_path / "in" / "bad00.txt"))
+    assert index["documents"] == 1
