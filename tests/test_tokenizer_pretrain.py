@@ -97,6 +97,12 @@ def test_a_changed_shard_tokenizer_is_refused(packed, tmp_path, capsys):
     rc = main(["pretrain", "--model", "tiny", "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "r"),
                "--steps", "1", "--seq-len", "16", "--no-preflight"])
     assert rc == 2 and "tokenizer_config.json: sha256 differs" in capsys.readouterr().err
+    (tmp_path / "shards" / "tokenizer.json").unlink()  # a partial copy of the shard directory
+    rc = main(["pretrain", "--model", "tiny", "--data", str(tmp_path / "shards"), "--out", str(tmp_path / "r"),
+               "--steps", "1", "--seq-len", "16", "--no-preflight"])
+    err = capsys.readouterr().err
+    assert rc == 2 and "tokenizer.json: missing" in err and "Copy the whole shard directory" in err
+    assert not (tmp_path / "r").exists()
 
 
 def test_padding_ids_are_never_targets(packed, tmp_path, monkeypatch):
