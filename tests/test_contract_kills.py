@@ -8,6 +8,7 @@ red against that mutant (``tools/mutants.py --operators --target NAME``).
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from entrenar.generate import sample_next
@@ -238,3 +239,84 @@ def test_early_spike_is_above_twice_the_starting_loss_not_at_it():
     g.check(2.0, 1.0, 1, [])
     assert g.check(4.0, 1.0, 2, [])[0] == "ok"
     assert g.check(4.01, 1.0, 3, [])[0] == "warn"
+
+
+# ---- the training step's loss normalisation and the eval (src/entrenar/train/loop.py) ------------------
+def _tiny_lm():
+    from entrenar.config import ModelConfig
+    from entrenar.model import CausalLM
+
+    model = CausalLM(ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                 num_kv_heads=1))
+    model.init_weights(seed=0)
+    return model
+
+
+def _batches() -> list[dict]:
+    g = torch.Generator().manual_seed(0)
+    out = []
+    for rows, length in ((2, 7), (1, 11), (3, 5)):
+        ids = torch.randint(0, 50, (rows, length), generator=g)
+        labels = torch.full_like(ids, -100)
+        labels[:, :-1] = ids[:, 1:]
+        labels[0, :2] = -100  # unequal loss-token counts per row and per batch
+        out.append({"input_ids": ids, "labels": labels})
+    return out
+
+
+def test_step_gradients_are_those_of_the_token_mean_loss():
+    """Mutant: each micro-batch backpropagates ``loss_sum * total_tokens`` instead of ``/ total_tokens``.
+    AdamW is nearly scale-invariant and clipping rescales, so training curves hide it; the gradients
+    themselves (and the logged grad norm) must be those of sum(loss) / tokens of the whole step."""
+    from entrenar.train.loop import backward_micro_batches, loss_token_count
+
+    micro = _batches()
+    tokens = sum(loss_token_count(b) for b in micro)
+    model = _tiny_lm()
+    summed = backward_micro_batches(model, micro, torch.device("cpu"), "fp32", tokens)
+    got = {n: p.grad.clone() for n, p in model.named_parameters()}
+    ref = _tiny_lm()
+    total = sum(ref(b["input_ids"], labels=b["labels"])[0] for b in micro)
+    (total / tokens).backward()
+    assert float(summed) == pytest.approx(float(total.detach()), rel=1e-6)
+    for n, p in ref.named_parameters():
+        assert torch.allclose(got[n], p.grad, rtol=1e-5, atol=1e-7), n
+
+
+def test_evaluate_is_the_token_weighted_mean_over_exactly_max_batches():
+    """Mutants in evaluate: the token count or batch count starting at 1, ``n_batches -= 1``, and
+    ``i >= max_batches`` -> ``>`` (one batch too many)."""
+    from entrenar.train.loop import evaluate
+
+    model, micro = _tiny_lm(), _batches()
+    with torch.no_grad():
+        sums = [float(model(b["input_ids"], labels=b["labels"])[0]) for b in micro]
+        counts = [int((b["labels"] != -100).sum()) for b in micro]
+    ev = evaluate(model, micro, max_batches=2)
+    assert ev["batches"] == 2 and ev["tokens"] == counts[0] + counts[1]
+    assert ev["loss"] == pytest.approx((sums[0] + sums[1]) / (counts[0] + counts[1]), rel=1e-9)
+    full = evaluate(model, micro)
+    assert full["batches"] == 3 and full["tokens"] == sum(counts)
+
+
+class _ModeLoss(torch.nn.Module):
+    """A model whose per-token loss is 1 in eval mode and 9 in train mode (as dropout would differ)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.ones(()))
+
+    def forward(self, input_ids, labels=None, position_ids=None, doc_ids=None):
+        n = (labels != -100).sum()
+        return self.w * (9.0 if self.training else 1.0) * n, n
+
+
+def test_evaluate_runs_in_eval_mode_and_restores_the_mode():
+    """Mutants: ``model.eval()`` dropped (eval with dropout on) and ``model.train(was_training)`` dropped
+    (training continues in eval mode: dropout silently off)."""
+    from entrenar.train.loop import evaluate
+
+    m = _ModeLoss().train()
+    assert evaluate(m, _batches())["loss"] == 1.0
+    assert m.training
+    assert evaluate(m.eval(), _batches())["loss"] == 1.0 and not m.training
