@@ -67,6 +67,12 @@ def test_tokenizer_to_pretrain_to_a_copied_checkpoint_that_generates(packed, tmp
         rc = main(["generate", "--model", str(model), "--prompt", "def add_", "--max-new-tokens", "5", "--json"])
         out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
         assert rc == 0 and out["ok"], (model, out)
+    ckpt = run / "checkpoints" / "step-0000002"
+    rc = main(["eval", "--model", str(ckpt), "--data", str(packed / "shards"), "--seq-len", "16", "--json"])
+    out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert rc == 0 and out["ok"] and out["loss"] > 0
+    assert main(["convert", str(ckpt), str(fresh / "converted")]) == 0
+    assert (fresh / "converted" / "tokenizer.json").is_file() and (fresh / "converted" / "model.safetensors").is_file()
 
 
 def test_init_with_another_tokenizer_is_exit_2_naming_both(packed, tmp_path, capsys):
