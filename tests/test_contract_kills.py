@@ -320,3 +320,55 @@ def test_evaluate_runs_in_eval_mode_and_restores_the_mode():
     assert evaluate(m, _batches())["loss"] == 1.0
     assert m.training
     assert evaluate(m.eval(), _batches())["loss"] == 1.0 and not m.training
+
+
+def _metrics(run_dir) -> list[dict]:
+    import json
+
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+
+
+def _grad_norms_at_update(monkeypatch) -> list[float]:
+    """Record the total gradient norm AdamW sees at each update (after clipping)."""
+    seen: list[float] = []
+    real_step = torch.optim.AdamW.step
+
+    def step(self, *a, **k):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        seen.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+        return real_step(self, *a, **k)
+
+    monkeypatch.setattr(torch.optim.AdamW, "step", step)
+    return seen
+
+
+def test_clip_bounds_the_gradient_the_optimizer_sees(tmp_path, monkeypatch):
+    """Mutant: ``clip > 0`` -> ``clip > 1``: --clip 1.0 (or any clip <= 1) silently stops clipping. AdamW
+    hides gradient scale, so the check is on the gradients at the update, not on the weights."""
+    from test_train_loop import run
+
+    seen = _grad_norms_at_update(monkeypatch)
+    result = run(tmp_path / "clip", 3, clip=0.05)
+    assert len(seen) == 3 and max(seen) <= 0.05 * (1 + 1e-4), seen
+    assert result is not None
+
+
+def test_clip_zero_means_no_clipping(tmp_path, monkeypatch):
+    """Mutant: ``clip > 0`` -> ``clip >= 0``: --clip 0 (documented: off) would clip every gradient to zero."""
+    from test_train_loop import run
+
+    seen = _grad_norms_at_update(monkeypatch)
+    run(tmp_path / "noclip", 3, clip=0.0)
+    logged = [r["grad_norm"] for r in _metrics(tmp_path / "noclip")]
+    assert len(seen) == 3 and min(seen) > 0
+    assert seen == pytest.approx(logged, rel=1e-5)
+
+
+# ---- SFT label runs (src/entrenar/data/sft.py) -----------------------------------------------------------
+def test_assistant_runs_include_a_run_that_reaches_the_end():
+    """Mutant: the final ``runs.append((start, len(mask)))`` dropped: a trailing run is lost."""
+    from entrenar.data.sft import assistant_runs
+
+    assert assistant_runs([False, True, True, False, True]) == [(1, 3), (4, 5)]
+    assert assistant_runs([True, True]) == [(0, 2)]
+    assert assistant_runs([]) == []
