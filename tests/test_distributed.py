@@ -266,8 +266,11 @@ def loss_sum_of(model, batch, device, dtype):
             return s * float("nan")
     return s
 loop.loss_sum_of = loss_sum_of
+from pathlib import Path
 from entrenar import cli
-sys.exit(cli.main(sys.argv[1:]))
+code = cli.main(sys.argv[1:])
+Path(__file__).with_name(f"exit-rank{os.environ['RANK']}").write_text(str(code))  # what each rank returned
+sys.exit(code)
 """
 
 
@@ -276,8 +279,9 @@ def test_nan_on_one_rank_stops_every_rank_with_exit_3(tmp_path, base_model, sft_
     script.write_text(NAN)
     out = tmp_path / "nan"
     proc = run_cli(finetune_args(base_model, sft_data, out, 2, ("--save-every", "4")), nproc=2, script=str(script))
-    # torchrun reports the first failed worker's code; both must have exited 3 (not a crash, no hang)
-    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 3") == 2, proc.stderr[-3000:]
+    # every rank returned the guard's exit code 3 itself (not a crash, not torchrun's SIGTERM, no hang)
+    assert proc.returncode == 1 and "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]
+    assert [(tmp_path / f"exit-rank{r}").read_text() for r in (0, 1)] == ["3", "3"], proc.stderr[-3000:]
     assert proc.stderr.count("GUARD-NONFINITE: loss is non-finite at step 7") == 1  # one message, by rank 0
     assert "'rank 1': [" in proc.stderr and "'rank 0'" not in proc.stderr  # names the rank and its samples
     result = json.loads([ln for ln in proc.stdout.splitlines() if ln.startswith("{")][-1])
@@ -300,7 +304,9 @@ def preflight(args, model, tokenizer, seq_len):
     raise GuardError("GUARD-PARITY", "planted: the probe disagrees with the reference", "none")
 commands._run_preflight = preflight
 from entrenar import cli
-sys.exit(cli.main(sys.argv[1:]))
+code = cli.main(sys.argv[1:])
+Path(__file__).with_name(f"exit-rank{os.environ['RANK']}").write_text(str(code))  # what each rank returned
+sys.exit(code)
 """
 
 
@@ -310,7 +316,8 @@ def test_preflight_runs_once_and_its_verdict_stops_every_rank(tmp_path, base_mod
     out = tmp_path / "runs" / "run"
     argv = [a for a in finetune_args(base_model, sft_data, out, 2) if a != "--no-preflight"]
     proc = run_cli(argv, nproc=2, script=str(script))
-    assert proc.returncode == 1 and proc.stderr.count("exitcode  : 3") == 2, proc.stderr[-3000:]
+    assert proc.returncode == 1 and "exitcode  : 3" in proc.stderr, proc.stderr[-3000:]
+    assert [(tmp_path / f"exit-rank{r}").read_text() for r in (0, 1)] == ["3", "3"]
     assert sorted(p.name for p in (tmp_path / "runs").glob("preflight-ran-*")) == ["preflight-ran-on-rank-0"]
     assert proc.stderr.count("GUARD-PARITY: planted") == 1
     assert not (out / "metrics.jsonl").exists()

@@ -14,6 +14,7 @@ import argparse
 import importlib
 import json
 import math
+import os
 import sys
 from typing import Any, NoReturn
 
@@ -124,8 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         _resolve_common(args)
         result = args.func(args)
     except EntrenarError as e:
-        if _other_rank() and getattr(e, "guard_id", None):  # a guard decides on values reduced over ranks:
-            return e.exit_code  # every rank stops with it, and rank 0 prints the job's one message
+        if getattr(e, "guard_id", None):  # a guard decides on values reduced over ranks: every rank stops
+            _settle_ranks()  # with it (each exits with its code), and rank 0 prints the job's one message
+            if _other_rank():
+                return e.exit_code
         return _failure(command, str(e), e.exit_code, want_json, guard=getattr(e, "guard_id", None),
                         **_error_details(e))
     except KeyboardInterrupt as e:
@@ -145,6 +148,13 @@ def _other_rank() -> bool:
     from .train.distributed import other_rank
 
     return other_rank()
+
+
+def _settle_ranks() -> None:
+    if "WORLD_SIZE" in os.environ:  # only under torchrun: do not import torch.distributed otherwise
+        from .train.distributed import settle_ranks
+
+        settle_ranks()
 
 
 def _error_details(e: Exception) -> dict[str, Any]:

@@ -205,6 +205,20 @@ def join_job(device: str = "cpu") -> DistContext:
     return ctx
 
 
+def settle_ranks(timeout_s: float = 60.0) -> None:
+    """Before exiting on a job-wide verdict (a guard: every rank decided it on the same reduced
+    values), wait until every rank holds it: torchrun stops the others at the first non-zero exit, so
+    without this a slower rank would be killed instead of exiting with the guard's code. Bounded: a
+    rank that never arrives costs `timeout_s`, not the process group's timeout."""
+    if not current().active:
+        return
+    try:
+        dist.barrier(async_op=True).wait(timeout=timedelta(seconds=timeout_s))
+    except RuntimeError as e:  # a peer is gone or stuck: exit anyway, saying so
+        print(f"note: not every rank reached the same stop within {timeout_s:.0f} s ({e})", file=sys.stderr,
+              flush=True)
+
+
 def other_rank() -> bool:
     """True in a torchrun process other than rank 0 (from the environment: usable before the group exists)."""
     rank, world, _ = env_world()
@@ -316,4 +330,4 @@ def global_batch(batch_size: int, grad_accum: int, world: int) -> int:
 
 
 __all__ = ["DistContext", "RankSlice", "current", "env_world", "global_batch", "init_from_env", "join_job",
-           "other_rank", "row_sample_ids", "shard_loader", "shutdown", "slice_rows"]
+           "other_rank", "row_sample_ids", "settle_ranks", "shard_loader", "shutdown", "slice_rows"]
