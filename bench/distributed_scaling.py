@@ -235,6 +235,9 @@ def main() -> int:
     ap.add_argument("--big-reserve", type=float, default=200.0,
                     help="seconds of the budget kept for the 7B run (default 200)")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--gpus", default="1,2", help="GPU counts of the scaling rows (default 1,2; e.g. 1,2,4)")
+    ap.add_argument("--big-gpus", type=int, default=2,
+                    help="GPUs of the qwen2.5-coder-7b row (default 2; 0 = no 7B row)")
     args = ap.parse_args()
     t_start = time.perf_counter()
     work = Path(args.work or tempfile.mkdtemp(prefix="entrenar-dist-bench-"))
@@ -245,14 +248,16 @@ def main() -> int:
     else:
         import torch
 
-        if torch.cuda.device_count() < 2:
-            print(f"needs 2 GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
+        counts = [int(g) for g in args.gpus.split(",") if g.strip()]
+        if torch.cuda.device_count() < max(*counts, args.big_gpus):
+            print(f"needs {max(*counts, args.big_gpus)} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
             return 2
         print(f"cards: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}")
         device, dtype, seq, steps = "cuda", "bf16", 2048, 10
-        plan = [("qwen2.5-0.5b full", "qwen2.5-0.5b", g, 8, [], 120) for g in (1, 2)]
-        plan += [("llama-370m pretrain", "llama-370m", g, 8, [], 120) for g in (1, 2)]
-        big = ("qwen2.5-coder-7b full", "qwen2.5-coder-7b", 2, 2, ["--activation-checkpointing"], 240)
+        plan = [("qwen2.5-0.5b full", "qwen2.5-0.5b", g, 8, [], 120) for g in counts]
+        plan += [("llama-370m pretrain", "llama-370m", g, 8, [], 120) for g in counts]
+        big = (("qwen2.5-coder-7b full", "qwen2.5-coder-7b", args.big_gpus, 2, ["--activation-checkpointing"], 240)
+               if args.big_gpus else None)
     from entrenar.config import preset
 
     for _, preset_name, gpus, batch, _, _ in plan + ([big] if big else []):
