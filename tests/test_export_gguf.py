@@ -500,7 +500,7 @@ def test_llama_cpp_tokenizes_like_us_bos_tokenizer(tmp_path, bos_tok_dir):
     assert llama_cpp_tokenize(llm, "x")[0] == ours.bos_id
 
 
-def lora_finetune(base: Path, out: Path, qlora: bool, steps: int = 30) -> Path:
+def lora_finetune(base: Path, out: Path, qlora: bool, steps: int = 10) -> Path:
     """A real (tiny) LoRA / QLoRA fine-tune: AdamW on one chat until its answer is learned, saved as
     a PEFT adapter recording `base`."""
     from entrenar import peft
@@ -512,7 +512,7 @@ def lora_finetune(base: Path, out: Path, qlora: bool, steps: int = 30) -> Path:
                             {"role": "assistant", "content": "roses are red, violets are blue"}])
     ids = torch.tensor([chat.ids])
     labels = torch.tensor([chat.ids[1:] + [-100]])
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=3e-2)
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=5e-2)
     model.train()
     for _ in range(steps):
         loss_sum, n = model(ids, labels=labels)
