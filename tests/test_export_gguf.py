@@ -543,6 +543,11 @@ def test_adapter_export_generates_like_generate_adapter(qlora, tmp_path, tiny_di
     prompt_ids = llama_cpp_tokenize(llm, text)
     assert prompt_ids == tok.encode_rendered(text)
     assert llama_cpp_greedy(llm, prompt_ids, 24, tok.stop_ids) == ours["token_ids"]
+    # the adapter directory as MODEL (a LoRA run's final/): merged onto the base it recorded, same file
+    same = _run_json(["export", "gguf", str(adapter), str(tmp_path / "a.gguf"), "--type", "f32", "--json"])
+    assert same["ok"] and same["adapters_merged"] == 14
+    a, b = load_gguf(out)[1], load_gguf(tmp_path / "a.gguf")[1]
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def llama_cpp_quantize(src: Path, out: Path, typ: str) -> Path:
