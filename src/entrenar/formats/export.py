@@ -28,8 +28,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     formats = p.add_subparsers(dest="export_format", required=True, metavar="FORMAT")
     g = add_command(formats, "gguf", cmd_export_gguf,
                     "MODEL -> one GGUF file that llama.cpp loads (weights, architecture, tokenizer, chat template)")
-    g.add_argument("model", help="packaged name, .gguf file, HF directory, run or checkpoint directory")
-    g.add_argument("out", help="GGUF file to create (must not exist)")
+    g.add_argument("model", metavar="MODEL", help="packaged name, .gguf file, HF directory, run or checkpoint directory")
+    g.add_argument("out", metavar="OUT.gguf", help="GGUF file to create (must not exist)")
     g.add_argument("--adapter", default=None,
                    help="LoRA/QLoRA adapter directory (or LoRA run) merged onto MODEL before writing")
     g.add_argument("--type", dest="export_type", choices=EXPORT_TYPES, default="f16",
