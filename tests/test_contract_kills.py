@@ -372,3 +372,84 @@ def test_assistant_runs_include_a_run_that_reaches_the_end():
     assert assistant_runs([False, True, True, False, True]) == [(1, 3), (4, 5)]
     assert assistant_runs([True, True]) == [(0, 2)]
     assert assistant_runs([]) == []
+
+
+# ---- LoRA init, dropout, dtypes and merge (src/entrenar/peft/lora.py) --------------------------------------
+def _lora(base: torch.nn.Linear, **kw):
+    from entrenar.peft.lora import LoRALinear
+
+    return LoRALinear(base, rank=kw.pop("rank", 8), alpha=kw.pop("alpha", 16.0),
+                      generator=torch.Generator().manual_seed(0), **kw)
+
+
+def test_lora_a_init_is_kaiming_uniform_with_a_sqrt5_like_peft():
+    """Mutant: ``a=math.sqrt(5)`` -> ``sqrt(6)``: A's init bound must be 1/sqrt(in_features) (nn.Linear's
+    and peft's), not 0.93x that."""
+    import math
+
+    layer = _lora(torch.nn.Linear(64, 32), rank=16)
+    bound = 1 / math.sqrt(64)
+    top = float(layer.lora_A.weight.detach().abs().max())
+    assert 0.97 * bound < top <= bound
+    assert torch.count_nonzero(layer.lora_B.weight) == 0
+
+
+def test_lora_dropout_is_applied_in_training_only():
+    """Mutant: ``nn.Dropout(dropout) if dropout > 0`` -> ``> 1``: --lora-dropout 0.5 silently ignored."""
+    layer = _lora(torch.nn.Linear(16, 16), dropout=0.5)
+    with torch.no_grad():
+        layer.lora_B.weight.normal_(generator=torch.Generator().manual_seed(1))
+    x = torch.randn(4, 16)
+    torch.manual_seed(0)
+    a, b = layer.train()(x), layer(x)
+    assert not torch.equal(a, b)
+    assert torch.equal(layer.eval()(x), layer(x))
+
+
+def test_lora_over_a_bf16_base_runs_without_autocast():
+    """Mutant: ``if not torch.is_autocast_enabled(...)`` -> ``if ...enabled``: bf16 activations would meet
+    the fp32 adapter matrices outside autocast (a dtype error)."""
+    layer = _lora(torch.nn.Linear(16, 8).to(torch.bfloat16))
+    y = layer(torch.randn(3, 16, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16 and y.shape == (3, 8)
+
+
+def test_merge_keeps_the_base_dtype_and_freezes_the_merged_weights():
+    """Mutants in merge_in_place: ``dtype or base dtype`` -> ``and`` (a bf16 model merged into fp32
+    linears) and ``requires_grad_(False)`` dropped / True."""
+    from entrenar.peft.lora import merge_in_place
+
+    model = torch.nn.Sequential(_lora(torch.nn.Linear(16, 8).to(torch.bfloat16)))
+    assert merge_in_place(model) == 1
+    lin = model[0]
+    assert type(lin) is torch.nn.Linear and lin.weight.dtype == torch.bfloat16
+    assert not any(p.requires_grad for p in lin.parameters())
+
+
+def test_merge_onto_original_without_the_weight_is_an_input_error():
+    """Mutant: ``original is None or name not in original`` -> ``and``: a missing 16-bit weight would be
+    a KeyError traceback instead of an InputError (exit 2) naming it."""
+    import pytest as _pytest
+
+    from entrenar.errors import InputError
+    from entrenar.peft.lora import base_weight
+    from entrenar.peft.nf4_linear import NF4Linear
+
+    base = NF4Linear(torch.nn.Linear(64, 64))
+    with _pytest.raises(InputError, match="layers.0.q_proj"):
+        base_weight(base, "layers.0.q_proj", "original", {})
+    with _pytest.raises(InputError):
+        base_weight(base, "layers.0.q_proj", "original", None)
+
+
+# ---- NF4 (src/entrenar/kernels/nf4.py) ---------------------------------------------------------------------
+def test_nf4_zero_block_stores_the_zero_code():
+    """Mutant: ``absmax == 0`` -> ``== 1`` in _codes: an all-zero block divides 0/0 and stores code 15 (1.0)
+    instead of the code of 0.0 (its values still dequantize to 0, but the codes differ from bitsandbytes')."""
+    from entrenar.kernels import nf4
+
+    w = torch.zeros(4, 64)
+    w[1] = torch.linspace(-1, 1, 64)
+    codes = nf4.unpack_codes(nf4.quantize(w)).view(4, 64)
+    zero_code = int(torch.argmin(nf4.nf4_table().abs()))
+    assert torch.all(codes[0] == zero_code) and torch.all(codes[2:] == zero_code)
