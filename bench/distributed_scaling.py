@@ -235,6 +235,8 @@ def main() -> int:
     ap.add_argument("--big-reserve", type=float, default=200.0,
                     help="seconds of the budget kept for the 7B run (default 200)")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--only", default="", help="run only the rows whose preset contains this text")
+    ap.add_argument("--cli-extra", default="", help="extra CLI flags for every run, e.g. '--parallel ddp'")
     ap.add_argument("--gpus", default="1,2", help="GPU counts of the scaling rows (default 1,2; e.g. 1,2,4)")
     ap.add_argument("--big-gpus", type=int, default=2,
                     help="GPUs of the qwen2.5-coder-7b row (default 2; 0 = no 7B row)")
@@ -258,6 +260,10 @@ def main() -> int:
         plan += [("llama-370m pretrain", "llama-370m", g, 8, [], 120) for g in counts]
         big = (("qwen2.5-coder-7b full", "qwen2.5-coder-7b", args.big_gpus, 2, ["--activation-checkpointing"], 240)
                if args.big_gpus else None)
+    if args.only:
+        plan = [p for p in plan if args.only in p[1]]
+    if args.cli_extra:
+        plan = [(*p[:4], [*p[4], *args.cli_extra.split()], p[5]) for p in plan]
     from entrenar.config import preset
 
     for _, preset_name, gpus, batch, _, _ in plan + ([big] if big else []):
