@@ -507,14 +507,20 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         # one snapshot of the working tree for the whole run (others edit it meanwhile); each mutant's
         # scratch copy is made from it
+        cpu0, wall0 = _children_cpu(), time.monotonic()
         results = _run_all(chosen, python, parent, args, make_scratch(parent))
+        # the run's total CPU (exact whatever --jobs; per-mutant cpu_seconds overlap when jobs > 1)
+        totals = {"cpu_seconds": round(_children_cpu() - cpu0, 1), "wall_seconds": round(time.monotonic() - wall0, 1),
+                  "jobs": args.jobs}
     finally:
         shutil.rmtree(parent, ignore_errors=True)
     if args.json:
-        print(json.dumps({"results": [asdict(r) for r in results],
+        print(json.dumps({"results": [asdict(r) for r in results], "totals": totals,
                           "ok": all(r.status == OK for r in results)}, indent=1))
     else:
         print_table(results)
+        print(f"run: {totals['wall_seconds']:.0f} s wall, {totals['cpu_seconds']:.0f} CPU s of tests, "
+              f"--jobs {totals['jobs']}")
     return 0 if all(r.status == OK for r in results) else 1
 
 
