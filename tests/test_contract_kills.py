@@ -453,3 +453,28 @@ def test_nf4_zero_block_stores_the_zero_code():
     codes = nf4.unpack_codes(nf4.quantize(w)).view(4, 64)
     zero_code = int(torch.argmin(nf4.nf4_table().abs()))
     assert torch.all(codes[0] == zero_code) and torch.all(codes[2:] == zero_code)
+
+
+def test_nf4_value_on_a_midpoint_takes_the_lower_level():
+    """Mutant: ``bucketize(..., right=False)`` -> ``right=True``: a value exactly between two NF4 levels
+    must take the lower one (argmin's tie rule, as bitsandbytes), not the upper."""
+    from entrenar.kernels import nf4
+
+    table = nf4.nf4_table()
+    mid = (table[1:] + table[:-1]) / 2
+    block = torch.zeros(64)
+    block[0] = 1.0  # absmax 1: values are their own scaled values
+    block[1:16] = mid
+    codes = nf4.unpack_codes(nf4.quantize(block))
+    assert codes[1:16].tolist() == list(range(15))
+
+
+def test_nf4_flat_scale_groups_store_a_finite_factor():
+    """Mutant: ``group_absmax == 0`` -> ``== 1`` in double_quantize_scales: a group of equal block scales
+    would store the factor 128 / 0 = inf (and NaN int8 scales)."""
+    from entrenar.kernels import nf4
+
+    w = torch.ones(4, 64) * torch.tensor([1.0, -1.0, 1.0, -1.0])[:, None]
+    q = nf4.quantize(w)
+    assert torch.isfinite(q.factor).all()
+    assert torch.equal(nf4.dequantize_reference(q), w)
