@@ -478,3 +478,21 @@ def test_nf4_flat_scale_groups_store_a_finite_factor():
     q = nf4.quantize(w)
     assert torch.isfinite(q.factor).all()
     assert torch.equal(nf4.dequantize_reference(q), w)
+
+
+def test_eval_anomaly_thresholds():
+    """Mutants in check_eval_anomaly: ``eval < ratio * train`` -> ``<=`` or ``ratio / train``, the
+    ``train > 0`` guard -> ``> 1`` (no check for train losses below 1), and ``ppl < min_ppl`` -> ``<=``."""
+    import pytest as _pytest
+
+    from entrenar.errors import GuardError
+    from entrenar.train.guards import check_eval_anomaly
+
+    check_eval_anomaly(0.2, 2.0, step=1)  # exactly 0.1 x train: not below it
+    with _pytest.raises(GuardError, match="recent train loss"):
+        check_eval_anomaly(0.1, 2.0, step=1)  # 0.05 x train (ratio / train would be 0.05: not caught)
+    with _pytest.raises(GuardError, match="recent train loss"):
+        check_eval_anomaly(0.05, 0.8, step=1)  # a train loss below 1 is still compared
+    check_eval_anomaly(0.0, None, step=1, min_ppl=1.0)  # perplexity exactly min_ppl: not below it
+    with _pytest.raises(GuardError, match="recent train loss"):
+        check_eval_anomaly(0.0, 5.0, step=1, min_ppl=1.0)  # named by the ratio, not by the perplexity
