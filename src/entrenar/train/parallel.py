@@ -4,9 +4,18 @@
 returns a `Parallel` handle: `.module` is the model (its config, parameter names, saving),
 `.forward_module` is what the trainer calls. Single process: both are the model, no wrapping.
 
-- FSDP2 (`fully_shard`): one group per decoder block, then the root, which keeps the final norm
-  and the head. The embedding gets its own group only when the head is untied; a tied head reads
+- FSDP2 (`fully_shard`): the decoder blocks in units of consecutive blocks of about
+  FSDP_UNIT_PARAMS parameters together (`fsdp_units`: one block per unit once a block is that big,
+  e.g. 7B; 4 units of 6 blocks for llama-370m / qwen2.5-0.5b), then the root, which keeps the final
+  norm and the head. The embedding gets its own group only when the head is untied; a tied head reads
   `embed_tokens.weight` inside the root's forward, so the embedding must be a root parameter.
+  Why units, not one group per block: FSDP2's hooks cost host time per group and pass (all-gather
+  copy-in/out, reduce-scatter chunk-cat, stream events: ~2-3 ms per group per step on the H200 host).
+  Profiled on 4x H200 (llama-370m, batch 8 x 2048, bf16, steps 5-7, bench/distributed_profile.py),
+  one group per block left the GPU busy 95 ms of a 259 ms step: the backward thread alone spent
+  139 ms of host time per step (52 ms in one process) and the forward 93 ms (36 ms), so the step
+  was host-bound at 48% of the 1-GPU tok/s per GPU while DDP (no per-group hooks) reached 91%.
+  The last unit is not resharded after the forward: the backward starts with it.
   Under --dtype bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the sharded fp32
   parameters stay the master weights and AdamW state, compute runs in bf16, gradients are reduced
   in fp32. Forward inputs are not cast (the RoPE tables stay fp32, as in one process).
@@ -72,6 +81,9 @@ class Parallel:
     def clip_grad_norm(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
         return clip_grad_norm(params, max_norm)
 
+    def clip_grad_norm_tensor(self, params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+        return clip_grad_norm_tensor(params, max_norm)
+
 
 def _mp_policy(dtype: str):
     from torch.distributed.fsdp import MixedPrecisionPolicy
@@ -84,13 +96,42 @@ def _mp_policy(dtype: str):
     return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
-def apply_fsdp(model: torch.nn.Module, ctx: DistContext, dtype: str) -> torch.nn.Module:
-    """fully_shard each decoder block, the untied embedding, then the root (in place)."""
+# Parameters per FSDP unit of decoder blocks. Big enough that FSDP2's per-group host work is paid a
+# handful of times per step on small models (see the module docstring), small enough that a unit's
+# unsharded bf16 weights + fp32 gradients (~0.6 GB at 1e8) are a small part of a card's memory.
+FSDP_UNIT_PARAMS = 100_000_000
+
+
+def fsdp_units(blocks: Iterable[torch.nn.Module], unit_params: int | None = None) -> list[list[torch.nn.Module]]:
+    """Consecutive blocks split into the fewest near-equal units of about `unit_params` parameters
+    (default FSDP_UNIT_PARAMS) each; at least one block per unit, order kept."""
+    unit_params = FSDP_UNIT_PARAMS if unit_params is None else unit_params
+    blocks = list(blocks)
+    if not blocks:
+        return []
+    total = sum(p.numel() for b in blocks for p in b.parameters())
+    n = min(len(blocks), max(1, math.ceil(total / max(1, unit_params))))
+    size, extra = divmod(len(blocks), n)  # the first `extra` units hold one block more
+    units, start = [], 0
+    for i in range(n):
+        end = start + size + (1 if i < extra else 0)
+        units.append(blocks[start:end])
+        start = end
+    return units
+
+
+def apply_fsdp(model: torch.nn.Module, ctx: DistContext, dtype: str,
+               unit_params: int | None = None) -> torch.nn.Module:
+    """fully_shard the decoder blocks in units (`fsdp_units`), the untied embedding, then the root
+    (in place)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     mp = _mp_policy(dtype)
-    for block in model.model.layers:
-        fully_shard(block, mesh=ctx.mesh, mp_policy=mp)
+    units = fsdp_units(model.model.layers, unit_params)
+    for i, unit in enumerate(units):
+        # the last unit's weights are needed again first thing in the backward: keep them gathered
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=ctx.mesh, mp_policy=mp,
+                    reshard_after_forward=i < len(units) - 1)
     if getattr(model, "lm_head", None) is not None:
         fully_shard(model.model.embed_tokens, mesh=ctx.mesh, mp_policy=mp)
     # the root's parameters are needed again right at the start of the backward: keep them gathered
@@ -136,14 +177,47 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
-    """Clip by the global L2 norm and return it. Under FSDP the gradients are DTensor shards and
-    torch's clip reduces the norm over the mesh (the result is a replicated DTensor)."""
-    from torch.distributed.tensor import DTensor
+    """Clip by the global L2 norm and return it (a host number: one device sync)."""
+    return float(clip_grad_norm_tensor(params, max_norm))
 
-    norm = torch.nn.utils.clip_grad_norm_(list(params), max_norm, foreach=True)
-    if isinstance(norm, DTensor):
-        norm = norm.full_tensor()
-    return float(norm)
+
+def clip_grad_norm_tensor(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
+    """Clip by the global L2 norm; the norm as a device scalar (no host sync). Under FSDP the
+    gradients are DTensor shards: the squared norms of the local shards are summed with ONE
+    all-reduce over the mesh and the local shards are scaled in place. torch's clip_grad_norm_ on
+    DTensors gets the same numbers, but through DTensor dispatch of every foreach op (~10 ms of host
+    time per step for llama-370m, in a step that is host-bound under FSDP)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor.placement_types import Shard
+
+    params = [p for p in params if p.grad is not None]
+    grads = [p.grad for p in params]
+    if not any(isinstance(g, DTensor) for g in grads):  # one process or DDP: torch's own
+        return torch.nn.utils.clip_grad_norm_(params, max_norm, foreach=True)
+    sharded, whole, group = [], [], None
+    for g in grads:
+        if isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
+            sharded.append(g.to_local())  # a view: scaling it scales the gradient
+            group = g.device_mesh.get_group()
+        else:  # a replicated DTensor or a plain tensor: every rank holds all of it, count it once
+            whole.append(g.to_local() if isinstance(g, DTensor) else g)
+    local = sharded + whole
+    device = local[0].device
+
+    def squares(ts: list[torch.Tensor]) -> torch.Tensor:
+        if not ts:
+            return torch.zeros((), dtype=torch.float32, device=device)
+        norms = torch._foreach_norm(ts, 2.0)
+        return torch.stack([n.to(device, torch.float32) for n in norms]).square().sum()
+
+    with torch.no_grad():
+        sq = squares(sharded)
+        if group is not None:
+            dist.all_reduce(sq, op=dist.ReduceOp.SUM, group=group)
+        total = (sq + squares(whole)).sqrt()
+        coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+        torch._foreach_mul_(local, coef)
+    return total
 
 
 # ---- state dicts ------------------------------------------------------------------------------------
@@ -361,11 +435,14 @@ class ParallelTrainer(_trainer_base()):
                 s = loop.loss_sum_of(self.par.forward_module, b, self.device, self.cfg.dtype)
                 (s / total_tokens).backward()
             acc += s.detach().double()
-        local = float(acc)
+        # the loss sum is reduced and the norm taken on the device; all three are read back together:
+        # one host sync per step (the host-bound FSDP step cannot afford the device draining twice)
+        loss_sum = self.reduce.all_reduce_sum(acc)
+        grad_norm = self.par.clip_grad_norm_tensor(self.params, self.cfg.clip if self.cfg.clip > 0 else float("inf"))
+        local, loss_sum, norm = torch.stack([acc, loss_sum.to(acc.device), grad_norm.to(acc.device, torch.float64)]
+                                            ).tolist()
         self._local_loss = local
-        loss_sum = self.reduce.all_reduce_sum(local)
-        grad_norm = self.par.clip_grad_norm(self.params, self.cfg.clip if self.cfg.clip > 0 else float("inf"))
-        return loss_sum / total_tokens, grad_norm
+        return loss_sum / total_tokens, norm
 
     def guard_step(self, loss: float, grad_norm: float, step: int, sample_ids: list,
                    pre_step: tuple[dict, dict]) -> str:
@@ -483,6 +560,7 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     return ParallelTrainer(par, shard_loader(train_loader, ctx), shard_loader(eval_loader, ctx), cfg, run_dir, **kw)
 
 
-__all__ = ["PARALLEL_MODES", "DistReduce", "Parallel", "ParallelTrainer", "apply_ddp", "apply_fsdp", "apply_parallel",
-           "build_trainer", "clip_grad_norm", "consolidated_copy", "full_model_state", "load_full", "load_sharded",
-           "resolve_parallel", "save_sharded", "save_sharded_checkpoint", "sharded_state"]
+__all__ = ["FSDP_UNIT_PARAMS", "PARALLEL_MODES", "DistReduce", "Parallel", "ParallelTrainer", "apply_ddp",
+           "apply_fsdp", "apply_parallel", "build_trainer", "clip_grad_norm", "clip_grad_norm_tensor",
+           "consolidated_copy", "fsdp_units", "full_model_state", "load_full", "load_sharded", "resolve_parallel",
+           "save_sharded", "save_sharded_checkpoint", "sharded_state"]
