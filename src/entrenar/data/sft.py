@@ -317,6 +317,43 @@ def _remedy(skipped: dict[str, int]) -> str:
 
 
 # ---- loading --------------------------------------------------------------------------------------
+def _fit_sample(enc: Any, where: str, lineno: int, max_seq_len: int, truncation: str, report: DataReport,
+                bos_id: int | None) -> tuple[SFTExample | None, tuple[str, str] | None]:
+    """One encoded conversation -> (the sample to train, None) or (None, (skip reason, message)).
+
+    The loss window is the whole sample up to --max-seq-len: a prompt is never clamped to a fixed
+    size (a 512-token clamp once pushed every long-prompt response out of the loss: nothing trained).
+    """
+    ids = np.asarray(enc.ids, dtype=np.int64)
+    mask = np.asarray(enc.assistant_mask, dtype=bool)
+    assert len(ids) == len(mask), "encode_chat: ids and assistant_mask differ in length"
+    trained = np.nonzero(mask)[0]
+    if not len(trained):  # a validated row has assistant content: the template/tokenizer lost it
+        return None, ("no_assistant_tokens", (f"{where}: the chat template marked no assistant tokens in this "
+                                             f"sample ({len(ids)} tokens); sample SKIPPED. Remedy: check that "
+                                             f"the model's chat template writes assistant content verbatim."))
+    prompt_len, end = int(trained[0]), int(trained[-1]) + 1  # tokens after the last turn train nothing
+    if prompt_len > report.longest_prompt_tokens:
+        report.longest_prompt_tokens, report.longest_prompt_line = prompt_len, lineno
+    if prompt_len >= max_seq_len:
+        return None, ("prompt_too_long",
+                      (f"{where}: prompt is {prompt_len} tokens and leaves no room for the response within "
+                      f"--max-seq-len {max_seq_len}; sample SKIPPED. Remedy: raise --max-seq-len to at least "
+                      f"{end} (prompt + response) or shorten the prompt."))
+    truncated = end > max_seq_len
+    if truncated and truncation == "skip":
+        return None, ("response_truncated",
+                      (f"{where}: prompt + response is {end} tokens, more than --max-seq-len {max_seq_len}; "
+                      f"sample skipped (--truncation skip). Remedy: raise --max-seq-len to {end}, or "
+                      f"--truncation keep to train the cut response."))
+    if bos_id is not None and len(ids) > 1 and ids[0] == ids[1] == bos_id \
+            and len(report.double_bos_lines) < MAX_LOGGED_WARNINGS:
+        report.double_bos_lines.append(lineno)
+    end = min(end, max_seq_len)
+    ids, mask = ids[:end], mask[:end]
+    return SFTExample(ids.astype(np.int32), shifted_labels(ids, mask), lineno, prompt_len, truncated), None
+
+
 def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncation: str = "skip",
              skip_invalid: bool = False,
              max_skip_fraction: float | None = DEFAULT_MAX_SKIP_FRACTION) -> tuple[list[SFTExample], DataReport]:
@@ -375,45 +412,16 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
             enc = tokenizer.encode_chat(messages)
         except InputError as e:  # the chat template rejected this conversation
             raise InputError(f"{where}: {e}") from e
-        ids = np.asarray(enc.ids, dtype=np.int64)
-        mask = np.asarray(enc.assistant_mask, dtype=bool)
-        assert len(ids) == len(mask), "encode_chat: ids and assistant_mask differ in length"
-        trained = np.nonzero(mask)[0]
-        if not len(trained):  # a validated row has assistant content: the template/tokenizer lost it
-            report.skip("no_assistant_tokens")
-            warn("no_assistant_tokens", f"{where}: the chat template marked no assistant tokens in this "
-                                        f"sample ({len(ids)} tokens); sample SKIPPED. Remedy: check that "
-                                        f"the model's chat template writes assistant content verbatim.")
+        ex, skipped = _fit_sample(enc, where, lineno, max_seq_len, truncation, report,
+                                  getattr(tokenizer, "bos_id", None))
+        if ex is None:
+            report.skip(skipped[0])
+            warn(*skipped)
             continue
-        prompt_len, end = int(trained[0]), int(trained[-1]) + 1  # tokens after the last turn train nothing
-        if prompt_len > report.longest_prompt_tokens:
-            report.longest_prompt_tokens, report.longest_prompt_line = prompt_len, lineno
-        if prompt_len >= max_seq_len:
-            report.skip("prompt_too_long")
-            warn("prompt_too_long",
-                 f"{where}: prompt is {prompt_len} tokens and leaves no room for the response within "
-                 f"--max-seq-len {max_seq_len}; sample SKIPPED. Remedy: raise --max-seq-len to at least "
-                 f"{end} (prompt + response) or shorten the prompt.")
-            continue
-        truncated = end > max_seq_len
-        if truncated and truncation == "skip":
-            report.skip("response_truncated")
-            warn("response_truncated",
-                 f"{where}: prompt + response is {end} tokens, more than --max-seq-len {max_seq_len}; sample "
-                 f"skipped (--truncation skip). Remedy: raise --max-seq-len to {end}, or --truncation keep "
-                 f"to train the cut response.")
-            continue
-        bos_id = getattr(tokenizer, "bos_id", None)
-        if bos_id is not None and len(ids) > 1 and ids[0] == ids[1] == bos_id \
-                and len(report.double_bos_lines) < MAX_LOGGED_WARNINGS:
-            report.double_bos_lines.append(lineno)
-        end = min(end, max_seq_len)
-        ids, mask = ids[:end], mask[:end]
-        ex = SFTExample(ids.astype(np.int32), shifted_labels(ids, mask), lineno, prompt_len, truncated)
         assert ex.loss_tokens > 0, f"{where}: a kept sample has no loss tokens"
         examples.append(ex)
         contents = [m["content"] for m in messages if m["role"] == "assistant"]
-        report.add(ex, not truncated and eot_trained(ex, eot_id, contents, getattr(tokenizer, "decode", None)))
+        report.add(ex, not ex.truncated and eot_trained(ex, eot_id, contents, getattr(tokenizer, "decode", None)))
 
     for reason, n in logged.items():
         if n > MAX_LOGGED_WARNINGS:
