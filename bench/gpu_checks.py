@@ -6,7 +6,7 @@
    added, 4096 tokens x vocab 151936 for the loss).
 2. Qwen2.5-0.5B shapes, random weights: our model with Triton kernels in bf16 (pure bf16 weights, and fp32
    weights under bf16 autocast) vs our fp32 torch-kernel model on the same weights and batch. Bounds
-   (DESIGN.md): logits relL2 <= 2e-2, loss difference <= 0.05 nats, gradient relL2 <= 5e-2.
+   (docs/design.md): logits relL2 <= 2e-2, loss difference <= 0.05 nats, gradient relL2 <= 5e-2.
 Prints a table and exits 1 if any check fails.
 """
 

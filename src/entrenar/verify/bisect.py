@@ -38,10 +38,10 @@ from .trace import OP_ORDER, FilteredTrace, keep_block, keep_layers, record_hf, 
 class Bounds:
     """relL2 bounds (and CE difference in nats) for one dtype of the path under test.
 
-    fp32: DESIGN.md's 1e-5 on logits; hidden states and ops get the same 1e-5 (fp32 rounding
+    fp32: docs/design.md's 1e-5 on logits; hidden states and ops get the same 1e-5 (fp32 rounding
     is ~1e-7 per op, so a defect is orders of magnitude above it); gradients 1e-4, since the
     backward sums over tokens and amplifies cancellation.
-    bf16: DESIGN.md's 2e-2 on logits and 0.05 nats of CE. bf16 rounds each op to ~4e-3 relative,
+    bf16: docs/design.md's 2e-2 on logits and 0.05 nats of CE. bf16 rounds each op to ~4e-3 relative,
     and the error compounds over blocks, so hidden states and ops get 5e-2; gradients 1e-1.
     A seeded defect (wrong RoPE pairing, dropped bias, eps, causality) is >= 0.1 at its op.
     """
