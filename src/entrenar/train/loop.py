@@ -573,9 +573,13 @@ class Trainer:
                                        self.kept_text(self.last_saved), step)
         state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
                                    rng if rng is not None else rng_state())
-        self.last_saved = save_checkpoint(self.ckpt_root, step, self.model, self.optimizer, state,
-                                          self.run_config, self.cfg.keep, extra_files=self.checkpoint_files)
+        self.last_saved = self.write_checkpoint(step, state)
         return self.last_saved
+
+    def write_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
+        """Write one complete checkpoint directory (the distributed trainer writes DCP shards instead)."""
+        return save_checkpoint(self.ckpt_root, step, self.model, self.optimizer, state, self.run_config,
+                               self.cfg.keep, extra_files=self.checkpoint_files)
 
     # ---- the run ---------------------------------------------------------------------------------
     def message(self, text: str) -> None:

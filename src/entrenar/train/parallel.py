@@ -500,21 +500,11 @@ class ParallelTrainer(_trainer_base()):
         super().load_trainer_state(st)
 
     # ---- save / final --------------------------------------------------------------------------------
-    def save(self, step: int, data_state: dict | None = None, rng: dict | None = None) -> Path:
+    def write_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
         if not self.ctx.active:
-            return super().save(step, data_state, rng)
-        from . import guards
-        from .checkpoint import rng_state, step_dir_name
-
-        problem = self.weights_problem()
-        if problem is not None:
-            raise guards.weights_error(f"checkpoint {step_dir_name(step)}", problem,
-                                       self.kept_text(self.last_saved), step)
-        state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
-                                   rng if rng is not None else rng_state())
-        self.last_saved = save_sharded_checkpoint(self.ckpt_root, step, self.par, self.optimizer, state,
-                                                  self.run_config, self.cfg.keep)
-        return self.last_saved
+            return super().write_checkpoint(step, state)
+        return save_sharded_checkpoint(self.ckpt_root, step, self.par, self.optimizer, state,
+                                       self.run_config, self.cfg.keep)
 
     def finish(self) -> None:
         """final/: one consolidated directory, written by rank 0 whatever the world size."""
