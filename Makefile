@@ -27,7 +27,7 @@ demo: setup
 # make test also runs the fast contract mutations (171 of them: ~9 CPU min, measured); MUTANTS=0 skips them
 test: setup contracts-lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
-	$(if $(filter 0,$(MUTANTS)),,$(BIN)/python tools/mutants.py --fast --jobs $(or $(JOBS),1))
+	$(if $(filter 0,$(MUTANTS)),,$(BIN)/python tools/mutants.py --fast --jobs $(or $(JOBS),2))
 
 # contracts/*.yaml: ids unique, tests defined, every mutate: edit applies exactly once (also in tests/test_contracts.py)
 contracts-lint: setup
