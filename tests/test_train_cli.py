@@ -22,21 +22,10 @@ from entrenar.config import ModelConfig
 from entrenar.data.corpus import pack
 from entrenar.formats import save_hf_dir
 from entrenar.model import CausalLM
+from entrenar.tokenizer import BYTE_TO_UNICODE
 from entrenar.train.metrics import read_jsonl
 
 STDLIB = Path(json.__file__).parent  # json/*.py: ~40 kB of text
-
-
-def _bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's byte -> printable character map (what tokenizers' ByteLevel pre-tokenizer emits)."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 def _byte_tokenizers_model():
@@ -44,7 +33,7 @@ def _byte_tokenizers_model():
     `data pack` stores it with the shards, and pretrain loads it from there."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
-    vocab = {ch: b for b, ch in _bytes_to_unicode().items()}
+    vocab = {ch: b for b, ch in BYTE_TO_UNICODE.items()}
     tok = Tokenizer(models.BPE(vocab, []))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
