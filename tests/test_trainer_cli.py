@@ -13,38 +13,22 @@ from pathlib import Path
 
 import pytest
 
-from entrenar.config import ModelConfig
-from entrenar.data.corpus import pack
-from entrenar.formats import save_hf_dir
-from entrenar.model import CausalLM
 from entrenar.train import loop
 from entrenar.train.metrics import read_jsonl
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the CLI helpers of test_train_cli
-from test_train_cli import STDLIB, ByteTokenizer, main, pretrain_args
+import test_train_cli
+from test_train_cli import main, pretrain_args
+
+# the byte-tokenizer shards and model of test_train_cli, shared (module-scoped there, built once per module)
+byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir
 
 
 @pytest.fixture(scope="module")
-def shards(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("shards") / "json"
-    pack([str(STDLIB)], ByteTokenizer(), out, val_fraction=0.3, seed=1)
-    return out
-
-
-@pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    m = CausalLM(cfg)
-    m.init_weights(0)
-    return save_hf_dir(m, tmp_path_factory.mktemp("bytemodel") / "m")
-
-
-@pytest.fixture(scope="module")
-def finished_run(tmp_path_factory, model_dir, shards) -> Path:
+def finished_run(tmp_path_factory, byte_model_dir, byte_shards) -> Path:
     """A 6-step run with checkpoints at 3 and 6 and a final/."""
     out = tmp_path_factory.mktemp("finished") / "run"
-    code, _, err = main(pretrain_args(model_dir, shards, out, steps=6, extra=("--no-preflight",)))
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=6, extra=("--no-preflight",)))
     assert code == 0, err
     return out
 
@@ -53,7 +37,7 @@ def snapshot(run: Path) -> dict[str, bytes]:
     return {str(p.relative_to(run)): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
 
 
-def test_ctrl_c_exits_130_naming_the_last_checkpoint(tmp_path, model_dir, shards, capsys, monkeypatch):
+def test_ctrl_c_exits_130_naming_the_last_checkpoint(tmp_path, byte_model_dir, byte_shards, capsys, monkeypatch):
     orig = loop.Trainer.train_step
 
     def step(self, n):
@@ -62,38 +46,38 @@ def test_ctrl_c_exits_130_naming_the_last_checkpoint(tmp_path, model_dir, shards
         return orig(self, n)
     monkeypatch.setattr(loop.Trainer, "train_step", step)
     out = tmp_path / "run"
-    code, result, err = main(pretrain_args(model_dir, shards, out, steps=8, extra=("--no-preflight",)), capsys)
+    code, result, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=8, extra=("--no-preflight",)), capsys)
     assert code == 130
     assert "step-0000003" in err and "--resume auto" in err  # old: only "interrupted"
     assert result["ok"] is False and result["checkpoint"].endswith("step-0000003")
     assert "--resume auto" in result["resume_command"]
     monkeypatch.setattr(loop.Trainer, "train_step", orig)
-    code, _, err = main(pretrain_args(model_dir, shards, out, steps=8, extra=("--resume", "auto")), capsys)
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=8, extra=("--resume", "auto")), capsys)
     assert code == 0, err
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl")] == list(range(1, 9))
 
 
-def test_resume_with_nothing_to_do_exits_2_and_touches_nothing(tmp_path, finished_run, model_dir, shards, capsys):
+def test_resume_with_nothing_to_do_exits_2_and_touches_nothing(tmp_path, finished_run, byte_model_dir, byte_shards, capsys):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run, symlinks=True)
     before = snapshot(run)
-    code, result, err = main(pretrain_args(model_dir, shards, run, steps=2, extra=("--resume", "auto")), capsys)
+    code, result, err = main(pretrain_args(byte_model_dir, byte_shards, run, steps=2, extra=("--resume", "auto")), capsys)
     assert code == 2 and "nothing to do" in err and "step 6" in err
     assert result["exit_code"] == 2
     assert snapshot(run) == before  # run.json, metrics, final/ untouched
 
 
-def test_resume_path_missing_a_file_exits_2_naming_it(tmp_path, finished_run, model_dir, shards, capsys):
+def test_resume_path_missing_a_file_exits_2_naming_it(tmp_path, finished_run, byte_model_dir, byte_shards, capsys):
     run = tmp_path / "run"
     shutil.copytree(finished_run, run, symlinks=True)
     ckpt = run / "checkpoints" / "step-0000006"
     (ckpt / "trainer_state.json").unlink()
     before = snapshot(run)
-    code, _, err = main(pretrain_args(model_dir, shards, run, steps=9, extra=("--resume", str(ckpt))), capsys)
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, run, steps=9, extra=("--resume", str(ckpt))), capsys)
     assert code == 2 and "trainer_state.json" in err and "Traceback" not in err
     assert snapshot(run) == before
     # --resume auto falls back to step 3 with a message and finishes the run
-    code, _, err = main(pretrain_args(model_dir, shards, run, steps=9, extra=("--resume", "auto")), capsys)
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, run, steps=9, extra=("--resume", "auto")), capsys)
     assert code == 0, err
     assert "falling back" in err and "step-0000003" in err
     assert [r["step"] for r in read_jsonl(run / "metrics.jsonl")] == list(range(1, 10))
