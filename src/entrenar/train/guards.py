@@ -81,13 +81,17 @@ def weights_problem(params: Iterable[torch.Tensor], reference: float | None) -> 
     return None
 
 
+KEPT_CHECKPOINT_REMEDY = (NONFINITE_REMEDY + "; resume from the kept checkpoint with a lower --lr "
+                          "(--resume auto --lr ...)")
+
+
 def weights_error(where: str, problem: str, kept: str, step: int) -> GuardError:
     """GUARD-NONFINITE for weights found bad before a checkpoint or final/ is written from them."""
     return GuardError(
         "GUARD-NONFINITE",
         f"after step {step}, {problem}, so {where} was not written from them (an update with a "
         f"far too large learning rate destroys the model without a non-finite loss first); {kept}.",
-        NONFINITE_REMEDY + "; resume from the kept checkpoint with a lower --lr (--resume auto --lr ...)",
+        KEPT_CHECKPOINT_REMEDY,
         details={"step": step, "problem": problem})
 
 
@@ -98,7 +102,7 @@ def check_eval_finite(eval_loss: float, step: int, kept: str) -> None:
             "GUARD-NONFINITE",
             f"eval loss is {eval_loss} at step {step}: the weights are destroyed (non-finite outputs), "
             f"so no final model is written; {kept}.",
-            NONFINITE_REMEDY + "; resume from the kept checkpoint with a lower --lr (--resume auto --lr ...)",
+            KEPT_CHECKPOINT_REMEDY,
             details={"step": step, "eval_loss": eval_loss})
 
 
