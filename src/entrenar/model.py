@@ -67,8 +67,11 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
         self.eps = eps
 
-    def forward(self, x: torch.Tensor, ops: Ops) -> torch.Tensor:
-        return ops.rms_norm(x, self.weight, self.eps)
+    def forward(self, x: torch.Tensor, ops: Ops, add: torch.Tensor | None = None):
+        """rms_norm(x); with ``add``: (rms_norm(x + add), x + add), the residual add fused into the norm."""
+        if add is None:
+            return ops.rms_norm(x, self.weight, self.eps)
+        return ops.add_rms_norm(x, add, self.weight, self.eps)
 
 
 @dataclass
@@ -164,8 +167,9 @@ class Block(nn.Module):
         self.mlp = MLP(cfg)
 
     def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None):
-        x = x + self.self_attn(self.input_layernorm(x, ops), cos, sin, mask, ops, cache)
-        return x + self.mlp(self.post_attention_layernorm(x, ops), ops)
+        attn = self.self_attn(self.input_layernorm(x, ops), cos, sin, mask, ops, cache)
+        h, x = self.post_attention_layernorm(x, ops, add=attn)  # x = x + attn; h = its norm (one kernel)
+        return x + self.mlp(h, ops)
 
 
 class Backbone(nn.Module):

@@ -22,10 +22,12 @@ class Ops:
     rope: Callable
     swiglu: Callable
     linear_cross_entropy: Callable
+    # (x, delta, weight, eps) -> (rms_norm(x + delta), x + delta): a block's residual add fused into its norm
+    add_rms_norm: Callable
 
 
 TORCH_OPS = Ops(reference.rms_norm_reference, reference.rope_reference, reference.swiglu_reference,
-                reference.linear_cross_entropy_reference)
+                reference.linear_cross_entropy_reference, reference.add_rms_norm_reference)
 
 
 @functools.cache
@@ -39,7 +41,8 @@ def _triton_ops() -> Ops:
         raise InputError(f"--kernels triton: the triton package cannot be imported ({e}). Install it "
                          f"(`pip install triton`, CUDA Linux; it comes with torch's CUDA wheels) or use "
                          f"--kernels torch.") from e
-    return Ops(rmsnorm.rms_norm, rope.rope, swiglu.swiglu, cross_entropy.linear_cross_entropy)
+    return Ops(rmsnorm.rms_norm, rope.rope, swiglu.swiglu, cross_entropy.linear_cross_entropy,
+               rmsnorm.add_rms_norm)
 
 
 def triton_available() -> bool:

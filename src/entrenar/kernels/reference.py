@@ -20,6 +20,17 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * xf.to(dtype)
 
 
+def add_rms_norm_reference(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float,
+                           out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + delta) * weight, x + delta): the residual add, then the norm of the sum.
+
+    The sum keeps x's dtype (the residual stream's: fp32 under autocast while delta, a matmul output, is
+    bf16); the norm's output dtype is rms_norm_reference's unless ``out_dtype`` is given."""
+    residual = (x + delta).to(x.dtype)
+    normed = rms_norm_reference(residual, weight, eps)
+    return (normed if out_dtype is None else normed.to(out_dtype)), residual
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, style: str) -> torch.Tensor:
     cos = cos.unsqueeze(2)  # broadcast over heads
     sin = sin.unsqueeze(2)

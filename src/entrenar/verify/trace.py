@@ -72,6 +72,13 @@ def op_hooks(backbone: torch.nn.Module, trace: dict, head_dim: int) -> Iterator[
             trace[name] = inp[0]
         return hook
 
+    def residual_hook(name: str):
+        # HF's post-attention norm is called on the sum x + attn; ours adds inside (the fused add + norm,
+        # model.Block) and returns (normed, x + attn)
+        def hook(_mod, inp, out):
+            trace[name] = out[1] if isinstance(out, tuple) else inp[0]
+        return hook
+
     handles.append(backbone.embed_tokens.register_forward_hook(out_hook("embed")))
     for i, layer in enumerate(backbone.layers):
         p = f"layers.{i}."
@@ -83,7 +90,7 @@ def op_hooks(backbone: torch.nn.Module, trace: dict, head_dim: int) -> Iterator[
             attn.v_proj.register_forward_hook(out_hook(p + "v_proj", heads=True)),
             attn.o_proj.register_forward_pre_hook(in_hook(p + "attn_out")),
             attn.o_proj.register_forward_hook(out_hook(p + "o_proj")),
-            layer.post_attention_layernorm.register_forward_pre_hook(in_hook(p + "attn_residual")),
+            layer.post_attention_layernorm.register_forward_hook(residual_hook(p + "attn_residual")),
             layer.post_attention_layernorm.register_forward_hook(out_hook(p + "post_attention_norm")),
             mlp.gate_proj.register_forward_hook(out_hook(p + "gate_proj")),
             mlp.up_proj.register_forward_hook(out_hook(p + "up_proj")),
