@@ -7,6 +7,11 @@
 2. Qwen2.5-0.5B shapes, random weights: our model with Triton kernels in bf16 (pure bf16 weights, and fp32
    weights under bf16 autocast) vs our fp32 torch-kernel model on the same weights and batch. Bounds
    (docs/design.md): logits relL2 <= 2e-2, loss difference <= 0.05 nats, gradient relL2 <= 5e-2.
+3. The fused residual add + RMSNorm (kernels.rmsnorm.add_rms_norm) at Qwen2.5-0.5B shapes (batch 8 x 2048, hidden
+   896): forward and backward vs float64 for the fp32 residual stream + bf16 delta under autocast (--dtype bf16)
+   and the bf16 stream (--dtype bf16-weights), bounds 1e-5 for fp32 tensors of an fp32 stream, 1e-2 for bf16;
+   and the time of fused vs unfused (add kernel + Triton rms_norm) forward + backward.
+   Alone: PYTHONPATH=src python bench/gpu_checks.py --add-rms-norm-only
 Prints a table and exits 1 if any check fails.
 """
 
@@ -39,7 +44,7 @@ def run_kernel_tests(out_dir: Path) -> dict:
     env = dict(os.environ, ENTRENAR_TEST_DEVICE="cuda", ENTRENAR_TEST_FULL="1")
     env.pop("TRITON_INTERPRET", None)
     proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--durations=5",
-                           str(ROOT / "tests/test_kernels.py")], env=env, capture_output=True, text=True,
+                           str(ROOT / "tests/test_kernels.py"), str(ROOT / "tests/test_kernels_add_rmsnorm.py")], env=env, capture_output=True, text=True,
                           cwd=ROOT, check=False)
     (out_dir / "kernel_tests_cuda.log").write_text(proc.stdout + proc.stderr)
     summary = [ln for ln in proc.stdout.splitlines() if " passed" in ln or " failed" in ln or "error" in ln]
@@ -99,10 +104,90 @@ def model_parity(name: str, batch: int, seq: int) -> list[dict]:
     return rows
 
 
+def _add_norm_case(rows: int, hidden: int, stream: torch.dtype, autocast: bool, seed: int = 0):
+    gen = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(rows, hidden, device="cuda", generator=gen).to(stream)
+    delta = (0.5 * torch.randn(rows, hidden, device="cuda", generator=gen)).to(torch.bfloat16)
+    w = (1 + 0.1 * torch.randn(hidden, device="cuda", generator=gen)).to(stream)
+    out_dtype = torch.bfloat16 if autocast or stream == torch.bfloat16 else torch.float32
+    dy = torch.randn(rows, hidden, device="cuda", generator=gen).to(out_dtype)
+    dr = torch.randn(rows, hidden, device="cuda", generator=gen).to(stream)
+    return x, delta, w, dy, dr
+
+
+def _time_fwd_bwd(op, x, delta, w, dy, dr, autocast: bool, iters: int = 50) -> float:
+    """Median ms of one forward + backward (both outputs carry a gradient, as in a block)."""
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, delta, w)]
+    times = []
+    for i in range(iters + 5):
+        for t in leaves:
+            t.grad = None
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y, r = op(*leaves)
+        torch.autograd.backward([y, r], [dy, dr])
+        end.record()
+        end.synchronize()
+        if i >= 5:
+            times.append(start.elapsed_time(end))
+    return sorted(times)[len(times) // 2]
+
+
+def add_rms_norm_check(rows: int = 8 * 2048, hidden: int = 896) -> list[dict]:
+    """Fused residual add + RMSNorm at Qwen2.5-0.5B shapes: parity vs float64 and fused vs unfused time."""
+    from entrenar.kernels import rmsnorm
+
+    out = []
+    for label, stream, autocast in (("fp32 stream + bf16 delta, autocast (--dtype bf16)", torch.float32, True),
+                                    ("bf16 stream + bf16 delta (--dtype bf16-weights)", torch.bfloat16, False)):
+        x, delta, w, dy, dr = _add_norm_case(rows, hidden, stream, autocast)
+        leaves = [t.detach().clone().requires_grad_(True) for t in (x, delta, w)]
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+            y, r = rmsnorm.add_rms_norm(*leaves, 1e-6)
+        torch.autograd.backward([y, r], [dy, dr])
+        ref = [t.detach().double().requires_grad_(True) for t in (x, delta, w)]
+        y64, r64 = rmsnorm.add_rms_norm_reference(*ref, 1e-6)
+        torch.autograd.backward([y64, r64], [dy.double(), dr.double()])
+        errs = {"normed": rel_l2(y, y64), "residual": rel_l2(r, r64), "d_x": rel_l2(leaves[0].grad, ref[0].grad),
+                "d_delta": rel_l2(leaves[1].grad, ref[1].grad), "d_weight": rel_l2(leaves[2].grad, ref[2].grad)}
+        fp32_bound = 1e-5 if stream == torch.float32 else 1e-2
+        bounds = {"normed": 1e-2 if y.dtype == torch.bfloat16 else fp32_bound, "residual": fp32_bound,
+                  "d_x": fp32_bound, "d_delta": 1e-2, "d_weight": fp32_bound}
+
+        def unfused(a, b, c):
+            s = a + b
+            return rmsnorm.rms_norm(s, c, 1e-6), s
+
+        fused_ms = _time_fwd_bwd(lambda a, b, c: rmsnorm.add_rms_norm(a, b, c, 1e-6), x, delta, w, dy, dr, autocast)
+        unfused_ms = _time_fwd_bwd(unfused, x, delta, w, dy, dr, autocast)
+        row = {"run": label, "rows": rows, "hidden": hidden, "errors": errs, "bounds": bounds,
+               "ok": all(errs[k] <= bounds[k] for k in errs), "fused_ms": fused_ms, "unfused_ms": unfused_ms,
+               "normed_dtype": str(y.dtype), "residual_dtype": str(r.dtype)}
+        print(json.dumps(row), flush=True)
+        out.append(row)
+    return out
+
+
+def _add_rms_norm_lines(rows: list[dict]) -> list[str]:
+    lines = ["", ("fused residual add + RMSNorm, Qwen2.5-0.5B shapes (relL2 vs float64; fwd+bwd median ms, "
+                  "24 per step: one per block)"), "",
+             "| run | normed | residual | d_x | d_delta | d_weight | fused ms | unfused ms | ok |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
+    for r in rows:
+        e = r["errors"]
+        lines.append(f"| {r['run']} | {e['normed']:.1e} | {e['residual']:.1e} | {e['d_x']:.1e} | {e['d_delta']:.1e} "
+                     f"| {e['d_weight']:.1e} | {r['fused_ms']:.3f} | {r['unfused_ms']:.3f} | "
+                     f"{'PASS' if r['ok'] else 'FAIL'} |")
+    return lines
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--skip-tests", action="store_true")
+    ap.add_argument("--add-rms-norm-only", action="store_true",
+                    help="only check 3 (the fused residual add + RMSNorm): parity and timing")
     args = ap.parse_args()
     out_dir = Path(args.out)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -110,6 +195,11 @@ def main() -> None:
     import triton
 
     result["triton"] = triton.__version__
+    result["add_rms_norm"] = add_rms_norm_check()
+    if args.add_rms_norm_only:
+        (out_dir / "gpu_checks.json").write_text(json.dumps(result, indent=1))
+        print("\n".join(_add_rms_norm_lines(result["add_rms_norm"])))
+        sys.exit(0 if all(r["ok"] for r in result["add_rms_norm"]) else 1)
     if not args.skip_tests:
         result["kernel_tests"] = run_kernel_tests(out_dir)
         print(json.dumps(result["kernel_tests"]), flush=True)
@@ -126,10 +216,12 @@ def main() -> None:
         lines.append(f"| {r['model']} | {r['run']} | {r['logits_rel']:.2e}{extra} | {r['loss_diff']:.2e} "
                      f"({r['loss']:.4f} vs {r['ref_loss']:.4f}) | {r['grad_rel_all']:.2e} | "
                      f"{r['grad_rel_worst']:.2e} ({r['grad_worst_param']}) | {'PASS' if r['ok'] else 'FAIL'} |")
+    lines += _add_rms_norm_lines(result["add_rms_norm"])
     text = "\n".join(lines)
     (out_dir / "gpu_checks.md").write_text(text + "\n")
     print(text)
     ok = all(r["ok"] for r in result["parity"] if "triton" in r["run"]) and result.get("kernel_tests", {"ok": True})["ok"]
+    ok = ok and all(r["ok"] for r in result["add_rms_norm"])
     sys.exit(0 if ok else 1)
 
 
