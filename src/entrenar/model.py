@@ -26,6 +26,7 @@ from torch import nn
 
 from .config import ModelConfig
 from .kernels import Ops, get_ops
+from .long_context import ActivationOffload, checkpoint_block, chunked_rows
 from .tensors import IGNORE_INDEX, positions_from_doc_ids
 
 
@@ -147,6 +148,9 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
+    # More tokens than this in one call: computed in chunks of this many (long_context.py; 0 = never)
+    chunk_tokens: int = 0
+
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.gate_proj = nn.Linear(cfg.hidden_size, cfg.intermediate_size, bias=False)
@@ -154,6 +158,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
 
     def forward(self, x, ops: Ops):
+        if self.chunk_tokens and x.shape[:-1].numel() > self.chunk_tokens:
+            # position-wise: the pieces (each short enough for the plain path below) are the whole
+            return chunked_rows(self.forward, x, ops, chunk=self.chunk_tokens)
         return self.down_proj(ops.swiglu(self.gate_proj(x), self.up_proj(x)))
 
 
@@ -188,6 +195,7 @@ class CausalLM(nn.Module):
     source: dict | None  # where the weights came from (formats.load_model): inspect, run.json
     peft_config: dict | None  # LoRA hyper-parameters while adapters are injected (peft), else None
     activation_checkpointing: bool  # recompute each block in backward (training only)
+    activation_offload: bool  # with it, the blocks' saved inputs wait in host memory (long_context.py)
 
     def __init__(self, cfg: ModelConfig, kernels: str = "torch"):
         super().__init__()
@@ -197,6 +205,7 @@ class CausalLM(nn.Module):
         self.source = None
         self.peft_config = None
         self.activation_checkpointing = False
+        self.activation_offload = False
         self.model = Backbone(cfg)
         # A tied head has no tensor of its own (as in HF safetensors): it reads embed_tokens.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
@@ -273,9 +282,10 @@ class CausalLM(nn.Module):
             mask = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
         ops = self.ops
         x = self.model.embed_tokens(input_ids)
+        offload = ActivationOffload() if self.activation_offload else None  # this forward's block inputs
         for block in self.model.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, mask, ops, cache, use_reentrant=False)
+                x = checkpoint_block(block, x, cos, sin, mask, ops, cache, offload=offload)
             else:
                 x = block(x, cos, sin, mask, ops, cache)
         return self.model.norm(x, ops)

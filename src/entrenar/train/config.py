@@ -131,6 +131,18 @@ class TrainConfig:
                                    "LoRA/QLoRA (one process: ignored)", choices=PARALLEL_MODES)
     activation_checkpointing: bool = option(False, "recompute each decoder block in the backward: activation "
                                                    "memory of one block instead of all, ~1/3 more compute")
+    # long sequences (entrenar/long_context.py; docs/design.md)
+    offload_activations: bool = option(False, "implies --activation-checkpointing; each block's saved input "
+                                              "(tokens x hidden x 2 bytes per layer: 5.3 GiB for Qwen2.5-0.5B at "
+                                              "131k tokens) waits in pinned host memory instead of GPU memory, "
+                                              "copied on a side stream and fetched back one block ahead. Costs "
+                                              "that much host RAM and PCIe traffic: a few % of step time at long "
+                                              "context, more on short sequences")
+    mlp_chunk: int = option(0, "when a micro-batch has more tokens than this, compute each MLP in pieces of this "
+                               "many tokens, each recomputed in the backward: the gate/up/SwiGLU intermediates (3 x "
+                               "tokens x intermediate_size) exist for one piece at a time (Qwen2.5-0.5B at 131k "
+                               "tokens: 3.8 GB -> 0.5 GB with 16384). Costs one more MLP forward per step, a few "
+                               "% at long context; 0 = off", metavar="TOKENS")
 
     def __post_init__(self) -> None:
         if self.warmup is None and isinstance(self.steps, int):
@@ -144,7 +156,7 @@ class TrainConfig:
         for f in ("steps", "batch_size", "grad_accum", "seq_len"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 raise InputError(f"{name(f)} must be a positive integer, got {getattr(self, f)}")
-        for f in ("eval_every", "eval_batches", "save_every", "keep", "warmup"):
+        for f in ("eval_every", "eval_batches", "save_every", "keep", "warmup", "mlp_chunk"):
             if int(getattr(self, f)) < 0:
                 raise InputError(f"{name(f)} must be >= 0, got {getattr(self, f)}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):

@@ -545,11 +545,12 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
                   parallel: str = "auto", adapters: bool = False, **kw: Any) -> ParallelTrainer:
     """The trainer of a command: parallelism applied to `model` (nothing in one process), the loaders
     split by global sample index, logging on rank 0 only."""
+    from ..long_context import apply_memory_options
     from .distributed import current, shard_loader
 
     ctx = current()
-    if getattr(cfg, "activation_checkpointing", False):  # before fully_shard: the blocks are recomputed inside
-        model.activation_checkpointing = True
+    # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
+    apply_memory_options(model, cfg)
     par = apply_parallel(model, ctx, parallel, cfg.dtype, adapters)
     if not ctx.is_main:
         kw["log"] = lambda text: None
