@@ -50,10 +50,12 @@ import math, sys
 import torch
 from entrenar.model import CausalLM
 from entrenar.train import loop, parallel
-# bench: no checkpoint / final/ I/O (a 7B sharded checkpoint is ~120 GB); the steps are the CLI's
-loop.Trainer.save = lambda self, step, *a, **k: None
+# bench: no checkpoint / final/ I/O (a 7B sharded checkpoint is ~90 GB); the steps are the CLI's. The
+# resume test (BENCH_SAVE_AT=N) writes the one checkpoint of step N, through the CLI's own save
+import os
+_save, _at = loop.Trainer.save, int(os.environ.get("BENCH_SAVE_AT") or 0)
+loop.Trainer.save = lambda self, step, *a, **k: _save(self, step, *a, **k) if step == _at else None
 loop.Trainer.finish = lambda self: None
-parallel.ParallelTrainer.save = lambda self, step, *a, **k: None
 parallel.ParallelTrainer.finish = lambda self: None
 # bench: random weights built on this rank's GPU (the CLI builds them on the CPU: minutes for 7.6 B
 # parameters with one thread per rank); same distribution as CausalLM.init_weights
@@ -156,16 +158,19 @@ def num_parameters(preset_name: str) -> int:
 
 
 def run_one(work: Path, name: str, preset_name: str, gpus: int, batch: int, seq: int, steps: int, device: str,
-            dtype: str, extra: list[str], timeout: float) -> dict:
-    """One torchrun job; its metrics summarised (or the failure)."""
+            dtype: str, extra: list[str], timeout: float, out: Path | None = None,
+            env_extra: dict[str, str] | None = None) -> dict:
+    """One torchrun job; its metrics summarised (or the failure). `out` given: that run directory as it
+    is (a resume continues in it), else a fresh one."""
     wrapper = work / "bench_cli.py"
     wrapper.write_text(WRAPPER)
     kernels = "torch" if "--kernels" in extra else "auto"
-    out = work / f"{name.replace(' ', '-')}-{gpus}gpu-b{batch}-{kernels}"  # fresh per attempt (retries too)
-    shutil.rmtree(out, ignore_errors=True)
+    if out is None:
+        out = work / f"{name.replace(' ', '-')}-{gpus}gpu-b{batch}-{kernels}"  # fresh per attempt (retries too)
+        shutil.rmtree(out, ignore_errors=True)
     shards = work / f"shards-{preset_name}"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "NCCL_NVLS_ENABLE": "0"}
+           "NCCL_NVLS_ENABLE": "0", **(env_extra or {})}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), str(wrapper), "pretrain", "--model", preset_name,
            "--data", str(shards), "--out", str(out), "--steps", str(steps), "--batch-size", str(batch),
@@ -182,7 +187,9 @@ def run_one(work: Path, name: str, preset_name: str, gpus: int, batch: int, seq:
                  "kernels": kernels, "ok": code == 0}
     metrics = out / "metrics.jsonl"
     records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.is_file() else []
-    later = [r for r in records if r["step"] > 3] or records[1:] or records
+    row["losses"] = {r["step"]: r["loss"] for r in records}
+    first = min(row["losses"], default=0)  # a resumed run's first step is not step 1
+    later = [r for r in records if r["step"] > first + 2] or records[1:] or records
     if code != 0:  # the ranks' own error lines, not torchrun's ChildFailedError summary after them
         causes = [ln for ln in err.splitlines() if ("Error" in ln or "error:" in ln or "out of memory" in ln)
                   and "ChildFailedError" not in ln and "elastic" not in ln and not ln.startswith("[W")]
@@ -216,6 +223,38 @@ def memory_arithmetic(preset_name: str, gpus: int, batch: int, seq: int) -> str:
             f"1 GPU would need {16 * n / gib:.0f} GiB for the states alone")
 
 
+def resume_test(work: Path, preset_name: str, gpus_a: int, gpus_b: int, batch_a: int, seq: int, steps: int,
+                save_at: int, device: str, dtype: str, extra: list[str], timeout: float) -> list[dict]:
+    """Run A on gpus_a GPUs writes the sharded checkpoint of step `save_at` and runs on to `steps`; run B
+    resumes that checkpoint on the first gpus_b GPUs with the same global batch (per-GPU batch
+    batch_a * gpus_a / gpus_b) and runs the same steps: its losses against A's after the checkpoint."""
+    name = f"{preset_name} resume {gpus_a}->{gpus_b}"
+    out = work / f"resume-{preset_name}"
+    shutil.rmtree(out, ignore_errors=True)
+    t0 = time.perf_counter()
+    a = run_one(work, f"{name} (A: writes step {save_at})", preset_name, gpus_a, batch_a, seq, steps, device,
+                dtype, [*extra, "--save-every", str(save_at)], timeout, out=out,
+                env_extra={"BENCH_SAVE_AT": str(save_at)})
+    ckpt = out / "checkpoints" / f"step-{save_at:07d}"
+    a["save_and_run_seconds"] = time.perf_counter() - t0
+    a["checkpoint_gib"] = sum(f.stat().st_size for f in ckpt.rglob("*") if f.is_file()) / 2**30 if ckpt.is_dir() else None
+    if not a["ok"] or not ckpt.is_dir():
+        return [a]
+    shutil.copy(out / "metrics.jsonl", work / f"resume-{preset_name}-A-metrics.jsonl")
+    visible = ",".join(str(i) for i in range(gpus_b))
+    b = run_one(work, f"{name} (B: resumes step {save_at})", preset_name, gpus_b, batch_a * gpus_a // gpus_b, seq,
+                steps, device, dtype, [*extra, "--resume", str(ckpt)], timeout, out=out,
+                env_extra={"CUDA_VISIBLE_DEVICES": visible} if device == "cuda" else {})
+    after = [s for s in sorted(b.get("losses", {})) if s > save_at]
+    b["resumed_steps"] = after
+    if after and all(s in a["losses"] for s in after):
+        rel = [abs(b["losses"][s] - a["losses"][s]) / abs(a["losses"][s]) for s in after]
+        b["max_rel_loss_diff_vs_A"] = max(rel)
+    print(json.dumps({"resume": name, "A": a["losses"], "B": b.get("losses"),
+                      "max_rel": b.get("max_rel_loss_diff_vs_A")}), flush=True)
+    return [a, b]
+
+
 def fmt(row: dict) -> str:
     def num(key: str, spec: str) -> str:
         v = row.get(key)
@@ -240,6 +279,10 @@ def main() -> int:
     ap.add_argument("--gpus", default="1,2", help="GPU counts of the scaling rows (default 1,2; e.g. 1,2,4)")
     ap.add_argument("--big-gpus", type=int, default=2,
                     help="GPUs of the qwen2.5-coder-7b row (default 2; 0 = no 7B row)")
+    ap.add_argument("--big-batch", type=int, default=2, help="per-GPU batch of the qwen2.5-coder-7b row (default 2)")
+    ap.add_argument("--resume-test", default="",
+                    help="A,B: qwen2.5-coder-7b on A GPUs writes its sharded checkpoint of step 3 and runs 6 "
+                         "steps; B GPUs resume it (same global batch); losses of steps 4-6 compared")
     args = ap.parse_args()
     t_start = time.perf_counter()
     work = Path(args.work or tempfile.mkdtemp(prefix="entrenar-dist-bench-"))
@@ -258,15 +301,20 @@ def main() -> int:
         device, dtype, seq, steps = "cuda", "bf16", 2048, 10
         plan = [("qwen2.5-0.5b full", "qwen2.5-0.5b", g, 8, [], 120) for g in counts]
         plan += [("llama-370m pretrain", "llama-370m", g, 8, [], 120) for g in counts]
-        big = (("qwen2.5-coder-7b full", "qwen2.5-coder-7b", args.big_gpus, 2, ["--activation-checkpointing"], 240)
-               if args.big_gpus else None)
+        big = (("qwen2.5-coder-7b full", "qwen2.5-coder-7b", args.big_gpus, args.big_batch,
+                ["--activation-checkpointing"], 240) if args.big_gpus else None)
     if args.only:
         plan = [p for p in plan if args.only in p[1]]
     if args.cli_extra:
         plan = [(*p[:4], [*p[4], *args.cli_extra.split()], p[5]) for p in plan]
     from entrenar.config import preset
 
-    for _, preset_name, gpus, batch, _, _ in plan + ([big] if big else []):
+    resume_preset = "tiny" if args.smoke else "qwen2.5-coder-7b"
+    if args.resume_test:
+        plan_shards = [("", resume_preset, max(int(x) for x in args.resume_test.split(",")), 2 * args.big_batch, [], 0)]
+    else:
+        plan_shards = []
+    for _, preset_name, gpus, batch, _, _ in plan + ([big] if big else []) + plan_shards:
         need = steps * batch * gpus * seq + seq + 1
         if not (work / f"shards-{preset_name}" / "index.json").is_file():
             write_shards(work / f"shards-{preset_name}", preset(preset_name).vocab_size, max(need, 4 * need))
@@ -304,7 +352,13 @@ def main() -> int:
             left -= row["seconds"]
             if row["ok"] or "out of memory" not in row.get("error", "").lower():
                 break
-    lines = ["| run | GPUs | batch/GPU | tok/s per GPU | vs 1 GPU | MFU | peak mem GiB/GPU | kernels | status |",
+    if args.resume_test:
+        ga, gb = (int(x) for x in args.resume_test.split(","))
+        left = args.budget - (time.perf_counter() - t_start)
+        rows += resume_test(work, resume_preset, ga, gb, args.big_batch, seq, 6, 3, device, dtype,
+                            ["--activation-checkpointing", *(args.cli_extra.split() if args.cli_extra else [])],
+                            max(60.0, left / 2))
+        lines = ["| run | GPUs | batch/GPU | tok/s per GPU | vs 1 GPU | MFU | peak mem GiB/GPU | kernels | status |",
              "|---|---|---|---|---|---|---|---|---|", *(fmt(row) for row in rows), *(f"\n{n}" for n in notes)]
     print("\n" + "\n".join(lines))
     if os.environ.get("OUT"):  # the device tool brings $OUT back

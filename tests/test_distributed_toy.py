@@ -137,6 +137,23 @@ s.backward()
 results["qlora"] = {{"kind": qpar.kind, "reduced": sum(reduced),
                     "trainable": sum(p.numel() for p in qlora.parameters() if p.requires_grad),
                     "total": sum(p.numel() for p in qlora.parameters())}}
+# what the queued update relies on (ParallelTrainer.forward_backward -> Trainer.queue_update): the fused
+# AdamW on FSDP2's DTensor shards with a plain found_inf skips (weights and step count untouched) or steps
+fm = tiny(0, True)
+fpar = P.apply_parallel(fm, ctx, "fsdp")
+fopt = torch.optim.AdamW(fm.parameters(), lr=1e-2, fused=True)
+s, _ = fpar.forward_module(ids, labels=ids)
+s.backward()
+before = [p.to_local().clone() for p in fm.parameters()]
+fopt.found_inf = torch.ones(())
+fopt.step()
+skipped = all(torch.equal(a, p.to_local()) for a, p in zip(before, fm.parameters()))
+step_count = float(next(iter(fopt.state.values()))["step"])
+fopt.found_inf = torch.zeros(())
+fopt.step()
+moved = sum(not torch.equal(a, p.to_local()) for a, p in zip(before, fm.parameters()))
+results["queued"] = {{"skipped": skipped, "step_count": step_count, "moved": moved,
+                      "params": len(before)}}
 if ctx.is_main:
     torch.save(results, out + "/result.pt")
 # a sharded checkpoint of model + optimizer, written by both ranks (the per-rank-average model)
@@ -200,6 +217,14 @@ def test_qlora_ddp_reduces_only_the_adapters(two_ranks):
     assert q["reduced"] == q["trainable"]
 
 
+def test_fused_adamw_on_shards_skips_on_found_inf(two_ranks):
+    """The distributed trainer queues the update before its readback, as one process does: a non-finite
+    step is skipped on the device by the fused AdamW's found_inf, on DTensor shards too."""
+    q = torch.load(two_ranks[0] / "result.pt")["queued"]
+    assert q["skipped"] and q["step_count"] == 0.0
+    assert q["moved"] == q["params"]  # found_inf 0: every shard updated
+
+
 def test_sharded_checkpoint_of_two_ranks_loads_in_one_process(two_ranks):
     out, _ = two_ranks
     want = torch.load(out / "result.pt")["avg"]["params"]
@@ -226,6 +251,34 @@ def test_rank_slice_keeps_the_global_sample_order():
         assert torch.equal(torch.cat([parts[r][k]["input_ids"] for r in range(3)]), ref[k]["input_ids"])
 
 
+def test_rank_slice_counts_the_whole_step_without_a_collective():
+    """Every rank's micro-batch carries the counts of the job's global batch (loss tokens, samples
+    without loss tokens, tokens), so the Trainer counts a step without an all-reduce: equal to one
+    process's counts of the same global batch, on every rank."""
+    from entrenar.tensors import JOB_COUNTS, batch_counts
+    from entrenar.train.loop import Trainer
+
+    data = samples()
+    data[3] = data[3][:1]  # one sample without a loss token (a single token has no next token)
+    one = ListLoader(data, 6)
+    ref = [batch_counts(one.next_batch()) for _ in range(4)]
+    assert any(r[1] for r in ref)  # the empty sample is in one of these batches
+
+    class NoCollective:
+        world_size = 3
+
+        def all_reduce_sum(self, value):
+            raise AssertionError("a collective was used to count the step")
+
+    for rank in range(3):
+        sl = D.RankSlice(ListLoader(data, 2), D.DistContext(rank=rank, world=3))
+        trainer = Trainer.__new__(Trainer)  # count_step needs only .reduce
+        trainer.reduce = NoCollective()
+        got = [sl.next_batch() for _ in range(4)]
+        assert [b[JOB_COUNTS] for b in got] == ref
+        assert trainer.count_step(got[:2]) == tuple(a + b for a, b in zip(ref[0], ref[1], strict=True))
+
+
 def test_packed_rows_split_their_sample_ids():
     batch = {"input_ids": torch.zeros(3, 6, dtype=torch.long), "labels": torch.zeros(3, 6, dtype=torch.long),
              "doc_ids": torch.tensor([[0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 0, 0], [0, 1, -1, -1, -1, -1]]),
@@ -250,8 +303,16 @@ def test_single_process_is_untouched(monkeypatch):
 
 
 def test_parallel_choice():
-    assert P.resolve_parallel("auto", adapters=False) == "fsdp"
+    assert P.resolve_parallel("auto", adapters=False) == "fsdp"  # no card memory known (CPU): shard
     assert P.resolve_parallel("auto", adapters=True) == "ddp"
+    gb = 10**9
+    # full training: DDP when 20 B per parameter fit a quarter of the card, FSDP2 above that
+    assert P.resolve_parallel("auto", False, trainable_params=494_000_000, device_memory=80 * gb) == "ddp"
+    assert P.resolve_parallel("auto", False, trainable_params=1_000_000_000, device_memory=80 * gb) == "ddp"
+    assert P.resolve_parallel("auto", False, trainable_params=1_000_000_001, device_memory=80 * gb) == "fsdp"
+    assert P.resolve_parallel("auto", False, trainable_params=7_600_000_000, device_memory=141 * gb) == "fsdp"
+    assert P.resolve_parallel("fsdp", False, trainable_params=1000, device_memory=80 * gb) == "fsdp"
+    assert P.resolve_parallel("auto", False, trainable_params=1000, device_memory=None) == "fsdp"
     from entrenar.errors import InputError
 
     with pytest.raises(InputError, match="--parallel"):

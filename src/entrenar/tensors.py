@@ -13,6 +13,18 @@ import torch
 IGNORE_INDEX = -100
 
 
+# Key of a distributed micro-batch holding batch_counts of the job's whole (global) micro-batch.
+JOB_COUNTS = "job_counts"
+
+
+def batch_counts(batch: dict) -> tuple[int, int, int]:
+    """(loss tokens, samples without any loss token, tokens) of one batch, counted on the loader's
+    (CPU) tensors: no device sync. One row is one sample here (padded or windowed rows)."""
+    labels = batch["labels"]
+    per_row = (labels != IGNORE_INDEX).sum(dim=-1)
+    return int(per_row.sum()), int((per_row == 0).sum()), int(batch["input_ids"].numel())
+
+
 def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:
     """Positions restarting at 0 at every change of doc id along the sequence."""
     B, T = doc_ids.shape

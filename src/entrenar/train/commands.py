@@ -368,10 +368,11 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
         if ctx.active:  # the job's shape (resuming on another world size keeps the global batch)
-            from .parallel import resolve_parallel
+            from .parallel import parallel_for
 
             run_json["distributed"] = {
-                "world_size": ctx.world, "parallel": resolve_parallel(cfg.parallel, cfg.mode in ("lora", "qlora")),
+                "world_size": ctx.world,
+                "parallel": parallel_for(model, ctx.device, cfg.parallel, cfg.mode in ("lora", "qlora")),
                 "global_batch": ctx.world * cfg.batch_size * cfg.grad_accum}
         _start_run_dir(out, run_json, data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \

@@ -127,8 +127,9 @@ class TrainConfig:
     no_preflight: bool = option(False, "skip the step-0 parity check (logged)")
     log_every: int | None = None  # plain-line progress period (None: steps/20)
     # several processes (torchrun; train/parallel.py)
-    parallel: str = option("auto", "data parallelism under torchrun: auto = FSDP2 for full training, DDP for "
-                                   "LoRA/QLoRA (one process: ignored)", choices=PARALLEL_MODES)
+    parallel: str = option("auto", "data parallelism under torchrun: auto = DDP for LoRA/QLoRA and for full "
+                                   "training when weights + gradients + AdamW state (20 B per parameter) fit "
+                                   "a quarter of one GPU's memory, else FSDP2 (sharded); one process: ignored", choices=PARALLEL_MODES)
     activation_checkpointing: bool = option(False, "recompute each decoder block in the backward: activation "
                                                    "memory of one block instead of all, ~1/3 more compute")
     # long sequences (entrenar/long_context.py; docs/design.md)

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..errors import EntrenarError, GuardError, InputError
-from ..tensors import IGNORE_INDEX
+from ..tensors import IGNORE_INDEX, JOB_COUNTS, batch_counts
 
 T = TypeVar("T")
 
@@ -283,13 +283,22 @@ class RankSlice:
         self.per_rank = int(loader.batch_size)
         loader.batch_size = self.per_rank * self.world
 
-    def _mine(self, batch: dict[str, Any]) -> dict[str, Any]:
+    def _rows_of(self, batch: dict[str, Any], rank: int) -> dict[str, Any]:
         rows = int(batch["input_ids"].shape[0])
-        lo, hi = min(self.rank * self.per_rank, rows), min((self.rank + 1) * self.per_rank, rows)
+        lo, hi = min(rank * self.per_rank, rows), min((rank + 1) * self.per_rank, rows)
         return slice_rows(batch, lo, hi)
 
+    def _mine(self, batch: dict[str, Any]) -> dict[str, Any]:
+        return self._rows_of(batch, self.rank)
+
     def next_batch(self) -> dict[str, Any]:
-        return self._mine(self.inner.next_batch())
+        """This rank's rows, carrying (JOB_COUNTS) the counts of every rank's rows: each rank holds the
+        whole global batch here, so the trainer needs no collective (no device sync) to count the step."""
+        batch = self.inner.next_batch()
+        shares = [self._rows_of(batch, r) for r in range(self.world)]
+        mine = shares[self.rank]
+        mine[JOB_COUNTS] = tuple(sum(c) for c in zip(*(batch_counts(s) for s in shares), strict=True))
+        return mine
 
     def iter_epoch(self) -> Iterator[dict[str, Any]]:
         for batch in self.inner.iter_epoch():

@@ -37,7 +37,7 @@ import torch
 
 from ..errors import GuardError, InputError
 from ..fileio import atomic_write
-from ..tensors import IGNORE_INDEX
+from ..tensors import IGNORE_INDEX, JOB_COUNTS, batch_counts
 from . import guards
 from .checkpoint import (
     find_resume,
@@ -236,7 +236,7 @@ def check_resume_has_work(run_dir: Path, spec: str, steps: int) -> None:
         raise InputError(_nothing_to_do(path, step, steps))
 
 
-def _read_later(values: torch.Tensor) -> Callable[[], list[float]]:
+def read_later(values: torch.Tensor) -> Callable[[], list[float]]:
     """Start copying `values` to the host; the returned function waits for that copy only (not for
     device work queued after it, e.g. the optimizer update) and returns the numbers."""
     if values.device.type != "cuda":
@@ -402,14 +402,20 @@ class Trainer:
     def fetch_micro_batches(self) -> list[dict]:
         return [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
 
-    def count_loss_tokens(self, micro: list[dict]) -> int:
-        """The loss-token total of the step: what every micro-batch's loss sum is divided by. The one
-        place the distributed run all-reduces it (self.reduce)."""
-        return int(self.reduce.all_reduce_sum(sum(loss_token_count(b) for b in micro)))
+    def count_step(self, micro: list[dict]) -> tuple[int, int, int]:
+        """(loss tokens, samples without loss tokens, tokens) of the whole step over every rank: what
+        each micro-batch's loss sum is divided by, GUARD-ZERO-LOSS-TOKENS's count and the tokens of
+        tok/s. Every rank of a distributed run draws the job's whole micro-batch (RankSlice), which
+        attaches its counts (JOB_COUNTS): then no collective, which would wait for the device (the
+        previous step's update) before this step's forward could be queued. Else the one place the
+        counts are all-reduced (self.reduce; the identity in one process)."""
+        if all(JOB_COUNTS in b for b in micro):
+            return tuple(sum(c) for c in zip(*(b[JOB_COUNTS] for b in micro), strict=True))
+        local = torch.tensor([sum(c) for c in zip(*(batch_counts(b) for b in micro), strict=True)],
+                             dtype=torch.float64)
+        return tuple(round(x) for x in self.reduce.all_reduce_sum(local).tolist())
 
-    def _count_empty_samples(self, micro: list[dict], step: int) -> None:
-        empty = int(self.reduce.all_reduce_sum(  # over every rank's share of the step
-            sum(int(((b["labels"] != IGNORE_INDEX).sum(dim=1) == 0).sum()) for b in micro)))
+    def count_empty_samples(self, empty: int, step: int) -> None:
         if empty:
             self.counters["zero_loss_samples"] += empty
             self.message(f"GUARD-ZERO-LOSS-TOKENS: step {step} has {empty} sample(s) without loss tokens; "
@@ -426,7 +432,7 @@ class Trainer:
                 backward_micro_batches(self.model, micro, self.device, self.cfg.dtype, total_tokens))
         max_norm = self.cfg.clip if self.cfg.clip > 0 else float("inf")
         grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        read = _read_later(torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]))
+        read = read_later(torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]))
         self.update_queued = self.queue_update(loss_sum, grad_norm)  # runs on the device after the copy
         loss_sum, grad_norm = read()
         return loss_sum / total_tokens, grad_norm
@@ -438,9 +444,8 @@ class Trainer:
         when GUARD-NONFINITE says skip or stop: those then find the weights and optimizer state of
         before the step, as when the update was never launched. Not done (False: train_step updates
         after the guards) where the host alone may veto an update (--on-spike skip|stop), without the fused
-        optimizer (CPU), or over several ranks (the distributed trainer's own order)."""
-        if (self.cfg.on_spike != "warn" or self.reduce.world_size != 1
-                or not self.optimizer.defaults.get("fused")):
+        optimizer (CPU). Over several ranks the verdict is the same everywhere (reduced loss and norm)."""
+        if self.cfg.on_spike != "warn" or not self.optimizer.defaults.get("fused"):
             return False
         self.optimizer.found_inf = (~torch.isfinite(loss_sum) | ~torch.isfinite(grad_norm)).to(torch.float32)
         try:
@@ -476,9 +481,9 @@ class Trainer:
         pre_step = (self.train_loader.state_dict(), rng_state())  # what a last-good checkpoint of step-1 needs
         micro = self.fetch_micro_batches()
         sample_ids = _sample_ids(micro)
-        total_tokens = self.count_loss_tokens(micro)
+        total_tokens, empty, step_tokens = self.count_step(micro)
         guards.check_loss_tokens(total_tokens, step, sample_ids)
-        self._count_empty_samples(micro, step)
+        self.count_empty_samples(empty, step)
         lr = self.schedule.apply(self.optimizer)
         self.update_queued = False  # forward_backward may queue the update (queue_update)
         loss, grad_norm = self.forward_backward(micro, total_tokens)
@@ -488,7 +493,6 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.schedule.advance()
-        step_tokens = int(self.reduce.all_reduce_sum(sum(int(b["input_ids"].numel()) for b in micro)))  # all ranks
         self.tokens += step_tokens
         dt = self.step_time(step, t0, t_read)
         self.step_seconds += dt

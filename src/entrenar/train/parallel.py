@@ -19,7 +19,8 @@ returns a `Parallel` handle: `.module` is the model (its config, parameter names
   Under --dtype bf16: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32): the sharded fp32
   parameters stay the master weights and AdamW state, compute runs in bf16, gradients are reduced
   in fp32. Forward inputs are not cast (the RoPE tables stay fp32, as in one process).
-- DDP: for the adapter modes. The trainable LoRA tensors are a few MB; sharding them buys no
+- DDP: for full training of models whose whole training state fits a card (see DDP_STATE_FRACTION), and
+  for the adapter modes. The trainable LoRA tensors are a few MB; sharding them buys no
   memory, and FSDP would shard (all-gather every step) the frozen base, which DDP leaves
   alone: DDP all-reduces only parameters with requires_grad, so the frozen (NF4) base is
   never communicated. `init_sync=False`: every rank loads the same base and seeds LoRA alike.
@@ -50,24 +51,41 @@ from ..fileio import sha256_file
 from .config import PARALLEL_MODES
 from .distributed import DistContext
 
+# --parallel auto trains a model with DDP (no sharding) when one card holds its whole training state
+# (fp32 weights, gradients, AdamW moments and DDP's gradient buckets: DDP_BYTES_PER_PARAM per trainable
+# parameter) in at most DDP_STATE_FRACTION of its memory, the rest left to activations: e.g. every model
+# up to ~1 B parameters on an 80 GB card. DDP has no per-group host work and overlaps one bucketed
+# all-reduce with the backward; FSDP2 all-gathers the weights twice per step and runs AdamW through
+# DTensor dispatch, which on these small, host-bound steps cost throughput (bench/RESULTS.md, issue 17).
+DDP_STATE_FRACTION = 0.25
+DDP_BYTES_PER_PARAM = 20
 
-def resolve_parallel(mode: str, adapters: bool) -> str:
-    """auto: FSDP2 for full training (sharded master weights and AdamW state are what lets a 7B
-    model train at all), DDP for LoRA/QLoRA (see the module docstring).
 
-    Measured on 4x H200 (batch 8 x 2048 per GPU, bf16; tok/s per GPU vs 1 GPU): with blocks in
-    FSDP units, qwen2.5-0.5b FSDP 97% at 2 GPUs, llama-370m FSDP 76% at 2 and 4 GPUs; llama-370m
-    under --parallel ddp measured 91% at 2 GPUs (before the units change). So a small model that fits
-    one card can still be faster with --parallel ddp; auto stays FSDP for full training because
-    it is the one mode that scales to models whose fp32 states do not fit a card."""
+def resolve_parallel(mode: str, adapters: bool, trainable_params: int | None = None,
+                     device_memory: int | None = None) -> str:
+    """auto: DDP for LoRA/QLoRA (see the module docstring) and for full training of a model whose
+    unsharded training state fits DDP_STATE_FRACTION of one card (`device_memory` bytes; None, e.g.
+    on the CPU: not known, so FSDP); FSDP2 otherwise: sharded master weights and AdamW state are what
+    lets a 7B model train at all."""
     if mode not in PARALLEL_MODES:
         raise InputError(f"--parallel {mode!r} not in {'|'.join(PARALLEL_MODES)}")
     if mode == "auto":
-        return "ddp" if adapters else "fsdp"
+        if adapters:
+            return "ddp"
+        fits = (trainable_params is not None and device_memory is not None
+                and trainable_params * DDP_BYTES_PER_PARAM <= DDP_STATE_FRACTION * device_memory)
+        return "ddp" if fits else "fsdp"
     if mode == "fsdp" and adapters:
         raise InputError("--parallel fsdp with --mode lora/qlora: the frozen (NF4) base cannot be sharded "
                          "by fully_shard here; use --parallel ddp (or auto)")
     return mode
+
+
+def parallel_for(model: torch.nn.Module, device: torch.device, mode: str, adapters: bool) -> str:
+    """resolve_parallel with this model's trainable parameters and the card's memory."""
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
+    return resolve_parallel(mode, adapters, trainable, memory)
 
 
 @dataclass
@@ -176,7 +194,7 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
     """Wrap `model` for data parallelism over ctx's ranks (a no-op handle in one process)."""
     if not ctx.active:
         return Parallel(model, model, "single", ctx)
-    kind = resolve_parallel(mode, adapters)
+    kind = parallel_for(model, ctx.device, mode, adapters)
     if kind == "fsdp":
         return Parallel(apply_fsdp(model, ctx, dtype), model, "fsdp", ctx)
     return Parallel(model, apply_ddp(model, ctx), "ddp", ctx)
@@ -441,12 +459,15 @@ class ParallelTrainer(_trainer_base()):
                 s = loop.loss_sum_of(self.par.forward_module, b, self.device, self.cfg.dtype)
                 (s / total_tokens).backward()
             acc += s.detach().double()
-        # the loss sum is reduced and the norm taken on the device; all three are read back together:
-        # one host sync per step (the host-bound FSDP step cannot afford the device draining twice)
+        # the loss sum is reduced and the norm taken on the device; all three are read back together
+        # (one host sync per step), after the update is queued: fused AdamW skips it on the device when
+        # the reduced loss or norm is non-finite (the same verdict on every rank), so the device never
+        # drains while the host reads, runs the guards and launches the (DTensor) optimizer step
         loss_sum = self.reduce.all_reduce_sum(acc)
         grad_norm = self.par.clip_grad_norm_tensor(self.params, self.cfg.clip if self.cfg.clip > 0 else float("inf"))
-        local, loss_sum, norm = torch.stack([acc, loss_sum.to(acc.device), grad_norm.to(acc.device, torch.float64)]
-                                            ).tolist()
+        read = loop.read_later(torch.stack([acc, loss_sum.to(acc.device), grad_norm.to(acc.device, torch.float64)]))
+        self.update_queued = self.queue_update(loss_sum, grad_norm)
+        local, loss_sum, norm = read()
         self._local_loss = local
         return loss_sum / total_tokens, norm
 
@@ -559,5 +580,6 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
 
 __all__ = ["FSDP_UNIT_PARAMS", "PARALLEL_MODES", "DistReduce", "Parallel", "ParallelTrainer", "apply_ddp",
            "apply_fsdp", "apply_parallel", "build_trainer", "clip_grad_norm", "clip_grad_norm_tensor",
-           "consolidated_copy", "fsdp_units", "full_model_state", "load_full", "load_sharded", "resolve_parallel",
+           "consolidated_copy", "fsdp_units", "full_model_state", "load_full", "load_sharded", "parallel_for",
+           "resolve_parallel",
            "save_sharded", "save_sharded_checkpoint", "sharded_state"]
