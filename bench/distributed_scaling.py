@@ -342,7 +342,7 @@ def main() -> int:
         name, preset_name, gpus, batch, extra, timeout = big
         notes.append(memory_arithmetic(preset_name, gpus, batch, seq))
         left = args.budget - (time.perf_counter() - t_start)
-        for b in (batch, 1):
+        for b in sorted({batch, max(1, batch // 2), 1}, reverse=True):  # smaller batches only after an OOM
             if left < 60:
                 rows.append({"name": name, "gpus": gpus, "batch": b, "seq": seq, "kernels": "-", "ok": False,
                              "error": f"skipped: {left:.0f} s of the time budget left"})
