@@ -138,6 +138,19 @@ def test_add_rms_norm_no_rows():
     assert y.shape == r.shape == (0, 896) and torch.equal(w.grad, torch.zeros_like(w))
 
 
+@pytest.mark.parametrize("used", ["normed", "residual"])
+def test_add_rms_norm_one_output_unused(used):
+    """Autograd passes None for an output that gets no gradient (no zero tensor is built for it)."""
+    x, delta, w = _inputs(33, 1000, F32, BF16)
+    leaves = [t.detach().clone().requires_grad_(True) for t in (x, delta, w)]
+    ref = [t.detach().double().requires_grad_(True) for t in (x, delta, w)]
+    pick = 0 if used == "normed" else 1
+    rmsnorm.add_rms_norm(*leaves, 1e-6)[pick].double().pow(2).sum().backward()
+    rmsnorm.add_rms_norm_reference(*ref, 1e-6)[pick].pow(2).sum().backward()
+    assert rel_l2(leaves[0].grad, ref[0].grad) <= 1e-5 and rel_l2(leaves[1].grad, ref[1].grad) <= 1e-2
+    assert rel_l2(leaves[2].grad, ref[2].grad) <= 1e-5 if used == "normed" else not leaves[2].grad.any()
+
+
 def test_add_rms_norm_same_dtype_grads_never_share_storage():
     """d_x and d_delta are one tensor when the dtypes agree (as torch's add backward): two leaves' .grad
     must still accumulate independently over two backwards (gradient accumulation)."""
@@ -260,8 +273,13 @@ def test_fused_block_equals_the_two_op_block(monkeypatch):
 
     monkeypatch.setattr(model_mod.Block, "forward", two_op_block)
     unfused = (model(ids), *_loss_and_grads(model, ids, labels))
-    assert torch.equal(fused[0], unfused[0]) and torch.equal(fused[1], unfused[1])
-    assert all(torch.equal(fused[2][k], unfused[2][k]) for k in unfused[2])
+
+    def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+        # bitwise on the CPU; CUDA's attention backward accumulates with atomics (not bitwise reproducible)
+        return torch.equal(a, b) if DEVICE == "cpu" else rel_l2(a, b) <= 1e-6
+
+    assert same(fused[0], unfused[0]) and same(fused[1], unfused[1])
+    assert all(same(fused[2][k], unfused[2][k]) for k in unfused[2])
 
 
 def test_triton_model_with_checkpointing_and_kv_cache_matches():

@@ -269,7 +269,13 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps
                  out_dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(normed, residual): residual = x + delta in x's dtype (the residual stream's; the add in fp32),
     normed = rms_norm(residual) * weight in ``out_dtype`` (default: as ``rms_norm``, the autocast dtype
-    under autocast). One kernel forward, one backward."""
+    under autocast). One kernel forward, one backward.
+
+    The bf16 output under autocast gives the values autocast's casts would (forward identical); in backward
+    the gate/up projections' bf16 grads are then summed in bf16, not fp32: measured on the CPU (512 x 896,
+    relL2 vs float64) d_x 2.36e-3 -> 2.78e-3, d_weight 2.85e-3 -> 3.34e-3; in a 4-layer model all
+    gradients 9.5e-3 / 1.07e-2 either way. Kept: inside the bf16 bounds, and it saves an fp32 write and a
+    cast per consumer each way (tests/test_kernels_add_rmsnorm.py::test_bf16_normed_output_...)."""
     _common.check_device(x, delta, weight)
     assert delta.shape == x.shape, f"delta {tuple(delta.shape)} vs x {tuple(x.shape)}"
     assert weight.shape == (x.shape[-1],), f"weight {tuple(weight.shape)} vs row {x.shape[-1]}"
