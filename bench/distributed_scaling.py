@@ -358,7 +358,7 @@ def main() -> int:
         rows += resume_test(work, resume_preset, ga, gb, args.big_batch, seq, 6, 3, device, dtype,
                             ["--activation-checkpointing", *(args.cli_extra.split() if args.cli_extra else [])],
                             max(60.0, left / 2))
-        lines = ["| run | GPUs | batch/GPU | tok/s per GPU | vs 1 GPU | MFU | peak mem GiB/GPU | kernels | status |",
+    lines = ["| run | GPUs | batch/GPU | tok/s per GPU | vs 1 GPU | MFU | peak mem GiB/GPU | kernels | status |",
              "|---|---|---|---|---|---|---|---|---|", *(fmt(row) for row in rows), *(f"\n{n}" for n in notes)]
     print("\n" + "\n".join(lines))
     if os.environ.get("OUT"):  # the device tool brings $OUT back
