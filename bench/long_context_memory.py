@@ -14,8 +14,9 @@ and that run's longer lengths are skipped):
          liger_kernel cannot run (CPU --quick), labelled so.
 Peak = torch.cuda.max_memory_allocated() after reset_peak_memory_stats(), over whole steps (forward,
 backward, AdamW step, zero_grad) with the AdamW state already allocated. Step time: the median measured
-step; at >= 128k tokens there is one step per length and no warm-up (an attention step there takes
-seconds; kernels were compiled at the shorter lengths), marked in the JSON. A --budget-s deadline skips a
+step; one warm-up step per length (two measured up to 32k, one up to 128k); above 128k one step and no
+warm-up (an attention step there takes tens of seconds; the kernels were compiled at the shorter lengths,
+but the offload's first pinned host buffers of that size are allocated inside it), marked in the JSON. A --budget-s deadline skips a
 length whose estimated time (last step time x length ratio squared) does not fit, recorded as skipped.
 Writes DIR/long_context_memory.json and prints a markdown table with each run's ratio to Liger and the
 goal-5 verdict at 131072 tokens (entrenar long <= 2/3 of Liger's peak).
@@ -129,7 +130,7 @@ def steps_for(tokens: int, quick: bool) -> tuple[int, int]:
     """(warm-up, measured) steps at this length: long steps take seconds, and memory needs one."""
     if quick or tokens <= 32768:
         return 1, 2
-    return (1, 1) if tokens <= 65536 else (0, 1)
+    return (1, 1) if tokens <= GOAL_TOKENS else (0, 1)
 
 
 def measure(step, device: torch.device, tokens: int, vocab: int, warmup: int, measured: int,
@@ -176,6 +177,7 @@ def worker(args: argparse.Namespace) -> None:
     opt.zero_grad(set_to_none=True)
     static_gib = torch.cuda.memory_allocated(device) / GIB if device.type == "cuda" else None
     emit({"event": "start", "run": args.run, "static_gib": static_gib,
+          "card": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
           "parameters": sum(p.numel() for p in model.parameters())})
 
     def step(inputs: torch.Tensor, labels: torch.Tensor) -> float:
@@ -294,7 +296,9 @@ def drive(args: argparse.Namespace) -> dict[str, Any]:
                       "reason": "OOM at a shorter length"} for t in lengths]
             continue
         rows += launch(run, lengths, deadline, args, prior=done[-1] if done else None)
-    env = {"card": torch.cuda.get_device_name() if torch.cuda.is_available() and not args.quick else "cpu",
+    # the card's name comes from a worker: a CUDA context in this process would take device memory
+    cards = {r["card"] for r in rows if r.get("event") == "start"}
+    env = {"card": ", ".join(sorted(cards)) or "?",
            "torch": torch.__version__, "liger": liger_info, "quick": args.quick, "mlp_chunk": args.mlp_chunk,
            "budget_s": args.budget_s, "wall_s": time.time() - start,
            "commit": subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
