@@ -247,7 +247,7 @@ def resume_test(work: Path, preset_name: str, gpus_a: int, gpus_b: int, batch_a:
                 env_extra={"CUDA_VISIBLE_DEVICES": visible} if device == "cuda" else {})
     after = [s for s in sorted(b.get("losses", {})) if s > save_at]
     b["resumed_steps"] = after
-    if after and all(s in a["losses"] for s in after):
+    if b["ok"] and after and all(s in a["losses"] for s in after):  # a failed B left A's metrics.jsonl there
         rel = [abs(b["losses"][s] - a["losses"][s]) / abs(a["losses"][s]) for s in after]
         b["max_rel_loss_diff_vs_A"] = max(rel)
     print(json.dumps({"resume": name, "A": a["losses"], "B": b.get("losses"),

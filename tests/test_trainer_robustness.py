@@ -454,3 +454,25 @@ def test_dcp_entry_or_metadata_with_a_pickled_callable_is_refused_and_runs_nothi
         warnings.simplefilter("ignore")
         dcp.load({"w": torch.zeros(3), "payload": None}, checkpoint_id=str(tmp_path / "entry"))
     assert marker.is_dir()
+
+
+def test_cuda_rng_of_more_devices_than_visible_restores_those_visible(monkeypatch):
+    """A checkpoint saved where 4 CUDA devices were visible, resumed where 2 are (a 4 -> 2 GPU resume under
+    torchrun, CUDA_VISIBLE_DEVICES, another machine): the 2 visible devices get their states, and the
+    resume does not die in torch.cuda.set_rng_state_all with IndexError (seen on 4x H200)."""
+    import torch.cuda.random as cuda_random
+
+    restored = {}
+
+    def set_state(new_state, device=0):
+        if int(device) >= 2:  # what torch.cuda.default_generators[idx] does past the visible devices
+            raise IndexError("tuple index out of range")
+        restored[int(device)] = new_state
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", set_state)
+    monkeypatch.setattr(cuda_random, "set_rng_state", set_state)
+    state = {**ckpt_mod.rng_state(), "cuda": [torch.full((8,), i, dtype=torch.uint8) for i in range(4)]}
+    ckpt_mod.set_rng_state(state)
+    assert sorted(restored) == [0, 1] and all(int(restored[i][0]) == i for i in (0, 1))

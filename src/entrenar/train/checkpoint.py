@@ -99,7 +99,11 @@ def set_rng_state(state: dict[str, Any]) -> None:
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
     if state.get("cuda") is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # one state per CUDA device visible when it was saved: a resume that sees fewer devices (another
+        # machine, CUDA_VISIBLE_DEVICES, torchrun at a smaller world size) restores those it has; the
+        # rest have no device to go to (torch's set_rng_state_all would raise IndexError on them)
+        for i, cuda_state in enumerate(state["cuda"][:torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(cuda_state, i)
 
 
 def _rng_to_files(state: dict[str, Any]) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
