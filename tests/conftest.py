@@ -13,6 +13,19 @@ SMOLLM = "smollm2-135m-instruct"
 QWEN = "qwen2.5-coder-0.5b-instruct"
 
 
+@pytest.fixture()
+def poisoned_outputs(monkeypatch):
+    """Every Triton kernel output starts as NaN (-7 for integers): a kernel that leaves a row unwritten
+    fails its comparison. Kernel test modules use it with pytestmark = pytest.mark.usefixtures(...)."""
+    from entrenar.kernels import _common
+
+    def nan_empty(shape, dtype, device):
+        t = torch.empty(shape, dtype=dtype, device=device)
+        return t.fill_(float("nan")) if dtype.is_floating_point else t.fill_(-7)
+
+    monkeypatch.setattr(_common, "empty", nan_empty)
+
+
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
     """The packaged SmolLM2-135M-Instruct GGUF (llama architecture, Q4_1 + Q8_0 + F32)."""
