@@ -321,6 +321,27 @@ def test_parallel_choice():
         P.resolve_parallel("fsdp", adapters=True)
 
 
+def test_parallel_for_reads_the_cards_memory_and_the_trainable_count(monkeypatch):
+    """auto on CUDA: the model's trainable parameters against the card's total memory; frozen ones do
+    not count (an adapter run is DDP anyway); the CPU knows no card memory (FSDP2)."""
+    from types import SimpleNamespace
+
+    model = tiny()  # ~10k parameters
+    n = sum(p.numel() for p in model.parameters())
+    cuda = torch.device("cuda", 0)
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=4 * P.DDP_BYTES_PER_PARAM * n))
+    assert P.parallel_for(model, cuda, "auto", adapters=False) == "ddp"  # exactly a quarter of the card
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda device: SimpleNamespace(total_memory=4 * P.DDP_BYTES_PER_PARAM * n - 1))
+    assert P.parallel_for(model, cuda, "auto", adapters=False) == "fsdp"
+    for p in list(model.parameters())[: len(list(model.parameters())) // 2]:
+        p.requires_grad_(False)
+    assert P.parallel_for(model, cuda, "auto", adapters=False) == "ddp"
+    assert P.parallel_for(model, torch.device("cpu"), "auto", adapters=False) == "fsdp"
+    assert P.parallel_for(model, cuda, "fsdp", adapters=False) == "fsdp"
+
+
 def test_bad_torchrun_env_is_input_error(monkeypatch):
     from entrenar.errors import InputError
 
