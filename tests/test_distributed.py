@@ -167,6 +167,12 @@ def test_fsdp_two_ranks_equal_one_process(single, fsdp):
     ckpt = fsdp / "checkpoints" / "latest"
     meta = json.loads((ckpt / "meta.json").read_text())
     assert meta["sharded"] and meta["world_size"] == 2 and (ckpt / "dcp" / ".metadata").is_file()
+    # every file is in meta.json with its true sha256 (each rank hashed the shard files it wrote)
+    from entrenar.fileio import sha256_file
+
+    files = sorted(str(f.relative_to(ckpt)) for f in ckpt.rglob("*") if f.is_file() and f.name != "meta.json")
+    assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp"} <= set(files)
+    assert meta["sha256"] == {name: sha256_file(ckpt / name) for name in files if name != "COMPLETE"}
     assert len(json.loads((ckpt / "trainer_state.json").read_text())["rng"]["ranks"]) == 2
 
 
