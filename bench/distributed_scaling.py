@@ -57,6 +57,16 @@ _save, _at = loop.Trainer.save, int(os.environ.get("BENCH_SAVE_AT") or 0)
 loop.Trainer.save = lambda self, step, *a, **k: _save(self, step, *a, **k) if step == _at else None
 loop.Trainer.finish = lambda self: None
 parallel.ParallelTrainer.finish = lambda self: None
+# bench: DDP constructor options under test (BENCH_DDP_KW, JSON, e.g. '{"bucket_cap_mb": 100}'), on top of
+# what train/parallel.apply_ddp passes
+import json
+import torch.nn.parallel as _tnp
+_ddp_kw = json.loads(os.environ.get("BENCH_DDP_KW") or "{}")
+if _ddp_kw:
+    class _TunedDDP(_tnp.DistributedDataParallel):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **{**k, **_ddp_kw})
+    _tnp.DistributedDataParallel = _TunedDDP
 # bench: random weights built on this rank's GPU (the CLI builds them on the CPU: minutes for 7.6 B
 # parameters with one thread per rank); same distribution as CausalLM.init_weights
 _init = CausalLM.__init__
@@ -279,12 +289,17 @@ def main() -> int:
     ap.add_argument("--gpus", default="1,2", help="GPU counts of the scaling rows (default 1,2; e.g. 1,2,4)")
     ap.add_argument("--big-gpus", type=int, default=2,
                     help="GPUs of the qwen2.5-coder-7b row (default 2; 0 = no 7B row)")
+    ap.add_argument("--ddp-kw", default="", help="JSON of extra DistributedDataParallel options for every run, e.g. "
+                    "'{\"bucket_cap_mb\": 100, \"gradient_as_bucket_view\": true}' (bench only)")
     ap.add_argument("--big-batch", type=int, default=2, help="per-GPU batch of the qwen2.5-coder-7b row (default 2)")
     ap.add_argument("--resume-test", default="",
                     help="A,B: qwen2.5-coder-7b on A GPUs writes its sharded checkpoint of step 3 and runs 6 "
                          "steps; B GPUs resume it (same global batch); losses of steps 4-6 compared")
     args = ap.parse_args()
     t_start = time.perf_counter()
+    if args.ddp_kw:
+        json.loads(args.ddp_kw)  # fail here, not in every rank
+        os.environ["BENCH_DDP_KW"] = args.ddp_kw
     work = Path(args.work or tempfile.mkdtemp(prefix="entrenar-dist-bench-"))
     if args.smoke:
         device, dtype, seq, steps = "cpu", "fp32", 64, 5
