@@ -227,6 +227,49 @@ def test_resume_two_ranks_on_one_and_one_on_two(tmp_path, single, fsdp, base_mod
     assert not (bad / "final").exists()
 
 
+def test_a_shard_corrupted_on_one_ranks_share_makes_every_rank_fall_back(tmp_path, fsdp, base_model, sft_data):
+    """Each rank hashes only its share of a sharded checkpoint's files; a corrupt shard that one rank finds
+    is every rank's verdict: all fall back to the previous checkpoint together (none hangs in a collective,
+    none resumes from the corrupt one)."""
+    run = tmp_path / "run"
+    _rewind(fsdp, run, STEPS)
+    shard = run / "checkpoints" / f"step-{STEPS:07d}" / "dcp" / "__1_0.distcp"
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    shard.write_bytes(bytes(data))
+    res = ok(run_cli(finetune_args(base_model, sft_data, run, 2, ("--resume", "auto", "--steps", str(STEPS + 2))),
+                     nproc=2))
+    assert res["start_step"] == 5
+
+
+def test_hash_shares_split_the_files_and_share_the_verdict(tmp_path, monkeypatch):
+    """verify_hashes with (rank, world, gather): this rank hashes names[rank::world] only, and a mismatch
+    that another rank reports through gather is raised here too."""
+    from entrenar.errors import InputError
+    from entrenar.train import checkpoint as C
+
+    names = [f"f{i}" for i in range(5)]
+    for n in names:
+        (tmp_path / n).write_text(n)
+    meta = {"sha256": {n: C.sha256_file(tmp_path / n) for n in names}}
+    hashed = []
+    real = C.sha256_file
+    monkeypatch.setattr(C, "sha256_file", lambda path: hashed.append(Path(path).name) or real(path))
+    C.verify_hashes(tmp_path, names, meta, (1, 2, lambda found: [None, found]))
+    assert hashed == ["f1", "f3"]
+    with pytest.raises(InputError, match="f0: sha256"):
+        C.verify_hashes(tmp_path, names, meta, (1, 2, lambda found: ["f0: sha256 .. corrupt", found]))
+    (tmp_path / "f3").write_text("changed")
+    seen = []
+    with pytest.raises(InputError, match="f3: sha256"):
+        C.verify_hashes(tmp_path, names, meta, (1, 2, lambda found: seen.append(found) or [None, found]))
+    assert "f3" in seen[0]  # what this rank found went to the others
+    hashed.clear()
+    with pytest.raises(InputError, match="f3: sha256"):  # one process: every file
+        C.verify_hashes(tmp_path, names, meta)
+    assert hashed == ["f0", "f1", "f2", "f3"]
+
+
 KILL = """
 import os, signal, sys
 from entrenar.train import metrics

@@ -290,18 +290,18 @@ def find_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print) ->
     return None
 
 
-def load_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print
+def load_resume(run_dir: Path, spec: str, log: Callable[[str], None] = print, share: HashShare | None = None
                 ) -> tuple[Path | None, dict[str, Any] | None]:
-    """(path, load_checkpoint(path)) of the checkpoint to resume from, or (None, None) to start at step 0.
-    With `auto`, a checkpoint that is missing a file or fails its sha256 / safety checks is skipped
-    with a message and the previous complete one is used."""
+    """(path, load_checkpoint(path, share)) of the checkpoint to resume from, or (None, None) to start at
+    step 0. With `auto`, a checkpoint that is missing a file or fails its sha256 / safety checks is skipped
+    with a message and the previous complete one is used (the same one on every rank: see HashShare)."""
     if spec != "auto":
         path = _explicit_checkpoint(spec, log)
-        return path, load_checkpoint(path)
+        return path, load_checkpoint(path, share)
     intact, problems = _intact_candidates(Path(run_dir), log)
     for path in intact:
         try:
-            ckpt = load_checkpoint(path)
+            ckpt = load_checkpoint(path, share)
         except InputError as e:
             problems.append(str(e))
             log(f"resume: skipping {path}: {e}; falling back to the previous complete checkpoint")
@@ -381,9 +381,32 @@ def check_dcp_files(dcp_dir: Path) -> None:
                          f"({str(e).splitlines()[0][:200]})") from None
 
 
-def load_checkpoint(path: Path) -> dict[str, Any]:
+# (rank, world, gather): under torchrun each rank hashes every world-th file of a checkpoint and `gather`
+# (all_gather_object) hands every rank all ranks' findings, so all reach the same verdict; a 7B sharded
+# checkpoint (85 GiB) is hashed once per job, not once per rank. One process: (0, 1, identity).
+HashShare = tuple[int, int, Callable[[Any], list[Any]]]
+
+
+def verify_hashes(path: Path, names: list[str], meta: dict[str, Any], share: HashShare | None = None) -> None:
+    """InputError naming the first file whose sha256 differs from the one recorded in meta.json (a
+    collective when `share` spans ranks: every rank must call it with the same names)."""
+    rank, world, gather = share or (0, 1, lambda found: [found])
+    problem = None
+    for name in names[rank::world]:
+        digest, actual = meta["sha256"].get(name), sha256_file(path / name)
+        if actual != digest:
+            problem = (f"{path / name}: sha256 {actual[:12]}.. does not match the {(digest or 'none')[:12]}.. "
+                       f"recorded when it was written: the checkpoint is corrupt; resume from an earlier one")
+            break
+    found = [p for p in gather(problem) if p]
+    if found:
+        raise InputError(found[0])
+
+
+def load_checkpoint(path: Path, share: HashShare | None = None) -> dict[str, Any]:
     """Read and verify a COMPLETE checkpoint: {'model', 'optimizer', 'trainer_state', 'run_config', 'meta'}.
-    Every file must be present and match its recorded sha256; nothing is unpickled into code."""
+    Every file must be present and match its recorded sha256 (verified by the ranks together when
+    `share` is given); nothing is unpickled into code."""
     path = Path(path)
     if not (path / COMPLETE).is_file():
         raise InputError(f"{path}: checkpoint has no {COMPLETE} marker")
@@ -393,13 +416,7 @@ def load_checkpoint(path: Path) -> dict[str, Any]:
                          f"an earlier one")
     meta = json.loads((path / META).read_text())
     sharded = is_sharded(path)
-    for name in (sorted(meta["sha256"]) if sharded else HASHED):  # sharded: every file, each shard too
-        digest = meta["sha256"].get(name)
-        actual = sha256_file(path / name)
-        if actual != digest:
-            raise InputError(f"{path / name}: sha256 {actual[:12]}.. does not match the "
-                             f"{(digest or 'none')[:12]}.. recorded when it was written: the checkpoint is "
-                             f"corrupt; resume from an earlier one")
+    verify_hashes(path, sorted(meta["sha256"]) if sharded else list(HASHED), meta, share)  # sharded: every file
     state = json.loads((path / STATE).read_text())
     if sharded:  # every rank's RNG: rng.safetensors keys "rank{r}.torch", ...; "rng" is rank 0's
         tensors = load_file(str(path / RNG))

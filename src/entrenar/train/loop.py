@@ -89,6 +89,10 @@ class LocalReduce:
     def all_reduce_max(self, value: Any) -> Any:
         return value
 
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order."""
+        return [obj]
+
 
 class TrainingInterrupted(KeyboardInterrupt):
     """Ctrl-C during training; carries the last complete checkpoint and how to continue."""
@@ -310,7 +314,8 @@ class Trainer:
     # ---- resume / step 0 -------------------------------------------------------------------------
     def resume(self, spec: str | None) -> Path | None:
         """Continue from a checkpoint (`auto` or a PATH); None (logs reset) when starting at step 0."""
-        path, ckpt = load_resume(self.run_dir, spec, self.log) if spec else (None, None)
+        share = (self.reduce.rank, self.reduce.world_size, self.reduce.gather)  # ranks hash a share each
+        path, ckpt = load_resume(self.run_dir, spec, self.log, share) if spec else (None, None)
         if path is None:
             self.metrics_log.reset()
             self.eval_log.reset()

@@ -406,6 +406,9 @@ class DistReduce:
     def all_reduce_max(self, value: Any) -> Any:
         return self._reduce(value, "max")
 
+    def gather(self, obj: Any) -> list[Any]:
+        return self.ctx.all_gather_object(obj)
+
 
 class _NullLog:
     """metrics.jsonl / eval.jsonl of ranks other than 0: they write nothing."""
