@@ -62,17 +62,12 @@ def model_config(quick: bool):
 
 
 def random_init_(model: torch.nn.Module, seed: int = 0) -> None:
-    """N(0, 0.02) weights, unit norms, zero biases, drawn on the model's device (a CPU draw of 494M
-    values would cost seconds per run)."""
+    """N(0, 0.02) weights, unit norms, zero biases (qlora_throughput.init_normal_), drawn on the model's
+    device (a CPU draw of 494M values would cost seconds per run)."""
+    from qlora_throughput import init_normal_  # bench/ is on sys.path: this script runs from there
+
     torch.manual_seed(seed)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight"):
-                p.fill_(1.0)
-            elif name.endswith(".bias"):
-                p.zero_()
-            else:
-                p.normal_(0.0, 0.02)
+    init_normal_(model)
 
 
 def build_entrenar(cfg, device: torch.device, run: str, mlp_chunk: int):

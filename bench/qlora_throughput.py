@@ -39,7 +39,7 @@ def make_batch(vocab: int, batch: int, seq: int, device: str, seed: int = 0):
 
 
 @torch.no_grad()
-def _init_normal(model: torch.nn.Module, std: float = 0.02) -> None:
+def init_normal_(model: torch.nn.Module, std: float = 0.02) -> None:
     for name, p in model.named_parameters():
         if name.endswith("norm.weight"):
             p.fill_(1.0)
@@ -60,7 +60,7 @@ def run_entrenar(args) -> dict:
     with torch.device("cuda"):
         model = CausalLM(cfg, kernels="triton")
     torch.set_default_dtype(torch.float32)
-    _init_normal(model)
+    init_normal_(model)
     ep.apply_lora(model, rank=args.rank, alpha=2 * args.rank, targets=TARGETS, quantize_nf4=True)
     model.activation_checkpointing = True
     model.train()
@@ -121,7 +121,7 @@ def run_peer(args) -> dict:
     with torch.device("cuda"):
         model = transformers.Qwen2ForCausalLM(hf_cfg)
     torch.set_default_dtype(torch.float32)
-    _init_normal(model)
+    init_normal_(model)
     n_quant = _quantize_linears_bnb(model)
     gc.collect()
     torch.cuda.empty_cache()
