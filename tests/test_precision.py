@@ -275,3 +275,42 @@ def test_bf16_weights_with_lora_and_qlora_adapters(nf4):
     g = torch.cat([p.grad.flatten() for p in model.parameters() if p.requires_grad])
     g_ref = torch.cat([p.grad.flatten() for p in ref.parameters() if p.requires_grad])
     assert float(g_ref.norm()) > 0 and float((g - g_ref).norm() / g_ref.norm()) < 5e-2  # (A's grads are 0: B = 0)
+
+
+# ---- --dtype bf16-pure: bf16 weights, gradients and AdamW state ----------------------------------------
+def test_bf16_pure_trains_bf16_weights_and_adamw_state_close_to_fp32(tmp_path):
+    """8 bytes per parameter (bf16 weight, gradient, two moments) instead of fp32's 16; the losses stay
+    within bf16 rounding of an fp32 run of the same steps."""
+    model = T.tiny_model()
+    T.run(tmp_path / "pure", 4, save_every=4, dtype="bf16-pure", model=model)
+    T.run(tmp_path / "fp32", 4, dtype="fp32")
+    assert all(p.dtype == torch.bfloat16 for p in model.parameters())
+    ck = ckpt_mod.load_checkpoint(tmp_path / "pure" / "checkpoints" / "latest")
+    assert ck["model"] and all(t.dtype == torch.bfloat16 for t in ck["model"].values())
+    states = list(ck["optimizer"]["state"].values())
+    assert states and all(s["exp_avg"].dtype == s["exp_avg_sq"].dtype == torch.bfloat16 for s in states)
+    pure = [r["loss"] for r in read_jsonl(tmp_path / "pure" / "metrics.jsonl")]
+    ref = [r["loss"] for r in read_jsonl(tmp_path / "fp32" / "metrics.jsonl")]
+    assert len(pure) == 4 and all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(pure, ref, strict=True))
+
+
+def test_bf16_pure_run_resumes_exactly(tmp_path):
+    T.run(tmp_path / "full", 4, save_every=2, dtype="bf16-pure")
+    T.run(tmp_path / "part", 2, save_every=2, dtype="bf16-pure")
+    T.run(tmp_path / "part", 4, save_every=2, dtype="bf16-pure", resume="auto")
+    a = ckpt_mod.load_checkpoint(tmp_path / "full" / "checkpoints" / "latest")["model"]
+    b = ckpt_mod.load_checkpoint(tmp_path / "part" / "checkpoints" / "latest")["model"]
+    assert all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
+    la = [r["loss"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")]
+    lb = [r["loss"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")]
+    assert la == lb
+
+
+def test_bf16_pure_is_full_training_only():
+    from entrenar.errors import InputError
+
+    for mode in ("lora", "qlora"):
+        with pytest.raises(InputError, match="bf16-pure.*--mode full"):
+            TrainConfig(mode=mode, dtype="bf16-pure").validate()
+    TrainConfig(mode="full", dtype="bf16-pure").validate()
+    assert verify_dtype("bf16-pure") == "bf16" and make_precision(T.tiny_model(), "bf16-pure") is None

@@ -223,3 +223,22 @@ def test_cli_finetune_corrupted_model_trips_init_loss(tmp_path, capsys):
     assert result["guard"] == "GUARD-INIT-LOSS" and "no better than uniform" in err
     assert not (out / "metrics.jsonl").exists() and not (out / "final").exists()
     assert json.loads((out / "data_report.json").read_text())["val_examples"] == 2
+
+
+def test_cli_bf16_pure_checks_fp32_then_trains_and_saves_bf16(tmp_path, byte_model_dir, byte_shards, capsys):
+    """--dtype bf16-pure through the CLI: the step-0 preflight runs (on the fp32 weights, as bf16), then the
+    weights, checkpoints and final/ are bf16 (config dtype bfloat16) and final/ loads in transformers."""
+    transformers = pytest.importorskip("transformers")
+    from safetensors.torch import load_file
+
+    out = tmp_path / "run"
+    code, summary, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=3, extra=("--dtype", "bf16-pure")),
+                              capsys)
+    assert code == 0, err
+    assert "verify" in json.loads((out / "preflight.json").read_text())
+    assert {t.dtype for t in load_file(str(out / "final" / "model.safetensors")).values()} == {torch.bfloat16}
+    assert json.loads((out / "final" / "config.json").read_text())["dtype"] == "bfloat16"
+    ckpt = load_file(str(out / "checkpoints" / "latest" / "model.safetensors"))
+    assert {t.dtype for t in ckpt.values()} == {torch.bfloat16}
+    hf = transformers.AutoModelForCausalLM.from_pretrained(str(out / "final"))
+    assert next(hf.parameters()).dtype == torch.bfloat16 and summary["final_train_loss"] is not None

@@ -25,7 +25,7 @@ from ..devices import resolve_device
 from ..errors import InputError
 from . import guards
 
-DTYPES = ("fp32", "bf16", "bf16-weights")  # --dtype; what each means: train/precision.py
+DTYPES = ("fp32", "bf16", "bf16-weights", "bf16-pure")  # --dtype; what each means: train/precision.py
 
 # Resuming with any of these changed would not continue the same run (refused unless allowed).
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
@@ -103,7 +103,10 @@ class TrainConfig:
                                 "step runs on bf16 copies of the fp32 master weights (refreshed once per step) "
                                 "with a bf16 residual stream, as a bf16 model (AdamW and checkpoints stay fp32): "
                                 "+7% tokens/s and 2.4 GiB less peak than bf16 (Qwen2.5-0.5B, batch 8x2048, "
-                                "H200), but logits ~2.5e-2 relL2 from fp32, outside bf16's bound",
+                                "H200), but logits ~2.5e-2 relL2 from fp32, outside bf16's bound. bf16-pure "
+                                "(--mode full): weights, gradients and AdamW state in bf16, 8 bytes per parameter "
+                                "instead of 16 (e.g. long context), at the price of bf16 updates: a step smaller "
+                                "than ~2^-8 of a weight is rounded away",
                         commands=_EVERY, choices=DTYPES)
     kernels: str = option("auto", "op implementations: auto = triton on cuda, torch elsewhere", commands=_EVERY,
                           choices=("auto", "torch", "triton"))
@@ -171,6 +174,9 @@ class TrainConfig:
                            ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
                 raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")
+        if self.dtype == "bf16-pure" and self.mode != "full":
+            raise InputError(f"{name('dtype')} bf16-pure trains every weight in bf16 (--mode full); with "
+                             f"--mode {self.mode} the adapters are a few MB: use {name('dtype')} bf16")
         self.device = resolve_device(self.device)  # the one --device rule (entrenar.devices)
 
     def to_dict(self) -> dict[str, Any]:

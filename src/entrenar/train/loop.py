@@ -51,7 +51,7 @@ from .checkpoint import (
 from .config import RESUME_SENSITIVE, TrainConfig
 from .metrics import JsonlLog, Progress, peak_flops, peak_memory_mb
 from .optim import Schedule, build_optimizer
-from .precision import BF16Weights, make_precision, step_weights, uses_bf16
+from .precision import BF16Weights, make_precision, step_weights, to_training_dtype, uses_bf16
 
 __all__ = ["LocalReduce", "TrainConfig", "Trainer", "TrainingInterrupted", "evaluate", "forward_backward",
            "train"]
@@ -283,6 +283,7 @@ class Trainer:
         self.vocab_size = model.cfg.vocab_size
         seed_everything(cfg.seed)
         model.train()
+        to_training_dtype(model, cfg.dtype)  # bf16-pure: bf16 weights, so the optimizer's state is bf16 too
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = self.build_optimizer()
         self.schedule = Schedule(cfg.lr, cfg.warmup, cfg.steps, cfg.schedule, cfg.min_lr_ratio)
@@ -309,7 +310,8 @@ class Trainer:
         self.update_queued = False  # this step's update already queued on the device (queue_update)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay)
+        return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay,
+                               master_dtype=torch.bfloat16 if self.cfg.dtype == "bf16-pure" else torch.float32)
 
     # ---- resume / step 0 -------------------------------------------------------------------------
     def resume(self, spec: str | None) -> Path | None:

@@ -31,14 +31,16 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def build_optimizer(model: torch.nn.Module, lr: float, weight_decay: float,
-                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8) -> torch.optim.AdamW:
-    """AdamW over the trainable parameters (which must be fp32: they are the master weights)."""
+                    betas: tuple[float, float] = (0.9, 0.95), eps: float = 1e-8,
+                    master_dtype: torch.dtype = torch.float32) -> torch.optim.AdamW:
+    """AdamW over the trainable parameters, which must be `master_dtype`: fp32 master weights, except under
+    --dtype bf16-pure (bf16 weights and AdamW state by choice)."""
     groups = param_groups(model, weight_decay)
     if not groups:
         raise ValueError("the model has no trainable parameters")
     for g in groups:
         for p in g["params"]:
-            assert p.dtype == torch.float32, f"master parameters must be fp32, got {p.dtype}"
+            assert p.dtype == master_dtype, f"master parameters must be {master_dtype}, got {p.dtype}"
     on_cuda = all(p.is_cuda for g in groups for p in g["params"])
     # fused on CUDA (one kernel for all tensors); foreach elsewhere. Both are deterministic on CPU.
     kwargs = {"fused": True} if on_cuda else {"foreach": True}

@@ -578,8 +578,10 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     split by global sample index, logging on rank 0 only."""
     from ..long_context import apply_memory_options
     from .distributed import current, shard_loader
+    from .precision import to_training_dtype
 
     ctx = current()
+    to_training_dtype(model, cfg.dtype)  # bf16-pure: before the optimizer exists (its state follows the weights)
     # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
     apply_memory_options(model, cfg)
     par = apply_parallel(model, ctx, parallel, cfg.dtype, adapters)

@@ -12,6 +12,11 @@
                 gradient is moved into its master's fp32 `.grad` as soon as autograd has it (summed in
                 fp32 over micro-batches), so the bf16 gradients never all exist at once.
 
+  bf16-pure     (--mode full) the model itself is bf16: weights, gradients and AdamW state, 8 bytes per
+                parameter instead of 16; numerics of bf16-weights' step, but the update is rounded to
+                bf16 too (a change below ~2^-8 of a weight is lost). Cast after the step-0 preflight
+                (`to_training_dtype`), which checks the fp32 weights as bf16.
+
 Only the single-process Trainer swaps weights (`Trainer.forward_backward`). Under torchrun the
 FSDP2 MixedPrecisionPolicy / DDP + autocast path casts instead (train/parallel.py overrides
 forward_backward), so nothing is cast twice there.
@@ -27,7 +32,7 @@ from torch import nn
 
 from .config import DTYPES
 
-BF16_DTYPES = ("bf16", "bf16-weights")
+BF16_DTYPES = ("bf16", "bf16-weights", "bf16-pure")
 
 
 def uses_bf16(dtype: str) -> bool:
@@ -96,6 +101,14 @@ class BF16Weights:
             for module, attr, master in self.slots:
                 module._parameters[attr] = master
             self.active = False
+
+
+def to_training_dtype(model: nn.Module, dtype: str) -> nn.Module:
+    """bf16-pure: the model's floating parameters and buffers become bf16 (in place), so the optimizer
+    built on them keeps bf16 state; every other dtype trains the fp32 parameters as they are."""
+    if dtype == "bf16-pure" and any(p.is_floating_point() and p.dtype != torch.bfloat16 for p in model.parameters()):
+        model.to(torch.bfloat16)  # only when needed: a second .to on FSDP2-wrapped (already bf16) params is avoided
+    return model
 
 
 def make_precision(model: nn.Module, dtype: str) -> BF16Weights | None:
