@@ -142,7 +142,7 @@ def test_dtype_choices_flag_help_and_dependent_checks(capsys):
 def test_mfu_of_bf16_weights_uses_the_bf16_peak(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_a: "NVIDIA H100 80GB HBM3")
     cuda = torch.device("cuda")
-    assert peak_flops(cuda, "bf16-weights") == peak_flops(cuda, "bf16") == 989.4e12
+    assert peak_flops(cuda, "bf16-weights") == peak_flops(cuda, "bf16") == peak_flops(cuda, "bf16-pure") == 989.4e12
 
 
 # ---- step timing: one readback per step, no synchronize -------------------------------------------

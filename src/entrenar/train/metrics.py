@@ -15,6 +15,7 @@ import torch
 from ..errors import InputError
 from ..fileio import atomic_write
 from ..fileio import read_jsonl as fileio_read_jsonl
+from .precision import uses_bf16
 
 # Dense peak FLOP/s per GPU by name fragment: (bf16, tf32, fp32). For MFU only.
 PEAK_FLOPS = {
@@ -32,7 +33,7 @@ def peak_flops(device: torch.device, dtype: str) -> float | None:
     name = torch.cuda.get_device_name(device)
     for key, (bf16, tf32, fp32) in PEAK_FLOPS.items():
         if key in name:
-            if dtype in ("bf16", "bf16-weights"):  # train/precision.BF16_DTYPES: bf16 matmuls
+            if uses_bf16(dtype):  # bf16 matmuls
                 return bf16
             return tf32 if torch.backends.cuda.matmul.allow_tf32 else fp32
     return None
