@@ -223,9 +223,9 @@ def main() -> None:
         save()
     plan = []
     if "qwen" not in skip:
-        plan += [("qwen2.5-0.5b", args.qwen_data, d) for d in ("bf16", "bf16-weights")]
+        plan += [("qwen2.5-0.5b", args.qwen_data, d) for d in ("bf16", "bf16-weights", "bf16-pure")]
     if "llama" not in skip:
-        plan += [("llama-370m", args.llama_data, d) for d in ("bf16", "bf16-weights")]
+        plan += [("llama-370m", args.llama_data, d) for d in ("bf16", "bf16-weights", "bf16-pure")]
     for model, data, dtype in plan:
         r = cli_run(f"CLI {model} --dtype {dtype}", model, data, dtype, args.steps, args.warmup, root)
         r = {"model": model, **r}
