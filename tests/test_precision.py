@@ -196,7 +196,7 @@ def _fused_optimizer(monkeypatch) -> None:
     """The fused AdamW the Trainer gets on CUDA, here on the CPU (torch's CPU fused kernel takes found_inf)."""
     from entrenar.train.optim import param_groups
 
-    monkeypatch.setattr(loop, "build_optimizer", lambda model, lr, wd: torch.optim.AdamW(
+    monkeypatch.setattr(loop, "build_optimizer", lambda model, lr, wd, **kw: torch.optim.AdamW(
         param_groups(model, wd), lr=lr, betas=(0.9, 0.95), eps=1e-8, fused=True))
 
 

@@ -310,8 +310,8 @@ class Trainer:
         self.update_queued = False  # this step's update already queued on the device (queue_update)
 
     def build_optimizer(self) -> torch.optim.Optimizer:
-        return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay,
-                               master_dtype=torch.bfloat16 if self.cfg.dtype == "bf16-pure" else torch.float32)
+        pure = {"master_dtype": torch.bfloat16} if self.cfg.dtype == "bf16-pure" else {}  # else: fp32 masters
+        return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay, **pure)
 
     # ---- resume / step 0 -------------------------------------------------------------------------
     def resume(self, spec: str | None) -> Path | None:
