@@ -103,13 +103,15 @@ def test_bf16_weights_loss_and_grads_close_to_fp32():
     assert float((g - g_ref).norm() / g_ref.norm()) < 5e-2
 
 
-def test_bf16_weights_run_resumes_exactly(tmp_path):
-    T.run(tmp_path / "full", 4, save_every=2, dtype="bf16-weights")
-    T.run(tmp_path / "part", 2, save_every=2, dtype="bf16-weights")
-    T.run(tmp_path / "part", 4, save_every=2, dtype="bf16-weights", resume="auto")
+@pytest.mark.parametrize("dtype, stored", [("bf16-weights", torch.float32), ("bf16-pure", torch.bfloat16)])
+def test_bf16_run_resumes_exactly(tmp_path, dtype, stored):
+    """bf16-weights keeps fp32 masters, bf16-pure bf16 weights: either way the same bits after a resume."""
+    T.run(tmp_path / "full", 4, save_every=2, dtype=dtype)
+    T.run(tmp_path / "part", 2, save_every=2, dtype=dtype)
+    T.run(tmp_path / "part", 4, save_every=2, dtype=dtype, resume="auto")
     a = ckpt_mod.load_checkpoint(tmp_path / "full" / "checkpoints" / "latest")["model"]
     b = ckpt_mod.load_checkpoint(tmp_path / "part" / "checkpoints" / "latest")["model"]
-    assert all(a[k].dtype == torch.float32 and torch.equal(a[k], b[k]) for k in a)  # fp32 masters, same bits
+    assert all(a[k].dtype == stored and torch.equal(a[k], b[k]) for k in a)
     la = [r["loss"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")]
     lb = [r["loss"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")]
     assert la == lb
@@ -292,18 +294,6 @@ def test_bf16_pure_trains_bf16_weights_and_adamw_state_close_to_fp32(tmp_path):
     pure = [r["loss"] for r in read_jsonl(tmp_path / "pure" / "metrics.jsonl")]
     ref = [r["loss"] for r in read_jsonl(tmp_path / "fp32" / "metrics.jsonl")]
     assert len(pure) == 4 and all(abs(a - b) <= 2e-2 * abs(b) for a, b in zip(pure, ref, strict=True))
-
-
-def test_bf16_pure_run_resumes_exactly(tmp_path):
-    T.run(tmp_path / "full", 4, save_every=2, dtype="bf16-pure")
-    T.run(tmp_path / "part", 2, save_every=2, dtype="bf16-pure")
-    T.run(tmp_path / "part", 4, save_every=2, dtype="bf16-pure", resume="auto")
-    a = ckpt_mod.load_checkpoint(tmp_path / "full" / "checkpoints" / "latest")["model"]
-    b = ckpt_mod.load_checkpoint(tmp_path / "part" / "checkpoints" / "latest")["model"]
-    assert all(a[k].dtype == torch.bfloat16 and torch.equal(a[k], b[k]) for k in a)
-    la = [r["loss"] for r in read_jsonl(tmp_path / "full" / "metrics.jsonl")]
-    lb = [r["loss"] for r in read_jsonl(tmp_path / "part" / "metrics.jsonl")]
-    assert la == lb
 
 
 def test_bf16_pure_is_full_training_only():
