@@ -103,13 +103,17 @@ def _bwd_grid(n_rows: int, rows: int, device: torch.device) -> tuple[int, int]:
     return max(1, triton.cdiv(n_tiles, tiles_per_program)), tiles_per_program
 
 
+def _rows_2d(t: torch.Tensor) -> torch.Tensor:
+    """[..., C] -> [rows, C] with unit column stride (a strided row view is kept)."""
+    t2 = t.reshape(-1, t.shape[-1])
+    return t2 if t2.stride(-1) == 1 else t2.contiguous()
+
+
 class _RMSNormFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         n_cols = x.shape[-1]
-        x2 = x.reshape(-1, n_cols)  # keeps a strided view when possible
-        if x2.stride(-1) != 1:
-            x2 = x2.contiguous()
+        x2 = _rows_2d(x)
         n_rows = x2.shape[0]
         y = _common.empty((n_rows, n_cols), _norm_out_dtype(x.dtype, weight, x.device), x.device)
         rstd = _common.empty((n_rows,), torch.float32, x.device)
@@ -205,12 +209,6 @@ def _add_rms_norm_bwd_kernel(dy_ptr, dr_ptr, r_ptr, w_ptr, rstd_ptr, dx_ptr, dd_
         rows += ROWS
     tl.store(dw_partial_ptr + pid * n_cols + tl.reshape(cols, [BLOCK]), tl.sum(dw_acc, axis=0),
              mask=tl.reshape(col_ok, [BLOCK]))
-
-
-def _rows_2d(t: torch.Tensor) -> torch.Tensor:
-    """[..., C] -> [rows, C] with unit column stride (a strided row view is kept)."""
-    t2 = t.reshape(-1, t.shape[-1])
-    return t2 if t2.stride(-1) == 1 else t2.contiguous()
 
 
 class _AddRMSNormFunction(torch.autograd.Function):
