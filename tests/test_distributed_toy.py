@@ -279,6 +279,26 @@ def test_rank_slice_counts_the_whole_step_without_a_collective():
         assert trainer.count_step(got[:2]) == tuple(a + b for a, b in zip(ref[0], ref[1], strict=True))
 
 
+def test_job_counts_include_the_dummy_row_of_a_rank_left_without_rows():
+    """A global batch shorter than world x batch leaves a rank without rows; it runs one dummy row (no loss
+    tokens), which the job's counts include exactly as the ranks' own shares would count it."""
+    from entrenar.tensors import JOB_COUNTS, batch_counts
+
+    class Short:
+        batch_size = 2
+
+        def next_batch(self):
+            return ListLoader(samples(), 3).next_batch()  # 3 rows for 3 ranks x 2
+
+    full = Short().next_batch()
+    shares = [D.slice_rows(full, 0, 2), D.slice_rows(full, 2, 3), D.slice_rows(full, 3, 3)]
+    want = tuple(sum(c) for c in zip(*(batch_counts(s) for s in shares), strict=True))
+    for rank in range(3):
+        got = D.RankSlice(Short(), D.DistContext(rank=rank, world=3)).next_batch()
+        assert got[JOB_COUNTS] == want
+    assert want[1] >= 1 and want[2] == 4 * full["input_ids"].shape[1]
+
+
 def test_packed_rows_split_their_sample_ids():
     batch = {"input_ids": torch.zeros(3, 6, dtype=torch.long), "labels": torch.zeros(3, 6, dtype=torch.long),
              "doc_ids": torch.tensor([[0, 0, 1, 1, 2, -1], [0, 0, 0, 0, 0, 0], [0, 1, -1, -1, -1, -1]]),

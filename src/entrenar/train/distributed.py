@@ -283,21 +283,26 @@ class RankSlice:
         self.per_rank = int(loader.batch_size)
         loader.batch_size = self.per_rank * self.world
 
-    def _rows_of(self, batch: dict[str, Any], rank: int) -> dict[str, Any]:
-        rows = int(batch["input_ids"].shape[0])
-        lo, hi = min(rank * self.per_rank, rows), min((rank + 1) * self.per_rank, rows)
-        return slice_rows(batch, lo, hi)
+    def _bounds(self, rows: int, rank: int) -> tuple[int, int]:
+        return min(rank * self.per_rank, rows), min((rank + 1) * self.per_rank, rows)
 
     def _mine(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return self._rows_of(batch, self.rank)
+        return slice_rows(batch, *self._bounds(int(batch["input_ids"].shape[0]), self.rank))
+
+    def _job_counts(self, batch: dict[str, Any]) -> tuple[int, int, int]:
+        """batch_counts summed over every rank's share: the shares with rows split the global batch, and
+        a rank left without rows runs one dummy row without loss tokens (slice_rows)."""
+        loss_tokens, empty, tokens = batch_counts(batch)
+        rows, width = batch["input_ids"].shape
+        idle = sum(1 for r in range(self.world) if self._bounds(int(rows), r)[0] == int(rows))
+        return loss_tokens, empty + idle, tokens + idle * int(width)
 
     def next_batch(self) -> dict[str, Any]:
         """This rank's rows, carrying (JOB_COUNTS) the counts of every rank's rows: each rank holds the
         whole global batch here, so the trainer needs no collective (no device sync) to count the step."""
         batch = self.inner.next_batch()
-        shares = [self._rows_of(batch, r) for r in range(self.world)]
-        mine = shares[self.rank]
-        mine[JOB_COUNTS] = tuple(sum(c) for c in zip(*(batch_counts(s) for s in shares), strict=True))
+        mine = self._mine(batch)
+        mine[JOB_COUNTS] = self._job_counts(batch)
         return mine
 
     def iter_epoch(self) -> Iterator[dict[str, Any]]:
