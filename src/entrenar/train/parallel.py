@@ -475,7 +475,7 @@ class ParallelTrainer(_trainer_base()):
         # drains while the host reads, runs the guards and launches the (DTensor) optimizer step
         loss_sum = self.reduce.all_reduce_sum(acc)
         grad_norm = self.par.clip_grad_norm_tensor(self.params, self.cfg.clip if self.cfg.clip > 0 else float("inf"))
-        read = loop.read_later(torch.stack([acc, loss_sum.to(acc.device), grad_norm.to(acc.device, torch.float64)]))
+        read = loop.read_later(torch.stack([acc, loss_sum, grad_norm.to(acc.device, torch.float64)]))
         self.update_queued = self.queue_update(loss_sum, grad_norm)
         local, loss_sum, norm = read()
         self._local_loss = local
