@@ -67,6 +67,10 @@ if _ddp_kw:
         def __init__(self, *a, **k):
             super().__init__(*a, **{**k, **_ddp_kw})
     _tnp.DistributedDataParallel = _TunedDDP
+# bench: BENCH_GC=off turns Python's automatic garbage collection off for the run (is its pause a straggler?)
+import gc
+if os.environ.get("BENCH_GC") == "off":
+    gc.disable()
 # bench: random weights built on this rank's GPU (the CLI builds them on the CPU: minutes for 7.6 B
 # parameters with one thread per rank); same distribution as CausalLM.init_weights
 _init = CausalLM.__init__
