@@ -57,8 +57,8 @@ _save, _at = loop.Trainer.save, int(os.environ.get("BENCH_SAVE_AT") or 0)
 loop.Trainer.save = lambda self, step, *a, **k: _save(self, step, *a, **k) if step == _at else None
 loop.Trainer.finish = lambda self: None
 parallel.ParallelTrainer.finish = lambda self: None
-# bench: DDP constructor options under test (BENCH_DDP_KW, JSON, e.g. '{"bucket_cap_mb": 100}'), on top of
-# what train/parallel.apply_ddp passes
+# bench: DDP constructor options under test (BENCH_DDP_KW, JSON, e.g. '{"bucket_cap_mb": 25}'), over what
+# train/parallel.apply_ddp passes (parallel.DDP_OPTIONS, static_graph without accumulation)
 import json
 import torch.nn.parallel as _tnp
 _ddp_kw = json.loads(os.environ.get("BENCH_DDP_KW") or "{}")
@@ -67,10 +67,10 @@ if _ddp_kw:
         def __init__(self, *a, **k):
             super().__init__(*a, **{**k, **_ddp_kw})
     _tnp.DistributedDataParallel = _TunedDDP
-# bench: BENCH_GC=off turns Python's automatic garbage collection off for the run (is its pause a straggler?)
-import gc
-if os.environ.get("BENCH_GC") == "off":
-    gc.disable()
+# bench: BENCH_GC=auto gives the steps Python's automatic garbage collection back (the CLI's steps run with it
+# off, collecting every loop.GC_EVERY steps): the A/B of that choice
+if os.environ.get("BENCH_GC") == "auto":
+    loop.GC_EVERY = 0
 # bench: random weights built on this rank's GPU (the CLI builds them on the CPU: minutes for 7.6 B
 # parameters with one thread per rank); same distribution as CausalLM.init_weights
 _init = CausalLM.__init__
@@ -288,6 +288,8 @@ def main() -> int:
     ap.add_argument("--big-reserve", type=float, default=200.0,
                     help="seconds of the budget kept for the 7B run (default 200)")
     ap.add_argument("--work", default=None, help="scratch directory (default: a temporary one)")
+    ap.add_argument("--steps", type=int, default=10,
+                    help="steps of each GPU row (default 10; the median is over the steps after the first 3)")
     ap.add_argument("--only", default="", help="run only the rows whose preset contains this text")
     ap.add_argument("--cli-extra", default="", help="extra CLI flags for every run, e.g. '--parallel ddp'")
     ap.add_argument("--gpus", default="1,2", help="GPU counts of the scaling rows (default 1,2; e.g. 1,2,4)")
@@ -317,7 +319,7 @@ def main() -> int:
             print(f"needs {max(*counts, args.big_gpus)} GPUs, found {torch.cuda.device_count()}", file=sys.stderr)
             return 2
         print(f"cards: {torch.cuda.get_device_name(0)} x {torch.cuda.device_count()}, torch {torch.__version__}")
-        device, dtype, seq, steps = "cuda", "bf16", 2048, 10
+        device, dtype, seq, steps = "cuda", "bf16", 2048, args.steps
         plan = [("qwen2.5-0.5b full", "qwen2.5-0.5b", g, 8, [], 120) for g in counts]
         plan += [("llama-370m pretrain", "llama-370m", g, 8, [], 120) for g in counts]
         big = (("qwen2.5-coder-7b full", "qwen2.5-coder-7b", args.big_gpus, args.big_batch,

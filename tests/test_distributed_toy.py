@@ -88,7 +88,7 @@ def manual_steps(ctx: D.DistContext, parallel: str, per_rank_batch: int, accum: 
                  tie: bool = True, average_per_rank: bool = False) -> tuple[P.Parallel, list[float]]:
     """The Trainer's step rules written out: count, all-reduce, backprop loss_sum / global, clip."""
     model = tiny(0, tie)
-    par = P.apply_parallel(model, ctx, parallel)
+    par = P.apply_parallel(model, ctx, parallel, grad_accum=accum)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2)
     loader = D.shard_loader(ListLoader(samples(), per_rank_batch), ctx)
     losses = []
@@ -121,6 +121,15 @@ results = {{}}
 for avg in (False, True):  # the rule, then the mutation: each rank divides by its own token count
     par, losses = manual_steps(ctx, "fsdp", 2, 2, 3, tie=True, average_per_rank=avg)
     results["avg" if avg else "global"] = {{"losses": losses, "params": P.full_model_state(par)}}
+# DDP with its options (P.DDP_OPTIONS: 100 MB buckets, gradients as bucket views), with accumulation 2
+# under no_sync and without (then also a static graph)
+for accum, batch in ((2, 2), (1, 4)):
+    dpar, dlosses = manual_steps(ctx, "ddp", batch, accum, 3, tie=True)
+    ddp = dpar.forward_module
+    results[f"ddp{{accum}}"] = {{"losses": dlosses, "params": P.full_model_state(dpar),
+                               "options": {{"static_graph": bool(ddp.static_graph),
+                                           "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
+                                           "bucket_cap_mb": ddp.bucket_bytes_cap / 1024 ** 2}}}}
 # QLoRA under DDP: the gradient buckets hold the adapters only (the frozen NF4 base is never reduced)
 from entrenar.peft import apply_lora
 reduced = []
@@ -208,6 +217,26 @@ def test_averaging_per_rank_is_detected(two_ranks):
     got = torch.load(out / "result.pt")["avg"]
     ref_params, _ = _single("fsdp", True)
     assert max(rel_l2(got["params"][n], ref_params[n]) for n in ref_params) > 1e-4
+
+
+@pytest.mark.parametrize("accum", [2, 1])
+def test_ddp_with_its_options_equals_one_process(two_ranks, accum):
+    """DDP as apply_ddp builds it (100 MB buckets, gradients as bucket views, a static graph when a step
+    is one micro-batch: the options measured fastest on 4 GPUs) trains the same math as one process:
+    accumulation under no_sync, the set_to_none zero_grad between steps, clipping on the bucket views."""
+    got = torch.load(two_ranks[0] / "result.pt")[f"ddp{accum}"]
+    assert got["options"] == {"static_graph": accum == 1, "gradient_as_bucket_view": True, "bucket_cap_mb": 100.0}
+    torch.manual_seed(0)
+    ref_params, ref_losses = _single_ddp_reference(accum)
+    for a, b in zip(got["losses"], ref_losses, strict=True):
+        assert abs(a - b) <= 1e-5 * abs(b)
+    assert max(rel_l2(got["params"][n], ref_params[n]) for n in ref_params) <= 1e-5
+
+
+def _single_ddp_reference(accum: int):
+    """One process with the global batch (2 ranks x batch 2 x accum 2, or 2 ranks x batch 4)."""
+    par, losses = manual_steps(D.DistContext(), "ddp", 4 if accum == 2 else 8, accum, 3, tie=True)
+    return {n: p.detach().clone() for n, p in par.module.state_dict().items()}, losses
 
 
 def test_qlora_ddp_reduces_only_the_adapters(two_ranks):

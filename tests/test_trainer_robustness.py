@@ -476,3 +476,49 @@ def test_cuda_rng_of_more_devices_than_visible_restores_those_visible(monkeypatc
     state = {**ckpt_mod.rng_state(), "cuda": [torch.full((8,), i, dtype=torch.uint8) for i in range(4)]}
     ckpt_mod.set_rng_state(state)
     assert sorted(restored) == [0, 1] and all(int(restored[i][0]) == i for i in (0, 1))
+
+
+# ---- garbage collection on a schedule (loop.scheduled_gc) ----------------------------------------------
+def test_fit_runs_with_automatic_gc_off_and_collects_on_schedule(tmp_path, monkeypatch):
+    """Inside fit the automatic collector is off (a pause at a random point of a step would hold every
+    other rank at the next all-reduce), generation 1 is collected every GC_EVERY steps, and the
+    collector is on again afterwards, also when the run stops with an error."""
+    import gc
+
+    monkeypatch.setattr(loop, "GC_EVERY", 2)
+    collects, enabled_in_step = [], []
+    real_collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda gen=2: collects.append(gen) or real_collect(gen))
+    cfg = TrainConfig(steps=5, batch_size=2, seq_len=32, lr=1e-3, warmup=0, seed=5)
+    trainer = Trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3), None, cfg, tmp_path,
+                      log=T.quiet)
+    trainer.save = lambda step, *a, **k: None
+    step_of = trainer.train_step
+    trainer.train_step = lambda step: enabled_in_step.append(gc.isenabled()) or step_of(step)
+    assert gc.isenabled()
+    trainer.fit()
+    assert enabled_in_step == [False] * 5
+    assert collects == [2, 1, 1]  # the full one at the start, then at steps 2 and 4
+    assert gc.isenabled()
+
+    def boom(step):
+        raise RuntimeError("device lost")
+    trainer.train_step, trainer.start_step = boom, 0
+    with pytest.raises(RuntimeError):
+        trainer.fit()
+    assert gc.isenabled()
+
+
+def test_gc_every_zero_leaves_the_collector_alone(tmp_path, monkeypatch):
+    import gc
+
+    monkeypatch.setattr(loop, "GC_EVERY", 0)
+    with loop.scheduled_gc(0):
+        assert gc.isenabled()
+    gc.disable()
+    try:  # a caller that turned it off itself keeps it off
+        with loop.scheduled_gc(3):
+            assert not gc.isenabled()
+        assert not gc.isenabled()
+    finally:
+        gc.enable()

@@ -175,10 +175,20 @@ def _sum_hook(process_group, bucket):  # no annotations: DDP rejects any but Gra
     return fut.then(lambda f: f.value()[0])
 
 
-def apply_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
+# DDP's options (measured on 4x H200, llama-370m, bench/RESULTS.md issue 17 session 4): 100 MB buckets (15
+# all-reduces per step instead of 38 at 25 MB: fewer NCCL launches, each past the LL protocol's size) and
+# gradients as views into the buckets (no copy of each gradient into its bucket). Without accumulation
+# the graph is also declared static (every step uses the same parameters in the same order: DDP skips
+# its per-step search for unused parameters); torch's reducer fails an internal assert when no_sync
+# (accumulation) runs before the first synchronised backward of a static graph. The math is the same
+# (CPU tests compare losses with one process).
+DDP_OPTIONS: dict[str, Any] = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
+
+
+def apply_ddp(model: torch.nn.Module, ctx: DistContext, static_graph: bool = False) -> torch.nn.Module:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    kwargs: dict[str, Any] = {"broadcast_buffers": False}
+    kwargs: dict[str, Any] = {"broadcast_buffers": False, "static_graph": static_graph, **DDP_OPTIONS}
     if ctx.device.type == "cuda":
         kwargs["device_ids"] = [ctx.device.index]
     try:
@@ -190,14 +200,15 @@ def apply_ddp(model: torch.nn.Module, ctx: DistContext) -> torch.nn.Module:
 
 
 def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto", dtype: str = "fp32",
-                   adapters: bool = False) -> Parallel:
-    """Wrap `model` for data parallelism over ctx's ranks (a no-op handle in one process)."""
+                   adapters: bool = False, grad_accum: int = 1) -> Parallel:
+    """Wrap `model` for data parallelism over ctx's ranks (a no-op handle in one process). `grad_accum`
+    micro-batches per step: DDP declares its graph static only without accumulation (see DDP_OPTIONS)."""
     if not ctx.active:
         return Parallel(model, model, "single", ctx)
     kind = parallel_for(model, ctx.device, mode, adapters)
     if kind == "fsdp":
         return Parallel(apply_fsdp(model, ctx, dtype), model, "fsdp", ctx)
-    return Parallel(model, apply_ddp(model, ctx), "ddp", ctx)
+    return Parallel(model, apply_ddp(model, ctx, static_graph=grad_accum == 1), "ddp", ctx)
 
 
 def clip_grad_norm(params: Iterable[torch.nn.Parameter], max_norm: float) -> float:
@@ -584,7 +595,7 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     to_training_dtype(model, cfg.dtype)  # bf16-pure: before the optimizer exists (its state follows the weights)
     # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
     apply_memory_options(model, cfg)
-    par = apply_parallel(model, ctx, parallel, cfg.dtype, adapters)
+    par = apply_parallel(model, ctx, parallel, cfg.dtype, adapters, cfg.grad_accum)
     if not ctx.is_main:
         kw["log"] = lambda text: None
     return ParallelTrainer(par, shard_loader(train_loader, ctx), shard_loader(eval_loader, ctx), cfg, run_dir, **kw)
