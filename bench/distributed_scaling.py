@@ -185,7 +185,8 @@ def run_one(work: Path, name: str, preset_name: str, gpus: int, batch: int, seq:
     shards = work / f"shards-{preset_name}"
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "NCCL_NVLS_ENABLE": "0", **(env_extra or {})}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(gpus), "--master-addr",
+    launcher = os.environ.get("BENCH_TORCHRUN_EXTRA", "").split()  # e.g. "--numa-binding node"
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "--nproc-per-node", str(gpus), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), str(wrapper), "pretrain", "--model", preset_name,
            "--data", str(shards), "--out", str(out), "--steps", str(steps), "--batch-size", str(batch),
            "--seq-len", str(seq), "--lr", "1e-4", "--warmup", "2", "--device", device, "--dtype", dtype,
