@@ -95,9 +95,10 @@ def bf16_weights_loss0(cfg, state, input_ids, labels, device) -> dict:
     return r
 
 
-def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int = 5) -> dict:
+def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int = 5,
+                    model_name: str = "qwen2.5-0.5b") -> dict:
     """Where the CLI's own step goes: the Trainer (train_step, as `entrenar pretrain` runs it) on
-    Qwen2.5-0.5B shapes, random batches; device time per kernel class over `steps` profiled steps vs
+    `model_name`'s shapes, random batches; device time per kernel class over `steps` profiled steps vs
     their wall time (the difference is device idle: host work the device waited for)."""
     import tempfile
 
@@ -107,7 +108,7 @@ def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int 
     from entrenar.model import CausalLM
     from entrenar.train.loop import TrainConfig, Trainer
 
-    cfg_m = preset("qwen2.5-0.5b")
+    cfg_m = preset(model_name)
     model = CausalLM(cfg_m, kernels="triton")
     model.init_weights(0)
     model = model.to(device)
@@ -133,7 +134,7 @@ def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int 
     del trainer, model
     gc.collect()
     torch.cuda.empty_cache()
-    return {"dtype": dtype, "wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy,
+    return {"model": model_name, "dtype": dtype, "wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy,
             "idle_ms_per_step": 1e3 * wall / steps - busy,
             "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1]))}
 
@@ -192,7 +193,10 @@ def main() -> None:
     ap.add_argument("--peer-steps", type=int, default=12)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--runs", default="/tmp/entrenar-cli-throughput")
-    ap.add_argument("--skip", default="", help="comma-separated parts to skip: peers,qwen,llama,profile")
+    ap.add_argument("--skip", default="",
+                    help="comma-separated parts to skip: peers,qwen,llama,profile,bench-profile")
+    ap.add_argument("--profiles", default="qwen2.5-0.5b:bf16,qwen2.5-0.5b:bf16-weights,qwen2.5-0.5b:bf16-pure,"
+                    "llama-370m:bf16", help="Trainer steps to profile, MODEL:DTYPE comma-separated")
     args = ap.parse_args()
     out, root, skip = Path(args.out), Path(args.runs), set(filter(None, args.skip.split(",")))
     out.mkdir(parents=True, exist_ok=True)
@@ -233,17 +237,20 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         save()
     if "profile" not in skip:
-        cfg = preset("qwen2.5-0.5b")
-        ns = SimpleNamespace(batch=BATCH, seq=SEQ)
-        for dtype in ("bf16", "bf16-weights"):
-            key = f"Trainer step, --dtype {dtype}"
+        for spec in filter(None, args.profiles.split(",")):
+            model_name, _, dtype = spec.partition(":")
+            key = f"Trainer step, {model_name} --dtype {dtype}"
             try:
-                results["profile"][key] = trainer_profile(dtype, device)
+                results["profile"][key] = trainer_profile(dtype, device, model_name=model_name)
             except Exception as e:  # noqa: BLE001 -- reported, the table still prints
                 results["profile"][key] = {"error": f"{type(e).__name__}: {e}"[:300]}
             print(json.dumps({key: results["profile"][key]}), flush=True)
             gc.collect()
             torch.cuda.empty_cache()
+            save()
+    if "bench-profile" not in skip:
+        cfg = preset("qwen2.5-0.5b")
+        ns = SimpleNamespace(batch=BATCH, seq=SEQ)
         for key, dtype, autocast in (("bf16 weights", torch.bfloat16, False),
                                      ("fp32 weights + bf16 autocast", torch.float32, True)):
             try:

@@ -62,7 +62,7 @@ def run_entrenar(args) -> dict:
     torch.set_default_dtype(torch.float32)
     init_normal_(model)
     ep.apply_lora(model, rank=args.rank, alpha=2 * args.rank, targets=TARGETS, quantize_nf4=True)
-    model.activation_checkpointing = True
+    model.activation_checkpointing = args.checkpointing == "full"
     model.train()
     gc.collect()
     torch.cuda.empty_cache()
@@ -80,7 +80,35 @@ def run_entrenar(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
-    return _time(step, args, {"trainable": counts["trainable"], "total": counts["total"]})
+    result = _time(step, args, {"trainable": counts["trainable"], "total": counts["total"]})
+    if args.profile:
+        result["profile"] = _profile(step)
+    return result
+
+
+def _profile(step, steps: int = 2) -> dict:
+    """Device time per kernel class over `steps` steps against their wall time (the rest: device idle)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from train_throughput import classify
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by_class: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", 0.0)
+        if t > 0 and not evt.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
+            by_class[classify(evt.key)] = by_class.get(classify(evt.key), 0.0) + t / 1e3 / steps
+    busy = sum(by_class.values())
+    return {"wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy,
+            "idle_ms_per_step": 1e3 * wall / steps - busy,
+            "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1]))}
 
 
 def _quantize_linears_bnb(model: torch.nn.Module) -> int:
@@ -125,7 +153,8 @@ def run_peer(args) -> dict:
     n_quant = _quantize_linears_bnb(model)
     gc.collect()
     torch.cuda.empty_cache()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if args.checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.enable_input_require_grads()
     lcfg = peft.LoraConfig(r=args.rank, lora_alpha=2 * args.rank, target_modules=TARGETS, lora_dropout=0.0,
                            task_type="CAUSAL_LM")
@@ -172,6 +201,11 @@ def main() -> int:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--checkpointing", choices=("full", "none"), default="full",
+                    help="activation checkpointing of every block (full, the peer's setting) or none")
+    ap.add_argument("--sides", default="entrenar,peer", help="which sides to run (comma-separated)")
+    ap.add_argument("--profile", action="store_true", help="entrenar: kernel classes of 2 more steps")
+    ap.add_argument("--tag", default="", help="suffix of the result files (several settings in one --out)")
     ap.add_argument("--only", choices=("entrenar", "peer"), help="run one side in this process (internal)")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
@@ -184,9 +218,10 @@ def main() -> int:
         return 0
 
     results = {}
-    for side in ("entrenar", "peer"):
+    for side in args.sides.split(","):
         cmd = [sys.executable, __file__, "--only", side] + [
-            f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "seq", "rank", "steps", "warmup")]
+            f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "seq", "rank", "steps", "warmup",
+                                                   "checkpointing")] + (["--profile"] if args.profile else [])
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if proc.returncode != 0:
             results[side] = {"error": proc.stderr[-3000:]}
@@ -196,12 +231,13 @@ def main() -> int:
     card = torch.cuda.get_device_name(0)
     meta = {"gpu": card, "torch": torch.__version__, "python": platform.python_version(),
             "shape": args.preset, "batch": args.batch, "seq": args.seq, "rank": args.rank,
-            "steps": args.steps, "warmup": args.warmup}
+            "steps": args.steps, "warmup": args.warmup, "checkpointing": args.checkpointing}
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "qlora_results.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
+    tag = f"-{args.tag}" if args.tag else ""
+    (out / f"qlora_results{tag}.json").write_text(json.dumps({"meta": meta, "results": results}, indent=2) + "\n")
     lines = [(f"QLoRA {args.preset} shapes, r={args.rank}, batch {args.batch} x {args.seq}, activation "
-             f"checkpointing, bf16, {card}"), "",
+             f"checkpointing {args.checkpointing}, bf16, {card}"), "",
              "| side | tokens/s | peak GiB | step s | first loss | last loss |", "|---|---|---|---|---|---|"]
     for side, r in results.items():
         if "error" in r:
@@ -209,11 +245,17 @@ def main() -> int:
         else:
             lines.append(f"| {side} | {r['tok_s']:.0f} | {r['peak_mem_gib']:.2f} | {r['step_s']:.3f} | "
                          f"{r['first_loss']:.3f} | {r['last_loss']:.3f} |")
-    if all("tok_s" in r for r in results.values()):
+    if {"entrenar", "peer"} <= set(results) and all("tok_s" in r for r in results.values()):
         lines.append("")
         lines.append(f"speed-up {results['entrenar']['tok_s'] / results['peer']['tok_s']:.2f}x, memory "
                      f"{results['entrenar']['peak_mem_gib'] / results['peer']['peak_mem_gib']:.2f}x")
-    (out / "qlora_results.md").write_text("\n".join(lines) + "\n")
+    for side, r in results.items():
+        prof = r.get("profile")
+        if prof:
+            lines.append(f"\nprofile ({side}): wall {prof['wall_ms_per_step']:.1f} ms/step, kernels "
+                         f"{prof['kernel_ms_per_step']:.1f}, idle {prof['idle_ms_per_step']:.1f}: "
+                         + ", ".join(f"{c} {ms:.1f}" for c, ms in prof["by_class_ms"].items()))
+    (out / f"qlora_results{tag}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0
 

@@ -219,6 +219,8 @@ def classify(kernel: str) -> str:
         return "attention (sdpa)"
     if any(s in k for s in ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet", "matmul", "wgmma")):
         return "matmul (cuBLAS)"
+    if "dequant" in k or "nf4" in k:
+        return "nf4 dequantize"
     if "_rms_norm" in k:
         return "triton rmsnorm"
     if "_rope" in k:
