@@ -151,3 +151,29 @@ def test_unpermuted_llama_gguf_is_caught(tmp_path, monkeypatch):
     monkeypatch.setattr(ggufmod, "unpermute_qk", lambda w, n_head: w)
     with pytest.raises(AssertionError, match="relL2"):
         assert_parity(hf_model, load_model(path), ids)
+
+
+# ---- RoPE frequencies built once per device (CausalLM._inv_freq_on) -----------------------------------
+def test_rope_frequencies_are_built_once_and_follow_the_config(monkeypatch):
+    """Each forward used to copy the CPU-built inverse frequencies to the device: on CUDA a blocking copy
+    that made the host wait for every queued kernel. They are now built once per device and RoPE setting;
+    the numbers are the same, and a changed rope_theta is not served stale."""
+    from test_train_loop import tiny_model
+
+    calls = []
+    real = model_mod.rope_inv_freq
+    monkeypatch.setattr(model_mod, "rope_inv_freq", lambda cfg: calls.append(cfg.rope_theta) or real(cfg))
+    model = tiny_model().eval()
+    ids = torch.randint(0, model.cfg.vocab_size, (2, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        first = model(ids)
+        again = model(ids)
+    assert len(calls) == 1 and torch.equal(first, again)
+    positions = torch.arange(9)[None]
+    cos, sin = model_mod.rope_tables(model.cfg, positions, torch.float32)  # the uncached way
+    cos_c, sin_c = model_mod.rope_tables(model.cfg, positions, torch.float32, model._inv_freq_on(ids.device))
+    assert torch.equal(cos, cos_c) and torch.equal(sin, sin_c)
+    model.cfg.rope_theta *= 2
+    with torch.no_grad():
+        other = model(ids)
+    assert len(calls) == 3 and not torch.allclose(other, first)  # 2: the uncached rope_tables call above

@@ -53,9 +53,12 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     return inv_freq
 
 
-def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype = torch.float32):
-    """cos, sin of shape [B, T, D/2]; computed in float64, returned in fp32 (fp64 for fp64 runs)."""
-    inv_freq = rope_inv_freq(cfg).to(positions.device)
+def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype = torch.float32,
+                inv_freq: torch.Tensor | None = None):
+    """cos, sin of shape [B, T, D/2]; computed in float64, returned in fp32 (fp64 for fp64 runs).
+    `inv_freq`: rope_inv_freq(cfg) already on positions' device (else it is built and copied here)."""
+    if inv_freq is None:
+        inv_freq = rope_inv_freq(cfg).to(positions.device)
     angles = positions.to(torch.float64)[..., None] * inv_freq
     out_dtype = torch.float64 if dtype == torch.float64 else torch.float32
     return angles.cos().to(out_dtype), angles.sin().to(out_dtype)
@@ -248,6 +251,19 @@ class CausalLM(nn.Module):
                 with torch.no_grad():
                     p.copy_(torch.randn(p.shape, generator=gen) * s)
 
+    def _inv_freq_on(self, device: torch.device) -> torch.Tensor:
+        """rope_inv_freq of this config on `device`, built once per device and RoPE setting. It is computed
+        on the CPU (the same float64 numbers on every device); copying it in every forward was a blocking
+        host-to-device copy, after which torch synchronises the stream: the host waited for all queued GPU
+        work (the previous step's update), then the GPU idled while the host queued the forward. Not a
+        buffer: model.to(bf16) would round it."""
+        cfg = self.cfg
+        key = (device, cfg.head_dim, cfg.rope_theta, repr(sorted((cfg.rope_scaling or {}).items())))
+        cache = self.__dict__.setdefault("_inv_freq_cache", {})
+        if key not in cache:
+            cache[key] = rope_inv_freq(cfg).to(device)
+        return cache[key]
+
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.numel() and (int(input_ids.max()) >= self.cfg.vocab_size or int(input_ids.min()) < 0):
             raise ValueError(f"token id {int(input_ids.max())} out of range for vocab_size "
@@ -272,7 +288,7 @@ class CausalLM(nn.Module):
         dtype = self.model.embed_tokens.weight.dtype
         if torch.is_autocast_enabled(input_ids.device.type):
             dtype = torch.get_autocast_dtype(input_ids.device.type)
-        cos, sin = rope_tables(self.cfg, position_ids, dtype)
+        cos, sin = rope_tables(self.cfg, position_ids, dtype, self._inv_freq_on(position_ids.device))
         mask = None
         if doc_ids is not None:
             same = doc_ids[:, :, None] == doc_ids[:, None, :]
