@@ -102,7 +102,6 @@ def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int 
     their wall time (the difference is device idle: host work the device waited for)."""
     import tempfile
 
-    from torch.profiler import ProfilerActivity, profile
     from trainer_syncs import RandomLoader
 
     from entrenar.model import CausalLM
@@ -117,26 +116,14 @@ def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int 
         trainer = Trainer(model, RandomLoader(cfg_m.vocab_size, BATCH, SEQ), None, cfg, Path(d), log=lambda _t: None)
         for step in range(1, warm + 1):
             trainer.train_step(step)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            t0 = time.perf_counter()
-            for step in range(warm + 1, warm + steps + 1):
-                trainer.train_step(step)
-            torch.cuda.synchronize()
-            wall = time.perf_counter() - t0
-    by_class: dict[str, float] = {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", 0.0)
-        if t > 0 and not evt.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
-            c = tt.classify(evt.key)
-            by_class[c] = by_class.get(c, 0.0) + t / 1e3 / steps
-    busy = sum(by_class.values())
-    del trainer, model
+        def run_steps():
+            for s in range(warm + 1, warm + steps + 1):
+                trainer.train_step(s)
+        prof = tt.timed_profile(run_steps, steps)
+    trainer = model = None  # free the GPU memory before the next profile
     gc.collect()
     torch.cuda.empty_cache()
-    return {"model": model_name, "dtype": dtype, "wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy,
-            "idle_ms_per_step": 1e3 * wall / steps - busy,
-            "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1]))}
+    return {"model": model_name, "dtype": dtype, **prof}
 
 
 def cli_run(label: str, model: str, data: str, dtype: str, steps: int, warmup: int, root: Path) -> dict:

@@ -88,27 +88,10 @@ def run_entrenar(args) -> dict:
 
 def _profile(step, steps: int = 2) -> dict:
     """Device time per kernel class over `steps` steps against their wall time (the rest: device idle)."""
-    from torch.profiler import ProfilerActivity, profile
-
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_throughput import classify
+    from train_throughput import timed_profile
 
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    by_class: dict[str, float] = {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", 0.0)
-        if t > 0 and not evt.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
-            by_class[classify(evt.key)] = by_class.get(classify(evt.key), 0.0) + t / 1e3 / steps
-    busy = sum(by_class.values())
-    return {"wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy,
-            "idle_ms_per_step": 1e3 * wall / steps - busy,
-            "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1]))}
+    return timed_profile(lambda: [step() for _ in range(steps)], steps)
 
 
 def _quantize_linears_bnb(model: torch.nn.Module) -> int:

@@ -238,6 +238,29 @@ def classify(kernel: str) -> str:
     return "elementwise/other"
 
 
+def timed_profile(run_steps, steps: int) -> dict:
+    """Profile `run_steps()` (which runs `steps` steps): device ms per kernel class and step, against the
+    wall time per step; idle = wall - kernels (host work the device waited for)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        run_steps()
+        torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    by_class: dict[str, float] = {}
+    for evt in prof.key_averages():
+        t = getattr(evt, "device_time_total", 0.0)
+        if t > 0 and not evt.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
+            c = classify(evt.key)
+            by_class[c] = by_class.get(c, 0.0) + t / 1e3 / steps
+    busy = sum(by_class.values())
+    return {"wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy,
+            "idle_ms_per_step": 1e3 * wall / steps - busy,
+            "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1]))}
+
+
 def profile_step(cfg, args, device, dtype, autocast):
     batch, seq = args.batch, args.seq
     input_ids, labels = make_batch(cfg, batch, seq)
