@@ -195,6 +195,21 @@ def test_ddp_two_ranks_equal_one_process(tmp_path, single, base_model, sft_data)
     assert worst_rel(weights(out / "final/model.safetensors"), weights(single / "final/model.safetensors")) <= 1e-5
 
 
+@pytest.mark.parametrize("extra", [("--activation-checkpointing",), ("--mode", "lora", "--rank", "4", "--lr", "2e-3")],
+                         ids=["full-checkpointing", "lora"])
+def test_ddp_static_graph_one_micro_batch_equals_one_process(tmp_path, base_model, sft_data, extra):
+    """A step of one micro-batch: DDP declares its graph static (parallel.DDP_OPTIONS). With the blocks
+    recomputed in the backward, or only the adapters trainable (frozen parameters never reduced), two
+    ranks still train what one process does with the whole batch, evals and checkpoints included."""
+    one, two = tmp_path / "one", tmp_path / "two"
+    ok(run_cli(finetune_args(base_model, sft_data, one, 8, (*extra, "--grad-accum", "1"))))
+    ok(run_cli(finetune_args(base_model, sft_data, two, 4, (*extra, "--grad-accum", "1", "--parallel", "ddp")),
+               nproc=2))
+    assert len(losses(one)) == STEPS and close(losses(two), losses(one))
+    ev = [[r["loss"] for _, r in read_jsonl(run / "eval.jsonl")] for run in (two, one)]
+    assert len(ev[0]) > 1 and close(*ev)
+
+
 # ---- resume across world sizes -----------------------------------------------------------------------
 def _rewind(src: Path, dst: Path, step: int) -> None:
     """A copy of a finished run as it was right after checkpoint `step`."""
