@@ -481,11 +481,13 @@ def test_cuda_rng_of_more_devices_than_visible_restores_those_visible(monkeypatc
 # ---- garbage collection on a schedule (loop.scheduled_gc) ----------------------------------------------
 def test_fit_runs_with_automatic_gc_off_and_collects_on_schedule(tmp_path, monkeypatch):
     """Inside fit the automatic collector is off (a pause at a random point of a step would hold every
-    other rank at the next all-reduce), generation 1 is collected every GC_EVERY steps, and the
-    collector is on again afterwards, also when the run stops with an error."""
+    other rank at the next all-reduce), generation 1 is collected every GC_EVERY steps and everything
+    every GC_FULL_EVERY steps, and the collector is on again afterwards, also when the run stops with an
+    error."""
     import gc
 
     monkeypatch.setattr(loop, "GC_EVERY", 2)
+    monkeypatch.setattr(loop, "GC_FULL_EVERY", 4)
     collects, enabled_in_step = [], []
     real_collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda gen=2: collects.append(gen) or real_collect(gen))
@@ -498,7 +500,7 @@ def test_fit_runs_with_automatic_gc_off_and_collects_on_schedule(tmp_path, monke
     assert gc.isenabled()
     trainer.fit()
     assert enabled_in_step == [False] * 5
-    assert collects == [2, 1, 1]  # the full one at the start, then at steps 2 and 4
+    assert collects == [2, 1, 2]  # a full one at the start, generation 1 at step 2, a full one at step 4
     assert gc.isenabled()
 
     def boom(step):

@@ -262,8 +262,11 @@ def read_later(values: torch.Tensor) -> Callable[[], list[float]]:
 # point of a step, and a full pass over a big heap takes milliseconds to tens of them; in a distributed
 # run the rank that pauses holds every other rank at the next all-reduce. While fit() runs it is off and
 # generations 0-1 are collected every GC_EVERY steps, on every rank at the same step (torchtitan does
-# the same); the one full collection is at the start. 0: leave Python's automatic collection alone.
+# the same); a full collection runs at the start and every GC_FULL_EVERY steps (garbage that was still
+# reachable at a generation-1 pass waits in generation 2). GC_EVERY 0: leave Python's automatic
+# collection alone.
 GC_EVERY = 50
+GC_FULL_EVERY = 1000
 
 
 @contextlib.contextmanager
@@ -651,7 +654,9 @@ class Trainer:
         try:
             with scheduled_gc(GC_EVERY):
                 for step in range(self.start_step + 1, cfg.steps + 1):
-                    if GC_EVERY and step % GC_EVERY == 0:
+                    if GC_EVERY and step % GC_FULL_EVERY == 0:
+                        gc.collect()
+                    elif GC_EVERY and step % GC_EVERY == 0:
                         gc.collect(1)
                     record = self.train_step(step)
                     self.metrics_log.write(record)
