@@ -58,9 +58,19 @@ class LoRALinear(nn.Module):
         y = self.base_layer(x)
         a = self.lora_A.weight
         h = self.lora_dropout(x)
-        if not torch.is_autocast_enabled(x.device.type):
+        autocast = torch.is_autocast_enabled(x.device.type)
+        if not autocast:
             h = h.to(a.dtype)
-        return y + (self.lora_B(self.lora_A(h)) * self.scaling).to(y.dtype)
+        down = self.lora_A(h)  # [..., rank]
+        if autocast or down.dtype == y.dtype:
+            # y + scaling * down @ B^T as ONE matmul: the scale and the add run in the GEMM's epilogue
+            # (alpha, beta = 1), so neither makes its own pass over the [tokens, out] output (18,944 wide
+            # for Qwen2.5-7B's gate/up), in the forward, its recompute, and the backward's scale. Under
+            # autocast addmm computes in bf16 with fp32 accumulation and rounds once.
+            out = torch.addmm(y.reshape(-1, y.shape[-1]), down.reshape(-1, down.shape[-1]),
+                              self.lora_B.weight.t(), alpha=self.scaling)
+            return out.view(y.shape)
+        return y + (self.lora_B(down) * self.scaling).to(y.dtype)  # adapters fp32 on a 16-bit base, no autocast
 
     def delta_weight(self) -> torch.Tensor:
         """scale * B @ A in fp32: what merging adds to the base weight."""
