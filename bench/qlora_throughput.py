@@ -61,6 +61,11 @@ def run_entrenar(args) -> dict:
         model = CausalLM(cfg, kernels="triton")
     torch.set_default_dtype(torch.float32)
     init_normal_(model)
+    if args.lora_unfused:  # A/B: the adapter update as separate ops (a mul and an add over the whole output)
+        def unfused(self, x):
+            y = self.base_layer(x)
+            return y + (self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(y.dtype)
+        ep.LoRALinear.forward = unfused
     ep.apply_lora(model, rank=args.rank, alpha=2 * args.rank, targets=TARGETS, quantize_nf4=True)
     model.activation_checkpointing = args.checkpointing == "full"
     model.train()
@@ -188,6 +193,8 @@ def main() -> int:
                     help="activation checkpointing of every block (full, the peer's setting) or none")
     ap.add_argument("--sides", default="entrenar,peer", help="which sides to run (comma-separated)")
     ap.add_argument("--profile", action="store_true", help="entrenar: kernel classes of 2 more steps")
+    ap.add_argument("--lora-unfused", action="store_true",
+                    help="entrenar: the LoRA update as a separate mul + add (before e9a5d8b), for an A/B")
     ap.add_argument("--tag", default="", help="suffix of the result files (several settings in one --out)")
     ap.add_argument("--only", choices=("entrenar", "peer"), help="run one side in this process (internal)")
     ap.add_argument("--out", default="bench/out")
@@ -204,7 +211,8 @@ def main() -> int:
     for side in args.sides.split(","):
         cmd = [sys.executable, __file__, "--only", side] + [
             f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "seq", "rank", "steps", "warmup",
-                                                   "checkpointing")] + (["--profile"] if args.profile else [])
+                                                   "checkpointing")] + (["--profile"] if args.profile else []) \
+            + (["--lora-unfused"] if args.lora_unfused else [])
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
         if proc.returncode != 0:
             results[side] = {"error": proc.stderr[-3000:]}
