@@ -515,11 +515,11 @@ def test_gc_every_zero_leaves_the_collector_alone(tmp_path, monkeypatch):
     import gc
 
     monkeypatch.setattr(loop, "GC_EVERY", 0)
-    with loop.scheduled_gc(0):
+    with loop.scheduled_gc(0, 1000):
         assert gc.isenabled()
     gc.disable()
     try:  # a caller that turned it off itself keeps it off
-        with loop.scheduled_gc(3):
+        with loop.scheduled_gc(3, 1000):
             assert not gc.isenabled()
         assert not gc.isenabled()
     finally:

@@ -209,6 +209,7 @@ class CausalLM(nn.Module):
         self.peft_config = None
         self.activation_checkpointing = False
         self.activation_offload = False
+        self._inv_freq_cache: dict[tuple, torch.Tensor] = {}  # see _inv_freq_on
         self.model = Backbone(cfg)
         # A tied head has no tensor of its own (as in HF safetensors): it reads embed_tokens.
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size,
@@ -259,10 +260,9 @@ class CausalLM(nn.Module):
         buffer: model.to(bf16) would round it."""
         cfg = self.cfg
         key = (device, cfg.head_dim, cfg.rope_theta, repr(sorted((cfg.rope_scaling or {}).items())))
-        cache = self.__dict__.setdefault("_inv_freq_cache", {})
-        if key not in cache:
-            cache[key] = rope_inv_freq(cfg).to(device)
-        return cache[key]
+        if key not in self._inv_freq_cache:
+            self._inv_freq_cache[key] = rope_inv_freq(cfg).to(device)
+        return self._inv_freq_cache[key]
 
     def _check_ids(self, input_ids: torch.Tensor) -> None:
         if input_ids.numel() and (int(input_ids.max()) >= self.cfg.vocab_size or int(input_ids.min()) < 0):

@@ -270,17 +270,24 @@ GC_FULL_EVERY = 1000
 
 
 @contextlib.contextmanager
-def scheduled_gc(every: int) -> Any:
+def scheduled_gc(every: int, full_every: int) -> Any:
     """Automatic garbage collection off inside (restored on exit, also on an error), after one full
-    collection; the caller runs `gc.collect(1)` every `every` steps. every=0: nothing changes."""
+    collection. Yields `before_step(step)`: generations 0-1 every `every` steps, everything every
+    `full_every`. every=0: nothing changes (before_step does nothing)."""
     if every <= 0:
-        yield
+        yield lambda step: None
         return
+
+    def before_step(step: int) -> None:
+        if step % full_every == 0:
+            gc.collect()
+        elif step % every == 0:
+            gc.collect(1)
     was_enabled = gc.isenabled()
     gc.collect()
     gc.disable()
     try:
-        yield
+        yield before_step
     finally:
         if was_enabled:
             gc.enable()
@@ -652,12 +659,9 @@ class Trainer:
         self.progress = Progress(cfg.steps, self.start_step, sys.stderr, cfg.log_every)
         t_train, tokens_at_start, step = time.perf_counter(), self.tokens, self.start_step
         try:
-            with scheduled_gc(GC_EVERY):
+            with scheduled_gc(GC_EVERY, GC_FULL_EVERY) as before_step:
                 for step in range(self.start_step + 1, cfg.steps + 1):
-                    if GC_EVERY and step % GC_FULL_EVERY == 0:
-                        gc.collect()
-                    elif GC_EVERY and step % GC_EVERY == 0:
-                        gc.collect(1)
+                    before_step(step)
                     record = self.train_step(step)
                     self.metrics_log.write(record)
                     self.progress.update(step, record["loss"], record["tok_s"],
