@@ -438,6 +438,10 @@ def print_table(results: list[Result], out=sys.stdout) -> None:
     total, cpu = sum(r.seconds for r in results), sum(r.cpu_seconds for r in results)
     summary = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
     print(f"{len(results)} mutations: {summary}; {total:.0f} s of test time ({cpu:.0f} CPU s)", file=out)
+    # repeated after the summary: CI shows only the tail of a long table, and the failures are what it needs
+    for r in results:
+        if r.status != OK:
+            print(f"NOT CAUGHT {r.id}: {r.status} -- {r.detail or 'every named test passed'}", file=out)
 
 
 def select(invariants: list[Invariant], ids: list[str], cost: str | None) -> list[Invariant]:
