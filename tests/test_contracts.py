@@ -7,7 +7,9 @@ applies to the current tree, plus the runner's own behaviour on a toy project.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
+import io
 import sys
 import textwrap
 from pathlib import Path
@@ -127,6 +129,41 @@ def test_runner_reports_caught_missed_broken(tmp_path):
     # the working tree is never touched, and the scratch copies are cleaned up
     assert "return a + b" in (root / "src" / "toy" / "__init__.py").read_text()
     assert list(parent.iterdir()) == []
+
+
+FLAKY_TEST = '''
+from pathlib import Path
+
+from toy import untested
+
+
+def test_sometimes():
+    # sees the defect only from its second run on (a counter beside the scratch copies)
+    runs = Path(__file__).resolve().parents[2] / "runs.txt"
+    n = int(runs.read_text()) + 1 if runs.exists() else 1
+    runs.write_text(str(n))
+    assert n == 1 or untested(1) == 2
+'''
+
+
+def test_runner_retries_a_miss_once_and_reports_a_flaky_catch(tmp_path):
+    root = _toy(tmp_path, TOY_CONTRACTS)
+    (root / "tests" / "test_flaky.py").write_text(FLAKY_TEST)
+    invariants = {i.id: i for i in mutants.load_contracts(root / "contracts")[0]}
+    flaky = dataclasses.replace(invariants["TOY-MISSED"], id="TOY-FLAKY", tests=["tests/test_flaky.py::test_sometimes"])
+    parent = tmp_path / "scratch"
+    parent.mkdir()
+    r = mutants.run_one(flaky, sys.executable, parent, root=root)
+    assert r.status == mutants.FLAKY and "first run" in r.detail, r
+    assert (parent / "runs.txt").read_text() == "2"  # run twice, not more
+    missed = mutants.run_one(invariants["TOY-MISSED"], sys.executable, parent, root=root)
+    assert missed.status == "missed"  # passed twice: still a miss, and the gate fails on it
+    out = io.StringIO()
+    mutants.print_table([r, missed], out=out)
+    tail = out.getvalue().strip().splitlines()[-2:]  # what CI's tail shows
+    assert tail == [f"FLAKY TOY-FLAKY: {r.detail}", "NOT CAUGHT TOY-MISSED: missed -- " + (missed.detail or
+                    "every named test passed")]
+    assert mutants.PASSING == ("caught", mutants.FLAKY)
 
 
 def test_runner_baseline_fails_when_the_tests_fail_unmutated(tmp_path):

@@ -8,14 +8,16 @@ the named tests with the repository's Python (``PYTHONPATH`` = the scratch ``src
 source is what is imported, not the editable install) and reports:
 
   caught          a named test failed (the contract holds)
-  missed          every named test passed -- the tests cannot see the defect
+  missed          every named test passed, twice -- the tests cannot see the defect
+  caught-on-retry every named test passed once, then one failed: a test that sees the defect only
+                  sometimes (passes the gate; listed at the end of the table to be fixed)
   broken          an edit does not apply (its ``find`` is not in the file exactly once)
   skipped         every named test was skipped (nothing was checked)
   error           pytest could not collect / run the tests (e.g. the mutant breaks an import)
   timeout         the tests ran past the time limit
   baseline-fails  (--baseline) the named tests fail on the unmutated tree already
 
-Exit status 1 when any result is not ``caught``. ``--lint`` checks the YAML without running tests:
+Exit status 1 when any result is neither ``caught`` nor ``caught-on-retry``. ``--lint`` checks the YAML without running tests:
 ids unique, tests defined, a ``mutate:`` on every invariant, every edit applies exactly once and the
 mutated file still parses.
 
@@ -55,6 +57,8 @@ COPY = ("src", "tests", "contracts", "tools", "pyproject.toml", "conftest.py")
 COSTS = ("fast", "slow")
 DEFAULT_TIMEOUT = 600.0
 OK = "caught"
+FLAKY = "caught-on-retry"  # passes the gate, printed at the end of the table for a fix
+PASSING = (OK, FLAKY)
 
 
 @dataclass
@@ -359,6 +363,13 @@ def _run_one(inv: Invariant, python: str, parent: Path, baseline: bool, root: Pa
         for name, text in texts.items():
             (scratch / name).write_text(text)
         status, failed, detail = run_tests(python, scratch, inv.tests, inv.timeout, markers)
+        if status == "missed":
+            # once in CI (a 2-core runner, two mutants at a time) a mutant passed that is caught in every run
+            # here, alone and with two at a time, AVX-512 and AVX2 alike. A second run tells a test that can
+            # never see the defect (missed twice) from one that sees it only sometimes (reported FLAKY below)
+            status, failed, detail = run_tests(python, scratch, inv.tests, inv.timeout, markers)
+            if status == OK:
+                status, detail = FLAKY, "missed on the first run, caught on the second: " + ", ".join(failed)
         return Result(inv.id, status, time.monotonic() - start, inv.cost, failed, detail, _children_cpu() - cpu0)
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -440,7 +451,9 @@ def print_table(results: list[Result], out=sys.stdout) -> None:
     print(f"{len(results)} mutations: {summary}; {total:.0f} s of test time ({cpu:.0f} CPU s)", file=out)
     # repeated after the summary: CI shows only the tail of a long table, and the failures are what it needs
     for r in results:
-        if r.status != OK:
+        if r.status == FLAKY:
+            print(f"FLAKY {r.id}: {r.detail}", file=out)
+        elif r.status != OK:
             print(f"NOT CAUGHT {r.id}: {r.status} -- {r.detail or 'every named test passed'}", file=out)
 
 
@@ -520,12 +533,12 @@ def main(argv: list[str] | None = None) -> int:
         shutil.rmtree(parent, ignore_errors=True)
     if args.json:
         print(json.dumps({"results": [asdict(r) for r in results], "totals": totals,
-                          "ok": all(r.status == OK for r in results)}, indent=1))
+                          "ok": all(r.status in PASSING for r in results)}, indent=1))
     else:
         print_table(results)
         print(f"run: {totals['wall_seconds']:.0f} s wall, {totals['cpu_seconds']:.0f} CPU s of tests, "
               f"--jobs {totals['jobs']}")
-    return 0 if all(r.status == OK for r in results) else 1
+    return 0 if all(r.status in PASSING for r in results) else 1
 
 
 def _run_all(chosen: list[Invariant], python: str, parent: Path, args, snapshot: Path) -> list[Result]:
