@@ -69,24 +69,26 @@ class ModelConfig:
                 bad(f"rope_scaling type {kind!r} not supported (linear | llama3)")
 
     # ---- sizes -------------------------------------------------------------------------
+    def layer_linear_parameters(self) -> int:
+        """Weights of one decoder layer's linears: q/o over num_heads, k/v over num_kv_heads, the MLP's three."""
+        h, d = self.hidden_size, self.head_dim
+        return h * d * (self.num_heads * 2 + self.num_kv_heads * 2) + 3 * h * self.intermediate_size
+
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
+        attn = 0
         if self.attention_bias:
             attn += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
             attn += 2 * d
-        mlp = 3 * h * self.intermediate_size
-        per_layer = attn + mlp + 2 * h
+        per_layer = self.layer_linear_parameters() + attn + 2 * h
         emb = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + emb + head + h
 
     def matmul_parameters(self) -> int:
         """Parameters that take part in a matmul per token (all linears incl. the LM head)."""
-        h, d = self.hidden_size, self.head_dim
-        attn = h * d * (self.num_heads * 2 + self.num_kv_heads * 2)
-        return self.num_layers * (attn + 3 * h * self.intermediate_size) + self.vocab_size * h
+        return self.num_layers * self.layer_linear_parameters() + self.vocab_size * self.hidden_size
 
     def flops_per_token(self, seq_len: int) -> float:
         """Training FLOPs per token: 6 x matmul params + attention (causal-agnostic, as PaLM)."""
