@@ -137,3 +137,101 @@ def test_seed_same_command_same_metrics_other_seed_differs(tmp_path, byte_model_
     a, b, c = losses("a", "7"), losses("b", "7"), losses("c", "8")
     assert a == b
     assert a != c
+
+
+# ---- finetune: --lr auto and the adapter flags, --max-skip-fraction, --val, --pack -------------------------
+@pytest.fixture(scope="module")
+def sft_base(tmp_path_factory) -> tuple[Path, Path]:
+    """A tiny base with SmolLM2's tokenizer whose start passes GUARD-INIT-LOSS, and 8 chat rows."""
+    from test_peft_seed import tiny_base_and_data
+
+    return tiny_base_and_data(tmp_path_factory.mktemp("sftbase"))
+
+
+def finetune(base: Path, data: Path, out: Path, *extra: str, capsys=None) -> tuple[int, dict | None, str]:
+    return main(["finetune", "--model", str(base), "--data", str(data), "--out", str(out), "--batch-size", "2",
+                 "--max-seq-len", "64", "--no-preflight", "--json", *extra], capsys)
+
+
+def test_lr_auto_follows_rank_alpha_rslora_and_the_adapter_flags_reach_the_adapter(tmp_path, sft_base, capsys):
+    """finetune's default --lr is auto: the rate auto_lr gives for this --rank/--alpha/--rslora (2.5e-5 for
+    r=4, alpha 64, rslora; 5e-5 without rslora), logged and in every lr row; --rank/--alpha/--rslora/
+    --targets/--dropout are what final/adapter_config.json and the adapter tensors say."""
+    from safetensors.torch import load_file
+
+    from entrenar.peft import auto_lr
+
+    base, data = sft_base
+    out = tmp_path / "lora"
+    code, _, err = finetune(base, data, out, "--mode", "lora", "--rank", "4", "--alpha", "64", "--rslora",
+                            "--targets", "q_proj,v_proj", "--dropout", "0.1", "--steps", "2",
+                            "--schedule", "constant", capsys=capsys)
+    assert code == 0, err
+    want, _ = auto_lr("lora", 4, True, 64.0)
+    assert want == pytest.approx(2.5e-5) and auto_lr("lora", 4, False, 64.0)[0] == pytest.approx(5e-5)
+    assert f"--lr auto: {want:g}" in err
+    assert _lrs(out) == pytest.approx([want, want], rel=1e-12)
+    assert json.loads((out / "run.json").read_text())["config"]["lr"] == pytest.approx(want)
+    cfg = json.loads((out / "final" / "adapter_config.json").read_text())
+    assert (cfg["r"], cfg["lora_alpha"], cfg["use_rslora"], cfg["lora_dropout"]) == (4, 64, True, 0.1)
+    assert sorted(cfg["target_modules"]) == ["q_proj", "v_proj"]
+    tensors = load_file(str(out / "final" / "adapter_model.safetensors"))
+    assert {n.split(".")[-3] for n in tensors} == {"q_proj", "v_proj"}  # ...q_proj.lora_A.weight
+    assert {t.shape[0] for n, t in tensors.items() if "lora_A" in n} == {4}
+
+    code, _, err = finetune(base, data, tmp_path / "full", "--steps", "1", capsys=capsys)
+    assert code == 0, err
+    assert _lrs(tmp_path / "full") == [pytest.approx(auto_lr("full")[0])]  # 2e-5, warmup 0 of 1 step
+    code, _, err = finetune(base, data, tmp_path / "given", "--steps", "1", "--lr", "1e-3", capsys=capsys)
+    assert code == 0, err
+    assert _lrs(tmp_path / "given") == [pytest.approx(1e-3)]
+
+
+def test_max_skip_fraction_is_the_threshold_of_guard_data(tmp_path, sft_base, capsys):
+    """--skip-invalid counts the 2 bad rows of 10 (0.2 skipped): --max-skip-fraction 0.1 is GUARD-DATA, exit 2,
+    before training; 0.25 trains with the 2 rows counted in data_report.json."""
+    base, data = sft_base
+    mixed = tmp_path / "mixed.jsonl"
+    mixed.write_text(data.read_text() + json.dumps({"prompt": "no completion"}) + "\n"
+                     + json.dumps({"text": "not a chat row"}) + "\n")
+    code, result, err = finetune(base, mixed, tmp_path / "strict", "--steps", "1", "--skip-invalid",
+                                 "--max-skip-fraction", "0.1", capsys=capsys)
+    assert code == 2 and result["guard"] == "GUARD-DATA", err
+    assert not (tmp_path / "strict" / "metrics.jsonl").exists()
+    code, _, err = finetune(base, mixed, tmp_path / "lenient", "--steps", "1", "--skip-invalid",
+                            "--max-skip-fraction", "0.25", capsys=capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "lenient" / "data_report.json").read_text())["train"]
+    assert (report["rows_read"], report["skipped_total"], report["skip_fraction"]) == (10, 2, 0.2)
+    code, result, _ = finetune(base, mixed, tmp_path / "no-skip", "--steps", "1", capsys=capsys)
+    assert code == 2 and "--skip-invalid" in result["error"]  # without --skip-invalid a bad row is exit 2
+
+
+def test_val_file_and_val_fraction(tmp_path, sft_base, capsys):
+    """--val FILE is the eval set (its rows, every one); without it --val-fraction of --data is held out."""
+    base, data = sft_base
+    val = tmp_path / "val.jsonl"
+    val.write_text("".join(data.read_text().splitlines(keepends=True)[:3]))  # the tokens the base knows
+    code, _, err = finetune(base, data, tmp_path / "v", "--steps", "1", "--val", str(val), capsys=capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "v" / "data_report.json").read_text())
+    assert (report["train_examples"], report["val_examples"]) == (8, 3)
+    code, _, err = finetune(base, data, tmp_path / "f", "--steps", "1", "--val-fraction", "0.25", capsys=capsys)
+    assert code == 0, err
+    report = json.loads((tmp_path / "f" / "data_report.json").read_text())
+    assert (report["train_examples"], report["val_examples"]) == (6, 2)
+
+
+def test_pack_puts_several_samples_in_a_row(tmp_path, sft_base, capsys):
+    """--pack: a row of --max-seq-len tokens holds several samples, so one row of a step trains the loss tokens
+    of each of them (padded: exactly one sample per row)."""
+    base, data = sft_base
+    rows = {}
+    for name, extra in (("padded", ()), ("packed", ("--pack",))):
+        code, _, err = finetune(base, data, tmp_path / name, "--steps", "1", "--batch-size", "1",
+                                "--val-fraction", "0", "--max-seq-len", "128", *extra, capsys=capsys)
+        assert code == 0, err
+        rows[name] = read_jsonl(tmp_path / name / "metrics.jsonl")[0]
+    # each sample of this data is 36 tokens of which 3 train (the answer and <|im_end|>); 128 hold 3 samples
+    assert rows["padded"]["loss_tokens"] == 3
+    assert rows["packed"]["loss_tokens"] == 3 * 3
