@@ -33,6 +33,19 @@ def pretrain(model: Path, data: Path, out: Path, *extra: str, capsys=None) -> tu
                  "--batch-size", "2", "--no-preflight", "--json", *extra], capsys)
 
 
+def _help(*command: str) -> str:
+    """`entrenar COMMAND --help` as printed."""
+    import contextlib
+    import io
+
+    from entrenar import cli
+
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf), pytest.raises(SystemExit):
+        cli.main([*command, "--help"])
+    return " ".join(buf.getvalue().split())
+
+
 def checkpoint_steps(run: Path) -> list[int]:
     return sorted(int(d.name.split("-")[1]) for d in (run / "checkpoints").iterdir()
                   if d.name.startswith("step-") and not d.is_symlink())
@@ -235,3 +248,72 @@ def test_pack_puts_several_samples_in_a_row(tmp_path, sft_base, capsys):
     # each sample of this data is 36 tokens of which 3 train (the answer and <|im_end|>); 128 hold 3 samples
     assert rows["padded"]["loss_tokens"] == 3
     assert rows["packed"]["loss_tokens"] == 3 * 3
+
+
+# ---- generate: --max-new-tokens, --temperature, --top-p, --seed ------------------------------------------
+def _generate_dir(root: Path, context: int = 256) -> Path:
+    """An HF dir of test_generate's tiny random model (sharp logits, untied head) with the tiny tokenizer;
+    `context` is its max_position_embeddings. The head rows of the stop tokens are zero: their logit 0 is
+    below the largest of ~270 sharp logits, so greedy decoding never stops before its bound."""
+    import torch
+    from conftest import tiny_causal_lm, tiny_config
+    from test_tokenizer import tiny_tokenizer
+
+    from entrenar.formats import save_hf_dir
+
+    tok = tiny_tokenizer()
+    cfg = tiny_config("qwen2", vocab_size=len(tok), tie_word_embeddings=False, rms_norm_eps=1e-6,
+                      max_position_embeddings=context)
+    model = tiny_causal_lm(cfg, 0, bias_std=0.3, head_scale=10.0).eval()
+    with torch.no_grad():
+        for i in {tok.eos_id, tok.eot_id} - {None}:
+            model.lm_head.weight[i] = 0.0
+    return save_hf_dir(model, root / f"gen-{context}", tokenizer=tok)
+
+
+def generate_cli(model: Path, *extra: str, capsys) -> dict:
+    code, result, err = main(["generate", "--model", str(model), "--prompt", "the in the er", "--json", *extra],
+                             capsys)
+    assert code == 0 and result["ok"], err
+    return result
+
+
+def test_max_new_tokens_bounds_the_output_and_defaults_to_the_context_left(tmp_path, capsys, monkeypatch):
+    """--max-new-tokens N: exactly N tokens when nothing stops earlier (this model's greedy text never reaches
+    a stop token); without it, the default (256) or what is left of the context if less."""
+    from entrenar import generate, model_commands
+
+    model = _generate_dir(tmp_path, context=20)
+    r = generate_cli(model, "--max-new-tokens", "5", capsys=capsys)
+    assert (r["completion_tokens"], len(r["token_ids"]), r["stop_reason"]) == (5, 5, "max_new_tokens")
+    r = generate_cli(model, capsys=capsys)
+    assert r["completion_tokens"] == 20 - r["prompt_tokens"] and r["prompt_tokens"] > 0
+    assert generate.DEFAULT_MAX_NEW_TOKENS == 256 and "default 256" in _help("generate")
+    monkeypatch.setattr(model_commands, "DEFAULT_MAX_NEW_TOKENS", 9)  # 256 tokens take ~30 s on this CPU
+    r = generate_cli(_generate_dir(tmp_path, context=400), capsys=capsys)
+    assert r["completion_tokens"] == 9  # the default when the context has room
+
+
+def test_temperature_top_p_and_seed_reach_the_sampler(tmp_path, capsys):
+    """--temperature 0 (the default) is greedy, as the library's generate; --top-p 1e-6 keeps only the most
+    likely token, so sampling at any temperature is greedy again; --top-p 1 at --temperature 3 samples
+    other tokens, the same ones for the same --seed."""
+    import torch
+    from test_tokenizer import tiny_tokenizer
+
+    from entrenar.formats import load_model
+    from entrenar.generate import generate
+
+    model = _generate_dir(tmp_path)
+    n = ("--max-new-tokens", "12")
+    greedy = generate_cli(model, *n, capsys=capsys)["token_ids"]
+    tok = tiny_tokenizer()
+    lib = generate(load_model(model, dtype=torch.float32).eval(), tok, tok.encode("the in the er"), 12)
+    assert greedy == lib.token_ids
+    assert generate_cli(model, *n, "--temperature", "3", "--top-p", "1e-6", "--seed", "1",
+                        capsys=capsys)["token_ids"] == greedy
+    hot = generate_cli(model, *n, "--temperature", "3", "--top-p", "1", "--seed", "1", capsys=capsys)["token_ids"]
+    assert hot != greedy
+    assert generate_cli(model, *n, "--temperature", "3", "--seed", "1", capsys=capsys)["token_ids"] == hot
+    assert generate_cli(model, *n, "--temperature", "3", "--seed", "2", capsys=capsys)["token_ids"] != hot
+    assert "nucleus sampling" in _help("generate")  # --top-p had no help text before this audit

@@ -111,7 +111,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"default {DEFAULT_MAX_NEW_TOKENS}, or what is left of the model's context if less")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
-    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling (with --temperature > 0): draw only from the most likely tokens whose "
+                        "probabilities add up to P; 1 = all tokens (1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     add_device_option(p, default="auto")
     add_model_source_args(p)
