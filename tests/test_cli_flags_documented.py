@@ -317,3 +317,99 @@ def test_temperature_top_p_and_seed_reach_the_sampler(tmp_path, capsys):
     assert generate_cli(model, *n, "--temperature", "3", "--seed", "1", capsys=capsys)["token_ids"] == hot
     assert generate_cli(model, *n, "--temperature", "3", "--seed", "2", capsys=capsys)["token_ids"] != hot
     assert "nucleus sampling" in _help("generate")  # --top-p had no help text before this audit
+
+
+# ---- data pack, tokenizer train, eval: --workers, --shard-tokens, --seed, --overwrite, --min-frequency, --split
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.iterdir())}
+
+
+def test_data_pack_workers_shard_tokens_seed_and_overwrite(tmp_path, capsys, monkeypatch):
+    """`data pack`: --workers 2 tokenizes in a pool of 2 processes and writes the same bytes as --workers 1;
+    --shard-tokens N caps every shard file at N tokens; --seed picks another train/val split of the
+    documents; an existing --out is exit 2 unless --overwrite, which replaces it."""
+    import numpy as np
+    from test_data_pack import TEXTS
+
+    from entrenar.data import corpus
+    from entrenar.tokenizer_train import train_tokenizer
+
+    (tmp_path / "c.txt").write_text("".join(TEXTS) * 3)
+    train_tokenizer([str(tmp_path / "c.txt")], 320, tmp_path / "tok")
+    src = tmp_path / "src"
+    src.mkdir()
+    for i, t in enumerate(TEXTS):
+        (src / f"m{i:02d}.py").write_text(t)
+    monkeypatch.setattr(corpus, "TASK_BYTES", 400)  # several encode tasks, so both workers get some
+    pools = []  # (workers, tasks) of each pack: _run_tasks spawns a pool when both are > 1
+    real_run_tasks = corpus._run_tasks
+
+    def run_tasks(tasks, ctx, workers):
+        pools.append((workers, len(tasks)))
+        return real_run_tasks(tasks, ctx, workers)
+
+    monkeypatch.setattr(corpus, "_run_tasks", run_tasks)
+
+    def pack(out: str, *extra: str) -> tuple[int, dict | None, str]:
+        return main(["data", "pack", "--model", str(tmp_path / "tok"), "--out", str(tmp_path / out),
+                     "--shard-tokens", "97", "--val-fraction", "0.25", "--json", *extra, str(src)], capsys)
+
+    code, one, err = pack("w1", "--workers", "1", "--seed", "3")
+    assert code == 0, err
+    code, two, err = pack("w2", "--workers", "2", "--seed", "3")
+    assert code == 0 and two["workers"] == 2, err
+    assert pools[0][0] == 1 and pools[1][0] == 2 and pools[1][1] > 2  # a pool of 2 over several tasks
+    assert _files(tmp_path / "w1") == _files(tmp_path / "w2")
+    index = corpus.read_index(tmp_path / "w1")
+    shards = [s for split in index["splits"].values() for s in split["shards"]]
+    assert len(shards) > 3
+    assert all(0 < np.fromfile(tmp_path / "w1" / s["file"], dtype=index["dtype"]).size <= 97 for s in shards)
+
+    code, other, err = pack("s4", "--seed", "4")
+    assert code == 0, err
+    assert one["documents"] == other["documents"] == 40  # every document, split another way
+    assert one["splits"]["val"] != other["splits"]["val"] and one["splits"]["val"]["documents"] > 0
+
+    before = _files(tmp_path / "w1")
+    code, refused, _ = pack("w1", "--seed", "4")
+    assert code == 2 and "--overwrite" in refused["error"] and _files(tmp_path / "w1") == before
+    code, _, err = pack("w1", "--seed", "4", "--overwrite")
+    assert code == 0, err
+    assert _files(tmp_path / "w1") == _files(tmp_path / "s4")
+
+
+def test_tokenizer_min_frequency_bounds_the_merges(tmp_path, capsys):
+    """`tokenizer train --min-frequency N`: no merge of a pair seen fewer than N times. A pair-count above
+    every pair's count leaves only the byte alphabet and the specials, whatever --vocab-size asks."""
+    corpus = tmp_path / "c.txt"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 20 + "zq xj\n")
+    sizes = {}
+    for n in ("1", "1000"):
+        out = tmp_path / f"tok{n}"
+        code, _, err = main(["tokenizer", "train", "--vocab-size", "400", "--out", str(out), "--min-frequency", n,
+                             "--json", str(corpus)], capsys)
+        assert code == 0, err
+        model = json.loads((out / "tokenizer.json").read_text())["model"]
+        sizes[n] = (len(model["vocab"]), len(model["merges"]))
+    assert sizes["1000"] == (256 + 3, 0)  # no pair occurs 1000 times: 256 bytes + 3 specials, no merge
+    assert sizes["1"][1] == sizes["1"][0] - 259 > 0  # every pair seen once may merge: one token per merge
+
+
+def test_eval_split_picks_the_shard_split_and_defaults_to_val(tmp_path, byte_model_dir, small_shards, capsys):
+    """`eval --split train|val` evaluates that split of the shards (every window with --max-batches 0);
+    without it, val when the shards have one."""
+    from entrenar.data.corpus import read_index
+
+    splits = read_index(small_shards)["splits"]
+
+    def ev(*extra: str) -> dict:
+        code, result, err = main(["eval", "--model", str(byte_model_dir), "--data", str(small_shards), "--seq-len",
+                                  "32", "--batch-size", "4", "--json", *extra], capsys)
+        assert code == 0, err
+        return result
+
+    val, train, default = ev("--split", "val"), ev("--split", "train"), ev()
+    assert val["tokens"] == (splits["val"]["tokens"] - 1) // 32 * 32  # windows of 32 targets, shifted by one
+    assert train["tokens"] == (splits["train"]["tokens"] - 1) // 32 * 32
+    assert train["tokens"] > val["tokens"] and default == {**default, "loss": val["loss"], "tokens": val["tokens"]}
+    assert ev("--split", "train", "--max-batches", "2")["tokens"] == 2 * 4 * 32
