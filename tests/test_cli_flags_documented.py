@@ -413,3 +413,60 @@ def test_eval_split_picks_the_shard_split_and_defaults_to_val(tmp_path, byte_mod
     assert train["tokens"] == (splits["train"]["tokens"] - 1) // 32 * 32
     assert train["tokens"] > val["tokens"] and default == {**default, "loss": val["loss"], "tokens": val["tokens"]}
     assert ev("--split", "train", "--max-batches", "2")["tokens"] == 2 * 4 * 32
+
+
+# ---- --adapter / --force-base on every command that takes an adapter ----------------------------------------
+@pytest.fixture(scope="module")
+def adapter_on_a(tmp_path_factory) -> tuple[Path, Path, Path]:
+    """(base A with the tiny tokenizer, base B: the same shape from another seed, a LoRA adapter trained on A
+    whose B matrices are nonzero so it changes the output)."""
+    import torch
+    from test_peft import randomize_adapters
+
+    from entrenar import peft as ep
+    from entrenar.formats import load_model, save_hf_dir
+
+    root = tmp_path_factory.mktemp("adapter")
+    a = _generate_dir(root / "A")
+    b_model = load_model(a, dtype=torch.float32)
+    with torch.no_grad():
+        for p in b_model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
+    from test_tokenizer import tiny_tokenizer
+
+    b = save_hf_dir(b_model, root / "B", tokenizer=tiny_tokenizer())
+    m = load_model(a, dtype=torch.float32)
+    ep.apply_lora(m, rank=4, alpha=8)
+    randomize_adapters(m, std=0.5)
+    ep.save_adapter(m, root / "adapter", str(a))
+    return Path(a), Path(b), root / "adapter"
+
+
+def test_generate_adapter_changes_the_output(tmp_path, adapter_on_a, capsys):
+    a, _, adapter = adapter_on_a
+    n = ("--max-new-tokens", "6")
+    plain = generate_cli(a, *n, capsys=capsys)["token_ids"]
+    assert generate_cli(a, *n, "--adapter", str(adapter), capsys=capsys)["token_ids"] != plain
+
+
+@pytest.mark.parametrize("command", ["generate", "eval", "export", "verify", "qa"])
+def test_force_base_is_needed_to_apply_an_adapter_to_another_base(command, tmp_path, adapter_on_a, capsys):
+    """An adapter recorded for base A on base B: exit 2 naming --force-base; with --force-base the command runs
+    (docs/design.md: any command taking --adapter)."""
+    _, b, adapter = adapter_on_a
+    data = tmp_path / "sft.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"the {w}", "completion": w}) + "\n" for w in ("in", "er", "the")))
+    argv = {"generate": ["generate", "--model", str(b), "--prompt", "the", "--max-new-tokens", "2"],
+            "eval": ["eval", "--model", str(b), "--data", str(data), "--max-seq-len", "64"],
+            "export": ["export", "gguf", str(b), str(tmp_path / "m.gguf"), "--type", "f32"],
+            "verify": ["verify", "--model", str(b), "--seq-len", "32", "--no-grads"],
+            "qa": ["qa", "--model", str(b)]}[command]
+    argv += ["--adapter", str(adapter), "--json"]
+    code, result, err = main(argv, capsys)
+    assert code == 2 and "--force-base" in result["error"], err
+    assert not (tmp_path / "m.gguf").exists()
+    if command == "qa":
+        return  # qa's forced run generates its golden prompts (~20 s here); the load it shares is shown above
+    code, result, err = main([*argv, "--force-base"], capsys)
+    assert code == 0 and result["ok"], err
+    assert "--force-base" in err  # the forced mismatch is reported, not silent
