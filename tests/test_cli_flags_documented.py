@@ -118,10 +118,10 @@ def small_shards(tmp_path_factory) -> Path:
     return root / "shards"
 
 
-def test_eval_every_and_eval_batches(tmp_path, byte_model_dir, byte_shards, small_shards, capsys):
+def test_eval_every_and_eval_batches(tmp_path, byte_model_dir, small_shards, capsys):
     """--eval-every N evaluates at step 0, every N steps and at the end; --eval-batches N bounds each eval
     to N batches; 0 = at start and end / all batches."""
-    code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / "a", "--steps", "4", "--eval-every", "2",
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "a", "--steps", "4", "--eval-every", "2",
                             "--eval-batches", "2", capsys=capsys)
     assert code == 0, err
     rows = read_jsonl(tmp_path / "a" / "eval.jsonl")
