@@ -470,3 +470,46 @@ def test_force_base_is_needed_to_apply_an_adapter_to_another_base(command, tmp_p
     code, result, err = main([*argv, "--force-base"], capsys)
     assert code == 0 and result["ok"], err
     assert "--force-base" in err  # the forced mismatch is reported, not silent
+
+
+# ---- --truncation (finetune, eval, data check), eval --dtype -------------------------------------------------
+@pytest.mark.parametrize("command", ["finetune", "eval", "data check"])
+def test_truncation_keep_trains_cut_samples_skip_drops_them(command, tmp_path, sft_base, capsys):
+    """Every sample of this data is 36 tokens whose last 3 are the response: at --max-seq-len 35 each response
+    is cut. --truncation skip (the default) skips all 8 (GUARD-DATA, exit 2); keep keeps the 8 cut samples."""
+    base, data = sft_base
+
+    def run(*extra: str) -> tuple[int, dict | None, str]:
+        if command == "finetune":
+            return finetune(base, data, tmp_path / f"run{len(extra)}", "--steps", "1", "--val-fraction", "0",
+                            "--max-seq-len", "35", *extra, capsys=capsys)
+        argv = (["eval", "--model", str(base), "--data", str(data), "--batch-size", "2"] if command == "eval" else
+                ["data", "check", "--model", str(base), "--data", str(data)])
+        return main([*argv, "--max-seq-len", "35", "--json", *extra], capsys)
+
+    code, result, err = run()
+    assert code == 2 and result["guard"] == "GUARD-DATA", err
+    code, result, err = run("--truncation", "keep")
+    assert code == 0, err
+    if command == "finetune":
+        report = json.loads((tmp_path / "run2" / "data_report.json").read_text())["train"]
+        assert read_jsonl(tmp_path / "run2" / "metrics.jsonl")[0]["loss_tokens"] == 2 * 2  # 2 of 3 per sample
+    elif command == "eval":
+        assert result["tokens"] == 8 * 2  # every sample, its 2 response tokens inside 35
+        return
+    else:
+        report = result["report"]
+    assert (report["kept"], report["truncated_kept"], report["skipped_total"]) == (8, 8, 0)
+
+
+def test_eval_dtype_bf16_is_a_bf16_forward_within_the_ce_bound(tmp_path, byte_model_dir, small_shards, capsys):
+    """`eval --dtype bf16` runs the forward in bf16 autocast: another loss than fp32's, within docs/design.md's
+    0.05 nats of CE between a bf16 and an fp32 forward."""
+    def loss(dtype: str) -> float:
+        code, result, err = main(["eval", "--model", str(byte_model_dir), "--data", str(small_shards), "--seq-len",
+                                  "32", "--batch-size", "4", "--max-batches", "2", "--dtype", dtype, "--json"], capsys)
+        assert code == 0, err
+        return result["loss"]
+
+    fp32, bf16 = loss("fp32"), loss("bf16")
+    assert fp32 != bf16 and abs(fp32 - bf16) <= 0.05
