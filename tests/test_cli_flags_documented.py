@@ -513,3 +513,19 @@ def test_eval_dtype_bf16_is_a_bf16_forward_within_the_ce_bound(tmp_path, byte_mo
 
     fp32, bf16 = loss("fp32"), loss("bf16")
     assert fp32 != bf16 and abs(fp32 - bf16) <= 0.05
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--shard-tokens", "0"), ("--workers", "0"), ("--val-fraction", "1")])
+def test_data_pack_bad_number_exits_2_naming_the_flag(flag, value, tmp_path, capsys):
+    """A bad number for a `data pack` flag is exit 2 naming that flag, nothing written."""
+    from test_tokenizer import tiny_tokenizer
+
+    from entrenar.tokenizer import save_tokenizer_files
+
+    tok_dir = tmp_path / "tok"
+    save_tokenizer_files(tiny_tokenizer(), tok_dir)
+    (tmp_path / "a.txt").write_text("some text\n")
+    code, result, err = main(["data", "pack", "--model", str(tok_dir), "--out", str(tmp_path / "out"), flag, value,
+                              "--json", str(tmp_path / "a.txt")], capsys)
+    assert code == 2 and flag in result["error"], err
+    assert not (tmp_path / "out").exists()

@@ -351,7 +351,7 @@ def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fra
     if not 0.0 <= val_fraction < 1.0:
         raise InputError(f"--val-fraction must be in [0, 1), got {val_fraction}")
     if shard_tokens < 1:
-        raise InputError(f"shard size must be >= 1 token, got {shard_tokens}")
+        raise InputError(f"--shard-tokens must be >= 1 (tokens per shard file), got {shard_tokens}")
     if workers < 1:
         raise InputError(f"--workers must be >= 1, got {workers}")
     if tokenizer.eos_id is None:
