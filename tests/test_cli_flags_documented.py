@@ -529,3 +529,11 @@ def test_data_pack_bad_number_exits_2_naming_the_flag(flag, value, tmp_path, cap
                               "--json", str(tmp_path / "a.txt")], capsys)
     assert code == 2 and flag in result["error"], err
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize(("flag", "value"), [("--top-p", "0"), ("--top-p", "1.5"), ("--temperature", "-1"),
+                                             ("--max-new-tokens", "0")])
+def test_generate_bad_sampling_number_exits_2_naming_the_flag(flag, value, tmp_path, capsys):
+    model = _generate_dir(tmp_path)
+    code, result, err = main(["generate", "--model", str(model), "--prompt", "the", flag, value, "--json"], capsys)
+    assert code == 2 and flag in result["error"], err

@@ -115,9 +115,9 @@ def generate(model: CausalLM, tokenizer, prompt_ids: Sequence[int], max_new_toke
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
     if not temperature >= 0:  # also rejects NaN
-        raise InputError(f"temperature is {temperature}; it must be >= 0 (0 = greedy)")
+        raise InputError(f"temperature (--temperature) is {temperature}; it must be >= 0 (0 = greedy)")
     if not 0.0 < top_p <= 1.0:
-        raise InputError(f"top_p is {top_p}; it must be in (0, 1]")
+        raise InputError(f"top_p (--top-p) is {top_p}; it must be in (0, 1] (1 = no nucleus cut)")
     cfg = model.cfg
     tokenizer.check_ids(prompt_ids, cfg.vocab_size)
     if len(prompt_ids) + max_new_tokens > cfg.max_position_embeddings:
