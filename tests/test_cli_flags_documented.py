@@ -537,3 +537,19 @@ def test_generate_bad_sampling_number_exits_2_naming_the_flag(flag, value, tmp_p
     model = _generate_dir(tmp_path)
     code, result, err = main(["generate", "--model", str(model), "--prompt", "the", flag, value, "--json"], capsys)
     assert code == 2 and flag in result["error"], err
+
+
+# ---- --json: non-finite numbers are null and named (docs/design.md), verify included ----------------------
+def test_verify_json_writes_nonfinite_as_null_and_names_them(capsys, monkeypatch):
+    """docs/design.md: under --json a non-finite number is null and its key is listed under "nonfinite" (one
+    rule for every command). verify wrote the strings "nan" / "inf" instead, so a client reading relL2 as a
+    number got a string."""
+    from entrenar.verify import commands
+
+    report = {"ok": False, "exit_code": 1, "sequences": [{"logits_rel_l2": float("nan")}],
+              "first_divergent": {"name": "embed", "rel_l2": float("inf"), "bound": 1e-5}}
+    monkeypatch.setattr(commands, "run_verify", lambda *a, **k: report)
+    code, result, _ = main(["verify", "--model", "whatever", "--json"], capsys)
+    assert code == 1 and result["ok"] is False
+    assert result["sequences"][0]["logits_rel_l2"] is None and result["first_divergent"]["rel_l2"] is None
+    assert result["nonfinite"] == ["first_divergent.rel_l2", "sequences[0].logits_rel_l2"]

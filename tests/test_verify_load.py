@@ -123,7 +123,8 @@ def test_json_line_is_strict_with_nonfinite_numbers(capsys, monkeypatch):
               "first_divergent": {"name": "embed", "rel_l2": float("inf"), "bound": 1e-5}}
     monkeypatch.setattr(commands, "run_verify", lambda *a, **k: report)
     code, rep = _run(capsys, ["verify", "--model", "whatever"])
-    assert code == 1 and rep["first_divergent"]["rel_l2"] == "inf" and rep["sequences"][0]["logits_rel_l2"] == "nan"
+    assert code == 1 and rep["first_divergent"]["rel_l2"] is None and rep["sequences"][0]["logits_rel_l2"] is None
+    assert rep["nonfinite"] == ["first_divergent.rel_l2", "sequences[0].logits_rel_l2"]  # docs/design.md
 
 
 def test_verify_against_hf_prints_no_third_party_noise(bf16_dir):
