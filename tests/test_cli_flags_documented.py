@@ -553,3 +553,34 @@ def test_verify_json_writes_nonfinite_as_null_and_names_them(capsys, monkeypatch
     assert code == 1 and result["ok"] is False
     assert result["sequences"][0]["logits_rel_l2"] is None and result["first_divergent"]["rel_l2"] is None
     assert result["nonfinite"] == ["first_divergent.rel_l2", "sequences[0].logits_rel_l2"]
+
+
+def test_weight_decay_shrinks_only_matrices_by_lr_times_wd(tmp_path, byte_model_dir, small_shards, capsys):
+    """--weight-decay is AdamW's decoupled decay on >=2-D weights: after one step at lr 1e-2, --weight-decay 0.5
+    leaves every matrix lr x 0.5 x its initial value below the run without decay; norms are not decayed."""
+    import torch
+    from safetensors.torch import load_file
+
+    from entrenar.formats import load_state
+    from entrenar.model import CausalLM
+
+    finals = {}
+    for wd in ("0", "0.5"):
+        code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / wd, "--steps", "1", "--lr", "1e-2",
+                                "--warmup", "0", "--schedule", "constant", "--weight-decay", wd, "--eval-batches", "1",
+                                capsys=capsys)
+        assert code == 0, err
+        finals[wd] = load_file(str(tmp_path / wd / "final" / "model.safetensors"))
+    cfg, _, _ = load_state(str(byte_model_dir))
+    init = CausalLM(cfg)
+    init.init_weights(0)  # pretrain --model DIR: that architecture, random init from --seed 0
+    start = init.state_dict()
+    decayed = 0
+    for name, plain in finals["0"].items():
+        delta = plain.double() - finals["0.5"][name].double()
+        if plain.dim() < 2:
+            assert torch.equal(delta, torch.zeros_like(delta)), name
+        else:
+            torch.testing.assert_close(delta, 1e-2 * 0.5 * start[name].double(), rtol=1e-3, atol=1e-7)
+            decayed += 1
+    assert decayed >= 2 * 7  # every projection of both layers (and the embedding)
