@@ -584,3 +584,23 @@ def test_weight_decay_shrinks_only_matrices_by_lr_times_wd(tmp_path, byte_model_
             torch.testing.assert_close(delta, 1e-2 * 0.5 * start[name].double(), rtol=1e-3, atol=1e-7)
             decayed += 1
     assert decayed >= 2 * 7  # every projection of both layers (and the embedding)
+
+
+@pytest.mark.parametrize("policy", ["warn", "skip", "stop"])
+def test_on_spike_policy_through_pretrain(policy, tmp_path, byte_model_dir, small_shards, capsys, monkeypatch):
+    """--on-spike: one step whose loss (and gradient) is 50x is GUARD-SPIKE. warn (the default) names it and
+    applies the step; skip drops that update and marks the metrics row; stop exits 3 naming the step."""
+    from test_train_loop import _scale_loss_at_call
+
+    _scale_loss_at_call(monkeypatch, 20, 50.0)
+    extra = () if policy == "warn" else ("--on-spike", policy)
+    code, result, err = pretrain(byte_model_dir, small_shards, tmp_path / "r", "--steps", "22", "--lr", "1e-4",
+                                 "--warmup", "0", "--eval-batches", "1", *extra, capsys=capsys)
+    if policy == "stop":
+        assert code == 3 and result["guard"] == "GUARD-SPIKE" and "step 20" in result["error"], err
+        return
+    assert code == 0, err
+    assert "GUARD-SPIKE" in err and "step 20" in err
+    skipped = [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if r["skipped"]]
+    assert skipped == ([20] if policy == "skip" else [])
+    assert result["counters"].get("spike_skipped", 0) == (1 if policy == "skip" else 0)
