@@ -120,7 +120,7 @@ def small_shards(tmp_path_factory) -> Path:
 
 def test_eval_every_and_eval_batches(tmp_path, byte_model_dir, small_shards, capsys):
     """--eval-every N evaluates at step 0, every N steps and at the end; --eval-batches N bounds each eval
-    to N batches; 0 = at start and end / all batches."""
+    to N batches; 0 = at start and end / all batches. --save-every 0 checkpoints at the end only."""
     code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "a", "--steps", "4", "--eval-every", "2",
                             "--eval-batches", "2", capsys=capsys)
     assert code == 0, err
@@ -133,6 +133,7 @@ def test_eval_every_and_eval_batches(tmp_path, byte_model_dir, small_shards, cap
     assert code == 0, err
     rows = read_jsonl(tmp_path / "b" / "eval.jsonl")
     assert [r["step"] for r in rows] == [0, 2]  # --eval-every 0: at start and end
+    assert checkpoint_steps(tmp_path / "b") == [2]  # --save-every 0 (the default): a checkpoint at the end only
     val_windows = json.loads((tmp_path / "b" / "data_report.json").read_text())["val_windows"]
     assert val_windows > 2 * 2, "the val split must be larger than the bounded eval above"
     assert {r["tokens"] for r in rows} == {val_windows * 32}  # every val window, once
@@ -604,3 +605,20 @@ def test_on_spike_policy_through_pretrain(policy, tmp_path, byte_model_dir, smal
     skipped = [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if r["skipped"]]
     assert skipped == ([20] if policy == "skip" else [])
     assert result["counters"].get("spike_skipped", 0) == (1 if policy == "skip" else 0)
+
+
+# ---- export gguf --type: the stored type of the 2-D weights, read back with the gguf package -----------------
+@pytest.mark.parametrize(("typ", "stored"), [(None, "F16"), ("f32", "F32"), ("bf16", "BF16"), ("q4_0", "Q4_0")])
+def test_export_type_is_the_stored_type_of_2d_weights(typ, stored, tmp_path, capsys):
+    """`export gguf --type T` (default f16): every 2-D weight is stored as T, norms and biases stay F32."""
+    from gguf import GGUFReader
+
+    model = _generate_dir(tmp_path)
+    out = tmp_path / "m.gguf"
+    code, _, err = main(["export", "gguf", str(model), str(out), "--json",
+                        *(() if typ is None else ("--type", typ))], capsys)
+    assert code == 0, err
+    types = {t.name: (t.tensor_type.name, len([d for d in t.shape if d > 1])) for t in GGUFReader(str(out)).tensors}
+    assert {name for name, (_, dims) in types.items() if dims < 2}, "the model has norms and biases"
+    for name, (tensor_type, dims) in types.items():
+        assert tensor_type == (stored if dims >= 2 else "F32"), (name, tensor_type)
