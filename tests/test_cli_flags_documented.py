@@ -622,3 +622,20 @@ def test_export_type_is_the_stored_type_of_2d_weights(typ, stored, tmp_path, cap
     assert {name for name, (_, dims) in types.items() if dims < 2}, "the model has norms and biases"
     for name, (tensor_type, dims) in types.items():
         assert tensor_type == (stored if dims >= 2 else "F32"), (name, tensor_type)
+
+
+def test_init_starts_from_that_models_weights(tmp_path, byte_model_dir, small_shards, capsys):
+    """pretrain --init MODEL: step 0 is MODEL's weights (its step-0 eval loss is the loss of MODEL's last eval on
+    the same batch, not a random init's), and GUARD-INIT-LOSS judges that start."""
+    common = ("--eval-batches", "1", "--lr", "3e-3", "--warmup", "0")
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "first", "--steps", "12", *common, capsys=capsys)
+    assert code == 0, err
+    trained = read_jsonl(tmp_path / "first" / "eval.jsonl")[-1]["loss"]
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "cont", "--steps", "1",
+                            "--init", str(tmp_path / "first" / "final"), *common, capsys=capsys)
+    assert code == 0, err
+    step0 = read_jsonl(tmp_path / "cont" / "eval.jsonl")[0]
+    assert step0["step"] == 0 and step0["loss"] == pytest.approx(trained, rel=1e-6)
+    random_start = read_jsonl(tmp_path / "first" / "eval.jsonl")[0]["loss"]
+    assert abs(random_start - trained) > 0.1  # a random init would be told apart
+    assert json.loads((tmp_path / "cont" / "run.json").read_text())["config"]["check_init_loss"] is True
