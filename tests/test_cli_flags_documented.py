@@ -639,3 +639,29 @@ def test_init_starts_from_that_models_weights(tmp_path, byte_model_dir, small_sh
     random_start = read_jsonl(tmp_path / "first" / "eval.jsonl")[0]["loss"]
     assert abs(random_start - trained) > 0.1  # a random init would be told apart
     assert json.loads((tmp_path / "cont" / "run.json").read_text())["config"]["check_init_loss"] is True
+
+
+def test_resume_path_continues_from_that_checkpoint_and_allow_config_change(tmp_path, byte_model_dir, small_shards,
+                                                                           capsys):
+    """--resume PATH continues from that checkpoint (not the newest): steps 3-4 come again with the losses of the
+    straight run. A changed --batch-size is refused (exit 2 naming --allow-config-change) unless that flag."""
+    run = tmp_path / "run"
+    common = ("--steps", "4", "--save-every", "2", "--keep", "0", "--eval-batches", "1")
+    code, _, err = pretrain(byte_model_dir, small_shards, run, *common, capsys=capsys)
+    assert code == 0, err
+    straight = [r["loss"] for r in read_jsonl(run / "metrics.jsonl")]
+    step2 = run / "checkpoints" / "step-0000002"
+    code, result, err = pretrain(byte_model_dir, small_shards, run, *common, "--resume", str(step2), capsys=capsys)
+    assert code == 0, err
+    assert result["start_step"] == 2 and "resume: step 2" in err
+    rows = read_jsonl(run / "metrics.jsonl")
+    assert [r["step"] for r in rows][-2:] == [3, 4] and [r["loss"] for r in rows][-2:] == straight[2:]
+
+    more = (*common[:1], "6", *common[2:])
+    code, result, err = pretrain(byte_model_dir, small_shards, run, *more, "--resume", "auto", "--batch-size", "4",
+                                 capsys=capsys)
+    assert code == 2 and "--allow-config-change" in result["error"], err
+    code, result, err = pretrain(byte_model_dir, small_shards, run, *more, "--resume", "auto", "--batch-size", "4",
+                                 "--allow-config-change", capsys=capsys)
+    assert code == 0 and result["start_step"] == 4, err
+    assert read_jsonl(run / "metrics.jsonl")[-1]["loss_tokens"] == 4 * 32  # the new batch size
