@@ -22,8 +22,8 @@ from test_train_cli import main
 
 from entrenar.train.metrics import read_jsonl
 
-# the byte-tokenizer shards (val split 0.3) and model of test_train_cli, module-scoped there
-byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir
+# the byte-level model of test_train_cli (an architecture pretrain initialises), module-scoped there
+byte_model_dir = test_train_cli.byte_model_dir
 
 
 def pretrain(model: Path, data: Path, out: Path, *extra: str, capsys=None) -> tuple[int, dict | None, str]:
@@ -52,20 +52,20 @@ def checkpoint_steps(run: Path) -> list[int]:
 
 
 # ---- pretrain / finetune: checkpoints, schedule, eval, seed ---------------------------------------------
-def test_keep_n_leaves_the_newest_n_checkpoints_and_0_keeps_all(tmp_path, byte_model_dir, byte_shards, capsys):
+def test_keep_n_leaves_the_newest_n_checkpoints_and_0_keeps_all(tmp_path, byte_model_dir, small_shards, capsys):
     """--keep N: the newest N complete checkpoints stay; --keep 0 keeps every one (docs/design.md)."""
     common = ("--steps", "4", "--save-every", "1", "--eval-batches", "1")
-    code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / "k2", *common, "--keep", "2", capsys=capsys)
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "k2", *common, "--keep", "2", capsys=capsys)
     assert code == 0, err
     assert checkpoint_steps(tmp_path / "k2") == [3, 4]
     assert (tmp_path / "k2" / "checkpoints" / "latest").resolve().name == "step-0000004"
-    code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / "k0", *common, "--keep", "0", capsys=capsys)
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "k0", *common, "--keep", "0", capsys=capsys)
     assert code == 0, err
     assert checkpoint_steps(tmp_path / "k0") == [1, 2, 3, 4]
 
 
-def test_default_keep_is_3(tmp_path, byte_model_dir, byte_shards, capsys):
-    code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / "r", "--steps", "5", "--save-every", "1",
+def test_default_keep_is_3(tmp_path, byte_model_dir, small_shards, capsys):
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "r", "--steps", "5", "--save-every", "1",
                             "--eval-batches", "1", capsys=capsys)
     assert code == 0, err
     assert checkpoint_steps(tmp_path / "r") == [3, 4, 5]
@@ -77,12 +77,12 @@ def _lrs(run: Path) -> list[float]:
     return [r["lr"] for r in rows]
 
 
-def test_warmup_default_and_schedules_in_the_lr_column(tmp_path, byte_model_dir, byte_shards, capsys):
+def test_warmup_default_and_schedules_in_the_lr_column(tmp_path, byte_model_dir, small_shards, capsys):
     """metrics.jsonl's lr: --warmup defaults to min(100, steps/10) (2 of 20 steps: a linear ramp to --lr),
     then --schedule decays to 0.1 x the peak by the last step (cosine by default); --warmup 0 starts at the
     peak; constant stays there; linear falls by equal steps."""
     peak = 4e-3
-    code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / "cos", "--steps", "20", "--lr", str(peak),
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "cos", "--steps", "20", "--lr", str(peak),
                             "--eval-batches", "1", capsys=capsys)
     assert code == 0, err
     lrs = _lrs(tmp_path / "cos")
@@ -93,12 +93,12 @@ def test_warmup_default_and_schedules_in_the_lr_column(tmp_path, byte_model_dir,
     run = json.loads((tmp_path / "cos" / "run.json").read_text())
     assert run["config"]["warmup"] == 2 and run["config"]["schedule"] == "cosine"
 
-    code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / "const", "--steps", "4", "--lr", str(peak),
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "const", "--steps", "4", "--lr", str(peak),
                             "--warmup", "0", "--schedule", "constant", "--eval-batches", "1", capsys=capsys)
     assert code == 0, err
     assert _lrs(tmp_path / "const") == pytest.approx([peak] * 4, rel=1e-9)
 
-    code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / "lin", "--steps", "5", "--lr", str(peak),
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "lin", "--steps", "5", "--lr", str(peak),
                             "--warmup", "1", "--schedule", "linear", "--eval-batches", "1", capsys=capsys)
     assert code == 0, err
     # warmup 1 step, then 4 steps from the peak down towards 0.1 x peak: 1 - progress, progress = k / 4
@@ -140,10 +140,10 @@ def test_eval_every_and_eval_batches(tmp_path, byte_model_dir, small_shards, cap
     assert {r["batches"] for r in rows} == {math.ceil(val_windows / 2)}
 
 
-def test_seed_same_command_same_metrics_other_seed_differs(tmp_path, byte_model_dir, byte_shards, capsys):
+def test_seed_same_command_same_metrics_other_seed_differs(tmp_path, byte_model_dir, small_shards, capsys):
     """--seed seeds init and data order: the same command twice gives identical metrics (docs/design.md)."""
     def losses(name: str, seed: str) -> list[float]:
-        code, _, err = pretrain(byte_model_dir, byte_shards, tmp_path / name, "--steps", "3", "--seed", seed,
+        code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / name, "--steps", "3", "--seed", seed,
                                 "--eval-batches", "1", capsys=capsys)
         assert code == 0, err
         return [r["loss"] for r in read_jsonl(tmp_path / name / "metrics.jsonl")]
@@ -665,3 +665,13 @@ def test_resume_path_continues_from_that_checkpoint_and_allow_config_change(tmp_
                                  "--allow-config-change", capsys=capsys)
     assert code == 0 and result["start_step"] == 4, err
     assert read_jsonl(run / "metrics.jsonl")[-1]["loss_tokens"] == 4 * 32  # the new batch size
+
+
+def test_preset_takes_the_shards_vocabulary_rounded_up_to_64(tmp_path, small_shards, capsys):
+    """docs/design.md: with shards of another vocabulary a preset takes the shards' vocabulary size rounded up to
+    a multiple of 64 (258 byte-level tokens -> 320), and says so."""
+    code, _, err = pretrain("tiny", small_shards, tmp_path / "r", "--steps", "1", "--eval-batches", "1",
+                            capsys=capsys)
+    assert code == 0, err
+    assert "vocab_size" in err and "-> 320" in err and "multiple of 64" in err
+    assert json.loads((tmp_path / "r" / "final" / "config.json").read_text())["vocab_size"] == 320
