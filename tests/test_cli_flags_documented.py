@@ -675,3 +675,18 @@ def test_preset_takes_the_shards_vocabulary_rounded_up_to_64(tmp_path, small_sha
     assert code == 0, err
     assert "vocab_size" in err and "-> 320" in err and "multiple of 64" in err
     assert json.loads((tmp_path / "r" / "final" / "config.json").read_text())["vocab_size"] == 320
+
+
+def test_verify_dtype_runs_the_path_under_test_in_that_dtype(tmp_path, capsys):
+    """verify --dtype: fp32 matches the float64 reference to 1e-5 (docs/design.md); bf16 is a bf16 path, visibly
+    less exact, inside bf16's 2e-2 logits bound; the report names the dtype and its bounds."""
+    model = _generate_dir(tmp_path)
+    worst = {}
+    for dtype in ("fp32", "bf16"):
+        code, rep, err = main(["verify", "--model", str(model), "--seq-len", "32", "--no-grads", "--dtype", dtype,
+                               "--json"], capsys)
+        assert code == 0 and rep["ok"] and rep["dtype"] == dtype, err
+        assert rep["grads"] is None  # --no-grads: no backward comparison
+        worst[dtype] = max(s["logits_rel_l2"] for s in rep["sequences"])
+    assert worst["fp32"] <= 1e-5
+    assert 1e-4 < worst["bf16"] <= 2e-2
