@@ -249,6 +249,7 @@ def test_pack_puts_several_samples_in_a_row(tmp_path, sft_base, capsys):
     # each sample of this data is 36 tokens of which 3 train (the answer and <|im_end|>); 128 hold 3 samples
     assert rows["padded"]["loss_tokens"] == 3
     assert rows["packed"]["loss_tokens"] == 3 * 3
+    assert "--batch-size then counts rows" in _help("finetune")  # what --batch-size 1 meant here
 
 
 # ---- generate: --max-new-tokens, --temperature, --top-p, --seed ------------------------------------------

@@ -233,7 +233,8 @@ class DataConfig:
     skip_invalid: bool = option(False, "skip and count invalid rows instead of exit 2", commands=("finetune",))
     max_skip_fraction: float = option(DEFAULT_MAX_SKIP_FRACTION, "GUARD-DATA (exit 2) above this fraction of "
                                       "skipped rows", commands=("finetune", "eval"))
-    pack: bool = option(False, "pack several samples per row (attention kept apart)", commands=("finetune",))
+    pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
+                               "--batch-size then counts rows, not samples", commands=("finetune",))
 
     def validate(self) -> None:
         if not (math.isfinite(self.val_fraction) and 0.0 <= self.val_fraction < 1.0):
