@@ -691,3 +691,49 @@ def test_verify_dtype_runs_the_path_under_test_in_that_dtype(tmp_path, capsys):
         worst[dtype] = max(s["logits_rel_l2"] for s in rep["sequences"])
     assert worst["fp32"] <= 1e-5
     assert 1e-4 < worst["bf16"] <= 2e-2
+
+
+# ---- the documentation names only flags that exist ----------------------------------------------------------
+DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
+COMMANDS = ("inspect", "convert", "export gguf", "generate", "tokenizer train", "data pack", "data sft-from-code",
+            "data check", "pretrain", "finetune", "eval", "verify", "qa", "merge", "plot")
+
+
+def _documented_flags() -> dict[str, set[str]]:
+    """{command: flags} of the command block of docs/design.md (a command line and its indented continuations)."""
+    import re
+
+    text = DESIGN.read_text()
+    block = text[text.index("```\nentrenar inspect"):]
+    block = block[:block.index("```", 3)]
+    flags: dict[str, set[str]] = {}
+    command = None
+    for line in block.splitlines():
+        if line.startswith("entrenar "):
+            rest = line.removeprefix("entrenar ")
+            command = next(c for c in sorted(COMMANDS, key=len, reverse=True) if rest.startswith(c + " "))
+        elif not line.startswith(" "):
+            command = None
+        if command:
+            flags.setdefault(command, set()).update(re.findall(r"--[a-z][a-z0-9-]*", line))
+    return flags
+
+
+def test_every_flag_design_md_names_exists_in_that_commands_help():
+    flags = _documented_flags()
+    assert set(flags) == set(COMMANDS), set(COMMANDS) - set(flags)
+    assert sum(len(f) for f in flags.values()) > 30
+    missing = {c: sorted(f for f in fs if f not in _help(*c.split()).split()) for c, fs in flags.items()}
+    assert not {c: m for c, m in missing.items() if m}
+
+
+def test_notable_flags_of_design_md_exist_in_pretrain_or_finetune():
+    import re
+
+    text = DESIGN.read_text()
+    notable = text[text.index("Notable flags:"):text.index("Long sequences")]
+    offered = set(_help("pretrain").split()) | set(_help("finetune").split())
+    named = set(re.findall(r"`(--[a-z][a-z0-9-]*)", notable))
+    assert {"--dtype", "--keep", "--warmup", "--eval-batches", "--lr", "--max-skip-fraction", "--force-base"} <= named
+    offered |= set(_help("generate").split())  # --force-base: any command taking --adapter; --max-new-tokens
+    assert named <= offered, named - offered
