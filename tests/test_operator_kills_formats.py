@@ -102,9 +102,10 @@ def test_planning_the_tensors_refuses_an_unexportable_model(tok):
 
 
 # ---- export: token types (gguf.TokenType, as llama.cpp's converter assigns them) ----------------------
-def _handmade_tokenizer(source: str | None) -> ChatTokenizer:
+def _handmade_tokenizer(source: str) -> ChatTokenizer:
     """Byte-level BPE: the 256 byte symbols, one merge ("a b" -> "ab"), one entry no merge makes ("xyz"),
-    one special (control) token and one added non-special (user-defined) token."""
+    two special (control) tokens -- end of sequence <|end|> and end of turn <|im_end|> -- and one added
+    non-special (user-defined) token."""
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -113,10 +114,10 @@ def _handmade_tokenizer(source: str | None) -> ChatTokenizer:
     t = Tokenizer(models.BPE(vocab=vocab, merges=[("a", "b")]))
     t.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     t.decoder = decoders.ByteLevel()
-    t.add_special_tokens([AddedToken("<|end|>", special=True)])
+    t.add_special_tokens([AddedToken("<|end|>", special=True), AddedToken("<|im_end|>", special=True)])
     t.add_tokens([AddedToken("<tool>", special=False)])
-    return ChatTokenizer(t, bos_token=None, eos_token="<|end|>", pad_token=None, add_bos=False, chat_template=None,
-                         source=source)
+    return ChatTokenizer(t, bos_token=None, eos_token="<|end|>", eot_token="<|im_end|>", pad_token=None,
+                         add_bos=False, chat_template=None, source=source)
 
 
 def test_token_types_are_llama_cpps(tmp_path):
@@ -127,7 +128,7 @@ def test_token_types_are_llama_cpps(tmp_path):
     kind = dict(zip(meta.tokens, meta.token_types))
     assert kind["a"] == kind["Ġ"] == kind["ab"] == T.NORMAL
     assert kind["xyz"] == T.UNUSED  # in the vocabulary, but no merge produces it
-    assert kind["<|end|>"] == T.CONTROL and kind["<tool>"] == T.USER_DEFINED
+    assert kind["<|end|>"] == kind["<|im_end|>"] == T.CONTROL and kind["<tool>"] == T.USER_DEFINED
     assert meta.tokens[n:] == [f"[PAD{n}]", f"[PAD{n + 1}]"] and meta.token_types[n:] == [T.UNUSED] * 2
     assert meta.padded == 2 and len(meta.tokens) == len(meta.token_types) == n + 2
 
@@ -138,7 +139,19 @@ def test_vocabulary_mismatch_names_the_tokenizer_source(tmp_path):
     with pytest.raises(InputError, match=f"^{tmp_path / 'my-tokenizer'}: the tokenizer has {n} tokens"):
         gw.tokenizer_meta(chat, n - 1)
     with pytest.raises(InputError, match=f"^tokenizer: the tokenizer has {n} tokens"):
-        gw.tokenizer_meta(_handmade_tokenizer(None), n - 1)
+        gw.tokenizer_meta(_handmade_tokenizer(""), n - 1)
+
+
+def test_end_of_turn_other_than_end_of_sequence_is_written(tmp_path):
+    """llama.cpp stops a chat turn at tokenizer.ggml.eot_token_id: an end-of-turn token that is not EOS
+    (ChatML's <|im_end|> next to <|end|>) must be in the file."""
+    chat = _handmade_tokenizer(str(tmp_path))
+    cfg = tiny_cfg("llama", chat.tokenizer.get_vocab_size(with_added_tokens=True))
+    out = tmp_path / "m.gguf"
+    gw.write_gguf(cfg, random_model(cfg).state_dict(), chat, out, "f16")
+    f = _fields(out)
+    end, im_end = chat.tokenizer.token_to_id("<|end|>"), chat.tokenizer.token_to_id("<|im_end|>")
+    assert f["tokenizer.ggml.eos_token_id"] == end and f["tokenizer.ggml.eot_token_id"] == im_end != end
 
 
 # ---- reading: files written by gguf.GGUFWriter the way llama.cpp's converter does ---------------------
