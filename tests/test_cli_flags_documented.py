@@ -737,3 +737,21 @@ def test_notable_flags_of_design_md_exist_in_pretrain_or_finetune():
     assert {"--dtype", "--keep", "--warmup", "--eval-batches", "--lr", "--max-skip-fraction", "--force-base"} <= named
     offered |= set(_help("generate").split())  # --force-base: any command taking --adapter; --max-new-tokens
     assert named <= offered, named - offered
+
+
+def test_batch_size_times_grad_accum_is_the_step(tmp_path, byte_model_dir, small_shards, capsys):
+    """docs/design.md: batch 4 == batch 2 x --grad-accum 2 == batch 1 x --grad-accum 4 -- the same windows, the
+    same loss and update per step (fp32 summation order apart)."""
+    runs = {}
+    for bs, ga in ((4, 1), (2, 2), (1, 4)):
+        out = tmp_path / f"b{bs}a{ga}"
+        code, _, err = main(["pretrain", "--model", str(byte_model_dir), "--data", str(small_shards), "--out",
+                             str(out), "--seq-len", "32", "--batch-size", str(bs), "--grad-accum", str(ga), "--steps",
+                             "3", "--lr", "3e-3", "--eval-batches", "1", "--no-preflight", "--json"], capsys)
+        assert code == 0, err
+        runs[bs, ga] = read_jsonl(out / "metrics.jsonl")
+    ref = runs[4, 1]
+    for rows in runs.values():
+        assert [r["loss_tokens"] for r in rows] == [4 * 32] * 3
+        assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+        assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-4)
