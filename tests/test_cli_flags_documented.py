@@ -755,3 +755,29 @@ def test_batch_size_times_grad_accum_is_the_step(tmp_path, byte_model_dir, small
         assert [r["loss_tokens"] for r in rows] == [4 * 32] * 3
         assert [r["loss"] for r in rows] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
         assert [r["grad_norm"] for r in rows] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-4)
+
+
+def test_a_lora_run_is_a_model_and_an_adapter(tmp_path, sft_base, capsys):
+    """A LoRA run directory as --model (its final adapter on the recorded base) gives what --model BASE --adapter
+    RUN/final gives (eval's loss, generate's ids), and differs from the bare base."""
+    base, data = sft_base
+    run = tmp_path / "lora"
+    code, _, err = finetune(base, data, run, "--mode", "lora", "--rank", "4", "--steps", "3", "--lr", "1e-2",
+                            capsys=capsys)
+    assert code == 0, err
+
+    def ev(*spec: str) -> float:
+        code, result, err = main(["eval", *spec, "--data", str(data), "--max-seq-len", "64", "--json"], capsys)
+        assert code == 0, err
+        return result["loss"]
+
+    def gen(*spec: str) -> list[int]:
+        code, result, err = main(["generate", *spec, "--prompt", "Say one.", "--chat", "--max-new-tokens", "4",
+                                  "--json"], capsys)
+        assert code == 0, err
+        return result["token_ids"]
+
+    as_model = ev("--model", str(run))
+    assert as_model == pytest.approx(ev("--model", str(base), "--adapter", str(run / "final")), rel=1e-6)
+    assert as_model != pytest.approx(ev("--model", str(base)), rel=1e-3)
+    assert gen("--model", str(run)) == gen("--model", str(base), "--adapter", str(run))
