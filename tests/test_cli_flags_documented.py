@@ -781,3 +781,22 @@ def test_a_lora_run_is_a_model_and_an_adapter(tmp_path, sft_base, capsys):
     assert as_model == pytest.approx(ev("--model", str(base), "--adapter", str(run / "final")), rel=1e-6)
     assert as_model != pytest.approx(ev("--model", str(base)), rel=1e-3)
     assert gen("--model", str(run)) == gen("--model", str(base), "--adapter", str(run))
+
+
+def test_convert_dtype_keep_fp32_bf16(tmp_path, capsys):
+    """convert --dtype: keep = the stored float dtype (float32 for a quantized GGUF), fp32 / bf16 cast."""
+    from safetensors.torch import load_file
+
+    def dtypes(d: Path) -> set[str]:
+        return {str(t.dtype) for t in load_file(str(d / "model.safetensors")).values()}
+
+    model = _generate_dir(tmp_path)
+    cases = [(model, "bf16", "bf16"), (tmp_path / "bf16", "keep", "kept"), (tmp_path / "bf16", "fp32", "back"),
+             (tmp_path / "q8.gguf", "keep", "from-q8")]
+    code, _, err = main(["export", "gguf", str(model), str(tmp_path / "q8.gguf"), "--type", "q8_0", "--json"], capsys)
+    assert code == 0, err
+    for src, dtype, out in cases:
+        code, _, err = main(["convert", str(src), str(tmp_path / out), "--dtype", dtype, "--json"], capsys)
+        assert code == 0, err
+    assert dtypes(tmp_path / "bf16") == dtypes(tmp_path / "kept") == {"torch.bfloat16"}
+    assert dtypes(tmp_path / "back") == dtypes(tmp_path / "from-q8") == {"torch.float32"}
