@@ -800,3 +800,28 @@ def test_convert_dtype_keep_fp32_bf16(tmp_path, capsys):
         assert code == 0, err
     assert dtypes(tmp_path / "bf16") == dtypes(tmp_path / "kept") == {"torch.bfloat16"}
     assert dtypes(tmp_path / "back") == dtypes(tmp_path / "from-q8") == {"torch.float32"}
+
+
+def test_every_option_with_a_default_shows_it_in_help():
+    """--help shows each option's default (a user should not read the source for it): the value, or its
+    documented form (64 Mi tokens per shard)."""
+    import argparse
+
+    from entrenar.cli import build_parser
+
+    shown_as = {"--shard-tokens": "64 Mi"}
+    missing = []
+
+    def walk(parser: argparse.ArgumentParser, command: str) -> None:
+        for a in parser._actions:
+            if isinstance(a, argparse._SubParsersAction):
+                for name, sub in a.choices.items():
+                    walk(sub, f"{command} {name}".strip())
+            elif a.option_strings and a.default not in (None, False, [], argparse.SUPPRESS):
+                want = shown_as.get(a.option_strings[0], f"{a.default:g}" if isinstance(a.default, float)
+                                    else str(a.default))
+                if want not in (a.help or ""):
+                    missing.append(f"{command} {a.option_strings[0]} (default {a.default!r})")
+
+    walk(build_parser(), "")
+    assert not missing

@@ -20,7 +20,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                     "logits, CE, per-layer and per-op relL2, gradients; exit 1 naming the first op over its bound")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     add_device_option(p)
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="compute dtype of the path under test; its bounds are docs/design.md's (fp32)")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="auto = triton on cuda, torch elsewhere (auto)")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
@@ -28,7 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--against", default="reference", choices=("reference", "hf"),
                    help="reference: our eager model in float64 on the CPU, same weights; hf: transformers "
                         "loading the same file itself (also catches loader bugs)")
-    p.add_argument("--seq-len", type=int, default=512, help="tokens in the long probe sequence (>= 32)")
+    p.add_argument("--seq-len", type=int, default=512, help="tokens in the long probe sequence, >= 32 (512)")
     p.add_argument("--no-grads", action="store_true", help="skip the backward-pass comparison")
 
     p = add_command(sub, "qa", cmd_qa, "golden prompts generated greedily; gates on empty, repetitive, "
@@ -37,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     add_device_option(p)
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"))
+    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
+                   help="compute dtype the answers are generated in (fp32)")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="auto = triton on cuda, torch elsewhere (auto)")
 
