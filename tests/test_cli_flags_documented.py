@@ -371,6 +371,7 @@ def test_data_pack_workers_shard_tokens_seed_and_overwrite(tmp_path, capsys, mon
     assert code == 0, err
     assert one["documents"] == other["documents"] == 40  # every document, split another way
     assert one["splits"]["val"] != other["splits"]["val"] and one["splits"]["val"]["documents"] > 0
+    assert "seeded hash" in _help("data", "pack")  # --val-fraction is per document: about that fraction, not exact
 
     before = _files(tmp_path / "w1")
     code, refused, _ = pack("w1", "--seed", "4")

@@ -107,8 +107,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = add("pack", cmd_pack, "corpus (text, .py, JSONL with a text field) -> token shards + index.json")
     q.add_argument("--model", required=True, help="MODEL whose tokenizer encodes the corpus")
     q.add_argument("--out", required=True, help="output directory for shards and index.json")
-    q.add_argument("--val-fraction", type=float, default=0.0, help="fraction of documents for val (0)")
-    q.add_argument("--seed", type=int, default=0, help="seed of the train/val split (0)")
+    q.add_argument("--val-fraction", type=float, default=0.0,
+                   help="fraction of documents for val: each document goes to val by a seeded hash of its text, "
+                        "so about this fraction, the same for any --workers (0)")
+    q.add_argument("--seed", type=int, default=0, help="seed of the train/val split's hash (0)")
     q.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file (64 Mi)")
     q.add_argument("--workers", type=int, default=1,
                    help="processes that tokenize in parallel; the shards are identical for any value (1)")
