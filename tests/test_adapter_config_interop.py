@@ -81,3 +81,23 @@ def test_lora_variants_we_do_not_compute_are_refused_by_name(tmp_path, option, v
     (tmp_path / "adapter_config.json").write_text(json.dumps(cfg))
     with pytest.raises(InputError, match=f"unsupported LoRA options {named}"):
         ep.load_adapter(tiny_model(qwen=False), tmp_path)
+
+
+def test_keys_left_out_of_the_config_take_peft_defaults(tmp_path):
+    """A minimal hand-written adapter_config.json (r and target_modules only) means PEFT's LoraConfig
+    defaults for lora_alpha, lora_dropout and use_rslora, read from peft itself."""
+    peft = pytest.importorskip("peft")
+    defaults = peft.LoraConfig()
+    m = tiny_model(qwen=False)
+    ep.apply_lora(m, rank=4, alpha=32, dropout=0.3, rslora=True, targets="q_proj,v_proj")
+    ep.save_adapter(m, tmp_path, "tiny-base")
+    cfg = json.loads((tmp_path / "adapter_config.json").read_text())
+    minimal = {"peft_type": "LORA", "r": 4, "target_modules": cfg["target_modules"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(minimal))
+    loaded = ep.load_adapter(tiny_model(qwen=False), tmp_path, force_base=True)
+    mod = next(iter(ep.lora_modules(loaded).values()))
+    scale = defaults.lora_alpha / (4 ** 0.5 if defaults.use_rslora else 4)
+    assert mod.scaling == pytest.approx(scale)
+    assert loaded.peft_config["lora_dropout"] == defaults.lora_dropout == 0.0
+    assert isinstance(mod.lora_dropout, torch.nn.Identity)  # no dropout module at PEFT's default 0
+    assert loaded.peft_config["use_rslora"] is defaults.use_rslora
