@@ -120,12 +120,14 @@ def small_shards(tmp_path_factory) -> Path:
 
 def test_eval_every_and_eval_batches(tmp_path, byte_model_dir, small_shards, capsys):
     """--eval-every N evaluates at step 0, every N steps and at the end; --eval-batches N bounds each eval
-    to N batches; 0 = at start and end / all batches. --save-every 0 checkpoints at the end only."""
-    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "a", "--steps", "4", "--eval-every", "2",
-                            "--eval-batches", "2", capsys=capsys)
+    to N batches; 0 = at start and end / all batches. --save-every N checkpoints every N steps and at the end;
+    0 at the end only."""
+    code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "a", "--steps", "5", "--eval-every", "3",
+                            "--eval-batches", "2", "--save-every", "2", capsys=capsys)
     assert code == 0, err
     rows = read_jsonl(tmp_path / "a" / "eval.jsonl")
-    assert [r["step"] for r in rows] == [0, 2, 4]
+    assert [r["step"] for r in rows] == [0, 3, 5]  # and at the end, off the period
+    assert checkpoint_steps(tmp_path / "a") == [2, 4, 5]  # --save-every 2, and the end
     assert {r["batches"] for r in rows} == {2} and {r["tokens"] for r in rows} == {2 * 2 * 32}
 
     code, _, err = pretrain(byte_model_dir, small_shards, tmp_path / "b", "--steps", "2", "--eval-batches", "0",
