@@ -304,3 +304,17 @@ def test_bf16_pure_is_full_training_only():
             TrainConfig(mode=mode, dtype="bf16-pure").validate()
     TrainConfig(mode="full", dtype="bf16-pure").validate()
     assert verify_dtype("bf16-pure") == "bf16" and make_precision(T.tiny_model(), "bf16-pure") is None
+
+
+@pytest.mark.parametrize("dtype,compute", [("bf16-weights", torch.bfloat16), ("bf16", torch.float32),
+                                           ("fp32", torch.float32)])
+def test_the_trainer_computes_on_bf16_copies_only_for_bf16_weights(tmp_path, dtype, compute):
+    """Through Trainer.fit: --dtype bf16-weights runs the training forward on bf16 copies, --dtype bf16 on the
+    fp32 parameters (autocast casts per op) and fp32 as they are; the parameters stay fp32 in every case."""
+    tr = _trainer(tmp_path, dtype=dtype, steps=2)
+    seen = []
+    q_proj = tr.model.model.layers[0].self_attn.q_proj
+    q_proj.register_forward_pre_hook(lambda m, _a: seen.append(m.weight.dtype) if m.training else None)
+    tr.fit()
+    assert seen and set(seen) == {compute}
+    assert all(p.dtype == torch.float32 for p in tr.model.parameters())
