@@ -24,7 +24,7 @@ setup: $(BIN)/.installed
 demo: setup
 	$(BIN)/python demo.py
 
-# make test also runs the fast contract mutations (211 of them: ~400 s wall with --jobs 2, ~13 CPU min, measured); MUTANTS=0 skips them
+# make test also runs the fast contract mutations (212 of them: ~400 s wall with --jobs 2, ~13 CPU min, measured); MUTANTS=0 skips them
 test: setup contracts-lint
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q -p no:cacheprovider tests
 	$(if $(filter 0,$(MUTANTS)),,$(BIN)/python tools/mutants.py --fast --jobs $(or $(JOBS),2))
