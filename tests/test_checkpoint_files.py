@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 
+from entrenar.errors import InputError
 from entrenar.train import checkpoint as ckpt
 
 
@@ -70,3 +72,38 @@ def test_cuda_rng_states_round_trip_through_the_checkpoint_files():
     assert torch.equal(back["torch"], state["torch"])
     cpu_only = ckpt._rng_from_files(*ckpt._rng_to_files({**state, "cuda": None}))
     assert cpu_only["cuda"] is None
+
+
+def _intact(root):
+    """Give every COMPLETE step directory of `root` the files an intact checkpoint has."""
+    for d in ckpt.complete_checkpoints(root):
+        for name in ckpt.REQUIRED:
+            (d / name).touch()
+
+
+def test_resume_path_of_a_run_directory_is_its_newest_complete_checkpoint(tmp_path):
+    """--resume RUN (a run directory, not a checkpoint) continues from RUN's newest complete checkpoint and
+    says which; --resume RUN/checkpoints/latest follows the link; a checkpoint path is taken as it is."""
+    run = tmp_path / "run"
+    root = _layout(run / "checkpoints")
+    _intact(root)
+    said: list[str] = []
+    newest = (root / ckpt.step_dir_name(4)).resolve()
+    assert ckpt.find_resume(tmp_path / "other", str(run), said.append) == newest
+    assert said == [f"resume: continuing from {root / ckpt.step_dir_name(4)}"]
+    assert ckpt.find_resume(tmp_path / "other", str(root / "latest"), said.append) == newest
+    older = root / ckpt.step_dir_name(2)
+    assert ckpt.find_resume(tmp_path / "other", str(older), said.append) == older.resolve()
+    assert len(said) == 1  # only the run-directory form names what it chose
+
+
+def test_resume_path_refuses_an_incomplete_or_missing_checkpoint(tmp_path):
+    root = _layout(tmp_path / "run" / "checkpoints")
+    _intact(root)
+    with pytest.raises(InputError, match=f"no {ckpt.COMPLETE} marker"):
+        ckpt.find_resume(tmp_path, str(root / ckpt.step_dir_name(5)), print)
+    with pytest.raises(InputError, match="no such checkpoint directory"):
+        ckpt.find_resume(tmp_path, str(root / ckpt.step_dir_name(9)), print)
+    (root / ckpt.step_dir_name(3) / ckpt.RNG).unlink()
+    with pytest.raises(InputError, match=f"missing {ckpt.RNG}"):
+        ckpt.find_resume(tmp_path, str(root / ckpt.step_dir_name(3)), print)
