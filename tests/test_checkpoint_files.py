@@ -43,14 +43,15 @@ def test_complete_incomplete_and_stale_are_told_apart(tmp_path):
     assert ckpt.stale_tmp_dirs(missing, 10) == []
 
 
-def test_prune_keeps_the_newest_and_removes_superseded_temporaries(tmp_path):
+@pytest.mark.parametrize("keep", [1, 2, 3])
+def test_prune_keeps_the_newest_and_removes_superseded_temporaries(tmp_path, keep):
     root = _layout(tmp_path / "checkpoints")
-    ckpt.prune(root, keep=2)
+    ckpt.prune(root, keep=keep)
     left = sorted(p.name for p in root.iterdir())
-    # the two newest complete, the incomplete step 5 (newer than any complete: a save may be under way),
+    # the `keep` newest complete, the incomplete step 5 (newer than any complete: a save may be under way),
     # the temporary of step 6 (likewise), the link and the unrelated directory; step 3's temporary is gone
-    assert left == sorted([ckpt.step_dir_name(3), ckpt.step_dir_name(4), ckpt.step_dir_name(5),
-                           f".{ckpt.step_dir_name(6)}.tmp-4242", "latest", "notes"])
+    newest = [ckpt.step_dir_name(s) for s in (1, 2, 3, 4)][-keep:]
+    assert left == sorted([*newest, ckpt.step_dir_name(5), f".{ckpt.step_dir_name(6)}.tmp-4242", "latest", "notes"])
 
 
 def test_prune_zero_keeps_every_complete_checkpoint(tmp_path):
