@@ -76,12 +76,12 @@ class ModelConfig:
 
     def num_parameters(self) -> int:
         h, d = self.hidden_size, self.head_dim
-        attn = 0
+        not_linear = 2 * h  # the two RMSNorm weights
         if self.attention_bias:
-            attn += d * (self.num_heads + 2 * self.num_kv_heads)
+            not_linear += d * (self.num_heads + 2 * self.num_kv_heads)
         if self.qk_norm:
-            attn += 2 * d
-        per_layer = self.layer_linear_parameters() + attn + 2 * h
+            not_linear += 2 * d
+        per_layer = self.layer_linear_parameters() + not_linear
         emb = self.vocab_size * h
         head = 0 if self.tie_word_embeddings else self.vocab_size * h
         return self.num_layers * per_layer + emb + head + h
