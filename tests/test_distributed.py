@@ -363,7 +363,7 @@ import os, sys
 from pathlib import Path
 from entrenar.errors import GuardError
 from entrenar.train import commands
-def preflight(args, model, tokenizer, seq_len):
+def preflight(args, model, tokenizer, seq_len, dtype):
     Path(args.out, "..", f"preflight-ran-on-rank-{os.environ['RANK']}").touch()
     raise GuardError("GUARD-PARITY", "planted: the probe disagrees with the reference", "none")
 commands._run_preflight = preflight
@@ -396,7 +396,12 @@ def test_lora_ddp_two_ranks_equal_one_process(tmp_path, base_model, sft_data):
     ok(proc)
     assert close(losses(two), losses(one))
     a, b = weights(two / "final/adapter_model.safetensors"), weights(one / "final/adapter_model.safetensors")
-    assert len(a) > 0 and worst_rel(a, b) <= 1e-5
+    # Not the 1e-5 of full weights: B starts at 0 and is nothing but 10 Adam updates, and Adam divides each
+    # element's gradient by its own running RMS, so an element whose gradient cancels to the rounding level
+    # moves by up to lr whatever the sign fp32 gave it. Two ranks sum the gradient in another order, so
+    # such elements differ (1.2e-5 on an AVX2 CPU, below 1e-5 on AVX-512); a wrong reduction (per-rank
+    # mean, one rank's tokens dropped) moves the losses above by > 1e-3 and these weights by > 1e-2.
+    assert len(a) > 0 and worst_rel(a, b) <= 1e-4
     assert (two / "final/adapter_config.json").is_file() and not (two / "final/model.safetensors").exists()
 
 

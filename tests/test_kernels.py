@@ -22,7 +22,7 @@ import torch
 from entrenar.config import ModelConfig
 from entrenar.kernels import _common, cross_entropy, rmsnorm, rope, swiglu
 from entrenar.model import CausalLM
-from entrenar.tensors import rel_l2
+from entrenar.tensors import rel_l2, rounding_bound
 
 BOUND = {torch.float32: 1e-5, torch.bfloat16: 1e-2}
 DTYPES = [torch.float32, torch.bfloat16]
@@ -222,7 +222,10 @@ def test_linear_cross_entropy_qwen_vocab(dtype, monkeypatch):
     h, w, labels = _lce_inputs(n_tokens, hidden, 151936, dtype, n_ignored=max(1, n_tokens // 5))
     monkeypatch.setattr(cross_entropy, "_CHUNK_BYTES", 151936 * 4 * (1000 if FULL else 2))
     errs = lce_errors(h, w, labels)
-    assert max(errs) <= BOUND[dtype], errs
+    # fp32: the log-sum-exp adds 151,936 terms per token, so fp32 rounding alone reaches ~1e-5 relL2
+    # (1.0005e-5 on an AVX2 CPU): the bound is fp32's for that reduction length (tensors.rounding_bound)
+    bound = rounding_bound(151936 + hidden) if dtype == torch.float32 else BOUND[dtype]
+    assert max(errs) <= bound, (errs, bound)
 
 
 @pytest.mark.parametrize("reduction", ["sum", "mean"])

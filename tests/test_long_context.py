@@ -83,8 +83,8 @@ def test_mlp_chunks_without_checkpointing_and_in_eval_match():
                 exact=False)
     chunked = copy.deepcopy(base).eval()
     set_mlp_chunk(chunked, 16)
-    with torch.no_grad():
-        assert torch.equal(chunked(ids), base.eval()(ids))
+    with torch.no_grad():  # fewer rows per matmul: another kernel blocking, so equal within fp32 rounding only
+        assert rel_l2(chunked(ids), base.eval()(ids)) <= BOUND[torch.float32]
 
 
 def _misordered(fn, x, *args, chunk):

@@ -188,8 +188,10 @@ def test_slow_evals_are_not_in_the_step_times(tmp_path, monkeypatch):
     recs = read_jsonl(tmp_path / "metrics.jsonl")
     seconds = [r["tokens"] / r["tok_s"] if i == 0 else (r["tokens"] - recs[i - 1]["tokens"]) / r["tok_s"]
                for i, r in enumerate(recs)]
-    assert len(recs) == 6 and max(seconds) < 0.5  # 3 evals of 0.6 s, none inside a step
-    assert sum(seconds) == pytest.approx(tr.step_seconds) and tr.step_seconds < wall - 1.5
+    # 3 evals of >= 0.6 s each, none inside a step: the steps' time leaves all three out of the wall time
+    # (not "every step < 0.5 s": on a loaded 2-core CI machine a tiny step itself can take that long)
+    assert len(recs) == 6
+    assert sum(seconds) == pytest.approx(tr.step_seconds) and tr.step_seconds <= wall - 3 * 0.6
     assert summary["tok_s"] == pytest.approx(summary["tokens"] / tr.step_seconds)
 
 

@@ -14,6 +14,8 @@ from typing import Any
 JSON_HELP = "print one JSON object as the last stdout line (also on errors: {\"ok\": false, ...})"
 DEVICE_CHOICES_HELP = "cpu | cuda | cuda:N | auto (= cuda when available, else cpu)"
 DEFAULT_DEVICE = "cpu"  # reproducible by default; generate (interactive) asks for "auto"
+DTYPE_AUTO_HELP = ("auto = bf16 on a CUDA device with native bf16 (compute capability >= 8.0), fp32 on the CPU "
+                   "and older GPUs; the choice and its reason are logged")
 
 CommandFunc = Callable[[argparse.Namespace], dict[str, Any]]
 
@@ -40,3 +42,10 @@ def add_device_option(p: argparse.ArgumentParser, default: str = DEFAULT_DEVICE)
     which `cli.main` applies to every command before it runs."""
     p.add_argument("--device", default=default, metavar="DEVICE",
                    help=f"{DEVICE_CHOICES_HELP} ({default})")
+
+
+def add_dtype_option(p: argparse.ArgumentParser, choices: tuple[str, ...], what: str) -> None:
+    """--dtype with 'auto' (the default) first; `entrenar.devices.resolve_dtype` turns it into a dtype once
+    the device is known."""
+    p.add_argument("--dtype", default="auto", choices=("auto", *choices),
+                   help=f"{what}; {DTYPE_AUTO_HELP} (auto)")

@@ -28,3 +28,30 @@ def resolve_device(name: str) -> str:
             raise InputError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) "
                              f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
     return name
+
+
+# --dtype auto (issue 23): a user's first GPU run was fp32, 10x slower than the bf16 recipe and peers
+# (torchtune, litgpt, torchtitan all default to bf16 where the GPU has it). bf16 = fp32 master weights,
+# AdamW state and residual stream with bf16 matmuls: the fastest recipe that keeps the 2e-2 logits bound.
+AUTO_DTYPE_GPU = "bf16"
+
+
+def bf16_supported(device: str) -> bool:
+    """True on a CUDA device of compute capability >= 8.0 (Ampere and later: native bf16 matmuls)."""
+    if not str(device).startswith("cuda") or not torch.cuda.is_available():
+        return False
+    index = int(str(device).partition(":")[2] or torch.cuda.current_device())
+    return torch.cuda.get_device_capability(index) >= (8, 0)
+
+
+def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
+    """(dtype, why) for `--dtype REQUESTED` on a resolved `device`. 'auto' is bf16 on a CUDA device with
+    native bf16, fp32 elsewhere (the CPU, older GPUs); an explicit dtype is kept as given."""
+    if requested != "auto":
+        return requested, f"--dtype {requested} as given"
+    if bf16_supported(device):
+        name = torch.cuda.get_device_name(torch.device(device))
+        return AUTO_DTYPE_GPU, (f"--dtype auto: bf16 on {device} ({name} has native bf16): fp32 master weights, "
+                                f"bf16 matmuls, inside the 2e-2 logits bound; --dtype fp32 for full precision")
+    where = "the CPU" if not str(device).startswith("cuda") else f"{device} (no native bf16)"
+    return "fp32", f"--dtype auto: fp32 on {where}"

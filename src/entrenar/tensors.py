@@ -50,3 +50,21 @@ def rel_l2(test: torch.Tensor, ref: torch.Tensor) -> float:
     if den == 0.0:
         return 0.0 if num == 0.0 else math.inf
     return num / den
+
+
+UNIT_ROUNDOFF = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11,
+                 torch.float64: 2.0 ** -53}
+
+
+def rounding_bound(n_terms: int, dtype: torch.dtype = torch.float32, c: float = 4.0, floor: float = 1e-5) -> float:
+    """relL2 bound for a result computed in `dtype` whose longest reduction adds `n_terms` terms, against
+    float64: c * u * sqrt(n), at least `floor`.
+
+    Each addition rounds with a relative error of at most u (the unit roundoff); summed in any order the
+    errors behave as independent, zero-mean variables (Higham, Accuracy and Stability of Numerical
+    Algorithms, 2.8), so the error of an n-term sum grows like u * sqrt(n), whatever blocking or vector
+    width (AVX2, AVX-512, AMX) a CPU's kernels use. c = 4 is four standard deviations. The floor keeps
+    the suite's historic 1e-5 where the reduction is short. A defect (a dropped chunk, a wrong index)
+    moves a result by O(1e-3) or more, far above the bound."""
+    assert n_terms >= 1
+    return max(floor, c * UNIT_ROUNDOFF[dtype] * math.sqrt(n_terms))

@@ -32,7 +32,7 @@ from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from .checkpoint import find_resume
 from .config import DataConfig, LoRAConfig, add_options, default_of, from_args
-from .distributed import current, join_job, other_rank
+from .distributed import current, env_world, join_job, other_rank
 from .loop import TrainConfig, check_resume_has_work, evaluate
 
 
@@ -139,6 +139,13 @@ def _configs(args: argparse.Namespace, command: str) -> tuple[TrainConfig, LoRAC
         overrides.update(seq_len=data.max_seq_len, check_init_loss=True)
     cfg = from_args(TrainConfig, args, command, **overrides)
     cfg.validate()
+    if cfg.dtype == "bf16-weights" and env_world()[1] > 1:
+        # the bf16 compute copies exist in the one-process step only; under DDP/FSDP2 the run would be a
+        # --dtype bf16 run recorded as bf16-weights (issue 23: same peak memory, same tokens/s)
+        raise InputError("--dtype bf16-weights runs on bf16 copies of the weights that only a one-process run "
+                         "builds; under torchrun use --dtype bf16 (autocast; FSDP2 all-gathers bf16 copies of the "
+                         "fp32 masters) or --dtype bf16-pure (bf16 weights and AdamW state, --mode full)")
+    _log(f"dtype: {cfg.dtype} ({cfg.dtype_reason})")
     return cfg, lora, data
 
 
@@ -151,7 +158,8 @@ def _check_batch(batch_size: int, n: int, what: str) -> None:
                          f"effective batch), or add data")
 
 
-def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: Any, seq_len: int) -> dict:
+def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: Any, seq_len: int,
+                   dtype: str) -> dict:
     if args.no_preflight:
         _log("preflight: SKIPPED (--no-preflight)")
         return {"verify": {"skipped": "--no-preflight"}}
@@ -168,7 +176,7 @@ def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: 
     t0 = time.perf_counter()
     from .precision import verify_dtype  # bf16-weights is checked on the kernels' bf16 path
 
-    result = preflight(model, tokenizer, args.device, verify_dtype(args.dtype), getattr(model, "kernels", "torch"),
+    result = preflight(model, tokenizer, args.device, verify_dtype(dtype), getattr(model, "kernels", "torch"),
                        seq_len=min(64, seq_len))
     worst = max((s["logits_rel_l2"] for s in result.get("sequences", []) if s.get("logits_rel_l2") is not None),
                 default=None)
@@ -376,7 +384,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
                 "global_batch": ctx.world * cfg.batch_size * cfg.grad_accum}
         _start_run_dir(out, run_json, data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
-        ctx.run_on_main(lambda: _run_preflight(args, model, tokenizer, cfg.seq_len))
+        ctx.run_on_main(lambda: _run_preflight(args, model, tokenizer, cfg.seq_len, cfg.dtype))
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, parallel=cfg.parallel,
                             adapters=cfg.mode in ("lora", "qlora"), save_final=save_final, log=_log,
                             resume_command=_resume_command())
@@ -507,7 +515,10 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     dcfg = from_args(DataConfig, args, "eval")
     dcfg.validate()
-    from_args(TrainConfig, args, "eval", command="eval").validate()  # --batch-size, --seq-len, --max-batches
+    ecfg = from_args(TrainConfig, args, "eval", command="eval")
+    ecfg.validate()  # --batch-size, --seq-len, --max-batches, --device; --dtype auto resolved
+    if args.dtype == "auto" and not args.json:
+        _log(f"dtype: {ecfg.dtype} ({ecfg.dtype_reason})")
     data = Path(args.data)
     if not data.exists():
         raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
@@ -532,13 +543,13 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         loader = SFTLoader(examples, args.batch_size, pad_id=pad_id, max_seq_len=args.max_seq_len)
         what = f"{data} ({report.kept} samples, max_seq_len {args.max_seq_len})"
     t0 = time.perf_counter()
-    ev = evaluate(model, loader.iter_epoch(), args.device, args.dtype, args.eval_batches)
+    ev = evaluate(model, loader.iter_epoch(), args.device, ecfg.dtype, args.eval_batches)
     dt = time.perf_counter() - t0
     ln_v = math.log(model.cfg.vocab_size)
     if not args.json:
         print(f"eval {path} on {what}: loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f} over {ev['tokens']} "
               f"loss tokens ({ev['batches']} batches, {dt:.1f}s); ln(vocab) = {ln_v:.4f}")
-    return {"model": str(path), "data": str(data), **ev, "ln_vocab": ln_v, "seconds": dt}
+    return {"model": str(path), "data": str(data), **ev, "ln_vocab": ln_v, "seconds": dt, "dtype": ecfg.dtype}
 
 
 # ---- plot ------------------------------------------------------------------------------------------

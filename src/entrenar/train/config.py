@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 from ..cli_registry import DEFAULT_DEVICE, DEVICE_CHOICES_HELP
 from ..config import PRESETS
 from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
-from ..devices import resolve_device
+from ..devices import resolve_device, resolve_dtype
 from ..errors import InputError
 from . import guards
 
@@ -98,7 +98,9 @@ class TrainConfig:
                                  per_command={"finetune": {"default": 0.0}})
     clip: float = option(1.0, "clip the global L2 grad norm; 0 = off (the norm is still logged)")
     device: str = option(DEFAULT_DEVICE, DEVICE_CHOICES_HELP, commands=_EVERY, metavar="DEVICE")
-    dtype: str = option("fp32", "compute dtype. bf16: autocast; fp32 master weights, AdamW state and residual "
+    dtype: str = option("auto", "compute dtype. auto: bf16 on a CUDA device with native bf16 (compute capability "
+                                "8.0+), fp32 on the CPU and older GPUs; the choice and why are logged and "
+                                "recorded in run.json. bf16: autocast; fp32 master weights, AdamW state and residual "
                                 "stream, bf16 matmuls (holds the 2e-2 logits parity bound). bf16-weights: the "
                                 "step runs on bf16 copies of the fp32 master weights (refreshed once per step) "
                                 "with a bf16 residual stream, as a bf16 model (AdamW and checkpoints stay fp32): "
@@ -107,7 +109,8 @@ class TrainConfig:
                                 "(--mode full): weights, gradients and AdamW state in bf16, 8 bytes per parameter "
                                 "instead of 16 (e.g. long context), at the price of bf16 updates: a step smaller "
                                 "than ~2^-8 of a weight is rounded away",
-                        commands=_EVERY, choices=DTYPES)
+                        commands=_EVERY, choices=("auto", *DTYPES))
+    dtype_reason: str = ""  # how --dtype was chosen ("--dtype auto: bf16 on cuda ..."): logged, in run.json
     kernels: str = option("auto", "op implementations: auto = triton on cuda, torch elsewhere", commands=_EVERY,
                           choices=("auto", "torch", "triton"))
     # eval, checkpoints
@@ -151,6 +154,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.warmup is None and isinstance(self.steps, int):
             self.warmup = min(100, self.steps // 10)
+        if self.dtype == "auto":  # resolved at once, so every later reader sees a concrete dtype
+            self.dtype, self.dtype_reason = resolve_dtype("auto", resolve_device(self.device))
+        elif not self.dtype_reason:
+            self.dtype_reason = f"--dtype {self.dtype} as given"
 
     def validate(self) -> None:
         """InputError (exit 2) naming the flag as the user typed it for this command."""

@@ -7,7 +7,7 @@
   training run does before step 1; raises GuardError (exit 3) naming the op/layer.
 """
 
-from .bisect import BOUNDS, OP_ORDER, Bounds, format_report, rel_l2, verify_model
+from .bisect import BOUNDS, OP_ORDER, Bounds, bounds_for, format_report, rel_l2, verify_model
 from .preflight import preflight
 
-__all__ = ["BOUNDS", "OP_ORDER", "Bounds", "format_report", "preflight", "rel_l2", "verify_model"]
+__all__ = ["BOUNDS", "OP_ORDER", "Bounds", "bounds_for", "format_report", "preflight", "rel_l2", "verify_model"]

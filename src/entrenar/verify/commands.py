@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 from typing import Any
 
@@ -11,17 +12,18 @@ import torch
 from ..errors import InputError
 from .bisect import DTYPES, format_report, hf_from_source, hf_with_adapter, verify_model
 
+VERIFY_DTYPES = ("fp32", "bf16", "fp16")
+
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli_registry import add_command, add_device_option
+    from ..cli_registry import add_command, add_device_option, add_dtype_option
 
     p = add_command(sub, "verify", cmd_verify,
                     "the model's fast path (device/dtype/kernels) vs a float64 reference or transformers: "
                     "logits, CE, per-layer and per-op relL2, gradients; exit 1 naming the first op over its bound")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     add_device_option(p)
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
-                   help="compute dtype of the path under test; its bounds are docs/design.md's (fp32)")
+    add_dtype_option(p, VERIFY_DTYPES, "compute dtype of the path under test; its bounds are docs/design.md's")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="auto = triton on cuda, torch elsewhere (auto)")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
@@ -38,8 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     add_device_option(p)
-    p.add_argument("--dtype", default="fp32", choices=("fp32", "bf16", "fp16"),
-                   help="compute dtype the answers are generated in (fp32)")
+    add_dtype_option(p, VERIFY_DTYPES, "compute dtype the answers are generated in")
     p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
                    help="auto = triton on cuda, torch elsewhere (auto)")
 
@@ -50,6 +51,16 @@ def _device(name: str) -> torch.device:
     return torch.device(resolve_device(name))
 
 
+def _dtype(requested: str, device: torch.device) -> str:
+    """--dtype auto -> bf16 on a CUDA device with native bf16, else fp32 (entrenar.devices.resolve_dtype)."""
+    from ..devices import resolve_dtype
+
+    dtype, why = resolve_dtype(requested, str(device))
+    if requested == "auto":
+        print(why, file=sys.stderr, flush=True)
+    return dtype
+
+
 def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dtype, kernels: str,
           force_base: bool = False):
     from ..formats import load_model_with_adapter
@@ -58,7 +69,7 @@ def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dty
                                    force_base=force_base)
 
 
-def run_verify(spec: str, device: str = "cpu", dtype: str = "fp32", kernels: str = "torch",
+def run_verify(spec: str, device: str = "cpu", dtype: str = "auto", kernels: str = "torch",
                against: str = "reference", seq_len: int = 512, adapter: str | None = None,
                grads: bool = True, force_base: bool = False) -> dict:
     """Load MODEL on the path under test, load the oracle, compare; the report dict (exit_code 0/1)."""
@@ -70,6 +81,7 @@ def run_verify(spec: str, device: str = "cpu", dtype: str = "fp32", kernels: str
         raise InputError(f"--seq-len {seq_len}: must be >= 32 so the long probe passes a 32-wide reduction")
     t0 = time.time()
     dev = _device(device)
+    dtype = _dtype(dtype, dev)
     path = resolve_model(spec)
     tokenizer = load_tokenizer(spec)
     probe = build_probe(tokenizer, seq_len)
@@ -104,7 +116,7 @@ def cmd_qa(args: argparse.Namespace) -> dict:
 
     dev = _device(args.device)
     tokenizer = load_tokenizer(args.model)
-    model = _load(args.model, args.adapter, dev, DTYPES[args.dtype], args.kernels, args.force_base)
+    model = _load(args.model, args.adapter, dev, DTYPES[_dtype(args.dtype, dev)], args.kernels, args.force_base)
     rep: dict[str, Any] = run_qa(model, tokenizer)
     rep.update(model=args.model, adapter=args.adapter)
     if not args.json:
