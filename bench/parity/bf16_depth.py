@@ -31,8 +31,8 @@ def measure(name: str, layers: int, tokens: int, vocab: int, seed: int = 0, dtyp
     ids = torch.randint(0, vocab, (1, tokens), generator=torch.Generator().manual_seed(seed))
     out = {}
     test = ("test", torch.float32, torch.bfloat16 if dtype == "bf16" else None)
-    for label, dtype, ctx in (("ref", torch.float64, None), test):
-        m = model.to(dtype)
+    for label, param_dtype, ctx in (("ref", torch.float64, None), test):
+        m = model.to(param_dtype)
         trace = FilteredTrace(keep_layers)
         with torch.no_grad(), torch.autocast("cpu", dtype=ctx or torch.float32, enabled=ctx is not None), \
                 record_ours(m, trace, keep_layers):
