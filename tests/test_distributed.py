@@ -409,3 +409,59 @@ def test_bad_parallel_choice_is_exit_2(tmp_path, base_model, sft_data):
     proc = run_cli(finetune_args(base_model, sft_data, tmp_path / "x", 4, ("--parallel", "zero")))
     assert proc.returncode == 2 and "--parallel" in proc.stderr
     assert not (tmp_path / "x").exists()
+
+
+# ---- --dtype: what the matmuls see is what run.json records (issue 23) ---------------------------------
+MATMUL_DTYPES = """
+import os, sys
+from pathlib import Path
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from entrenar import model as model_module
+
+MATMULS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default}
+seen = set()
+
+class Record(TorchDispatchMode):  # below autocast: sees the dtypes the kernels really get
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in MATMULS:
+            seen.update(str(a.dtype) for a in args if isinstance(a, torch.Tensor))
+        return func(*args, **(kwargs or {}))
+
+forward = model_module.CausalLM.forward
+def recorded(self, *a, **kw):
+    with Record():
+        return forward(self, *a, **kw)
+model_module.CausalLM.forward = recorded
+from entrenar import cli
+code = cli.main(sys.argv[1:])
+Path(__file__).with_name(f"matmul-dtypes-rank{os.environ.get('RANK', '0')}").write_text(" ".join(sorted(seen)))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("dtype, parallel, expect", [
+    ("fp32", "fsdp", "torch.float32"), ("bf16", "fsdp", "torch.bfloat16"), ("bf16", "ddp", "torch.bfloat16"),
+    ("bf16-pure", "ddp", "torch.bfloat16")])
+def test_matmuls_run_in_the_dtype_run_json_records(tmp_path, base_model, sft_data, dtype, parallel, expect):
+    """Two gloo ranks: every forward matmul (train and eval) gets the dtype run.json records, on each rank."""
+    script = tmp_path / "record.py"
+    script.write_text(MATMUL_DTYPES)
+    out = tmp_path / "run"
+    args = finetune_args(base_model, sft_data, out, 2, ("--dtype", dtype, "--parallel", parallel))
+    args[args.index("--steps") + 1] = "2"
+    ok(run_cli(args, nproc=2, script=str(script)))
+    recorded = json.loads((out / "run.json").read_text())["config"]["dtype"]
+    assert recorded == dtype
+    for rank in (0, 1):
+        assert (tmp_path / f"matmul-dtypes-rank{rank}").read_text() == expect, (dtype, parallel, rank)
+
+
+def test_bf16_weights_under_torchrun_is_refused_naming_the_flag(tmp_path, base_model, sft_data):
+    """bf16-weights' copies exist in the one-process step only: under torchrun the run would be a bf16
+    run recorded as bf16-weights (issue 23), so it is exit 2 before anything is written."""
+    out = tmp_path / "run"
+    proc = run_cli(finetune_args(base_model, sft_data, out, 2, ("--dtype", "bf16-weights")), nproc=2)
+    assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # torchrun: 1; ranks: 2
+    assert "--dtype bf16-weights" in proc.stderr and "--dtype bf16" in proc.stderr
+    assert not out.exists()

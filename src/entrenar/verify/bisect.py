@@ -222,6 +222,23 @@ class OurPath:
         return float(loss.detach()), grads
 
 
+class CachedPath:
+    """An oracle whose forwards are computed once per (sequence, filter): the preflight compares the run's
+    bf16 path and its fp32 twin against one float64 reference without running it twice."""
+
+    def __init__(self, path: Any):
+        self.path, self.label, self._seen = path, path.label, {}
+
+    def forward(self, ids: torch.Tensor, keep: Callable[[str], bool]) -> tuple[torch.Tensor, dict]:
+        key = (tuple(ids.reshape(-1).tolist()), getattr(keep, "cache_key", keep))
+        if key not in self._seen:
+            self._seen[key] = self.path.forward(ids, keep)
+        return self._seen[key]
+
+    def grads(self, ids: torch.Tensor) -> tuple[float, dict[str, torch.Tensor]]:
+        return self.path.grads(ids)
+
+
 class HFPath:
     """A transformers model as the oracle; hooks record the same names our trace uses."""
 
@@ -472,7 +489,7 @@ def check_finite_weights(model: torch.nn.Module) -> None:
 
 def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSequence] | None = None,
                  dtype: torch.dtype | str | None = None, against: str = "reference", hf_model: Any = None,
-                 seq_len: int = 512, grads: bool = True, meta: dict | None = None) -> dict:
+                 seq_len: int = 512, grads: bool = True, meta: dict | None = None, oracle: Any = None) -> dict:
     """Verify ``model`` as it stands (its device, dtype, kernels) against an oracle.
 
     ``dtype`` (default: the weights' dtype) picks the bounds and, if it differs from the
@@ -491,7 +508,9 @@ def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSeq
     try:
         test = OurPath(model, autocast_dtype=run_dtype)
         test.label = f"{test.device.type} {DTYPE_NAMES[run_dtype]} kernels={model.kernels}"
-        if against == "reference":
+        if oracle is not None:  # given by the caller (the preflight's one cached float64 reference)
+            ref = oracle
+        elif against == "reference":
             ref = OurPath(reference_model(model), label="cpu fp64 kernels=torch (reference)")
         elif against == "hf":
             ref = HFPath(hf_model if hf_model is not None else hf_from_model(model),

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import GuardError
-from .bisect import DTYPE_NAMES, DTYPES, verify_model
+from .bisect import DTYPE_NAMES, DTYPES, CachedPath, OurPath, reference_model, verify_model
 from .probe import build_probe
 
 GUARD_ID = "GUARD-PARITY"
@@ -49,9 +49,18 @@ def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device
     run_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     model_kernels = getattr(model, "kernels", kernels)
     probe = build_probe(tokenizer, max(32, seq_len))  # the probe must pass a 32-wide reduction
-    rep = verify_model(model, probe=probe, dtype=run_dtype, against="reference", grads=grads)
+    oracle = CachedPath(OurPath(reference_model(model), label="cpu fp64 kernels=torch (reference)"))
+    twin = None
+    if run_dtype in (torch.bfloat16, torch.float16):
+        # The same kernels in fp32 first: bf16 rounding (1.6e-2 relL2 per block at 7B width) hides a defect as
+        # small as Qwen's eps read as 1e-5, which fp32's 1e-5 bounds show. Same float64 reference (cached).
+        twin = verify_model(model, probe=probe, dtype=torch.float32, grads=False, oracle=oracle)
+    rep = twin if twin is not None and not twin["ok"] else \
+        verify_model(model, probe=probe, dtype=run_dtype, against="reference", grads=grads, oracle=oracle)
     result = {"check": "parity", "device": str(device), "dtype": DTYPE_NAMES[run_dtype], "kernels": model_kernels,
               **_summary(rep), "seconds": round(time.time() - t0, 2)}
+    if twin is not None:
+        result["fp32_twin"] = _summary(twin)
     if model_kernels != kernels:
         result["note"] = f"model.kernels={model_kernels!r} differs from the run's kernels={kernels!r}"
     if not rep["ok"]:
@@ -61,9 +70,11 @@ def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device
         else:
             what = (f"diverges from the float64 reference first at {fd['name']} on the {fd['sequence']} probe "
                     f"(relL2 {fd['rel_l2']:.3e} > bound {fd['bound']:g})")
+        path = (f"{device}, {DTYPE_NAMES[run_dtype]}, kernels={model_kernels}" if rep is not twin else
+                f"{device}, kernels={model_kernels}, checked in fp32 before its {DTYPE_NAMES[run_dtype]} run")
         raise GuardError(
             GUARD_ID,
-            f"the training path ({device}, {DTYPE_NAMES[run_dtype]}, kernels={model_kernels}) {what}; "
+            f"the training path ({path}) {what}; "
             f"likely cause: {fd['hint']}.",
             remedy=f"fix the op named above; `entrenar verify --model MODEL --device {torch.device(device).type} "
                    f"--dtype {DTYPE_NAMES[run_dtype]} --kernels {model_kernels}` prints the full per-layer and "

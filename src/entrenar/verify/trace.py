@@ -48,7 +48,12 @@ def keep_layers(name: str) -> bool:
 def keep_block(layer: int) -> Callable[[str], bool]:
     """Pass 2: every op of one block."""
     prefix = f"layers.{layer}."
-    return lambda name: name.startswith(prefix)
+
+    def keep(name: str) -> bool:
+        return name.startswith(prefix)
+
+    keep.cache_key = prefix  # the same filter whenever asked again (verify.bisect.CachedPath)
+    return keep
 
 
 def _first(out: Any) -> torch.Tensor:
