@@ -163,3 +163,13 @@ def test_sigterm_ends_a_run_like_ctrl_c(tmp_path, byte_model_dir, byte_shards):
     assert result["exit_code"] == 143 and result["checkpoint"].endswith("step-0000003")
     assert "stopped by SIGTERM" in err and "step-0000003" in err and "Traceback" not in err
     assert "--resume auto" in result["resume_command"]
+
+
+def test_a_run_that_died_before_writing_anything_does_not_block_a_retry(tmp_path, byte_model_dir, byte_shards, capsys):
+    """Killed between taking the lock and writing run.json: the directory holds only RUN/.lock."""
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / LOCK_FILE).write_text(json.dumps({"pid": 4242, "host": "elsewhere"}))
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, run, steps=2, extra=("--no-preflight",)), capsys)
+    assert code == 0 and "never reached step 1" in err, err
+    assert json.loads((run / LOCK_FILE).read_text())["pid"] == os.getpid()

@@ -85,7 +85,7 @@ _PRE_STEP_FILES = {"run.json", "data_report.json", "preflight.json", "metrics.js
 
 def _never_trained(out: Path) -> bool:
     entries = {p.name for p in out.iterdir()} - {LOCK_FILE}  # the lock's file stays (runlock.py)
-    if not entries or not entries <= _PRE_STEP_FILES:
+    if not entries <= _PRE_STEP_FILES:
         return False
     metrics, ckpts = out / "metrics.jsonl", out / "checkpoints"
     if metrics.is_file() and metrics.stat().st_size > 0:
