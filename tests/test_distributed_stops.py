@@ -1,5 +1,6 @@
 """How a 2-rank gloo job (torchrun, CPU) ends when it does not finish (issue 28 item 5, issue 29):
 
+  - while it runs, a second writer on its directory is refused (exit 2) naming rank 0 and its launcher;
   - its launcher SIGKILLed: the workers are gone within WORKERS_GONE_S, and `--resume auto` starts at once
     (the run directory's lock went with them);
   - Ctrl-C (SIGINT to the launcher, as a terminal sends it): ONE JSON line (rank 0's), exit 130, and a
@@ -30,6 +31,9 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the torchrun helpers and fixtures of test_distributed
 import test_distributed as td
 from test_distributed import finetune_args, free_port, losses, ok, weights
+
+from entrenar import cli
+from entrenar.train.runlock import LOCK_FILE
 
 sft_data, base_model, fsdp = td.sft_data, td.base_model, td.fsdp
 WORKERS_GONE_S = 3.0  # the bound stated in docs/design.md: jobwatch polls the launcher every 0.5 s
@@ -117,13 +121,21 @@ def run_printed(command: str, **env: str) -> subprocess.CompletedProcess:
                           check=False)
 
 
-def test_launcher_killed_then_resume_then_ctrl_c_then_the_printed_command(tmp_path, fsdp, base_model, sft_data):
+def test_launcher_killed_then_resume_then_ctrl_c_then_the_printed_command(tmp_path, fsdp, base_model, sft_data,
+                                                                          capsys):
     run = tmp_path / "run"
     argv = finetune_args(base_model, sft_data, run, 2)
 
-    # the launcher SIGKILLed after step 6 (checkpoint 5 complete): its workers must not run on
+    # while the job runs, a second writer is refused, naming rank 0 and how to stop the job (its launcher)
     logs = tmp_path / "killed"
-    proc = launch(torchrun(tmp_path, argv), logs, SLOW_S="0.3")
+    proc = launch(torchrun(tmp_path, argv), logs, SLOW_S="0.5")
+    wait_for_step(proc, logs, 2)
+    holder = json.loads((run / LOCK_FILE).read_text())
+    assert cli.main([*argv, "--resume", "auto"]) == 2
+    err = capsys.readouterr().err
+    assert f"pid {holder['pid']} " in err and f"kill {proc.pid} (its torchrun launcher)" in err, err
+
+    # the launcher SIGKILLed after step 6 (checkpoint 5 complete): its workers must not run on
     wait_for_step(proc, logs, 6)
     workers = children(proc.pid)
     assert len(workers) == 2
