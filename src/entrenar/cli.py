@@ -5,7 +5,8 @@ Contract (docs/design.md): every command takes --json and then prints one JSON o
 stdout line -- also when the arguments do not parse, on Ctrl-C and on errors ({"ok": false, ...});
 that line is strict JSON (non-finite floats become null, their keys listed under "nonfinite").
 Exit 0 success, 1 a check failed (verify, qa) or an internal error (a traceback follows the JSON
-line), 2 bad input, 3 a guard stopped training, 130 interrupted.
+line), 2 bad input, 3 a guard stopped training, 4 a rank of a distributed run died, 130 interrupted
+(Ctrl-C), 143 stopped by SIGTERM.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import importlib
 import json
 import math
 import os
+import signal
 import sys
 from typing import Any, NoReturn
 
@@ -30,7 +32,6 @@ COMMAND_MODULES = [
 ]
 
 EXIT_USAGE = 2  # argparse's own exit code for bad arguments: the same as InputError
-EXIT_INTERRUPTED = 130  # 128 + SIGINT, what shells report for Ctrl-C
 
 
 class UsageError(Exception):
@@ -106,6 +107,19 @@ def _resolve_common(args: argparse.Namespace) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from .stops import handled
+
+    code = 1
+    with handled():  # SIGTERM stops a command as Ctrl-C does (stops.py)
+        try:
+            code = _main(argv)
+        finally:
+            _announce_end(code)
+    return code
+
+
+def _main(argv: list[str] | None) -> int:
+    from . import stops
     from .errors import EntrenarError
 
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -119,22 +133,31 @@ def main(argv: list[str] | None = None) -> int:
             emit_json({"ok": False, "error": str(e), "guard": None, "exit_code": EXIT_USAGE, "usage": True})
         return EXIT_USAGE
     except KeyboardInterrupt:
-        return _failure(command, "interrupted", EXIT_INTERRUPTED, want_json, guard=None)
+        return _failure(command, "interrupted", stops.exit_code(), want_json, guard=None)
     command, want_json = args.command, bool(getattr(args, "json", False))
     try:
         _resolve_common(args)
         result = args.func(args)
     except EntrenarError as e:
-        if getattr(e, "guard_id", None):  # a guard decides on values reduced over ranks: every rank stops
-            _settle_ranks()  # with it (each exits with its code), and rank 0 prints the job's one message
-            if _other_rank():
+        stops.reporting()
+        if not getattr(e, "speaks", True):  # another rank of the job prints its message (train/jobwatch.py)
+            return e.exit_code
+        if getattr(e, "guard_id", None) or getattr(e, "job_wide", False):  # a verdict every rank holds (a guard
+            _settle_ranks()  # on values reduced over ranks, rank 0's run_on_main): each exits with its code,
+            if _other_rank():  # and rank 0 prints the job's one message
                 return e.exit_code
         return _failure(command, str(e), e.exit_code, want_json, guard=getattr(e, "guard_id", None),
                         **_error_details(e))
-    except KeyboardInterrupt as e:
-        return _failure(command, _interrupted_message(e), EXIT_INTERRUPTED, want_json, guard=None,
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM (stops.py); under torchrun only rank 0 raises it
+        stops.reporting()
+        if _other_rank():
+            return stops.exit_code()
+        return _failure(command, _interrupted_message(e), stops.exit_code(), want_json, guard=None,
                         **_interrupt_details(e))
     except Exception as e:  # a bug, not the user's input: the JSON line still comes, then the traceback
+        stops.reporting()
+        if stops.received() is not None and _other_rank():  # rank 0 stopped the job on the signal and said so
+            return stops.exit_code()
         if want_json:
             emit_json({"ok": False, "error": f"internal error ({type(e).__name__}: {e}); please report it with "
                                              f"the traceback", "guard": None, "exit_code": 1, "internal": True})
@@ -159,17 +182,32 @@ def _settle_ranks() -> None:
 
 def _error_details(e: Exception) -> dict[str, Any]:
     details = getattr(e, "details", None)
-    return {"details": details} if details else {}
+    return {**({"details": details} if details else {}), **_interrupt_details(e)}
+
+
+def _announce_end(code: int) -> None:
+    """Under torchrun, rank 0 tells the other ranks it ended in order (train/jobwatch.py)."""
+    if "WORLD_SIZE" in os.environ and not _other_rank():
+        from .train.distributed import current
+
+        if current().active:
+            from .train.jobwatch import announce_end
+
+            announce_end(code)
 
 
 def _interrupted_message(e: BaseException) -> str:
-    """Ctrl-C: the trainer's interruption names the last complete checkpoint and how to resume."""
+    """Ctrl-C / SIGTERM: the trainer's interruption names the last complete checkpoint and how to resume."""
+    from . import stops
+
+    what = "interrupted" if stops.received() in (None, signal.SIGINT) else f"stopped by {stops.name()}"
     text = str(e).strip()
-    return f"interrupted: {text}" if text else "interrupted"
+    return f"{what}: {text}" if text else what
 
 
 def _interrupt_details(e: BaseException) -> dict[str, Any]:
-    return {k: getattr(e, k) for k in ("checkpoint", "resume_command") if getattr(e, k, None) is not None}
+    return {k: getattr(e, k) for k in ("checkpoint", "resume_command", "lost_ranks")
+            if getattr(e, k, None) is not None}
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -104,8 +105,38 @@ def resolve_model(spec: str | os.PathLike) -> Path:
     from ..peft.io import is_adapter_dir
 
     if (path / "config.json").is_file() or is_adapter_dir(path):
-        return path
+        return _complete_checkpoint(path, s)
     if (path / "final" / "config.json").is_file() or is_adapter_dir(path / "final"):
         return path / "final"
+    done = _complete_checkpoints(path / "checkpoints")
+    if done:  # a run still training (or stopped before its end): its checkpoints are MODELs
+        raise InputError(f"{s}: a run directory without final/ (still training, or stopped before the end); "
+                         f"its newest complete checkpoint is {done[-1]}: give that (or {path / 'checkpoints'}"
+                         f"/latest) as the model")
     raise InputError(f"{s}: directory has no config.json (not an HF model directory) and no "
                      f"final/ model (not a finished run directory)")
+
+
+# A training checkpoint (RUN/checkpoints/step-N, or the hidden temporary a save writes first) is read only
+# once its COMPLETE marker is there (train/checkpoint.py writes it last): a read-only command on a run in
+# progress must never load a half-written one (issue 29).
+_CHECKPOINT_NAME = re.compile(r"^\.?step-\d+(\.tmp.*)?$")
+
+
+def _complete_checkpoints(root: Path) -> list[Path]:
+    return sorted(d for d in root.glob("step-*") if _CHECKPOINT_NAME.match(d.name) and (d / "COMPLETE").is_file()) \
+        if root.is_dir() else []
+
+
+def _complete_checkpoint(path: Path, spec: str) -> Path:
+    """`path`, or for a training checkpoint the directory it really is (`latest` is re-pointed by a run in
+    progress: every file of one load must come from one checkpoint), once it is COMPLETE."""
+    real = path.resolve()
+    if real.parent.name != "checkpoints" or not _CHECKPOINT_NAME.match(real.name):
+        return path
+    if not (real / "COMPLETE").is_file():
+        done = _complete_checkpoints(real.parent)
+        use = f"use a complete one: {done[-1]}" if done else "no checkpoint of this run is complete yet"
+        raise InputError(f"{spec}: checkpoint {real.name} has no COMPLETE marker (still being written, or its "
+                         f"save was interrupted), so it is not read; {use}")
+    return real if path.is_symlink() else path

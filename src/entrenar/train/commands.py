@@ -33,7 +33,9 @@ from ..outpaths import check_creatable
 from .checkpoint import find_resume
 from .config import DataConfig, LoRAConfig, add_options, default_of, from_args
 from .distributed import current, env_world, join_job, other_rank
+from .jobwatch import judge_failure
 from .loop import TrainConfig, check_resume_has_work, evaluate
+from .runlock import LOCK_FILE, check_free, holding
 
 
 def _log(text: str) -> None:
@@ -82,8 +84,8 @@ _PRE_STEP_FILES = {"run.json", "data_report.json", "preflight.json", "metrics.js
 
 
 def _never_trained(out: Path) -> bool:
-    entries = {p.name for p in out.iterdir()}
-    if not entries or not entries <= _PRE_STEP_FILES:
+    entries = {p.name for p in out.iterdir()} - {LOCK_FILE}  # the lock's file stays (runlock.py)
+    if not entries <= _PRE_STEP_FILES:
         return False
     metrics, ckpts = out / "metrics.jsonl", out / "checkpoints"
     if metrics.is_file() and metrics.stat().st_size > 0:
@@ -107,6 +109,8 @@ def _check_out(out: Path, resume: str | None) -> None:
     if out.exists() and not out.is_dir():
         raise InputError(f"--out {out}: exists and is not a directory")
     check_creatable(out, "--out")
+    # another run writing it: say so before anything else about the directory (rank 0 probes for the job)
+    current().run_on_main(lambda: check_free(out) if out.is_dir() else None)
     if resume is None and out.is_dir() and any(out.iterdir()):
         if not _never_trained(out):
             raise InputError(f"--out {out}: directory exists and is not empty; continue it with --resume auto "
@@ -348,9 +352,16 @@ def _adapter_saver(tokenizer: Any, base_spec: str):
 
 
 def _resume_command() -> str | None:
-    """This command line with `--resume auto` (for the Ctrl-C message), when it is an entrenar one."""
+    """This command line with `--resume auto` (for the Ctrl-C message), when it is an entrenar one; under
+    torchrun the launcher's command (a single process would have another global batch: refused)."""
     argv = sys.argv
-    if not argv or Path(argv[0]).name not in ("entrenar", "__main__.py"):
+    if current().active:
+        from .jobwatch import launcher_words
+
+        launch = launcher_words()
+    elif argv and Path(argv[0]).name in ("entrenar", "__main__.py"):
+        launch = ["entrenar"]
+    else:
         return None  # called as a library (tests, notebooks): there is no command line to repeat
     rest, i = [], 1
     while i < len(argv):
@@ -360,19 +371,35 @@ def _resume_command() -> str | None:
         if not argv[i].startswith("--resume="):
             rest.append(argv[i])
         i += 1
-    return shlex.join(["entrenar", *rest, "--resume", "auto"])
+    return shlex.join([*launch, *rest, "--resume", "auto"])
 
 
 def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final) -> dict:
     """Everything validated: create the run directory, preflight, train, summarise. Under torchrun
     rank 0 writes the run directory's files and runs the preflight once (its verdict reaches every
     rank); the trainer applies FSDP/DDP and splits the data (train/parallel.py)."""
+    ctx = current()
+    trainers: list = []  # the trainer, once built: its last checkpoint, should a rank of the job die
+    try:
+        ctx.barrier()  # every rank has checked --out before rank 0 creates it
+        if args.resume:  # a resume with nothing left to do is refused before run.json is touched
+            check_resume_has_work(out, args.resume, cfg.steps)
+        with holding(out, ctx.run_on_main):  # one writer per run directory (runlock.py), from here to the end
+            return _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
+                               save_final, trainers)
+    except BaseException as e:  # under torchrun a dead peer is named (exit 4), not "Connection reset by peer"
+        judged = judge_failure(e, getattr(e, "last_checkpoint", trainers[0].last_saved if trainers else None),
+                               _resume_command())
+        if judged is e:
+            raise
+        raise judged from e
+
+
+def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
+                trainers: list) -> dict:
     from .parallel import build_trainer
 
     ctx = current()
-    ctx.barrier()  # every rank has checked --out before rank 0 creates it
-    if args.resume:  # a resume with nothing left to do is refused before run.json is touched
-        check_resume_has_work(out, args.resume, cfg.steps)
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
         if ctx.active:  # the job's shape (resuming on another world size keeps the global batch)
@@ -388,6 +415,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, parallel=cfg.parallel,
                             adapters=cfg.mode in ("lora", "qlora"), save_final=save_final, log=_log,
                             resume_command=_resume_command())
+    trainers.append(trainer)
     from ..tokenizer import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
 
     trainer.checkpoint_files = functools.partial(write_checkpoint_files, tokenizer=tokenizer, base_spec=args.model)

@@ -140,8 +140,10 @@ def _decode_error(d: dict[str, Any]) -> EntrenarError:
         guard_id, cause, remedy, code, details = d["guard"]
         err = GuardError(guard_id, cause, remedy, exit_code=code, details=details)
         err.__class__ = d["cls"] if issubclass(d["cls"], GuardError) else GuardError
-        return err
-    return d["cls"](d["message"])
+    else:
+        err = d["cls"](d["message"])
+    err.job_wide = True  # every rank raises it: rank 0 alone prints it (cli.py)
+    return err
 
 
 _CURRENT = DistContext()
@@ -202,6 +204,9 @@ def join_job(device: str = "cpu") -> DistContext:
     ctx = init_from_env(device)
     if ctx.active:
         atexit.register(shutdown)
+        from .jobwatch import start  # the peers' pids, and stop when the launcher is gone
+
+        start(ctx)
     return ctx
 
 
