@@ -22,9 +22,10 @@ from entrenar.model import CausalLM
 WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
 
 
-def tiny_base_and_data(root: Path, seed: int = 0) -> tuple[Path, Path]:
+def tiny_base_and_data(root: Path, seed: int = 0, boost: float = 4.0) -> tuple[Path, Path]:
     """A tiny HF dir with SmolLM2's tokenizer whose start is better than uniform (GUARD-INIT-LOSS passes):
-    the embeddings of the data's tokens share one direction, so the tied head favours them."""
+    the embeddings of the data's tokens share one direction (of length `boost`: the smaller, the closer
+    the start is to ln V), so the tied head favours them."""
     from entrenar.tokenizer import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m-instruct")  # reads the GGUF's tokenizer metadata only
@@ -41,7 +42,7 @@ def tiny_base_and_data(root: Path, seed: int = 0) -> tuple[Path, Path]:
     d = torch.randn(cfg.hidden_size, generator=gen)
     with torch.no_grad():
         for i in sorted(ids):
-            m.model.embed_tokens.weight[i] = 4 * d / d.norm() + 0.1 * torch.randn(cfg.hidden_size, generator=gen)
+            m.model.embed_tokens.weight[i] = boost * d / d.norm() + 0.1 * torch.randn(cfg.hidden_size, generator=gen)
     base = save_hf_dir(m, root / f"base{seed}", tok)
     data = root / "sft.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in rows))

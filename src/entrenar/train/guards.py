@@ -7,13 +7,15 @@
 - GUARD-SPIKE            rolling z-score of loss / grad-norm over a window
 - GUARD-EVAL-ANOMALY     eval loss implausibly far below train loss, or perplexity ~1
 - GUARD-EVAL-COLLAPSE    eval loss back at ln(vocab) after having been well below it
+- GUARD-EVAL-DIVERGED    eval loss far above the run's best eval: training destroyed the model
 """
 
 from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import torch
 
@@ -26,9 +28,20 @@ SPIKE_POLICIES = ("warn", "skip", "stop")
 # them is not a good one to resume from. Ordinary training moves the largest weight by far less.
 EXPLODED_FACTOR = 1000.0
 # GUARD-EVAL-COLLAPSE: the best eval so far was at most WELL_BELOW x ln(vocab), and now an eval is
-# at least COLLAPSED x ln(vocab) (uniform prediction; --lr 1e6 took 0.586 -> 10.8027 = ln 49152).
+# at least COLLAPSED x ln(vocab) (uniform prediction; --lr 1e6 took 0.586 -> 10.8027 = ln 49152), but
+# not more than DIVERGED_MIN_RISE above it.
 WELL_BELOW = 0.8
 COLLAPSED = 0.98
+# GUARD-EVAL-DIVERGED: an eval above best + max(DIVERGED_MIN_RISE, DIVERGED_GAP_FRACTION x (ln V - best)),
+# best = the lowest eval of the run so far (step 0 included). The eval set is the same at every eval, so
+# a rise comes from the weights alone: the destroyed runs of issue 28 rose by 8.5 (LoRA --lr 0.5 on
+# SmolLM2: 0.9995 -> 9.51, ln V 10.80), 95 and 866 nats, while over-training only overfits (a tiny model,
+# 100 epochs of 6 samples: 2.0 nats above its best, so a flat 1-nat rise would stop it). Half of the
+# advantage over a uniform guess lost (more than halfway back to ln V) is a model that no longer knows
+# what it knew; 1 nat (perplexity x2.7) is the floor where that advantage is small (a from-scratch start
+# at ~ln V, a barely trained model). Measurements: docs/design.md, Guards.
+DIVERGED_MIN_RISE = 1.0
+DIVERGED_GAP_FRACTION = 0.5
 
 NONFINITE_REMEDY = ("lower --lr or raise --warmup, use --clip, check those samples and the model's dtype "
                     "(bf16 overflow); --on-nonfinite skip skips such steps and counts them")
@@ -107,9 +120,13 @@ def check_eval_finite(eval_loss: float, step: int, kept: str) -> None:
 
 
 def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, vocab_size: int, step: int) -> None:
-    """Eval loss back at ln(vocab) (uniform prediction) after having been well below it."""
+    """Eval loss back at ln(vocab) (uniform prediction) after having been well below it. Further above
+    ln(vocab) than DIVERGED_MIN_RISE the model does not predict uniformly: GUARD-EVAL-DIVERGED (checked
+    next) names that, and always fires there (its limit is below ln(vocab) + DIVERGED_MIN_RISE)."""
     uniform = math.log(vocab_size)
     if best_eval_loss is None or best_eval_loss > WELL_BELOW * uniform or eval_loss < COLLAPSED * uniform:
+        return
+    if eval_loss > uniform + DIVERGED_MIN_RISE:
         return
     raise GuardError(
         "GUARD-EVAL-COLLAPSE",
@@ -119,6 +136,49 @@ def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, vocab_si
         "lower --lr (or use --lr auto for LoRA/QLoRA), raise --warmup; resume from a checkpoint "
         "saved before the collapse with --resume PATH --lr ...",
         details={"step": step, "eval_loss": eval_loss, "best_eval_loss": best_eval_loss, "ln_vocab": uniform})
+
+
+def diverged_limit(best_eval_loss: float, vocab_size: int) -> float:
+    """The highest eval loss GUARD-EVAL-DIVERGED lets through after a best eval of `best_eval_loss`."""
+    advantage = math.log(vocab_size) - best_eval_loss  # over a uniform guess (< 0 for a start worse than it)
+    return best_eval_loss + max(DIVERGED_MIN_RISE, DIVERGED_GAP_FRACTION * advantage)
+
+
+DIVERGED_REMEDY = ("lower --lr (10x is a good first try; --lr auto picks a fine-tuning rate for LoRA/QLoRA) and "
+                   "keep --clip on (default 1.0: --clip 0 lets one update wreck the model); ")
+
+
+def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, vocab_size: int, step: int,
+                        find_best_checkpoint: Callable[[], tuple[Path, int, float] | None]) -> None:
+    """An eval loss far above the run's best (diverged_limit): the model is destroyed, so the run stops
+    at this eval. `find_best_checkpoint()` (called only when the guard fires) gives (path, step, eval
+    loss) of the kept checkpoint with the lowest eval, named in the message, or None."""
+    if best_eval_loss is None:
+        return
+    limit = diverged_limit(best_eval_loss, vocab_size)
+    if not eval_loss > limit:  # NaN: GUARD-NONFINITE's (check_eval_finite runs first)
+        return
+    uniform = math.log(vocab_size)
+    best_checkpoint = find_best_checkpoint()
+    if best_checkpoint is None:
+        kept = "no checkpoint with an eval was kept (only one written at an eval step is known to be good)"
+        then = ("start again with a new --out; --eval-every N with --save-every N keeps evaluated checkpoints "
+                "to go back to")
+    else:
+        path, ckpt_step, ckpt_loss = best_checkpoint
+        kept = f"the best checkpoint is {path} (eval loss {ckpt_loss:.4f} at step {ckpt_step})"
+        then = f"continue from it with --resume {path} --lr ..., or start again with a new --out"
+    raise GuardError(
+        "GUARD-EVAL-DIVERGED",
+        f"at step {step}: eval loss {eval_loss:.4f} is {eval_loss - best_eval_loss:.2f} nats above the run's best "
+        f"eval {best_eval_loss:.4f}, past the limit {limit:.4f} (best + max({DIVERGED_MIN_RISE:g}, "
+        f"{DIVERGED_GAP_FRACTION:g} x (ln(vocab) {uniform:.4f} - best))): training destroyed the model "
+        f"(typically a learning rate far too large for this model and mode, or --clip 0). Training stopped "
+        f"at this eval and final/ was not written; {kept}.",
+        DIVERGED_REMEDY + then,
+        details={"step": step, "eval_loss": eval_loss, "best_eval_loss": best_eval_loss, "limit": limit,
+                 "ln_vocab": uniform, "checkpoint": None if best_checkpoint is None else str(best_checkpoint[0]),
+                 "checkpoint_step": None if best_checkpoint is None else best_checkpoint[1]})
 
 
 def check_init_loss(eval_loss: float, vocab_size: int, source: str) -> None:

@@ -42,6 +42,7 @@ from ..fileio import atomic_write
 from ..tensors import IGNORE_INDEX, JOB_COUNTS, batch_counts
 from . import guards
 from .checkpoint import (
+    complete_checkpoints,
     find_resume,
     load_resume,
     restore_model,
@@ -333,6 +334,7 @@ class Trainer:
         self.recent_losses: list[float] = []
         self.eval_history: list[dict] = []
         self.best_eval: float | None = None
+        self.eval_losses: dict[int, float] = {}  # step -> eval loss, of the whole run (resumes included)
         self.last_loss = float("nan")
         self.last_saved: Path | None = None
         # largest |w| of the trainable weights at the start: what "exploded" is measured against
@@ -398,7 +400,8 @@ class Trainer:
                 "spike": self.spikes.state_dict(), "counters": dict(self.counters),
                 "recent_losses": self.recent_losses[-64:], "rng": rng,
                 "epoch": getattr(self.train_loader, "epoch", None), "weights_ref": self.weights_ref,
-                "best_eval": self.best_eval}
+                "best_eval": self.best_eval,
+                "eval_losses": [[s, v] for s, v in sorted(self.eval_losses.items()) if s <= step]}
 
     def load_trainer_state(self, st: dict[str, Any]) -> None:
         self.schedule.load_state_dict(st["schedule"])
@@ -409,6 +412,7 @@ class Trainer:
         self.start_step, self.tokens = int(st["step"]), int(st["tokens"])
         self.weights_ref = st.get("weights_ref", self.weights_ref)
         self.best_eval = st.get("best_eval")
+        self.eval_losses = {int(s): float(v) for s, v in st.get("eval_losses", [])}
         set_rng_state(st["rng"])
 
     def step0(self) -> dict[str, Any]:
@@ -581,18 +585,32 @@ class Trainer:
         self.eval_history.append({"step": step, **ev})
         if math.isfinite(ev["loss"]):
             self.best_eval = ev["loss"] if self.best_eval is None else min(self.best_eval, ev["loss"])
+            self.eval_losses[step] = ev["loss"]
         return ev
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        """A scheduled eval and its guards: non-finite, collapse to ln(vocab), anomaly (leak)."""
+        """A scheduled eval and its guards: non-finite, collapse to ln(vocab), diverged far above the best
+        eval, anomaly (leak; after the others: a destroyed model's train loss can be 10x its eval loss).
+        Each decides on the eval loss reduced over every rank, so all ranks stop at the same eval."""
         best_before = self.best_eval
         ev = self.run_eval(step)
         self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
         guards.check_eval_finite(ev["loss"], step, self.kept_text(self.last_saved))
         guards.check_eval_collapse(ev["loss"], best_before, self.vocab_size, step)
+        guards.check_eval_diverged(ev["loss"], best_before, self.vocab_size, step, self.best_checkpoint)
         window = self.recent_losses[-20:]
         guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
         return ev
+
+    def best_checkpoint(self) -> tuple[Path, int, float] | None:
+        """(path, step, eval loss) of the complete checkpoint on disk whose step's eval is the lowest of
+        the run, or None: a checkpoint without an eval at its step is not known to be good."""
+        on_disk = {d.name: d for d in complete_checkpoints(self.ckpt_root)}
+        evaluated = [(loss, step) for step, loss in self.eval_losses.items() if step_dir_name(step) in on_disk]
+        if not evaluated:
+            return None
+        loss, step = min(evaluated)
+        return on_disk[step_dir_name(step)], step, loss
 
     def kept_text(self, kept: Path | None) -> str:
         if kept is None:
