@@ -23,6 +23,8 @@ print(json.dumps({"run": run.name, "dtype": cfg["dtype"], "why": cfg["dtype_reas
                   "peak_gib": round(max(r["mem_mb"] for r in rows) / 1024, 2)}))
 PY
 }
+PART=${PART:-all}
+if [ "$PART" != 7b ]; then
 for d in auto bf16 fp32; do
   flag=(); [ "$d" = auto ] || flag=(--dtype "$d")
   steps=25; [ "$d" = fp32 ] && steps=12
@@ -31,7 +33,9 @@ for d in auto bf16 fp32; do
     "${flag[@]}" 2>&1 | grep -E "^dtype:|preflight|error|Error" | head -5
   summ "$OUT/q05-$d" | tee -a "$OUT/cli_dtype.jsonl"
 done
-CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/parity/seeded_7b.py --out "$OUT/seeded_7b.json" 2>&1 | tail -12
+CUDA_VISIBLE_DEVICES=0 timeout 330 python3 bench/parity/seeded_7b.py --out "$OUT/seeded_7b.json" 2>&1 | cut -c1-400 | tail -12
+fi
+[ "$PART" = cli ] && exit 0
 timeout 420 torchrun --nproc_per_node 4 -m entrenar pretrain --model qwen2.5-coder-7b --data "$DATA/qwen_shards" \
   --out "$OUT/7b" --device cuda --seq-len 2048 --batch-size 2 --steps 8 --eval-batches 1 --json 2>&1 \
   | grep -E "^dtype:|preflight|GUARD|error|step [0-9]+/|^\{" | tail -16
