@@ -104,9 +104,11 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_dir: str | Path, *, 
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not overwrite:
             raise InputError(f"{out}: already exists; choose another --out, or pass --overwrite to replace it")
-        if not (out / "tokenizer.json").is_file():
-            raise InputError(f"{out}: exists and holds no tokenizer.json, so --overwrite will not delete it; "
-                             f"choose another --out")
+        from .outpaths import check_replaceable
+        from .tokenizer import TOKENIZER_FILES
+
+        # only a previous tokenizer directory: a model or run directory also holds a tokenizer.json
+        check_replaceable(out, "tokenizer train", TOKENIZER_FILES.__contains__, required="tokenizer.json")
     files = expand_inputs(inputs)
     total = sum(f.stat().st_size for f in files if f.exists())
     tok = build_empty_tokenizer()

@@ -39,6 +39,7 @@ import torch
 
 from ..errors import GuardError, InputError
 from ..fileio import atomic_dir, atomic_write, sha256_file
+from ..outpaths import check_replaceable
 from ..tensors import IGNORE_INDEX, positions_from_doc_ids
 from .epochs import EpochCursor
 from .sources import ALL_SUFFIXES, SkippedFile, SkipReport, expand_inputs, iter_file_texts
@@ -326,16 +327,31 @@ def tokenizer_identity(tokenizer: Any, spec: str | None = None) -> dict[str, Any
             "add_bos": bool(getattr(tokenizer, "add_bos", False))}
 
 
+_PACK_FILE = re.compile(r"(index\.json|(train|val)-\d{5}\.bin|(train|val)\.docs\.bin)\Z")
+
+
+def _is_pack_file(name: str) -> bool:
+    from ..tokenizer import TOKENIZER_FILES
+
+    return bool(_PACK_FILE.match(name)) or name in TOKENIZER_FILES
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return  # an empty directory is as good as none
-    previous = out.is_dir() and ((out / "index.json").is_file() or not any(out.iterdir()))
     if not overwrite:
+        previous = (out / "index.json").is_file()
         raise InputError(f"{out}: already exists; choose another --out, or pass --overwrite to replace "
                          f"{'that previous pack' if previous else 'it'}")
-    if not previous:
-        raise InputError(f"{out}: exists and is not an empty directory or a previous `entrenar data pack` "
-                         f"output, so --overwrite will not delete it; choose another --out")
+    # only a previous pack: its shards, index and tokenizer files, and an index of this format
+    check_replaceable(out, "data pack", _is_pack_file, required="index.json")
+    try:
+        previous_format = json.loads((out / "index.json").read_text()).get("format")
+    except (ValueError, AttributeError):
+        previous_format = None
+    if previous_format != FORMAT:
+        raise InputError(f"--out {out}: its index.json is not a `entrenar data pack` index (format "
+                         f"{previous_format!r}), so --overwrite will not delete it; choose another --out")
 
 
 def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fraction: float = 0.0,
