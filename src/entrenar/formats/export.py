@@ -43,7 +43,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _tokenizer_for(spec: str, tokenizer_spec: str | None) -> Any:
     """MODEL's tokenizer; for an adapter directory without one, its recorded base's."""
-    from ..peft import is_adapter_dir, read_adapter_config
+    from ..peft import is_adapter_dir
     from ..tokenizer import load_tokenizer
     from .registry import resolve_model
 
@@ -52,9 +52,9 @@ def _tokenizer_for(spec: str, tokenizer_spec: str | None) -> Any:
     path = resolve_model(spec)
     if path.is_dir() and not (path / "tokenizer.json").is_file():
         if is_adapter_dir(path):
-            base = read_adapter_config(path)[0].get("base_model_name_or_path")
-            if base:
-                return _tokenizer_for(base, None)
+            from ..peft.base_location import locate_base
+
+            return _tokenizer_for(locate_base(path, shown_as=spec)[0], None)
         raise InputError(f"{path}: has no tokenizer.json, and a GGUF file must carry its tokenizer; "
                          f"pass --tokenizer with the model or directory whose tokenizer this model uses")
     return load_tokenizer(spec)

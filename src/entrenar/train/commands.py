@@ -491,14 +491,14 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
     """A full model (plus `adapter`, unmerged) or a LoRA adapter directory (loaded onto its recorded
     base). Returns (model, tokenizer or None, resolved path)."""
     from ..formats import load_model_with_adapter, resolve_model
-    from ..peft import is_adapter_dir, read_adapter_config
+    from ..peft import is_adapter_dir
+    from ..peft.base_location import locate_base
 
     path = resolve_model(spec)
     model = load_model_with_adapter(spec, adapter, dtype=torch.float32, device=device, kernels=kernels,
                                     force_base=force_base)
-    if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's
-        base = read_adapter_config(path)[0]["base_model_name_or_path"]
-        tok = _tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else base)
+    if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's (wherever it is now)
+        tok = _tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else locate_base(path, spec)[0])
     else:
         tok = _tokenizer_or_none(str(path) if path.is_dir() else spec)
     return model, tok, path
