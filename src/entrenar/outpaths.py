@@ -17,7 +17,7 @@ from .errors import InputError
 
 def check_creatable(path: str | os.PathLike, flag: str = "--out") -> None:
     """InputError unless `path` could be created: its nearest existing ancestor is a writable
-    directory. Nothing is created here."""
+    directory. Nothing is left behind here."""
     path = Path(path)
     anc = path
     while not anc.exists() and anc != anc.parent:
@@ -27,6 +27,18 @@ def check_creatable(path: str | os.PathLike, flag: str = "--out") -> None:
                          f"{flag}")
     if not os.access(anc, os.W_OK | os.X_OK):
         raise InputError(f"{flag} {path}: cannot be created: {anc} is not writable; choose another {flag}")
+    # os.access says yes to root everywhere, also where nothing can be created (/proc, a read-only mount):
+    # a hidden probe directory, removed at once, asks the file system itself (issue 28 item 7)
+    probe = anc / f".entrenar-probe-{os.getpid()}"
+    try:
+        probe.mkdir()
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise InputError(f"{flag} {path}: cannot be created: nothing can be written in {anc} "
+                         f"({e.strerror or e}); choose another {flag}") from None
+    else:
+        probe.rmdir()
 
 
 def check_replaceable(out: str | os.PathLike, command: str, owns: Callable[[str], bool],

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import GuardError, InputError
+from ..outpaths import check_creatable
 from .gguf_write import EXPORT_TYPES, write_gguf
 
 
@@ -91,6 +92,7 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
         raise InputError(f"{out}: already exists; choose a new output path (export never overwrites)")
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: directory of the output file does not exist; create it first")
+    check_creatable(out, "OUT")  # a read-only directory: exit 2 before loading (was a traceback at write)
     if export_type not in EXPORT_TYPES:
         raise InputError(f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}")
     start = time.perf_counter()

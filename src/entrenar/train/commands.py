@@ -276,7 +276,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
         _log(f"note: {args.data} has no val split of more than --seq-len {cfg.seq_len} tokens; no eval "
              f"(pack with --val-fraction for one)")
 
-    from ..data.corpus import check_same_tokenizer, shard_tokenizer
+    from ..data.corpus import check_same_tokenizer, check_shards_fit, shard_tokenizer
 
     shards_tok = shard_tokenizer(args.data, index)  # the tokenizer packed with the shards (issue 13)
     if args.init:
@@ -301,10 +301,12 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
         tok_spec, flag = (None, None) if _is_preset(args.model) else (args.model, "--model")
     own_tok = _tokenizer_or_none(tok_spec)
     check_same_tokenizer(args.data, shards_tok, own_tok, tok_spec, flag)
-    if index["vocab_size"] > model.cfg.vocab_size:
-        raise InputError(f"{args.data}: shards were packed with a tokenizer of {index['vocab_size']} tokens, "
-                         f"more than the model's vocab_size {model.cfg.vocab_size}; pack with the model's "
-                         f"tokenizer or choose a matching --model")
+    check_shards_fit(args.data, index, model.cfg.vocab_size)
+    if cfg.seq_len > model.cfg.max_position_embeddings:  # trained silently, then generate refused (issue 28 item 8)
+        raise InputError(f"--seq-len {cfg.seq_len} is more than the model's max_position_embeddings "
+                         f"{model.cfg.max_position_embeddings} ({args.init or args.model}): windows would train "
+                         f"positions the model does not have, and `generate` refuses a longer context. Use "
+                         f"--seq-len {model.cfg.max_position_embeddings} or less")
     tokenizer = shards_tok or own_tok or _tokenizer_or_none((index.get("tokenizer") or {}).get("model"))
     model = model.to(cfg.device).train()
     data_report = {"kind": "pretrain", "shards": str(args.data), "index": {k: v for k, v in index.items()
@@ -514,9 +516,19 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
     if data.is_dir():
-        from ..data.corpus import PretrainLoader, read_index
+        from ..data.corpus import (
+            PretrainLoader,
+            check_same_tokenizer,
+            check_shards_fit,
+            read_index,
+            shard_tokenizer,
+        )
 
         index = read_index(data)
+        # the shards' ids must mean the model's tokens (issue 28 item 4), and fit its embedding (item 7)
+        check_same_tokenizer(data, shard_tokenizer(data, index), tok, args.model, "--model",
+                             alternative="evaluate a model of the shards' tokenizer")
+        check_shards_fit(data, index, model.cfg.vocab_size)
         split = args.split or ("val" if (index["splits"].get("val") or {}).get("tokens", 0) > args.seq_len
                                else "train")
         loader = PretrainLoader(data, split, args.seq_len, args.batch_size)
