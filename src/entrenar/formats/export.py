@@ -84,6 +84,17 @@ def _merged_model(spec: str, adapter: str | None, force_base: bool) -> tuple[Any
     return model, n
 
 
+def _requantized_from(model: torch.nn.Module, export_type: str) -> list[str]:
+    """The source's quantized GGUF types when --type quantizes into another type (issue 28 item 9)."""
+    from .gguf import _FLOAT_TYPES
+
+    stored = (getattr(model, "source", None) or {}).get("stored_dtypes") or {}
+    quantized = sorted({t for t in stored.values() if t not in _FLOAT_TYPES})
+    if export_type not in ("q8_0", "q4_0") or not quantized or quantized == [export_type.upper()]:
+        return []
+    return quantized
+
+
 def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", adapter: str | None = None,
                 tokenizer: str | None = None, force_base: bool = False) -> dict[str, Any]:
     """Load MODEL (+ adapter, merged), write OUT as GGUF; returns the summary of write_gguf."""
@@ -100,8 +111,14 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
     model, n_merged = _merged_model(spec, adapter, force_base)
     load_seconds = time.perf_counter() - start
     name = Path(str(spec).rstrip("/")).name.removesuffix(".gguf")
+    requantized = _requantized_from(model, export_type)
     result = write_gguf(model.cfg, model.state_dict(), chat_tokenizer, out, export_type, name=name)
-    result.update(model=str(spec), adapter=adapter, adapters_merged=n_merged,
+    if requantized:
+        result["notes"].append(f"{spec} stores its weights as {', '.join(requantized)}; --type {export_type} "
+                               f"re-quantizes those already rounded values into another type, which is lossy "
+                               f"against the source (greedy answers may change); --type f32 keeps the source's "
+                               f"values exactly")
+    result.update(model=str(spec), adapter=adapter, adapters_merged=n_merged, requantized_from=requantized or None,
                   load_seconds=round(load_seconds, 3), total_seconds=round(time.perf_counter() - start, 3))
     return result
 
