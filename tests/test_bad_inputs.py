@@ -53,6 +53,7 @@ class World:
     adapter: Path  # a LoRA adapter of `model`
     sft_one_long: Path  # the 11 short rows and one far longer than 64 tokens
     a_file: Path  # an existing regular file
+    big_shards: Path  # shards packed with SmolLM2's 49,152-token tokenizer (more than byte_model's 258)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +87,10 @@ def world(tmp_path_factory) -> World:
     one_long = root / "one_long.jsonl"
     one_long.write_text(sft.read_text() + json.dumps({"prompt": "Say " + "many words " * 60, "completion": "no"})
                         + "\n")
-    return World(root, model, sft, byte_model, shards, Path(adapter), one_long, a_file)
+    big_shards = root / "big_shards"
+    (root / "prose.txt").write_text("Say one. Say two. Say three, four and five.\n" * 20)
+    pack([str(root / "prose.txt")], tok, big_shards, val_fraction=0.0, seed=1)
+    return World(root, model, sft, byte_model, shards, Path(adapter), one_long, a_file, big_shards)
 
 
 def finetune(w: World, out: Path, *extra: str) -> list[str]:
@@ -111,6 +115,27 @@ class Case:
 
 def _nothing(w: World, t: Path) -> list[Path]:
     return []
+
+
+def _with_template(w: World, t: Path, template: str) -> Path:
+    """A copy of the tiny model whose tokenizer carries ``template`` as its chat template."""
+    import shutil
+
+    m = t / "templated"
+    shutil.copytree(w.model, m)
+    (m / "chat_template.jinja").unlink(missing_ok=True)
+    cfg = json.loads((m / "tokenizer_config.json").read_text())
+    cfg["chat_template"] = template
+    (m / "tokenizer_config.json").write_text(json.dumps(cfg))
+    return m
+
+
+def chat(w: World, t: Path, template: str) -> list[str]:
+    return ["generate", "--model", str(_with_template(w, t, template)), "--prompt", "hi", "--chat",
+            "--max-new-tokens", "2", "--json"]
+
+
+RUNAWAY = "{% for i in range(99999) %}{% for j in range(99999) %}{{ 'x' * 64 }}{% endfor %}{% endfor %}"
 
 
 CASES = {
@@ -171,7 +196,51 @@ CASES = {
                                  lambda w, t: [t / "run"]),
     "bad-device": Case(lambda w, t: finetune(w, t / "run", "--device", "gpu0"), 2, "not a device",
                        lambda w, t: [t / "run"]),
+    # issue 28 item 4: eval checks the data's tokenizer
+    "eval-shards-of-another-tokenizer": Case(lambda w, t: ["eval", "--model", str(w.model), "--data",
+                                                           str(w.shards), "--json"], 2,
+                                             "a different tokenizer", _nothing),
+    # issue 28 item 7: user errors that were exit 1 with a traceback
+    "eval-data-of-a-larger-vocabulary": Case(lambda w, t: ["eval", "--model", str(w.byte_model), "--data",
+                                                           str(w.big_shards), "--json"], 2,
+                                             "more than the model's vocab_size 258", _nothing,
+                                             absent_message="out of range"),
+    "export-gguf-into-proc": Case(lambda w, t: ["export", "gguf", str(w.model), "/proc/entrenar-x.gguf", "--json"],
+                                  2, "cannot be created", _nothing),
+    "convert-into-proc": Case(lambda w, t: ["convert", str(w.model), "/proc/entrenar-x", "--json"], 2,
+                              "cannot be created", _nothing),
+    "chat-template-include": Case(lambda w, t: chat(w, t, "{% include 'other.jinja' %}"), 2,
+                                  "may not include", _nothing),
+    # issue 28 item 6: a template that never ends
+    "chat-template-runaway": Case(lambda w, t: chat(w, t, RUNAWAY), 2, "the chat template wrote more than",
+                                  _nothing),
+    # issue 28 item 8: bounds where a typo costs hours or the machine
+    "tokenizer-vocab-size-1e9": Case(lambda w, t: ["tokenizer", "train", "--vocab-size", "1000000000", "--out",
+                                                   str(t / "tok"), str(w.sft), "--json"], 2,
+                                     "--vocab-size 1000000000 is more than", lambda w, t: [t / "tok"]),
+    "tokenizer-vocab-size-2m": Case(lambda w, t: ["tokenizer", "train", "--vocab-size", "2000000", "--out",
+                                                  str(t / "tok"), str(w.sft), "--json"], 2,
+                                    "--vocab-size 2000000 is more than", lambda w, t: [t / "tok"]),
+    "pack-shard-tokens-7": Case(lambda w, t: ["data", "pack", "--model", str(w.model), "--out", str(t / "p"),
+                                              "--shard-tokens", "7", str(w.sft), "--json"], 2,
+                                "--shard-tokens 7 is below", lambda w, t: [t / "p"]),
+    "pretrain-seq-len-over-max-positions": Case(lambda w, t: pretrain(w, t / "run", "--seq-len", "512"), 2,
+                                                "--seq-len 512 is more than the model's max_position_embeddings 256",
+                                                lambda w, t: [t / "run"]),
+    # issue 28 item 9: an input with no usable text is not a tokenizer
+    "tokenizer-train-no-text": Case(lambda w, t: ["tokenizer", "train", "--vocab-size", "300", "--out",
+                                                  str(t / "tok"), str(_blank(t)), "--json"], 2,
+                                    "no text to learn from", lambda w, t: [t / "tok"]),
 }
+
+
+def _blank(t: Path) -> Path:
+    d = t / "blank"
+    d.mkdir(exist_ok=True)
+    (d / "empty.txt").write_text("")
+    (d / "spaces.md").write_text("   \n\n\t \n")
+    (d / "rows.jsonl").write_text('{"text": ""}\n{"text": "  "}\n')
+    return d
 STDLIB_JSON = Path(json.__file__).parent
 
 
@@ -405,3 +474,31 @@ def test_a_nan_from_torch_is_also_caught(monkeypatch, capsys):
     monkeypatch.setattr(commands, "cmd_plot", lambda args: {"loss": torch.tensor(float("nan")).item()})
     code, result, _ = run_cli(["plot", "r", "--json"], capsys)
     assert code == 0 and result["loss"] is None and result["nonfinite"] == ["loss"]
+
+
+def test_export_gguf_into_a_read_only_directory_is_exit_2_before_loading(world, tmp_path, monkeypatch, capsys):
+    """Issue 28 item 7: a PermissionError traceback at write time (convert and merge already said exit 2).
+    Root may write anywhere, so the read-only directory is simulated as in test_check_creatable."""
+    from entrenar.formats import export
+
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    monkeypatch.setattr("os.access", lambda path, mode: Path(path) != ro)
+    monkeypatch.setattr(export, "_merged_model", lambda *a: pytest.fail("loaded before checking OUT"))
+    code, result, err = run_cli(["export", "gguf", str(world.model), str(ro / "m.gguf"), "--json"], capsys)
+    assert code == 2 and f"{ro} is not writable" in result["error"], err[-2000:]
+    assert not list(ro.iterdir())
+
+
+@pytest.mark.parametrize("command", ["eval", "verify"])
+def test_kernels_triton_on_the_cpu_is_exit_2_naming_the_remedy(world, monkeypatch, capsys, command):
+    """Issue 28 item 7: `--kernels triton` on the CPU was exit 1, a RuntimeError from the first kernel.
+    (The CPU interpreter, TRITON_INTERPRET=1, is what the kernel tests use: it stays allowed.)"""
+    from entrenar.kernels import _common
+
+    monkeypatch.setattr(_common, "_INTERPRETER_AT_IMPORT", False)
+    argv = {"eval": ["eval", "--model", str(world.model), "--data", str(world.sft), "--max-seq-len", "64"],
+            "verify": ["verify", "--model", str(world.model), "--seq-len", "32"]}[command]
+    code, result, err = run_cli([*argv, "--kernels", "triton", "--device", "cpu", "--json"], capsys)
+    assert code == 2, err[-2000:]
+    assert "--kernels triton" in result["error"] and "--kernels torch" in result["error"]

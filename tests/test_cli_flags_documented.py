@@ -345,6 +345,7 @@ def test_data_pack_workers_shard_tokens_seed_and_overwrite(tmp_path, capsys, mon
     for i, t in enumerate(TEXTS):
         (src / f"m{i:02d}.py").write_text(t)
     monkeypatch.setattr(corpus, "TASK_BYTES", 400)  # several encode tasks, so both workers get some
+    monkeypatch.setattr(corpus, "MIN_SHARD_TOKENS", 64)  # shards of 97 tokens: several for this small corpus
     pools = []  # (workers, tasks) of each pack: _run_tasks spawns a pool when both are > 1
     real_run_tasks = corpus._run_tasks
 

@@ -100,7 +100,7 @@ def _resolve_common(args: argparse.Namespace) -> None:
         from .devices import resolve_device
 
         args.device = resolve_device(args.device)
-    if getattr(args, "kernels", None) == "auto":
+    if getattr(args, "kernels", None) in ("auto", "triton"):  # triton: refused off CUDA (exit 2)
         from .kernels import resolve_kernels
 
         args.kernels = resolve_kernels(args.kernels, getattr(args, "device", "cpu"))

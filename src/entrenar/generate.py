@@ -124,6 +124,8 @@ def generate(model: CausalLM, tokenizer, prompt_ids: Sequence[int], max_new_toke
         raise InputError(f"prompt ({len(prompt_ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds the "
                          f"model's context of {cfg.max_position_embeddings} positions; shorten one of them")
     stops = set(tokenizer.stop_ids if stop_ids is None else stop_ids)
+    # ids past the tokenizer (a vocabulary rounded up to a multiple of 64) are padding rows: never sampled
+    n_real = min(cfg.vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else cfg.vocab_size
     device = model.head_weight.device
     generator = None
     if temperature > 0:
@@ -147,7 +149,7 @@ def generate(model: CausalLM, tokenizer, prompt_ids: Sequence[int], max_new_toke
                 check_logits_finite(model, logits, len(out))
                 if keep_logits:
                     step_logits.append(logits.float().cpu())
-                nxt = sample_next(logits, temperature, top_p, generator)
+                nxt = sample_next(logits[:n_real], temperature, top_p, generator)
                 out.append(nxt)
                 if nxt in stops:
                     stop_reason = "eos" if nxt == tokenizer.eos_id else "end_of_turn"

@@ -16,6 +16,9 @@ import numpy as np
 
 from .errors import InputError
 from .fileio import atomic_write, read_jsonl
+from .outpaths import check_replaceable_file
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
 def _read(path: Path) -> list[dict[str, Any]]:
@@ -41,6 +44,8 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
     if not metrics:
         raise InputError(f"{metrics_path}: empty; no step has finished yet")
     out = out or run_dir / "curves.png"
+    if out.exists():  # a previous plot is replaced, never another file given as --out (issue 28 item 1)
+        check_replaceable_file(out, "a PNG image", lambda head: head.startswith(PNG_MAGIC))
     panels = [
         ("loss", [("train loss", *_series(metrics, "loss")), ("eval loss", *_series(evals, "loss"))], False),
         ("learning rate", [("lr", *_series(metrics, "lr"))], False),
@@ -107,6 +112,6 @@ def _draw_png(panels: list, out: Path, w: int = 400, h: int = 250) -> None:
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
 
-    png = (b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", struct.pack(">IIBBBBB", 2 * w, 2 * h, 8, 2, 0, 0, 0))
+    png = (PNG_MAGIC + chunk(b"IHDR", struct.pack(">IIBBBBB", 2 * w, 2 * h, 8, 2, 0, 0, 0))
            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
     atomic_write(out, png)

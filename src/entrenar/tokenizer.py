@@ -134,7 +134,9 @@ def _template_env():
         def _render(self, caller):
             return caller()
 
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+    from .chat_limits import no_include_loader
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, loader=no_include_loader(),
                                         extensions=[jinja2.ext.loopcontrols, GenerationBlock])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
@@ -278,9 +280,13 @@ class ChatTokenizer:
         return spans
 
     def _render(self, template: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                               bos_token=self.bos_token or "", eos_token=self.eos_token or "",
-                               pad_token=self.pad_token or "", unk_token=self.unk_token or "")
+        from .chat_limits import bounded_render
+
+        context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
+                   "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
+                   "pad_token": self.pad_token or "", "unk_token": self.unk_token or ""}
+        chars = sum(len(m.get("content") or "") for m in messages if isinstance(m.get("content"), str))
+        return bounded_render(template, context, self.source, chars)  # time and size bounded (exit 2)
 
     def _render_prefix(self, template: Any, messages: list[dict[str, Any]]) -> str | None:
         """The text a template writes before an assistant turn: the history plus the generation prompt."""

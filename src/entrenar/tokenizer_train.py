@@ -49,6 +49,9 @@ CHATML_TEMPLATE = (
     "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
 )
 MIN_VOCAB = 256 + len(SPECIAL_TOKENS)
+# the largest --vocab-size: 4x the largest real vocabularies (Gemma's 262k). The trainer allocates for the
+# requested size up front, so --vocab-size 1000000000 aborted in Rust after a 70 GB allocation (rc 134).
+MAX_VOCAB = 1 << 20
 BLOCK_BYTES = 1 << 20  # a larger text file is fed to the trainer in blocks of about this size
 
 
@@ -98,15 +101,20 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_dir: str | Path, *, 
     if vocab_size < MIN_VOCAB:
         raise InputError(f"--vocab-size {vocab_size} is too small: the 256 byte tokens and "
                          f"{len(SPECIAL_TOKENS)} special tokens alone need {MIN_VOCAB}")
+    if vocab_size > MAX_VOCAB:
+        raise InputError(f"--vocab-size {vocab_size} is more than {MAX_VOCAB:,}: real tokenizers have 32k-262k "
+                         f"tokens (LLaMA 32,000; Qwen2 151,936); choose one of that size (a typo?)")
     if min_frequency < 1:
         raise InputError(f"--min-frequency must be >= 1, got {min_frequency}")
     out = Path(out_dir)
     if out.exists() and not (out.is_dir() and not any(out.iterdir())):
         if not overwrite:
             raise InputError(f"{out}: already exists; choose another --out, or pass --overwrite to replace it")
-        if not (out / "tokenizer.json").is_file():
-            raise InputError(f"{out}: exists and holds no tokenizer.json, so --overwrite will not delete it; "
-                             f"choose another --out")
+        from .outpaths import check_replaceable
+        from .tokenizer import TOKENIZER_FILES
+
+        # only a previous tokenizer directory: a model or run directory also holds a tokenizer.json
+        check_replaceable(out, "tokenizer train", TOKENIZER_FILES.__contains__, required="tokenizer.json")
     files = expand_inputs(inputs)
     total = sum(f.stat().st_size for f in files if f.exists())
     tok = build_empty_tokenizer()
@@ -117,11 +125,23 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_dir: str | Path, *, 
     t0 = time.perf_counter()
     from tqdm import tqdm
 
+    texts = {"usable": 0}
+
+    def counted(blocks: Iterator[str]) -> Iterator[str]:
+        for text in blocks:
+            if not texts["usable"] and not text.isspace() and text:
+                texts["usable"] = 1
+            yield text
+
     with tqdm(total=total, unit="B", unit_scale=True, desc="read", disable=not progress, file=sys.stderr) as bar:
-        tok.train_from_iterator(iter_corpus(files, skipped, strict, bar), trainer=trainer)
+        tok.train_from_iterator(counted(iter_corpus(files, skipped, strict, bar)), trainer=trainer)
     seconds = time.perf_counter() - t0
     if skipped.count == len(files):
         raise InputError(f"no readable input: all {len(files)} files were skipped ({'; '.join(skipped.listed[:5])})")
+    if not texts["usable"]:  # was a "successful" tokenizer of the byte alphabet alone (issue 28 item 9)
+        raise InputError(f"no text to learn from: the {len(files)} input file(s) hold only empty or whitespace "
+                         f"documents ({skipped.count} skipped); no tokenizer was written. Add text files, JSONL "
+                         f"rows with a \"text\" field or Parquet with a text column")
     chat = ChatTokenizer(tok, bos_token=None, eos_token=EOS_TOKEN, pad_token=EOS_TOKEN, eot_token=IM_END,
                          add_bos=False, chat_template=CHATML_TEMPLATE, source=str(out))
     import shutil

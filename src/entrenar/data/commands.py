@@ -25,8 +25,13 @@ def _load_tokenizer(spec: str) -> Any:
 
 
 def cmd_pack(args: argparse.Namespace) -> dict[str, Any]:
+    from . import corpus
     from .corpus import pack
 
+    if 1 <= args.shard_tokens < corpus.MIN_SHARD_TOKENS:
+        raise InputError(f"--shard-tokens {args.shard_tokens} is below the minimum of {corpus.MIN_SHARD_TOKENS:,} "
+                         f"tokens per shard file: it would write a file per {args.shard_tokens} tokens. Leave it "
+                         f"out (64 Mi tokens per file) or give at least {corpus.MIN_SHARD_TOKENS:,}")
     tok = _load_tokenizer(args.model)
     t0 = time.perf_counter()
     index = pack(args.inputs, tok, args.out, val_fraction=args.val_fraction, seed=args.seed,
@@ -111,7 +116,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="fraction of documents for val: each document goes to val by a seeded hash of its text, "
                         "so about this fraction, the same for any --workers (0)")
     q.add_argument("--seed", type=int, default=0, help="seed of the train/val split's hash (0)")
-    q.add_argument("--shard-tokens", type=int, default=1 << 26, help="tokens per shard file (64 Mi)")
+    q.add_argument("--shard-tokens", type=int, default=1 << 26,
+                   help="tokens per shard file, at least 64 Ki (64 Mi)")
     q.add_argument("--workers", type=int, default=1,
                    help="processes that tokenize in parallel; the shards are identical for any value (1)")
     q.add_argument("--strict", action="store_true",

@@ -39,6 +39,7 @@ import torch
 
 from ..errors import GuardError, InputError
 from ..fileio import atomic_dir, atomic_write, sha256_file
+from ..outpaths import check_replaceable
 from ..tensors import IGNORE_INDEX, positions_from_doc_ids
 from .epochs import EpochCursor
 from .sources import ALL_SUFFIXES, SkippedFile, SkipReport, expand_inputs, iter_file_texts
@@ -49,6 +50,9 @@ FORMAT = "entrenar-token-shards-v1"
 TEXT_SUFFIXES = ALL_SUFFIXES  # every input kind a directory is searched for
 SPLITS = ("train", "val")
 DEFAULT_SHARD_TOKENS = 1 << 26  # 64 Mi tokens: 128 MiB uint16 / 256 MiB uint32 per shard
+# the smallest --shard-tokens the command accepts: `--shard-tokens 7` (a typo) wrote 13,638 files for a
+# 95k-token corpus (issue 28 item 8). The library takes any size >= 1 (tests shard tiny corpora).
+MIN_SHARD_TOKENS = 1 << 16
 # Memory is bounded by these (tokenizers needs ~40x the text size while encoding): ~100 MB peak.
 ENCODE_BATCH_CHARS = 1 << 20  # encode ~1 MB of text per call (parallel over its pieces)
 PIECE_CHARS = 1 << 16  # a longer document is encoded in pieces of about this size ...
@@ -326,16 +330,31 @@ def tokenizer_identity(tokenizer: Any, spec: str | None = None) -> dict[str, Any
             "add_bos": bool(getattr(tokenizer, "add_bos", False))}
 
 
+_PACK_FILE = re.compile(r"(index\.json|(train|val)-\d{5}\.bin|(train|val)\.docs\.bin)\Z")
+
+
+def _is_pack_file(name: str) -> bool:
+    from ..tokenizer import TOKENIZER_FILES
+
+    return bool(_PACK_FILE.match(name)) or name in TOKENIZER_FILES
+
+
 def _check_out(out: Path, overwrite: bool) -> None:
     if not out.exists() or (out.is_dir() and not any(out.iterdir())):
         return  # an empty directory is as good as none
-    previous = out.is_dir() and ((out / "index.json").is_file() or not any(out.iterdir()))
     if not overwrite:
+        previous = (out / "index.json").is_file()
         raise InputError(f"{out}: already exists; choose another --out, or pass --overwrite to replace "
                          f"{'that previous pack' if previous else 'it'}")
-    if not previous:
-        raise InputError(f"{out}: exists and is not an empty directory or a previous `entrenar data pack` "
-                         f"output, so --overwrite will not delete it; choose another --out")
+    # only a previous pack: its shards, index and tokenizer files, and an index of this format
+    check_replaceable(out, "data pack", _is_pack_file, required="index.json")
+    try:
+        previous_format = json.loads((out / "index.json").read_text()).get("format")
+    except (ValueError, AttributeError):
+        previous_format = None
+    if previous_format != FORMAT:
+        raise InputError(f"--out {out}: its index.json is not a `entrenar data pack` index (format "
+                         f"{previous_format!r}), so --overwrite will not delete it; choose another --out")
 
 
 def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fraction: float = 0.0,
@@ -442,20 +461,31 @@ def shard_tokenizer(shards_dir: str | Path, index: dict[str, Any] | None = None)
     return tok
 
 
-def check_same_tokenizer(shards_dir: str | Path, shards_tok: Any, other: Any, other_spec: str, flag: str) -> None:
+def check_same_tokenizer(shards_dir: str | Path, shards_tok: Any, other: Any, other_spec: str, flag: str,
+                         alternative: str | None = None) -> None:
     """InputError naming both when ``other`` (the tokenizer of --model/--init) would encode text
-    differently from the tokenizer the shards were packed with."""
+    differently from the tokenizer the shards were packed with. ``alternative``: the remedy besides
+    re-packing (pretrain: train from a preset)."""
     from ..tokenizer import encoding_sha256
 
     if shards_tok is None or other is None:
         return
     mine, theirs = encoding_sha256(shards_tok), encoding_sha256(other)
     if mine != theirs or len(shards_tok) != len(other):
+        alternative = alternative or f"train from a preset (`--model PRESET`, no {flag})"
         raise InputError(f"{flag} {other_spec} has a different tokenizer ({len(other)} tokens, encoding sha256 "
                          f"{str(theirs)[:12]}..) from the one the shards {shards_dir} were packed with "
                          f"({len(shards_tok)} tokens, {str(mine)[:12]}..); its token ids would mean other text. "
-                         f"Re-pack the corpus with `entrenar data pack --model {other_spec}`, or train from "
-                         f"a preset (`--model PRESET`, no {flag})")
+                         f"Re-pack the corpus with `entrenar data pack --model {other_spec}`, or {alternative}")
+
+
+def check_shards_fit(shards_dir: str | Path, index: dict[str, Any], vocab_size: int, flag: str = "--model") -> None:
+    """InputError when the shards' tokenizer has more tokens than the model's embedding has rows: an id
+    past the last row would index out of range (eval crashed with exit 1 on one: issue 28 item 7)."""
+    if index["vocab_size"] > vocab_size:
+        raise InputError(f"{shards_dir}: shards were packed with a tokenizer of {index['vocab_size']} tokens, "
+                         f"more than the model's vocab_size {vocab_size}; pack with the model's tokenizer or "
+                         f"choose a matching {flag}")
 
 
 # ---- loading --------------------------------------------------------------------------------------
@@ -565,13 +595,28 @@ class PretrainLoader:
         for i in range(0, self.num_windows, self.batch_size):
             yield self._collate(list(range(i, min(i + self.batch_size, self.num_windows))))
 
+    def _tokenizer_id(self) -> dict[str, Any]:
+        tok = self.index.get("tokenizer") or {}
+        return {"vocab_size": self.index.get("vocab_size"), "encoding_sha256": tok.get("encoding_sha256")}
+
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **self.cursor.state_dict(), "split": self.split,
                 "seq_len": self.seq_len, "batch_size": self.batch_size, "doc_mask": self.doc_mask,
-                "num_windows": self.num_windows, "source_sha256": self.index["source_sha256"]}
+                "num_windows": self.num_windows, "source_sha256": self.index["source_sha256"],
+                "tokenizer": self._tokenizer_id()}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         mine = self.state_dict()
+        saved_tok = sd.get("tokenizer")  # absent in checkpoints written before it was recorded
+        if saved_tok is not None and saved_tok != mine["tokenizer"]:
+            # first: another tokenizer also changes num_windows, which named the effect, not the cause
+            def describe(t: dict[str, Any]) -> str:
+                return f"{t.get('vocab_size')} tokens, encoding sha256 {str(t.get('encoding_sha256'))[:12]}.."
+
+            raise InputError(f"cannot resume: the run was trained on shards of another tokenizer "
+                             f"({describe(saved_tok)}) than --data {self.dir} ({describe(mine['tokenizer'])}), "
+                             f"so the same ids would mean other text; resume with the run's shards, or re-pack "
+                             f"the corpus with the run's tokenizer (`entrenar data pack --model RUN_CHECKPOINT`)")
         for key in ("kind", "split", "seq_len", "num_windows", "source_sha256"):
             if sd.get(key) != mine[key]:
                 raise InputError(f"cannot resume the pretraining loader: saved {key}={sd.get(key)!r}, now "

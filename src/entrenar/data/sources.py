@@ -20,7 +20,7 @@ import gzip
 import json
 import re
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -76,20 +76,84 @@ def _wanted(path: Path) -> bool:
     return path.name.lower().endswith(ALL_SUFFIXES)
 
 
+def walk_files(root: Path, skip_dir: Callable[[str], bool] = lambda name: False) -> Iterator[Path]:
+    """Every file under ``root``, following symlinked directories but entering each real directory
+    once: a symlink loop (loop/self -> ../loop) is walked once instead of until the OS refuses
+    (issue 28 item 6: two such links made `**` enumerate 2^40 paths)."""
+    import os
+
+    seen: set[tuple[int, int]] = set()
+    for dirpath, dirnames, filenames in os.walk(root, followlinks=True):
+        try:
+            st = os.stat(dirpath)
+        except OSError:
+            dirnames[:] = []
+            continue
+        if (st.st_dev, st.st_ino) in seen:
+            dirnames[:] = []
+            continue
+        seen.add((st.st_dev, st.st_ino))
+        dirnames[:] = sorted(d for d in dirnames if not skip_dir(d))
+        for name in sorted(filenames):
+            yield Path(dirpath) / name
+
+
+_GLOB_MAGIC = re.compile(r"[*?[]")
+
+
+def _component_regex(part: str) -> str:
+    """One path component of a glob as a regex that never crosses '/' (and, as glob does, never
+    matches a hidden name unless the pattern itself starts with '.')."""
+    if part == "**":
+        return "(?:[^/.][^/]*/)*"
+    out, i = ["" if part.startswith(".") else r"(?!\.)"], 0
+    while i < len(part):
+        c = part[i]
+        if c == "*":
+            out.append("[^/]*")
+        elif c == "?":
+            out.append("[^/]")
+        elif c == "[" and (j := part.find("]", i + 2 if part[i + 1:i + 2] in ("!", "]") else i + 1)) > 0:
+            body = part[i + 1:j].replace("\\", "\\\\")
+            out.append("[" + ("^" + body[1:] if body.startswith("!") else body) + "]")
+            i = j
+        else:
+            out.append(re.escape(c))
+        i += 1
+    return "".join(out)
+
+
+def glob_files(spec: str) -> list[Path]:
+    """The files ``glob.glob(spec, recursive=True)`` matches, with ``**`` walked by ``walk_files``
+    (each real directory once) instead of glob's recursion, which follows symlink loops."""
+    if "**" not in spec:  # no recursion: bounded by the pattern's depth
+        return sorted(Path(f) for f in glob.glob(spec) if Path(f).is_file())
+    parts = Path(spec).parts
+    first = next(k for k, part in enumerate(parts) if _GLOB_MAGIC.search(part))
+    base = Path(*parts[:first]) if first else Path(".")
+    rest = [_component_regex(p) for p in parts[first:]]
+    if parts[-1] == "**":  # a trailing ** matches every file beneath
+        rest[-1] = "(?:[^/.][^/]*/)*(?!\\.)[^/]+"
+    pattern = re.compile("".join(r if r.endswith("/)*") else r + "/" for r in rest[:-1]) + rest[-1])
+    hidden_ok = any(p.startswith(".") for p in parts[first:])
+    return [f for f in walk_files(base, lambda d: d.startswith(".") and not hidden_ok)
+            if pattern.fullmatch(f.relative_to(base).as_posix()) and f.is_file()]
+
+
 def expand_inputs(inputs: list[str]) -> list[Path]:
     """Files, directories (recursive) and globs -> one sorted, de-duplicated file list per INPUT,
-    in the order given. An INPUT that matches nothing is an InputError (a typo, not a skip)."""
+    in the order given. An INPUT that matches nothing is an InputError (a typo, not a skip).
+    Symlinked directories are followed, each real directory once."""
     files: list[Path] = []
     for spec in inputs:
         p = Path(spec)
         if p.is_file():
             found = [p]
         elif p.is_dir():
-            found = sorted(f for f in p.rglob("*") if _wanted(f) and f.is_file()
-                           and not any(part.startswith(".") or part == "__pycache__"
-                                       for part in f.relative_to(p).parts))
+            found = sorted(f for f in walk_files(p, lambda d: d.startswith(".") or d == "__pycache__")
+                           if _wanted(f) and f.is_file() and not f.name.startswith("."))
         else:
-            found = sorted(Path(f) for f in glob.glob(spec, recursive=True) if Path(f).is_file())
+            found = sorted(glob_files(spec))
         if not found:
             raise InputError(f"{spec}: no such file, no corpus files in that directory "
                              f"({', '.join(ALL_SUFFIXES)}), and no glob match")

@@ -78,20 +78,29 @@ def load_model_with_adapter(spec: str | os.PathLike, adapter: str | os.PathLike 
     adapter attached. The base must be the one the adapter recorded (exit 2 naming both otherwise) unless
     ``force_base``. Returns the model in eval mode on ``device``.
     """
-    from ..errors import InputError
-    from ..peft.io import is_adapter_dir, load_adapter, read_adapter_config
+    import sys
 
+    from ..errors import InputError
+    from ..peft.base_location import locate_base, located_base_mismatch
+    from ..peft.io import is_adapter_dir, load_adapter
+
+    found_note = None
     if adapter is None:
         path = resolve_model(spec)
-        if is_adapter_dir(path):
-            acfg, _ = read_adapter_config(path)
-            base = acfg.get("base_model_name_or_path")
-            if not base:
-                raise InputError(f"{path}: adapter has no base_model_name_or_path; merge it with `entrenar merge`")
-            spec, adapter = base, path
+        if is_adapter_dir(path):  # its recorded base, from any folder (issue 28 item 3)
+            run = str(spec)
+            spec, found_note = locate_base(path, shown_as=run)
+            adapter = path
+            if found_note:
+                print(found_note, file=sys.stderr, flush=True)
     model = load_model(spec, dtype=dtype, device=device, kernels=kernels)
     if adapter:
-        model = load_adapter(model, adapter, force_base=force_base, base_name=str(spec)).to(device)
+        try:
+            model = load_adapter(model, adapter, force_base=force_base, base_name=str(spec)).to(device)
+        except InputError as e:
+            if found_note is None:
+                raise
+            raise located_base_mismatch(e, found_note, run) from e
     return model.eval()
 
 

@@ -5,8 +5,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib.util
-import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +12,7 @@ import torch
 
 from ..cli_registry import add_command
 from ..errors import InputError
+from ..fileio import atomic_dir
 from ..outpaths import check_creatable
 
 
@@ -110,15 +109,10 @@ def cmd_convert(args: argparse.Namespace) -> dict:
         from ..tokenizer import load_tokenizer  # type: ignore[import-not-found]
 
         tokenizer = load_tokenizer(args.model)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)  # a leftover of an interrupted convert to the same OUT_DIR
-    try:
+    # nothing half-written under OUT_DIR; the temporary is fileio's hidden per-process name, never a
+    # user's directory (OUT_DIR.tmp was deleted here: issue 28 item 1)
+    with atomic_dir(out) as tmp:
         save_hf_dir(model, tmp, tokenizer=tokenizer)
-        os.replace(tmp, out)  # nothing half-written under OUT_DIR
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     dtypes = sorted({str(p.dtype).removeprefix("torch.") for p in model.parameters()})
     files = sorted(p.name for p in out.iterdir())
     if not args.json:

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from ..errors import GuardError, InputError
+from ..outpaths import check_creatable
 from .gguf_write import EXPORT_TYPES, write_gguf
 
 
@@ -43,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 def _tokenizer_for(spec: str, tokenizer_spec: str | None) -> Any:
     """MODEL's tokenizer; for an adapter directory without one, its recorded base's."""
-    from ..peft import is_adapter_dir, read_adapter_config
+    from ..peft import is_adapter_dir
     from ..tokenizer import load_tokenizer
     from .registry import resolve_model
 
@@ -52,9 +53,9 @@ def _tokenizer_for(spec: str, tokenizer_spec: str | None) -> Any:
     path = resolve_model(spec)
     if path.is_dir() and not (path / "tokenizer.json").is_file():
         if is_adapter_dir(path):
-            base = read_adapter_config(path)[0].get("base_model_name_or_path")
-            if base:
-                return _tokenizer_for(base, None)
+            from ..peft.base_location import locate_base
+
+            return _tokenizer_for(locate_base(path, shown_as=spec)[0], None)
         raise InputError(f"{path}: has no tokenizer.json, and a GGUF file must carry its tokenizer; "
                          f"pass --tokenizer with the model or directory whose tokenizer this model uses")
     return load_tokenizer(spec)
@@ -83,6 +84,17 @@ def _merged_model(spec: str, adapter: str | None, force_base: bool) -> tuple[Any
     return model, n
 
 
+def _requantized_from(model: torch.nn.Module, export_type: str) -> list[str]:
+    """The source's quantized GGUF types when --type quantizes into another type (issue 28 item 9)."""
+    from .gguf import _FLOAT_TYPES
+
+    stored = (getattr(model, "source", None) or {}).get("stored_dtypes") or {}
+    quantized = sorted({t for t in stored.values() if t not in _FLOAT_TYPES})
+    if export_type not in ("q8_0", "q4_0") or not quantized or quantized == [export_type.upper()]:
+        return []
+    return quantized
+
+
 def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", adapter: str | None = None,
                 tokenizer: str | None = None, force_base: bool = False) -> dict[str, Any]:
     """Load MODEL (+ adapter, merged), write OUT as GGUF; returns the summary of write_gguf."""
@@ -91,6 +103,7 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
         raise InputError(f"{out}: already exists; choose a new output path (export never overwrites)")
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: directory of the output file does not exist; create it first")
+    check_creatable(out, "OUT")  # a read-only directory: exit 2 before loading (was a traceback at write)
     if export_type not in EXPORT_TYPES:
         raise InputError(f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}")
     start = time.perf_counter()
@@ -98,8 +111,14 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
     model, n_merged = _merged_model(spec, adapter, force_base)
     load_seconds = time.perf_counter() - start
     name = Path(str(spec).rstrip("/")).name.removesuffix(".gguf")
+    requantized = _requantized_from(model, export_type)
     result = write_gguf(model.cfg, model.state_dict(), chat_tokenizer, out, export_type, name=name)
-    result.update(model=str(spec), adapter=adapter, adapters_merged=n_merged,
+    if requantized:
+        result["notes"].append(f"{spec} stores its weights as {', '.join(requantized)}; --type {export_type} "
+                               f"re-quantizes those already rounded values into another type, which is lossy "
+                               f"against the source (greedy answers may change); --type f32 keeps the source's "
+                               f"values exactly")
+    result.update(model=str(spec), adapter=adapter, adapters_merged=n_merged, requantized_from=requantized or None,
                   load_seconds=round(load_seconds, 3), total_seconds=round(time.perf_counter() - start, 3))
     return result
 

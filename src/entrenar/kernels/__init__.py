@@ -55,11 +55,21 @@ def triton_available() -> bool:
 
 
 def resolve_kernels(kind: str, device: str) -> str:
-    """'auto' -> Triton on CUDA (the fast path) when it can be imported, the torch references elsewhere."""
+    """'auto' -> Triton on CUDA (the fast path) when it can be imported, the torch references elsewhere.
+    'triton' off CUDA is an InputError (it was a RuntimeError at the first kernel: issue 28 item 7), except
+    under the CPU interpreter (TRITON_INTERPRET=1 before import), which the kernel tests use."""
+    from . import _common
+
+    on_cuda = str(device).startswith("cuda")
     if kind == "auto":
-        return "triton" if str(device).startswith("cuda") and triton_available() else "torch"
+        return "triton" if on_cuda and triton_available() else "torch"
     if kind not in ("torch", "triton"):
         raise ValueError(f"kernels {kind!r} not in ('auto', 'torch', 'triton')")
+    if kind == "triton":
+        _triton_ops()  # no importable triton: that remedy first (pip install triton)
+    if kind == "triton" and not on_cuda and not _common._INTERPRETER_AT_IMPORT:
+        raise InputError(f"--kernels triton runs on CUDA GPUs; --device {device} is not one. Use --kernels torch "
+                         f"(or auto: triton on CUDA, torch elsewhere)")
     return kind
 
 

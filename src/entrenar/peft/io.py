@@ -21,6 +21,7 @@ from torch import nn
 from ..errors import InputError
 from ..fileio import atomic_write
 from ..kernels import nf4
+from .base_location import base_relative_to, base_to_record
 from .identity import check_base_identity
 from .lora import apply_lora, lora_modules
 
@@ -78,10 +79,12 @@ def _peft_adapter_config(cfg: dict[str, Any], base_spec: str | Path | None) -> d
     }
 
 
-def _adapter_note(model: nn.Module, cfg: dict[str, Any], base_spec: str | Path | None) -> dict[str, Any]:
+def _adapter_note(model: nn.Module, cfg: dict[str, Any], base_spec: str | None, out: Path) -> dict[str, Any]:
     model_cfg = getattr(model, "cfg", None)
     return {
-        "base_model": None if base_spec is None else str(base_spec),
+        "base_model": base_spec,
+        # where the base sits relative to this directory: found again when both moved together
+        "base_model_relative": base_relative_to(base_spec, out),
         # checked when the adapter is loaded or merged: a same-shape wrong base is refused (exit 2)
         "base_fingerprint": cfg.get("base_fingerprint"),
         "trained_against": "nf4" if cfg["quantize_nf4"] else "base weights",
@@ -107,6 +110,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_spec: str | Path | 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = adapter_state_dict(model)
+    base_spec = base_to_record(base_spec)  # absolute: the adapter works from any folder (issue 28 item 3)
 
     def write_weights(tmp: Path) -> None:
         save_file(tensors, str(tmp), metadata={"format": "pt"})
@@ -114,7 +118,7 @@ def save_adapter(model: nn.Module, out_dir: str | Path, base_spec: str | Path | 
 
     atomic_write(out / ADAPTER_WEIGHTS, write_weights)
     atomic_write(out / ADAPTER_CONFIG, json.dumps(_peft_adapter_config(cfg, base_spec), indent=2) + "\n")
-    atomic_write(out / ADAPTER_NOTE, json.dumps(_adapter_note(model, cfg, base_spec), indent=2, default=str) + "\n")
+    atomic_write(out / ADAPTER_NOTE, json.dumps(_adapter_note(model, cfg, base_spec, out), indent=2, default=str) + "\n")
     return out
 
 

@@ -288,7 +288,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
         _log(f"note: {args.data} has no val split of more than --seq-len {cfg.seq_len} tokens; no eval "
              f"(pack with --val-fraction for one)")
 
-    from ..data.corpus import check_same_tokenizer, shard_tokenizer
+    from ..data.corpus import check_same_tokenizer, check_shards_fit, shard_tokenizer
 
     shards_tok = shard_tokenizer(args.data, index)  # the tokenizer packed with the shards (issue 13)
     if args.init:
@@ -313,10 +313,12 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
         tok_spec, flag = (None, None) if _is_preset(args.model) else (args.model, "--model")
     own_tok = _tokenizer_or_none(tok_spec)
     check_same_tokenizer(args.data, shards_tok, own_tok, tok_spec, flag)
-    if index["vocab_size"] > model.cfg.vocab_size:
-        raise InputError(f"{args.data}: shards were packed with a tokenizer of {index['vocab_size']} tokens, "
-                         f"more than the model's vocab_size {model.cfg.vocab_size}; pack with the model's "
-                         f"tokenizer or choose a matching --model")
+    check_shards_fit(args.data, index, model.cfg.vocab_size)
+    if cfg.seq_len > model.cfg.max_position_embeddings:  # trained silently, then generate refused (issue 28 item 8)
+        raise InputError(f"--seq-len {cfg.seq_len} is more than the model's max_position_embeddings "
+                         f"{model.cfg.max_position_embeddings} ({args.init or args.model}): windows would train "
+                         f"positions the model does not have, and `generate` refuses a longer context. Use "
+                         f"--seq-len {model.cfg.max_position_embeddings} or less")
     tokenizer = shards_tok or own_tok or _tokenizer_or_none((index.get("tokenizer") or {}).get("model"))
     model = model.to(cfg.device).train()
     data_report = {"kind": "pretrain", "shards": str(args.data), "index": {k: v for k, v in index.items()
@@ -527,14 +529,14 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
     """A full model (plus `adapter`, unmerged) or a LoRA adapter directory (loaded onto its recorded
     base). Returns (model, tokenizer or None, resolved path)."""
     from ..formats import load_model_with_adapter, resolve_model
-    from ..peft import is_adapter_dir, read_adapter_config
+    from ..peft import is_adapter_dir
+    from ..peft.base_location import locate_base
 
     path = resolve_model(spec)
     model = load_model_with_adapter(spec, adapter, dtype=torch.float32, device=device, kernels=kernels,
                                     force_base=force_base)
-    if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's
-        base = read_adapter_config(path)[0]["base_model_name_or_path"]
-        tok = _tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else base)
+    if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's (wherever it is now)
+        tok = _tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else locate_base(path, spec)[0])
     else:
         tok = _tokenizer_or_none(str(path) if path.is_dir() else spec)
     return model, tok, path
@@ -553,9 +555,19 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
     if data.is_dir():
-        from ..data.corpus import PretrainLoader, read_index
+        from ..data.corpus import (
+            PretrainLoader,
+            check_same_tokenizer,
+            check_shards_fit,
+            read_index,
+            shard_tokenizer,
+        )
 
         index = read_index(data)
+        # the shards' ids must mean the model's tokens (issue 28 item 4), and fit its embedding (item 7)
+        check_same_tokenizer(data, shard_tokenizer(data, index), tok, args.model, "--model",
+                             alternative="evaluate a model of the shards' tokenizer")
+        check_shards_fit(data, index, model.cfg.vocab_size)
         split = args.split or ("val" if (index["splits"].get("val") or {}).get("tokens", 0) > args.seq_len
                                else "train")
         loader = PretrainLoader(data, split, args.seq_len, args.batch_size)

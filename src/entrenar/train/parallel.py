@@ -186,9 +186,15 @@ DDP_OPTIONS: dict[str, Any] = {"bucket_cap_mb": 100, "gradient_as_bucket_view": 
 
 
 def apply_ddp(model: torch.nn.Module, ctx: DistContext, static_graph: bool = False) -> torch.nn.Module:
+    import inspect
+
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    kwargs: dict[str, Any] = {"broadcast_buffers": False, "static_graph": static_graph, **DDP_OPTIONS}
+    # no buffer sync in forward; torch 2.13 renamed the flag and warns (once per rank) on the old name.
+    # Same behaviour: init_sync=False below skips the init sync the new flag would otherwise keep.
+    no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
+        else "broadcast_buffers"
+    kwargs: dict[str, Any] = {no_sync: False, "static_graph": static_graph, **DDP_OPTIONS}
     if ctx.device.type == "cuda":
         kwargs["device_ids"] = [ctx.device.index]
     try:

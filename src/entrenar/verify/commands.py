@@ -74,6 +74,8 @@ def run_verify(spec: str, device: str = "cpu", dtype: str = "auto", kernels: str
                grads: bool = True, force_base: bool = False) -> dict:
     """Load MODEL on the path under test, load the oracle, compare; the report dict (exit_code 0/1)."""
     from ..formats.registry import resolve_model
+    from ..peft.base_location import locate_base
+    from ..peft.io import is_adapter_dir
     from ..tokenizer import load_tokenizer
     from .probe import build_probe
 
@@ -83,18 +85,21 @@ def run_verify(spec: str, device: str = "cpu", dtype: str = "auto", kernels: str
     dev = _device(device)
     dtype = _dtype(dtype, dev)
     path = resolve_model(spec)
+    hf_source, hf_adapter = path, adapter
+    if adapter is None and is_adapter_dir(path):  # a LoRA run: transformers loads its base, peft the adapter
+        hf_source, hf_adapter = resolve_model(locate_base(path, str(spec))[0]), path
     tokenizer = load_tokenizer(spec)
     probe = build_probe(tokenizer, seq_len)
     model = _load(spec, adapter, dev, DTYPES[dtype], kernels, force_base)
     for s in probe:
         tokenizer.check_ids(s.input_ids[0].tolist(), model.cfg.vocab_size)
     hf_model = None
-    if against == "hf" and adapter and grads:
+    if against == "hf" and hf_adapter and grads:
         grads = False  # transformers holds the adapter merged: its parameters are not ours to compare by name
     if against == "hf":
-        hf_model = hf_from_source(path)
-        if adapter:
-            hf_model = hf_with_adapter(hf_model, adapter)
+        hf_model = hf_from_source(hf_source)
+        if hf_adapter:
+            hf_model = hf_with_adapter(hf_model, hf_adapter)
     rep = verify_model(model, probe=probe, dtype=DTYPES[dtype], against=against, hf_model=hf_model, grads=grads,
                        meta={"model": str(spec), "path": str(path), "adapter": adapter, "device": str(dev),
                              "kernels": kernels, "seq_len": seq_len})
