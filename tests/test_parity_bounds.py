@@ -68,8 +68,8 @@ def test_bounds_are_the_floors_for_small_models_and_grow_with_depth():
     assert BLOCK_ROUNDING["bf16"] == U
 
 
-def test_clean_bf16_at_7b_width_passes_with_the_claimed_margin(wide):
-    rep = verify_model(wide, probe=_probe(1024), dtype=torch.bfloat16, grads=False)
+def test_clean_bf16_at_7b_width_passes_with_the_claimed_margin(wide, oracle):
+    rep = verify_model(wide, probe=_probe(1024), dtype=torch.bfloat16, grads=False, oracle=oracle)
     assert rep["ok"], format_report(rep)
     for s in rep["sequences"]:
         # one block's rounding is <= 2 u: what DEPTH_C = 4 doubles (bench/parity/bf16_depth.py measured 1.8 u)
@@ -99,10 +99,18 @@ def _free_memory():
     gc.collect()
 
 
-def _preflight_stop(model) -> tuple[str, dict]:
+@pytest.fixture(scope="module")
+def oracle(wide):
+    """The clean model's float64 reference, its forwards cached: every defect lives in the path under test only."""
+    from entrenar.verify.bisect import CachedPath, OurPath, reference_model
+
+    return CachedPath(OurPath(reference_model(wide), label="cpu fp64 kernels=torch (reference)"))
+
+
+def _preflight_stop(model, oracle) -> tuple[str, dict]:
     """The GUARD-PARITY message and details, without keeping the traceback (its frames hold the oracle)."""
     try:
-        preflight(model, byte_tokenizer(), "cpu", torch.bfloat16, "triton", seq_len=40)
+        preflight(model, byte_tokenizer(), "cpu", torch.bfloat16, "triton", seq_len=40, oracle=oracle)
     except GuardError as e:
         assert e.guard_id == "GUARD-PARITY"
         return str(e), e.details
@@ -125,14 +133,14 @@ def _seed(defect: str, monkeypatch, model):
 
 @pytest.mark.parametrize("defect, op", [("rope", "layers.0.q_rope"), ("bias", "layers.0.q_proj"),
                                         ("eps", "layers.0.input_norm"), ("causal", "layers.0.attn_probs")])
-def test_seeded_defects_stop_the_bf16_preflight_at_their_op_on_7b_shapes(wide, monkeypatch, defect, op):
+def test_seeded_defects_stop_the_bf16_preflight_at_their_op_on_7b_shapes(wide, oracle, monkeypatch, defect, op):
     """Through the preflight a --dtype bf16 run gets: every defect is named at its own op. The eps defect
     moves layer 0 by ~1e-2 at this width, inside bf16's own rounding (1.6e-2 per block): only the fp32 twin
     of the same kernels (the preflight's first pass) shows it, which is why that pass exists."""
     model = _seed(defect, monkeypatch, wide)
     try:
-        message, details = _preflight_stop(model)
-        bf16_alone = verify_model(model, probe=_probe(1024), dtype=torch.bfloat16, grads=False)
+        message, details = _preflight_stop(model, oracle)
+        bf16_alone = verify_model(model, probe=_probe(1024), dtype=torch.bfloat16, grads=False, oracle=oracle)
     finally:
         model.kernels = "torch"
     assert f"first at {op}" in message, message
@@ -141,27 +149,30 @@ def test_seeded_defects_stop_the_bf16_preflight_at_their_op_on_7b_shapes(wide, m
     assert bf16_alone["ok"] == (defect == "eps"), format_report(bf16_alone)
 
 
-def test_clean_7b_shapes_pass_the_bf16_preflight_with_its_fp32_twin(wide):
-    result = preflight(wide, byte_tokenizer(), "cpu", torch.bfloat16, "torch", seq_len=40)
+def test_clean_7b_shapes_pass_the_bf16_preflight_with_its_fp32_twin(wide, oracle):
+    result = preflight(wide, byte_tokenizer(), "cpu", torch.bfloat16, "torch", seq_len=40, oracle=oracle)
     assert result["ok"] and result["dtype"] == "bf16" and result["fp32_twin"]["ok"]
     assert result["fp32_twin"]["bounds"]["dtype"] == "fp32"
 
 
-def test_an_inherited_logits_error_is_not_blamed_on_the_head(wide, monkeypatch):
+def test_an_inherited_logits_error_is_not_blamed_on_the_head(wide, oracle):
     """Logits over their bound while every layer is inside its own: the hint names accumulated rounding, not
     the LM head; a head that itself adds error is still named."""
-    from entrenar.verify import bisect
     from entrenar.verify.bisect import OurPath
 
     tight = dataclasses.replace(bounds_for("bf16", wide.cfg), logits=1e-4)
     seq = _probe(1024)[1]
     test = OurPath(wide, autocast_dtype=torch.bfloat16)
-    ref = OurPath(bisect.reference_model(wide))
-    res = compare_sequence(test, ref, seq, wide.cfg.num_layers, tight)
+    res = compare_sequence(test, oracle, seq, wide.cfg.num_layers, tight)
     assert res["first_divergent"]["name"] == "logits"
     assert "no op breaks its own bound" in res["first_divergent"]["hint"]
-    with torch.no_grad():
-        broken = bisect.reference_model(wide).float()
-        broken.lm_head.weight.mul_(torch.linspace(0.5, 1.5, broken.lm_head.weight.shape[0])[:, None])
-    res = compare_sequence(OurPath(broken, autocast_dtype=torch.bfloat16), ref, seq, wide.cfg.num_layers, tight)
+    head = wide.lm_head.weight if wide.lm_head is not None else wide.model.embed_tokens.weight
+    saved = head.detach().clone()
+    try:
+        with torch.no_grad():
+            head.mul_(torch.linspace(0.5, 1.5, head.shape[0])[:, None])
+        res = compare_sequence(test, oracle, seq, wide.cfg.num_layers, tight)
+    finally:
+        with torch.no_grad():
+            head.copy_(saved)
     assert res["first_divergent"]["name"] == "logits" and "hint" not in res["first_divergent"]

@@ -39,7 +39,8 @@ def _summary(rep: dict) -> dict:
 
 
 def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device,
-              dtype: torch.dtype | str, kernels: str, *, seq_len: int = 64, grads: bool = False) -> dict:
+              dtype: torch.dtype | str, kernels: str, *, seq_len: int = 64, grads: bool = False,
+              oracle: Any = None) -> dict:
     """Check the run's forward (and optionally one backward) against float64; raise GUARD-PARITY.
 
     Returns a JSON-able dict: ok, seconds, device, dtype, kernels, per-probe-sequence logits
@@ -49,7 +50,8 @@ def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device
     run_dtype = DTYPES[dtype] if isinstance(dtype, str) else dtype
     model_kernels = getattr(model, "kernels", kernels)
     probe = build_probe(tokenizer, max(32, seq_len))  # the probe must pass a 32-wide reduction
-    oracle = CachedPath(OurPath(reference_model(model), label="cpu fp64 kernels=torch (reference)"))
+    if oracle is None:  # one float64 reference for both passes (a caller may share one across calls)
+        oracle = CachedPath(OurPath(reference_model(model), label="cpu fp64 kernels=torch (reference)"))
     twin = None
     if run_dtype in (torch.bfloat16, torch.float16):
         # The same kernels in fp32 first: bf16 rounding (1.6e-2 relL2 per block at 7B width) hides a defect as
