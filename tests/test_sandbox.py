@@ -3,8 +3,6 @@ output flood, signals to its parent) scores 0 and harms nothing; HumanEval's own
 
 from __future__ import annotations
 
-import gzip
-import json
 import os
 import socket
 import time
@@ -34,13 +32,20 @@ def sandbox_processes() -> list[int]:
     return pids
 
 
+def canonical_solutions() -> dict[str, str]:
+    """HumanEval's reference bodies (the package's canonical_solution column), by task_id."""
+    from entrenar.fileio import read_jsonl
+
+    return {row["task_id"]: row["canonical_solution"] for _, row in read_jsonl(humaneval_path())}
+
+
 def test_humaneval_solutions_pass_and_a_wrong_one_fails():
     """The program assembly (prompt + body + test + check(entry_point)) and the sandbox run every
     canonical solution of the package to a pass; a wrong body fails with the assertion's traceback."""
-    rows = {r["task_id"]: r for r in map(json.loads, gzip.open(humaneval_path(), "rt"))}
+    solutions = canonical_solutions()
     problems = humaneval_problems()
     with ThreadPoolExecutor(2) as pool:
-        results = list(pool.map(lambda p: run_program(program(p, rows[p.task_id]["canonical_solution"], False)),
+        results = list(pool.map(lambda p: run_program(program(p, solutions[p.task_id], False)),
                                 problems))
     failed = [(p.task_id, r.error) for p, r in zip(problems, results) if not r.passed]
     assert not failed, failed[:3]

@@ -10,8 +10,6 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from ..errors import InputError
 from ..outpaths import check_creatable
 
@@ -81,33 +79,9 @@ def _validate(args: argparse.Namespace) -> None:
         check_creatable(out)
 
 
-def our_completer(model, tokenizer, max_new_tokens: int, temperature: float, top_p: float, seed: int,
-                  chat: bool, device: str, dtype: str):
-    """harness.Complete on entrenar's generate_batch (autocast under a bf16 --dtype)."""
-    import functools
-
-    from ..generate import generate_batch
-    from ..train.loop import autocast
-    from .tasks import completion_done
-
-    stop = functools.partial(completion_done, chat=chat)
-    context = model.cfg.max_position_embeddings
-
-    def complete(batch_ids: list[list[int]], sample: int) -> list[str]:
-        room = context - max(len(ids) for ids in batch_ids)
-        if room < 1:
-            raise InputError(f"a prompt of {context - room} tokens fills the model's context of {context}")
-        with autocast(torch.device(device), dtype):
-            results = generate_batch(model, tokenizer, batch_ids, min(max_new_tokens, room), temperature, top_p,
-                                     seed + sample if temperature > 0 else None, stop_text=stop)
-        return [r.text for r in results]
-
-    return complete
-
-
 def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     from ..train.commands import load_any_model
-    from .harness import TaskEvalSettings, run_task_eval
+    from .harness import TaskEvalSettings, entrenar_completer, run_task_eval
     from .sandbox import SandboxLimits
     from .tasks import humaneval_problems, load_problems
 
@@ -125,8 +99,8 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     chat = args.prompt_format == "chat" or (args.prompt_format == "auto" and has_template)
     settings = TaskEvalSettings(samples=args.samples, batch_size=args.batch_size, chat=chat,
                                 limits=SandboxLimits(timeout_s=args.timeout))
-    complete = our_completer(model, tok, args.max_new_tokens, args.temperature, args.top_p, args.seed, chat,
-                             args.device, args.dtype)
+    complete = entrenar_completer(model, tok, args.max_new_tokens, chat, temperature=args.temperature,
+                                  top_p=args.top_p, seed=args.seed, device=args.device, dtype=args.dtype)
 
     def log(line: str) -> None:
         if not args.json:

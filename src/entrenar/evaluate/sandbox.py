@@ -152,7 +152,8 @@ def _runs_as(python: str, uid: int) -> bool:
     above the interpreter, as pyenv's under /root, makes it unreachable)."""
     try:
         done = subprocess.run([python, "-I", "-c", PROBE], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=30, preexec_fn=_preexec(SandboxLimits(), uid, False), check=False)
+                              timeout=30, preexec_fn=_preexec(SandboxLimits(), uid, False),
+                              check=False)
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
@@ -255,10 +256,12 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
         out_path, err_path = parent_dir / "stdout", parent_dir / "stderr"
         start = time.perf_counter()
         with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(  # noqa: S603 - the point of this module
+            proc = subprocess.Popen(
                 [python, "-I", "-c", BOOTSTRAP, "program.py"], cwd=workdir, env=env,
                 stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-                preexec_fn=_preexec(limits, uid, level == "uid+netns"), close_fds=True)
+
+                # setrlimit, set*id) -- no import, lock or allocation another thread could hold at fork
+                preexec_fn=_preexec(limits, uid, level == "uid+netns"), close_fds=True)  # noqa: PLW1509
             try:
                 returncode = proc.wait(timeout=limits.timeout_s)
                 timed_out = False

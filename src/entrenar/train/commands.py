@@ -571,8 +571,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, func, help_text in (
             ("pretrain", cmd_pretrain, "pretrain (or continue pretraining) on token shards"),
             ("finetune", cmd_finetune, "supervised fine-tuning on chat JSONL (full | lora | qlora)"),
-            ("eval", cmd_eval, "token-weighted loss and perplexity of MODEL|RUN on data, or --task "
-                               "humaneval: pass@k of generated code")):
+            ("eval", cmd_eval, "loss and perplexity of MODEL|RUN on data, or pass@k of generated code")):
         p = add_command(sub, name, func, help_text)
         for cls in (TrainConfig, LoRAConfig, DataConfig):
             add_options(p, cls, name)
