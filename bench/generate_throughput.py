@@ -35,11 +35,11 @@ from entrenar.model import CausalLM
 class NoStops:
     """The few tokenizer attributes generate_batch reads, for random ids: nothing stops a row early."""
 
-    stop_ids: set[int] = set()
     eos_id = None
 
     def __init__(self, vocab: int):
         self.vocab = vocab
+        self.stop_ids: set[int] = set()
 
     def check_ids(self, ids, vocab_size: int) -> None:
         assert max(ids) < vocab_size
@@ -100,10 +100,10 @@ def main() -> int:
         ids = prompts.tolist()
         out: dict = {}
 
-        def run_ours():
+        def run_ours(ids=ids, out=out):
             out["ours"] = [r.token_ids for r in generate_batch(ours, tok, ids, new, stop_ids=[])]
 
-        def run_hf():
+        def run_hf(prompts=prompts, out=out):
             with torch.inference_mode():
                 seq = hf.generate(prompts.to(device), attention_mask=torch.ones_like(prompts).to(device),
                                   max_new_tokens=new, min_new_tokens=new, do_sample=False, eos_token_id=None,

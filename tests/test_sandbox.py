@@ -81,13 +81,23 @@ def test_a_child_that_leaves_the_process_group_is_killed_too():
     assert not sandbox_processes()
 
 
-def test_deleting_files_outside_its_directory_fails_and_they_survive(tmp_path):
-    open_dir = tmp_path / "open"  # world-writable: only the sandbox (not file modes) protects it
-    open_dir.mkdir()
-    os.chmod(tmp_path, 0o755)
-    os.chmod(open_dir, 0o777)
+@pytest.fixture()
+def open_dir():
+    """A world-writable directory under /tmp (pytest's tmp_path is in a 0700 directory the sandbox uid
+    cannot even enter): file modes do not protect it, only the sandbox's audit hook does."""
+    import shutil
+    import tempfile
+
+    d = Path(tempfile.mkdtemp(prefix="entrenar-victim-", dir="/tmp"))
+    os.chmod(d, 0o777)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def test_deleting_files_outside_its_directory_fails_and_they_survive(open_dir):
     victim = open_dir / "precious.txt"
     victim.write_text("keep me")
+    os.chmod(victim, 0o666)
     attacks = {
         "remove": f"import os\nos.remove({str(victim)!r})",
         "rmtree": f"import shutil\nshutil.rmtree({str(open_dir)!r})",
