@@ -10,7 +10,9 @@ memory). Layers, strongest first (docs/design.md, "Task evaluation"):
    (`unshare(CLONE_NEWNET)`: no interface but a down loopback). The kernel then refuses it every file
    the uid may not write, every signal to another user's process, and every network connection;
    RLIMIT_NPROC (counted per uid) bounds a fork bomb; after the run every process of that uid is killed,
-   so a child that left the process group (setsid) or outlived its parent dies too.
+   so a child that left the process group (setsid) or outlived its parent dies too. Such a uid cannot run
+   an interpreter under a 0700 home (pyenv's under /root): then the system's /usr/bin/python3 runs the
+   program (isolation_level() names the interpreter; it is probed once per process).
 2. resource limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file written, stdout
    included), RLIMIT_NPROC, no core dumps; and a wall-clock timeout after which the whole process group
    (and, as root, the uid) is SIGKILLed.
