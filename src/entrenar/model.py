@@ -64,6 +64,18 @@ def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype = 
     return angles.cos().to(out_dtype), angles.sin().to(out_dtype)
 
 
+def padding_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
+    """SDPA mask [B, 1, T, Tk] of the last T queries over Tk = attention_mask.shape[1] keys: causal, and
+    no padding key. A padding query also sees itself: a row with no key at all would softmax to NaN,
+    which reaches the real rows through its keys/values in the next layer (0 weight x NaN = NaN)."""
+    Tk = attention_mask.shape[1]
+    device = attention_mask.device
+    query_at = torch.arange(Tk - T, Tk, device=device)[:, None]  # each query's own key index
+    key_at = torch.arange(Tk, device=device)[None, :]
+    mask = (key_at <= query_at) & attention_mask.bool()[:, None, :]
+    return (mask | (key_at == query_at))[:, None]
+
+
 # ---- modules ------------------------------------------------------------------------------
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
@@ -270,19 +282,26 @@ class CausalLM(nn.Module):
                              f"{self.cfg.vocab_size} (tokenizer and model disagree?)")
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None) -> torch.Tensor:
+                      doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
+                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, C].
 
         doc_ids [B, T]: attention stays inside runs of equal id (packed sequences); positions
         restart at each new document unless position_ids is given.
+        attention_mask [B, past + T] (1/True = a real token, 0 = padding; generation's left padding):
+        no query attends to a padding key, and positions count real tokens only, as transformers'.
         """
         if not input_ids.is_cuda:
             self._check_ids(input_ids)
         B, T = input_ids.shape
         past = cache.length if cache is not None else 0
+        assert attention_mask is None or (doc_ids is None and tuple(attention_mask.shape) == (B, past + T)), \
+            f"attention_mask {tuple(attention_mask.shape)} must cover past + new tokens {(B, past + T)}, no doc_ids"
         if position_ids is None:
             if doc_ids is not None:
                 position_ids = positions_from_doc_ids(doc_ids)
+            elif attention_mask is not None:
+                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
             else:
                 position_ids = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
         dtype = self.model.embed_tokens.weight.dtype
@@ -294,6 +313,8 @@ class CausalLM(nn.Module):
             same = doc_ids[:, :, None] == doc_ids[:, None, :]
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
             mask = (same & causal)[:, None]  # [B, 1, T, T]
+        elif attention_mask is not None:
+            mask = padding_mask(attention_mask, T)
         elif past and T > 1:
             mask = torch.ones(T, past + T, dtype=torch.bool, device=input_ids.device).tril(past)
         ops = self.ops
@@ -308,7 +329,7 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None):
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None):
         """The one entry point (train, eval, generation, torch.compile, FSDP hooks).
 
         Without labels: logits [B, T, V]. With labels (already shifted, IGNORE_INDEX ignored):
@@ -316,7 +337,7 @@ class CausalLM(nn.Module):
         fused linear cross-entropy, which never builds the logits on GPU. Callers divide by the
         token count of the whole step (all micro-batches), never per micro-batch.
         """
-        h = self.hidden_states(input_ids, position_ids, doc_ids, cache)
+        h = self.hidden_states(input_ids, position_ids, doc_ids, cache, attention_mask)
         if labels is None:
             return F.linear(h, self.head_weight)
         flat_labels = labels.reshape(-1)

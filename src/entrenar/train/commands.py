@@ -543,6 +543,13 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
 
 
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
+    from ..evaluate.commands import check_task_flags, cmd_task_eval
+
+    check_task_flags(args)
+    if args.task != "loss":
+        return cmd_task_eval(args)
+    if args.data is None:
+        raise InputError("--data is required for --task loss (token shards directory or SFT .jsonl)")
     dcfg = from_args(DataConfig, args, "eval")
     dcfg.validate()
     ecfg = from_args(TrainConfig, args, "eval", command="eval")
@@ -615,12 +622,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, func, help_text in (
             ("pretrain", cmd_pretrain, "pretrain (or continue pretraining) on token shards"),
             ("finetune", cmd_finetune, "supervised fine-tuning on chat JSONL (full | lora | qlora)"),
-            ("eval", cmd_eval, "token-weighted loss and perplexity of MODEL|RUN on data")):
+            ("eval", cmd_eval, "loss and perplexity of MODEL|RUN on data, or pass@k of generated code")):
         p = add_command(sub, name, func, help_text)
         for cls in (TrainConfig, LoRAConfig, DataConfig):
             add_options(p, cls, name)
         if name != "eval":
             _run_options(p)
+        else:
+            from ..evaluate.commands import add_task_options
+
+            add_task_options(p)
 
     p = add_command(sub, "plot", cmd_plot, "RUN/curves.png: loss, eval loss, lr and grad-norm vs step")
     p.add_argument("run", metavar="RUN", help="run directory")

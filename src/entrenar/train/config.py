@@ -228,7 +228,9 @@ class DataConfig:
     data: str | None = option(None, "token shards directory (`entrenar data pack`)", commands=_EVERY,
                               required=True, metavar="PATH", per_command={
                                   "finetune": {"help": "training JSONL"},
-                                  "eval": {"help": "token shards directory or SFT .jsonl"}})
+                                  "eval": {"help": "token shards directory or SFT .jsonl (--task loss); a task "
+                                                   "JSONL (--task humaneval)", "required": False,
+                                           "default_help": "none"}})
     val: str | None = option(None, "validation JSONL", commands=("finetune",), metavar="PATH",
                              default_help="--val-fraction of --data")
     val_fraction: float = option(0.05, "held-out fraction of --data when no --val", commands=("finetune",))

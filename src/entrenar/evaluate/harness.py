@@ -1,0 +1,134 @@
+"""The task eval: prompts -> completions (any generator) -> extracted code -> sandboxed tests -> pass@k.
+
+The generator is a parameter, so the same harness runs on our `generate_batch` (`entrenar eval --task
+humaneval`) and on transformers' `generate` (bench/humaneval_parity.py): only the token ids may differ.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from ..fileio import atomic_write
+from .sandbox import SandboxLimits, isolation_level, run_program
+from .tasks import Problem, completion_done, extract_code, pass_at_k, program, prompt_ids
+
+# (prompt ids of a batch, index of the sample being drawn) -> one completion text per prompt. Sample s of
+# every problem comes from the same call, so a sampling generator can seed it with seed + s.
+Complete = Callable[[list[list[int]], int], list[str]]
+
+
+@dataclass
+class TaskEvalSettings:
+    samples: int = 1  # completions per problem (n of pass@k)
+    batch_size: int = 8  # prompts decoded at once
+    chat: bool = True  # the chat format (the model's template) or plain completion
+    limits: SandboxLimits = field(default_factory=SandboxLimits)
+    workers: int = 2  # programs run at once (each in its own sandbox)
+
+    def ks(self) -> list[int]:
+        """The k of pass@k reported: 1, 10, 100 up to the number of samples."""
+        return [k for k in (1, 10, 100) if k <= self.samples]
+
+
+def _batches(problems: Sequence[Problem], ids: list[list[int]], size: int) -> list[list[int]]:
+    """Indices of problems in batches of similar prompt length (little padding), longest first (a memory
+    problem shows at once)."""
+    order = sorted(range(len(problems)), key=lambda i: -len(ids[i]))
+    return [order[i:i + size] for i in range(0, len(order), size)]
+
+
+def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, settings: TaskEvalSettings,
+                 log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    """Generate `settings.samples` completions per problem and test each in the sandbox: one record per
+    (problem, sample), in problem order."""
+    start = time.perf_counter()
+    ids = [prompt_ids(p, tokenizer, settings.chat) for p in problems]
+    records: list[dict[str, Any] | None] = [None] * (len(problems) * settings.samples)
+    done = 0
+    with ThreadPoolExecutor(max_workers=max(1, settings.workers)) as pool:
+        for batch in _batches(problems, ids, settings.batch_size):
+            for s in range(settings.samples):
+                t0 = time.perf_counter()
+                texts = complete([ids[i] for i in batch], s)
+                seconds = (time.perf_counter() - t0) / len(batch)
+                assert len(texts) == len(batch), (len(texts), len(batch))
+                codes = [extract_code(t, settings.chat) for t in texts]
+                programs = [program(problems[i], c, settings.chat) for i, c in zip(batch, codes)]
+                results = pool.map(lambda src: run_program(src, settings.limits), programs)
+                for i, text, code, res in zip(batch, texts, codes, results):
+                    records[i * settings.samples + s] = {
+                        "task_id": problems[i].task_id, "sample": s, "passed": res.passed, "status": res.status,
+                        "error": res.error, "completion": text, "code": code, "prompt_tokens": len(ids[i]),
+                        "generate_seconds": round(seconds, 3), "run_seconds": round(res.seconds, 3)}
+            done += len(batch)
+            if log is not None:
+                passed = sum(1 for r in records if r is not None and r["passed"])
+                log(f"{done}/{len(problems)} problems, {passed} passing samples so far "
+                    f"({time.perf_counter() - start:.0f} s)")
+    assert all(r is not None for r in records)
+    return records  # type: ignore[return-value]
+
+
+def summarize(records: Sequence[dict[str, Any]], settings: TaskEvalSettings) -> dict[str, Any]:
+    """pass@k (the unbiased estimator, averaged over problems) and what the run was."""
+    per_problem: dict[str, int] = {}
+    for r in records:
+        per_problem[r["task_id"]] = per_problem.get(r["task_id"], 0) + int(r["passed"])
+    n_problems = len(per_problem)
+    level, python = isolation_level()
+    return {"problems": n_problems, "samples": settings.samples,
+            **{f"pass@{k}": sum(pass_at_k(settings.samples, c, k) for c in per_problem.values()) / n_problems
+               for k in settings.ks()},
+            "passed_problems": sum(1 for c in per_problem.values() if c),
+            "format": "chat" if settings.chat else "completion",
+            "sandbox": {"isolation": level + "+audit-hook", "python": python, "timeout_s": settings.limits.timeout_s,
+                        "memory_mb": settings.limits.memory_mb, "nproc": settings.limits.nproc}}
+
+
+def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, settings: TaskEvalSettings,
+                  out: str | Path | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """task_records + summarize; the records go to `out` (one JSON line each, written atomically at the end)."""
+    start = time.perf_counter()
+    records = task_records(problems, tokenizer, complete, settings, log)
+    summary = summarize(records, settings)
+    summary["generate_seconds"] = round(sum(r["generate_seconds"] for r in records), 3)
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    if out is not None:
+        atomic_write(out, "".join(json.dumps(r) + "\n" for r in records))
+        summary["out"] = str(out)
+    return summary
+
+
+def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, temperature: float = 0.0,
+                       top_p: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str = "fp32",
+                       token_ids: dict | None = None) -> Complete:
+    """Complete on entrenar's generate_batch (bf16 autocast under a bf16 dtype). token_ids, when given,
+    receives {tuple(prompt ids): generated ids} (bench/humaneval_parity.py compares them)."""
+    import torch
+
+    from ..generate import generate_batch
+    from ..train.loop import autocast
+
+    stop = functools.partial(completion_done, chat=chat)
+    context = model.cfg.max_position_embeddings
+
+    def complete(batch_ids: list[list[int]], sample: int) -> list[str]:
+        room = context - max(len(ids) for ids in batch_ids)
+        if room < 1:
+            raise InputError(f"a prompt of {context - room} tokens fills the model's context of {context}")
+        with autocast(torch.device(device), dtype):
+            results = generate_batch(model, tokenizer, batch_ids, min(max_new_tokens, room), temperature, top_p,
+                                     seed + sample if temperature > 0 else None, stop_text=stop)
+        if token_ids is not None:
+            token_ids.update((tuple(ids), r.token_ids) for ids, r in zip(batch_ids, results))
+        return [r.text for r in results]
+
+    return complete

@@ -1,0 +1,296 @@
+"""Run one untrusted Python program (a model's completion + its tests) so that it cannot escape or wreck
+anything: the task eval's only way of executing generated code.
+
+Each program gets a fresh interpreter (`python -I`) in its own session (process group), in a throw-away
+working directory, with stdin closed and stdout/stderr going to size-limited files (never to the parent's
+memory). Layers, strongest first (docs/design.md, "Task evaluation"):
+
+1. as root (CI and these machines): the child drops to a uid of its own, drawn at random for this run
+   and owning nothing but the working directory, and moves into a new, empty network namespace
+   (`unshare(CLONE_NEWNET)`: no interface but a down loopback). The kernel then refuses it every file
+   the uid may not write, every signal to another user's process, and every network connection;
+   RLIMIT_NPROC (counted per uid) bounds a fork bomb; after the run every process of that uid is killed,
+   so a child that left the process group (setsid) or outlived its parent dies too. Such a uid cannot run
+   an interpreter under a 0700 home (pyenv's under /root): then the system's /usr/bin/python3 runs the
+   program (isolation_level() names the interpreter; it is probed once per process).
+2. resource limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file written, stdout
+   included), RLIMIT_NPROC, no core dumps; and a wall-clock timeout after which the whole process group
+   (and, as root, the uid) is SIGKILLed.
+3. inside the interpreter, before the program runs, an audit hook (PEP 578: cannot be removed) refuses
+   socket creation and name lookup, ctypes, starting other programs (exec, spawn, system, Popen), and
+   writing, deleting, renaming or changing the mode of files outside the working directory. This is all a
+   non-root user gets besides layer 2, and code that reaches the system some other way (a C extension)
+   is not stopped by it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import resource
+import secrets
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+CLONE_NEWNET = 0x40000000
+OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr (and of any file written) before SIGXFSZ kills the program
+NPROC_LIMIT = 8  # processes (threads included) of the sandbox uid at once: with memory_mb, 4 GB at worst
+ERROR_CHARS = 2000  # tail of stderr kept as the error text
+
+# Runs in the child interpreter (passed with -c) before the program: installs the audit hook, then runs
+# the program file (argv[1]) as __main__.
+BOOTSTRAP = r'''
+import os, sys
+_root = os.path.realpath(os.getcwd())
+_KILL = ("os.kill", "os.killpg", "signal.pthread_kill")
+_NET = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
+        "socket.gethostbyaddr", "socket.sendto", "socket.sendmsg")
+_SPAWN = ("os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "os.startfile", "pty.spawn")
+_PATHS = ("os.remove", "os.rmdir", "os.rename", "os.chmod", "os.chown", "os.truncate", "os.link", "os.symlink",
+          "shutil.rmtree", "shutil.move", "os.mkdir", "os.utime")
+
+def _inside(path):
+    try:
+        p = os.path.realpath(os.fsdecode(path) if not isinstance(path, int) else ".")
+    except Exception:
+        return False
+    return p == _root or p.startswith(_root + os.sep)
+
+def _hook(event, args):
+    if event in _NET or event.startswith("ctypes.") or event in _SPAWN:
+        raise PermissionError(f"sandbox: {event} is not allowed")
+    if event in _KILL and args[0] not in (os.getpid(), 0):
+        raise PermissionError(f"sandbox: {event} of another process is not allowed")
+    if event in _PATHS:
+        if not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
+            raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
+    elif event == "open" and args[0] is not None and not isinstance(args[0], int):
+        mode, flags = args[1] or "r", args[2] or 0
+        writes = any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        if writes and not _inside(args[0]):
+            raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory is not allowed")
+
+sys.addaudithook(_hook)
+_path = sys.argv[1]
+sys.argv = sys.argv[1:]
+with open(_path) as _f:
+    _code = compile(_f.read(), _path, "exec")
+del _f
+exec(_code, {"__name__": "__main__", "__file__": _path, "__builtins__": __builtins__})
+'''
+
+
+@dataclass
+class SandboxLimits:
+    timeout_s: float = 10.0  # wall clock, per program
+    memory_mb: int = 512  # RLIMIT_AS of the interpreter and of each process it forks (at most nproc)
+    nproc: int = NPROC_LIMIT
+    output_bytes: int = OUTPUT_LIMIT
+
+
+@dataclass
+class SandboxResult:
+    status: str  # "passed" | "failed" | "timeout"
+    error: str  # "" when passed; else the tail of stderr, or why it was killed
+    seconds: float
+    isolation: str  # "uid+netns", "uid" or "rlimits" (+ the audit hook in every case): layers in force
+
+    @property
+    def passed(self) -> bool:
+        return self.status == "passed"
+
+
+# Resolved here, not in the child: the child runs between fork and exec of a process that may have other
+# threads, where loading a library or importing a module could wait forever on a lock one of them held.
+_LIBC = ctypes.CDLL(None, use_errno=True)
+_RLIMITS = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, resource.RLIMIT_CORE,
+            resource.RLIMIT_NPROC)
+
+
+def _libc_unshare(flags: int) -> bool:
+    return _LIBC.unshare(flags) == 0
+
+
+def _preexec(limits: SandboxLimits, uid: int | None, want_netns: bool):
+    """The child's setup between fork and exec (already in its own session: start_new_session)."""
+    values = (limits.memory_mb << 20, int(limits.timeout_s) + 2, limits.output_bytes, 0, limits.nproc)
+
+    def setup() -> None:
+        if want_netns and not _libc_unshare(CLONE_NEWNET):  # probed (isolation_level): this is a bug
+            raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed in the sandbox child")
+        for rlimit, value in zip(_RLIMITS, values):
+            resource.setrlimit(rlimit, (value, value))
+        if uid is not None:
+            os.setgroups([])
+            os.setgid(uid)
+            os.setuid(uid)
+    return setup
+
+
+def _netns_works() -> bool:
+    """Whether this process may create a network namespace (root with CAP_SYS_ADMIN), tried in a child."""
+    if os.geteuid() != 0:
+        return False
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os._exit(0 if _libc_unshare(CLONE_NEWNET) else 1)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+_LEVEL: tuple[str, str] | None = None  # (isolation, interpreter), probed once per process
+PYTHON_CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3")
+PROBE = "import collections, hashlib, itertools, json, math, re, string"
+
+
+def _runs_as(python: str, uid: int) -> bool:
+    """Whether `python` starts and imports the standard library as `uid` (a home directory of mode 0700
+    above the interpreter, as pyenv's under /root, makes it unreachable)."""
+    try:
+        done = subprocess.run([python, "-I", "-c", PROBE], stdin=subprocess.DEVNULL, capture_output=True,
+                              timeout=30, preexec_fn=_preexec(SandboxLimits(), uid, False),
+                              check=False)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    finally:
+        _kill_uid(uid)
+    return done.returncode == 0
+
+
+def isolation_level() -> tuple[str, str]:
+    """(the kernel-level layers a program gets here, the interpreter that runs it); the audit hook is
+    always there. Root: a uid of its own (+ a network namespace when allowed), with this interpreter, or
+    the system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another
+    uid: resource limits only."""
+    global _LEVEL
+    if _LEVEL is None:
+        _LEVEL = ("rlimits", sys.executable)
+        if os.geteuid() == 0:
+            probe_uid = secrets.randbelow(1 << 29) + (1 << 30)
+            for python in (sys.executable, *PYTHON_CANDIDATES):
+                if os.path.exists(python) and _runs_as(python, probe_uid):
+                    _LEVEL = ("uid+netns" if _netns_works() else "uid", python)
+                    break
+    return _LEVEL
+
+
+def processes_of(uid: int) -> list[int]:
+    """Live pids whose owner is `uid` (read from /proc). Zombies are dead already: their parent, or an
+    init that does not reap (a container's), keeps the entry, and SIGKILL cannot remove it."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            if entry.stat().st_uid == uid and not _is_zombie(entry):
+                pids.append(int(entry.name))
+        except OSError:  # exited while we looked
+            continue
+    return pids
+
+
+def _is_zombie(proc_dir: Path) -> bool:
+    stat = (proc_dir / "stat").read_text()
+    return stat[stat.rindex(")") + 2] in "ZX"  # the state follows "(command) ", which may hold spaces
+
+
+def _kill_uid(uid: int) -> None:
+    """SIGKILL every process of the sandbox uid until none is left (a fork bomb forks while we kill)."""
+    for _ in range(100):
+        pids = processes_of(uid)
+        if not pids:
+            return
+        for pid in pids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        time.sleep(0.01)
+    raise RuntimeError(f"sandbox uid {uid}: processes still alive after 100 rounds of SIGKILL")
+
+
+def _kill_group(pgid: int) -> None:
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):  # the group is gone (or only its leader's zombie is)
+        pass
+
+
+def _tail(path: Path) -> str:
+    data = path.read_bytes()[-ERROR_CHARS:] if path.exists() else b""
+    return data.decode("utf-8", errors="replace").strip()
+
+
+def _error_of(returncode: int, stderr: str, limits: SandboxLimits) -> str:
+    """The error text of a failed run: the signal that ended it (named after the limit behind it), then
+    the tail of stderr (the traceback of a failed assert, a MemoryError ...)."""
+    if returncode >= 0:
+        return stderr or f"exit status {returncode}"
+    sig = signal.Signals(-returncode).name
+    why = {"SIGXCPU": f"CPU time limit ({int(limits.timeout_s) + 2} s)",
+           "SIGXFSZ": f"output or file size limit ({limits.output_bytes} bytes)",
+           "SIGSEGV": "segmentation fault (the memory limit?)"}.get(sig, f"killed by {sig}")
+    return why + (f"\n{stderr}" if stderr else "")
+
+
+def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxResult:
+    """Run `program` (Python source) in the sandbox; passed means it exited 0 within the limits."""
+    limits = limits or SandboxLimits()
+    level, python = isolation_level()
+    uid = secrets.randbelow(1 << 29) + (1 << 30) if level != "rlimits" else None  # a uid no one else has
+    parent_dir = Path(tempfile.mkdtemp(prefix="entrenar-sandbox-"))  # 0700: the program's output lives here
+    workdir = parent_dir / "work"
+    workdir.mkdir()
+    try:
+        (workdir / "program.py").write_text(program)
+        if uid is not None:
+            os.chmod(parent_dir, 0o711)  # the uid may pass through to workdir, not list or write parent_dir
+            os.chown(workdir, uid, uid)
+            os.chown(workdir / "program.py", uid, uid)
+        env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8",
+               "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
+        out_path, err_path = parent_dir / "stdout", parent_dir / "stderr"
+        start = time.perf_counter()
+        with open(out_path, "wb") as out, open(err_path, "wb") as err:
+            proc = subprocess.Popen(
+                [python, "-I", "-c", BOOTSTRAP, "program.py"], cwd=workdir, env=env,
+                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
+
+                # setrlimit, set*id) -- no import, lock or allocation another thread could hold at fork
+                preexec_fn=_preexec(limits, uid, level == "uid+netns"), close_fds=True)  # noqa: PLW1509
+            try:
+                returncode = proc.wait(timeout=limits.timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                _kill_group(proc.pid)
+                returncode = proc.wait()
+                timed_out = True
+            _kill_group(proc.pid)  # children it left behind in its group
+            if uid is not None:
+                _kill_uid(uid)  # and any that left the group (setsid) or were orphaned
+        seconds = time.perf_counter() - start
+        stderr = _tail(err_path)
+        if timed_out:
+            return SandboxResult("timeout", f"timed out after {limits.timeout_s:g} s (wall clock)", seconds, level)
+        if returncode == 0:
+            return SandboxResult("passed", "", seconds, level)
+        return SandboxResult("failed", _error_of(returncode, stderr, limits), seconds, level)
+    finally:
+        shutil.rmtree(parent_dir, onerror=_force_remove)
+
+
+def _force_remove(func, path, exc_info) -> None:
+    """rmtree's retry for entries the program made read-only (non-root runs): make writable, remove."""
+    parent = os.path.dirname(path)
+    os.chmod(parent, 0o700)
+    if os.path.isdir(path) and not os.path.islink(path):
+        os.chmod(path, 0o700)
+        shutil.rmtree(path, onerror=_force_remove)
+    else:
+        os.unlink(path)

@@ -1,0 +1,201 @@
+"""`entrenar eval --task humaneval`: the pass@k estimator, prompts (chat template + answer prefix, or the
+raw prompt), code extraction and the tested program, task-file validation with file:line errors, the
+harness's counting, the command's output (--out lines + JSON summary) and its bad input (exit 2)."""
+
+from __future__ import annotations
+
+import json
+import math
+from itertools import combinations
+from pathlib import Path
+
+import pytest
+from conftest import tiny_causal_lm, tiny_config
+from test_sandbox import canonical_solutions
+from test_tokenizer import tiny_tokenizer
+from test_train_cli import main
+
+from entrenar.errors import InputError
+from entrenar.evaluate.harness import TaskEvalSettings, run_task_eval, task_records
+from entrenar.evaluate.sandbox import SandboxLimits
+from entrenar.evaluate.tasks import (
+    CHAT_RESPONSE_PREFIX,
+    Problem,
+    completion_done,
+    extract_code,
+    humaneval_path,
+    humaneval_problems,
+    load_problems,
+    pass_at_k,
+    program,
+    prompt_ids,
+)
+
+ADD = Problem("t/add", 'def add(a, b):\n    """Sum of a and b."""\n', "def check(candidate):\n"
+              "    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n", "add")
+
+
+# ---- pass@k ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("n", [1, 2, 5, 10])
+def test_pass_at_k_is_the_chance_that_k_of_n_samples_hold_a_pass(n):
+    """The estimator equals its definition: over all k-subsets of n samples (c passing), the fraction
+    holding at least one pass."""
+    for c in range(n + 1):
+        for k in range(1, n + 1):
+            subsets = list(combinations([True] * c + [False] * (n - c), k))
+            exact = sum(any(s) for s in subsets) / len(subsets)
+            assert math.isclose(pass_at_k(n, c, k), exact, abs_tol=1e-12), (n, c, k)
+    assert pass_at_k(200, 3, 100) == pytest.approx(1 - math.comb(197, 100) / math.comb(200, 100))
+
+
+# ---- prompts, extraction, programs ----------------------------------------------------------------------
+def test_chat_prompt_is_the_template_then_the_answer_prefix():
+    tok = tiny_tokenizer()
+    ids = prompt_ids(ADD, tok, chat=True)
+    head = tok.encode_chat([{"role": "user", "content":
+                             "Please provide a self-contained Python script that solves the following problem "
+                             f"in a markdown code block:\n```\n{ADD.prompt.strip()}\n```\n"}],
+                           add_generation_prompt=True).ids
+    assert ids == head + tok.encode(CHAT_RESPONSE_PREFIX, add_special=False)
+    assert "<|im_start|>assistant" in tok.decode(ids)
+    assert prompt_ids(ADD, tok, chat=False) == tok.encode(ADD.prompt)
+
+
+def test_code_extraction_and_stop_rule():
+    answer = "def add(a, b):\n    return a + b\n```\n\nThis adds.\n```python\nprint(1)\n```"
+    assert extract_code(answer, chat=True) == "def add(a, b):\n    return a + b\n"
+    assert extract_code("def add(a, b):\n    return a + b", chat=True) == "def add(a, b):\n    return a + b"
+    assert completion_done(answer, chat=True) and not completion_done("def add(a, b):\n    return 1", chat=True)
+    body = "    return a + b\n\ndef other():\n    pass\n"
+    assert extract_code(body, chat=False) == "    return a + b\n"
+    assert completion_done(body, chat=False) and not completion_done("    return a + b\n", chat=False)
+    assert extract_code("    return a + b\nif __name__ == '__main__':\n", chat=False) == "    return a + b"
+
+
+def test_program_keeps_the_prompts_imports_and_runs_check():
+    p = Problem("t/imp", "from math import gcd\n\ndef f(a, b):\n    \"\"\"gcd\"\"\"\n",
+                "def check(candidate):\n    assert candidate(4, 6) == 2\n", "f")
+    full = program(p, "def f(a, b):\n    return gcd(a, b)\n", chat=True)
+    assert full.startswith(p.prompt) and full.rstrip().endswith("check(f)")
+    body = program(p, "    return gcd(a, b)\n", chat=True)  # no def: the code is the body
+    assert body.startswith(p.prompt + "    return gcd")
+    prose = Problem("t/prose", "Write f(a, b) returning their gcd.", p.test, "f")
+    assert not program(prose, "def f(a, b):\n    return 2\n", chat=True).startswith("Write")
+
+
+# ---- task files --------------------------------------------------------------------------------------
+GOOD = {"prompt": ADD.prompt, "test": ADD.test, "entry_point": "add"}
+
+
+@pytest.mark.parametrize("case,row,expect", [
+    ("not-json", "{nope", "not valid JSON"),
+    ("not-object", "[1, 2]", "must be a JSON object"),
+    ("no-test", json.dumps({"prompt": "x", "entry_point": "f"}), '"test" must be a non-empty string, got missing'),
+    ("bad-entry", json.dumps({**GOOD, "entry_point": "1f"}), "not a Python identifier"),
+    ("test-syntax", json.dumps({**GOOD, "test": "def check(c):\n  assert (\n"}), '"test" is not valid Python'),
+    ("no-check", json.dumps({**GOOD, "test": "def verify(c):\n    pass\n"}), "def check(candidate)"),
+    ("dup-id", json.dumps({**GOOD, "task_id": "a"}) + "\n" + json.dumps({**GOOD, "task_id": "a"}), "repeats line 2"),
+])
+def test_task_file_errors_name_file_and_line(tmp_path, case, row, expect):
+    f = tmp_path / "tasks.jsonl"
+    f.write_text(json.dumps({**GOOD, "task_id": "first"}) + "\n" + row + "\n")
+    with pytest.raises(InputError) as e:
+        load_problems(f)
+    line = 3 if case == "dup-id" else 2
+    assert f"{f}:{line}" in str(e.value) and expect in str(e.value), str(e.value)
+
+
+def test_task_file_rows_default_their_id_to_the_line(tmp_path):
+    f = tmp_path / "tasks.jsonl"
+    f.write_text(json.dumps(GOOD) + "\n\n" + json.dumps({**GOOD, "task_id": "mine"}) + "\n")
+    assert [p.task_id for p in load_problems(f)] == ["line 1", "mine"]
+    (tmp_path / "empty.jsonl").write_text("\n")
+    with pytest.raises(InputError, match="no tasks"):
+        load_problems(tmp_path / "empty.jsonl")
+
+
+def test_humaneval_is_read_from_the_package():
+    problems = humaneval_problems()
+    assert len(problems) == 164 and problems[0].task_id == "HumanEval/0"
+    assert humaneval_path().name == "HumanEval.jsonl.gz"
+    assert len({p.task_id for p in problems}) == 164
+
+
+# ---- the harness counts what the sandbox says -----------------------------------------------------------
+def test_harness_scores_each_sample_and_averages_pass_at_k():
+    """A fake generator: sample s of problem i is right when (i + s) % 3 == 0, so the counts are known."""
+    solutions = canonical_solutions()
+    problems = humaneval_problems()[:3]
+    tok = tiny_tokenizer()
+    settings = TaskEvalSettings(samples=3, batch_size=2, chat=False, limits=SandboxLimits(timeout_s=5))
+    by_prompt = {tuple(prompt_ids(p, tok, False)): i for i, p in enumerate(problems)}
+
+    def complete(batch_ids, sample):
+        out = []
+        for ids in batch_ids:
+            i = by_prompt[tuple(ids)]
+            right = solutions[problems[i].task_id]
+            out.append(right if (i + sample) % 3 == 0 else "    return None\n")
+        return out
+
+    records = task_records(problems, tok, complete, settings)
+    assert [(r["task_id"], r["sample"], r["passed"]) for r in records] == [
+        (p.task_id, s, (i + s) % 3 == 0) for i, p in enumerate(problems) for s in range(3)]
+    summary = run_task_eval(problems, tok, complete, settings)
+    assert summary["pass@1"] == pytest.approx(1 / 3) and "pass@10" not in summary
+    assert summary["passed_problems"] == 3 and summary["problems"] == 3
+
+
+# ---- the command -------------------------------------------------------------------------------------
+def _tiny_dir(root: Path, name: str) -> Path:
+    """A random qwen2-style model with the tiny tokenizer (byte-level: the chat prompt is ~300 tokens)."""
+    from entrenar.formats import save_hf_dir
+
+    tokenizer = tiny_tokenizer()
+    cfg = tiny_config("qwen2", vocab_size=len(tokenizer), max_position_embeddings=1024)
+    return save_hf_dir(tiny_causal_lm(cfg, 0, bias_std=0.3), root / name, tokenizer=tokenizer)
+
+
+@pytest.fixture()
+def tasks_file(tmp_path) -> Path:
+    f = tmp_path / "tasks.jsonl"
+    f.write_text("".join(json.dumps({**GOOD, "task_id": f"t{i}"}) + "\n" for i in range(3)))
+    return f
+
+
+def test_cli_task_eval_writes_results_and_summary(tmp_path, tasks_file, capsys):
+    d = _tiny_dir(tmp_path, "m")
+    out = tmp_path / "results.jsonl"
+    code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--limit",
+                          "2", "--max-new-tokens", "6", "--batch-size", "2", "--out", str(out), "--json"], capsys)
+    assert code == 0, err
+    assert js["ok"] and js["problems"] == 2 and js["pass@1"] == 0.0 and js["format"] == "chat"
+    assert js["sandbox"]["isolation"].endswith("+audit-hook") and js["out"] == str(out)
+    lines = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [x["task_id"] for x in lines] == ["t0", "t1"]
+    assert all({"passed", "status", "error", "completion", "code"} <= set(x) for x in lines)
+    assert all(not x["passed"] and x["error"] for x in lines)  # a random model writes no working code
+    code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--limit",
+                          "1", "--max-new-tokens", "4", "--prompt-format", "completion", "--json"], capsys)
+    assert code == 0 and js["format"] == "completion" and js["problems"] == 1, err
+
+
+@pytest.mark.parametrize("case", ["loss-without-data", "task-flag-with-loss", "greedy-samples", "bad-task-file",
+                                  "out-exists", "limit-negative"])
+def test_cli_task_eval_bad_input_exits_2(tmp_path, tasks_file, capsys, case):
+    d = _tiny_dir(tmp_path, "m")
+    (tmp_path / "exists.jsonl").write_text("")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps(GOOD) + "\n" + json.dumps({"prompt": "x"}) + "\n")
+    task = ["--task", "humaneval", "--data", str(tasks_file)]
+    argv, expect = {
+        "loss-without-data": ([], "--data is required for --task loss"),
+        "task-flag-with-loss": (["--data", str(tasks_file), "--samples", "4"], "--samples applies to --task humaneval"),
+        "greedy-samples": ([*task, "--samples", "3"], "greedy samples are all the same"),
+        "bad-task-file": (["--task", "humaneval", "--data", str(bad)], f"{bad}:2"),
+        "out-exists": ([*task, "--out", str(tmp_path / "exists.jsonl")], "exists"),
+        "limit-negative": ([*task, "--limit", "-1"], "--limit"),
+    }[case]
+    code, js, err = main(["eval", "--model", str(d), *argv, "--json"], capsys)
+    assert code == 2 and js["ok"] is False, err
+    assert expect in js["error"], js["error"]
