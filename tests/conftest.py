@@ -145,3 +145,20 @@ def tiny_causal_lm(cfg, seed: int = 0, *, bias_std: float = 0.0, norm_std: float
             elif head_scale != 1.0 and ("embed_tokens" in name or "lm_head" in name):
                 p.mul_(head_scale)
     return model
+
+
+LAUNCH_ABORT = "terminate called without an active exception"
+
+
+def run_torchrun(cmd: list[str], *, check: bool = False, **kwargs):
+    """subprocess.run of a torchrun command, launched once more (saying so) when a rank aborted in C++ with
+    LAUNCH_ABORT: seen once in 2-worker CI (a gloo worker at start-up on an overloaded 2-core machine),
+    never reproduced alone. Any other failure, and a second abort, is returned as it is."""
+    import subprocess
+    import sys
+
+    proc = subprocess.run(cmd, check=check, **kwargs)
+    if proc.returncode != 0 and LAUNCH_ABORT in (proc.stderr or ""):
+        print(f"note: a rank aborted at launch ({LAUNCH_ABORT}); launching once more", file=sys.stderr)
+        proc = subprocess.run(cmd, check=check, **kwargs)
+    return proc

@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_torchrun
 
 from entrenar.config import ModelConfig
 from entrenar.fileio import read_jsonl
@@ -58,7 +59,7 @@ def run_cli(argv: list[str], nproc: int = 1, script: str | None = None) -> subpr
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
                "127.0.0.1", "--master-port", str(free_port()), *target, *argv]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), check=False)
+    return run_torchrun(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), check=False)
 
 
 def losses(run: Path) -> list[float]:

@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import run_torchrun
 
 from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
@@ -40,7 +41,7 @@ def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 180) 
            "ENTRENAR_DIST_TIMEOUT": "60"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
+    return run_torchrun(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
 
 
 class ListLoader:

@@ -124,6 +124,8 @@ def test_the_time_bound_holds_off_the_main_thread_too(monkeypatch):
     from entrenar.errors import InputError
 
     monkeypatch.setattr(tokmod, "RENDER_SECONDS", 0.5)
+    # only the time bound may fire: a fast CPU writes the 16 Mi characters of the size bound within 0.5 s
+    monkeypatch.setattr(tokmod, "MAX_RENDER_CHARS", 1 << 40)
     errors: list[BaseException] = []
 
     def render() -> None:

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from ..devices import resolve_dtype
 from ..errors import InputError
 from ..outpaths import check_creatable
 
@@ -18,7 +19,8 @@ PROMPT_FORMATS = ("auto", "chat", "completion")
 DEFAULT_MAX_NEW_TOKENS = 512
 # flag -> its default: any of these changed with --task loss is refused (it would be silently ignored)
 TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
-             "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "seed": 0}
+             "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "task_seed": 0}
+FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
 
 
 def add_task_options(p: argparse.ArgumentParser) -> None:
@@ -40,7 +42,8 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default=None, metavar="FILE.jsonl",
                    help="one JSON line per problem and sample: passed, status, error, completion, code")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-    g.add_argument("--seed", type=int, default=0, help="sampling seed: sample s draws with seed + s (0)")
+    g.add_argument("--seed", dest="task_seed", type=int, default=0,
+                   help="sampling seed: sample s draws with seed + s (0)")
 
 
 def check_task_flags(args: argparse.Namespace) -> None:
@@ -49,7 +52,8 @@ def check_task_flags(args: argparse.Namespace) -> None:
         return
     for name, default in TASK_ONLY.items():
         if getattr(args, name, default) != default:
-            raise InputError(f"--{name.replace('_', '-')} applies to --task humaneval, not --task loss")
+            flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+            raise InputError(f"{flag} applies to --task humaneval, not --task loss")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -99,8 +103,9 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     chat = args.prompt_format == "chat" or (args.prompt_format == "auto" and has_template)
     settings = TaskEvalSettings(samples=args.samples, batch_size=args.batch_size, chat=chat,
                                 limits=SandboxLimits(timeout_s=args.timeout))
+    dtype, _ = resolve_dtype(args.dtype, args.device)  # --dtype auto: bf16 on a bf16 GPU, fp32 elsewhere
     complete = entrenar_completer(model, tok, args.max_new_tokens, chat, temperature=args.temperature,
-                                  top_p=args.top_p, seed=args.seed, device=args.device, dtype=args.dtype)
+                                  top_p=args.top_p, seed=args.task_seed, device=args.device, dtype=dtype)
 
     def log(line: str) -> None:
         if not args.json:
