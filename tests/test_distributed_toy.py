@@ -174,7 +174,8 @@ try:
         "GUARD-TEST", "rank 0 says stop", "nothing")))
 except Exception as e:
     print(f"rank {{ctx.rank}} got {{type(e).__name__}} {{e.guard_id}} exit {{e.exit_code}}", flush=True)
-D.shutdown()
+D.settle_ranks()  # leave together, as the CLI does after a job-wide verdict: a rank that tore the group down
+D.shutdown()      # while rank 0 was still in the verdict's broadcast aborted in gloo (SIGABRT) on a loaded CPU
 """
 
 
