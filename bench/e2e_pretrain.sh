@@ -97,8 +97,12 @@ fi
 echo "== e2e ($MODE) on $DEVICE_NAME; commit $(git rev-parse --short HEAD 2>/dev/null); OUT=$OUT WORK=$WORK; budget ${TOTAL_S} s"
 if ! $PY -c "import gguf" 2>/dev/null; then
   if compgen -G ".whl/gguf-*.whl" > /dev/null; then
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/pysite" .whl/gguf-*.whl \
-      && export PYTHONPATH="$PYTHONPATH:$WORK/pysite" && echo "gguf installed from .whl into $WORK/pysite"
+    if $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$WORK/pysite" .whl/gguf-*.whl; then
+      export PYTHONPATH="$PYTHONPATH:$WORK/pysite"; echo "gguf installed from .whl into $WORK/pysite"
+    else  # a pure-Python wheel imports from the zip itself
+      export PYTHONPATH="$PYTHONPATH:$(ls "$PWD"/.whl/gguf-*.whl | head -1)"; echo "gguf imported from the wheel file"
+    fi
+    $PY -c "import gguf" || echo "WARNING: gguf still does not import: export gguf will fail"
   else
     echo "WARNING: no gguf package and no .whl/gguf-*.whl: export gguf will fail"
   fi

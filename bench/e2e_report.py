@@ -111,7 +111,8 @@ def run_summary(run: Path, tokens_per_step: int) -> dict[str, Any] | None:
         "val_curve": [{"step": e["step"], "tokens": e["step"] * tokens_per_step, "loss": e["loss"],
                        "ppl": e.get("ppl")} for e in evals],
         "final_dir": (run / "final").is_dir(),
-        "versions": info.get("provenance", info.get("versions")),
+        "versions": info.get("versions"), "git_commit": info.get("git_commit"),
+        "cuda_device": (info.get("host") or {}).get("cuda_device"),
     }
 
 
@@ -208,8 +209,7 @@ def report(a: argparse.Namespace) -> int:
                  "samples_greedy": samples,
                  "gguf": main_gguf,
                  "gguf_vs_final_greedy_fp32": {"final": fp32_final, "gguf": fp32_gguf,
-                                               **same_tokens(fp32_final, fp32_gguf)},
-                 "llama_cpp_on_gpu_machine": last_json(logs / "llama_cpp_main.out")},
+                                               **same_tokens(fp32_final, fp32_gguf)}},
         "small": {"model": plan["small"]["model"], "run": small, "pretrain_json": last_json(logs / "pretrain_small.out"),
                   "eval_heldout": held_eval("eval_small"),
                   "gguf": small_export,
