@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from e2e_report import first_difference  # bench/ is on sys.path when this file runs as a script
 
 
 def tokenizer_dir(tokenizer: Path, config: dict[str, Any] | None, tmp: Path) -> Path:
@@ -62,13 +63,6 @@ def llama_greedy(llm, prompt_ids: list[int], n: int, stop_ids: set[int]) -> tupl
             break
         llm.eval([nxt])
     return out, rows
-
-
-def first_difference(a: list[int], b: list[int]) -> int | None:
-    for i, (x, y) in enumerate(zip(a, b)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def compare(theirs: list[int], rows: list[np.ndarray], ours: list[int] | None) -> dict[str, Any]:
