@@ -1,18 +1,20 @@
-"""Issue 24 part 5, the CPU side: the GGUF that bench/e2e_pretrain.sh exported on the GPU machine runs in
-llama.cpp (llama-cpp-python) here with the same greedy tokens as `entrenar generate`.
+"""Issue 24 part 5, the CPU side: the small model's GGUFs that bench/e2e_pretrain.sh exported on the GPU
+machine run in llama.cpp (llama-cpp-python) here with the same greedy tokens as `entrenar generate` there.
 
-    python bench/e2e_gguf_check.py --gguf OUT/small-f16.gguf --tokenizer OUT/tokenizer.json \
-        --greedy OUT/small_greedy.json [--entrenar-cpu] [--json FILE]
+    python bench/e2e_gguf_check.py OUT_DIR [--entrenar-cpu] [--json FILE]
 
-For each prompt of small_greedy.json: (1) the prompt's ids from our tokenizer (tokenizer.json plus the
-tokenizer_config.json carried inside small_greedy.json) equal the ids recorded on the GPU machine and
-llama.cpp's own tokenization of the prompt from the GGUF; (2) llama.cpp's greedy continuation (argmax of its
-logits, no sampler, f32 KV cache, stop at the tokenizer's stop ids) equals the tokens `entrenar generate`
-gave on the GPU machine from final/ and from the GGUF (both fp32); with --entrenar-cpu also `entrenar
-generate --device cpu` of the GGUF here (the same file and CPU as llama.cpp). Where tokens differ, the
-first differing position is named with llama.cpp's margin between its top two logits there (a near tie that
-f16 weights or another matmul order can flip, or a real disagreement). Exit 0 when every prompt's llama.cpp
-tokens equal the GPU's `generate` of final/, else 1.
+OUT_DIR is what the GPU run returned: small-f16.gguf, small-f32.gguf, tokenizer.json, small_greedy.json
+(--gguf-f16/--gguf-f32/--tokenizer/--greedy point elsewhere). For each prompt of small_greedy.json:
+(1) our tokenizer (tokenizer.json + the tokenizer_config.json carried in small_greedy.json) gives the prompt ids
+recorded on the GPU machine, and llama.cpp tokenizes the prompt from the GGUF to the same ids; (2) llama.cpp's
+greedy continuation (argmax of its logits, no sampler, f32 K/V cache, stop at the tokenizer's stop ids) of each
+GGUF is compared with the GPU's `generate --dtype fp32` of final/ and of each GGUF. Passing: llama.cpp on
+small-f32.gguf (final/'s own weights) == `generate` of final/, and llama.cpp on small-f16.gguf == `generate`
+of small-f16.gguf (the same f16-rounded weights). llama.cpp on the f16 file against final/ is reported too: f16
+rounding moves logits by ~1e-3, which can flip a near tie. Where tokens differ, the first differing position is
+named with llama.cpp's margin between its top two logits there. With --entrenar-cpu, `entrenar generate
+--device cpu` of each GGUF here is compared as well (the same file and CPU as llama.cpp). Exit 0 when every
+passing comparison holds, else 1.
 """
 
 from __future__ import annotations
@@ -28,6 +30,9 @@ from typing import Any
 
 import numpy as np
 from e2e_report import first_difference  # bench/ is on sys.path when this file runs as a script
+
+# (GGUF type, the GPU `generate` it must equal): final/'s weights exactly, and the f16 file itself
+MUST_MATCH = (("f32", "final"), ("f16", "f16"))
 
 
 def tokenizer_dir(tokenizer: Path, config: dict[str, Any] | None, tmp: Path) -> Path:
@@ -49,7 +54,7 @@ def load_llama(gguf: Path, n_ctx: int):
 
 
 def llama_greedy(llm, prompt_ids: list[int], n: int, stop_ids: set[int]) -> tuple[list[int], list[np.ndarray]]:
-    """Argmax continuation from llama.cpp's logits, and the logits row of each chosen token."""
+    """Argmax continuation from llama.cpp's logits, and the logits row each token was chosen from."""
     llm.reset()
     llm.eval(prompt_ids)
     out: list[int] = []
@@ -98,52 +103,66 @@ def tokens_of(gen: dict[str, Any] | None) -> list[int] | None:
     return gen["token_ids"] if gen and gen.get("ok") else None
 
 
+def cell(c: dict[str, Any]) -> str:
+    if not c.get("compared"):
+        return "n/a"
+    if c["identical"]:
+        return "yes"
+    return f"no at {c.get('first_difference')} (margin {c.get('llama_top2_margin', float('nan')):.3g})"
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--gguf", required=True, type=Path)
-    ap.add_argument("--tokenizer", required=True, type=Path, help="tokenizer.json (or a tokenizer directory)")
-    ap.add_argument("--greedy", required=True, type=Path, help="small_greedy.json of the GPU run")
-    ap.add_argument("--entrenar-cpu", action="store_true", help="also `entrenar generate --device cpu` the GGUF here")
+    ap.add_argument("out_dir", type=Path, help="the files the GPU run returned")
+    ap.add_argument("--gguf-f16", type=Path)
+    ap.add_argument("--gguf-f32", type=Path)
+    ap.add_argument("--tokenizer", type=Path, help="tokenizer.json (or a tokenizer directory)")
+    ap.add_argument("--greedy", type=Path, help="small_greedy.json of the GPU run")
+    ap.add_argument("--entrenar-cpu", action="store_true", help="also `entrenar generate --device cpu` each GGUF here")
     ap.add_argument("--json", type=Path, help="write the result here too")
     a = ap.parse_args()
+    greedy_path = a.greedy or a.out_dir / "small_greedy.json"
+    greedy = json.loads(greedy_path.read_text())
+    ggufs = {"f16": a.gguf_f16 or a.out_dir / greedy["gguf"]["f16"], "f32": a.gguf_f32 or a.out_dir / greedy["gguf"]["f32"]}
 
     from entrenar.tokenizer import load_tokenizer
 
-    greedy = json.loads(a.greedy.read_text())
     flags = greedy["generate_flags"].split()
     n_new = int(flags[flags.index("--max-new-tokens") + 1])
     with tempfile.TemporaryDirectory() as tmp:
-        tok = load_tokenizer(str(tokenizer_dir(a.tokenizer, greedy.get("tokenizer_config"), Path(tmp))))
+        tok = load_tokenizer(str(tokenizer_dir(a.tokenizer or a.out_dir / "tokenizer.json",
+                                               greedy.get("tokenizer_config"), Path(tmp))))
     stop_ids = set(greedy["stop_ids"]) if greedy.get("stop_ids") is not None else set(tok.stop_ids)
-    llm = load_llama(a.gguf, n_ctx=512)
-    results = []
-    for p in greedy["prompts"]:
-        ours_ids = tok.encode(p["prompt"])
-        llama_ids = llm.tokenize(p["prompt"].encode("utf-8"), add_bos=True, special=True)
-        theirs, rows = llama_greedy(llm, ours_ids, n_new, stop_ids)
-        r = {"prompt": p["prompt"], "prompt_tokens": len(ours_ids),
-             "prompt_ids_match_gpu_record": p.get("prompt_ids") in (None, ours_ids),
-             "prompt_ids_match_llama_cpp": llama_ids == ours_ids, "llama_cpp_tokens": theirs,
-             "text": tok.decode(theirs),
-             "vs_gpu_generate_final": compare(theirs, rows, tokens_of(p.get("final"))),
-             "vs_gpu_generate_gguf": compare(theirs, rows, tokens_of(p.get("gguf")))}
-        if a.entrenar_cpu:
-            r["vs_cpu_generate_gguf"] = compare(theirs, rows, entrenar_cpu(a.gguf, p["prompt"], n_new))
-        results.append(r)
-    ok = all(r["prompt_ids_match_gpu_record"] and r["prompt_ids_match_llama_cpp"]
-             and r["vs_gpu_generate_final"].get("identical") for r in results)
-    summary = {"ok": ok, "gguf": str(a.gguf), "stop_ids": sorted(stop_ids), "max_new_tokens": n_new,
+    results: list[dict[str, Any]] = [{"prompt": p["prompt"]} for p in greedy["prompts"]]
+    for typ, path in ggufs.items():
+        llm = load_llama(path, n_ctx=512)
+        for r, p in zip(results, greedy["prompts"]):
+            ours_ids = tok.encode(p["prompt"])
+            r["prompt_ids_ok"] = (r.get("prompt_ids_ok", True) and p.get("prompt_ids") in (None, ours_ids)
+                                  and llm.tokenize(p["prompt"].encode("utf-8"), add_bos=True, special=True) == ours_ids)
+            theirs, rows = llama_greedy(llm, ours_ids, n_new, stop_ids)
+            r[f"llama_{typ}"] = {"tokens": theirs, "text": tok.decode(theirs),
+                                 **{f"vs_gpu_{kind}": compare(theirs, rows, tokens_of(p.get(kind)))
+                                    for kind in ("final", "f16", "f32")}}
+            if a.entrenar_cpu:
+                r[f"llama_{typ}"]["vs_cpu_same_file"] = compare(theirs, rows, entrenar_cpu(path, p["prompt"], n_new))
+        del llm
+    ok = all(r["prompt_ids_ok"] and r[f"llama_{typ}"][f"vs_gpu_{kind}"].get("identical")
+             for r in results for typ, kind in MUST_MATCH)
+    summary = {"ok": ok, "passing_requires": [f"llama.cpp({t}.gguf) == GPU generate({k})" for t, k in MUST_MATCH],
+               "ggufs": {t: str(p) for t, p in ggufs.items()}, "stop_ids": sorted(stop_ids), "max_new_tokens": n_new,
                "gpu_device": greedy.get("device"), "prompts": results}
-    print("| prompt | prompt ids = GPU's = llama.cpp's | tokens | llama.cpp = GPU final/ | = GPU GGUF |"
-          + (" = CPU GGUF |" if a.entrenar_cpu else ""))
-    print("|---|---|---:|---|---|" + ("---|" if a.entrenar_cpu else ""))
+    cols = [("f32", "final"), ("f16", "f16"), ("f16", "final"), ("f32", "f32")]
+    head = [f"llama.cpp {t} = GPU {k}" for t, k in cols] + (["= CPU, same file (f32, f16)"] if a.entrenar_cpu else [])
+    print("| prompt | prompt ids agree | " + " | ".join(head) + " |")
+    print("|---|---|" + "---|" * len(head))
     for r in results:
-        cells = [r["vs_gpu_generate_final"], r["vs_gpu_generate_gguf"]]
-        cells += [r["vs_cpu_generate_gguf"]] if a.entrenar_cpu else []
-        shown = [("yes" if c.get("identical") else f"no at {c.get('first_difference')} (margin "
-                  f"{c.get('llama_top2_margin', float('nan')):.3g})") if c.get("compared") else "n/a" for c in cells]
-        print(f"| {r['prompt'][:30]!r} | {r['prompt_ids_match_gpu_record'] and r['prompt_ids_match_llama_cpp']} | "
-              f"{len(r['llama_cpp_tokens'])} | " + " | ".join(shown) + " |")
+        cells = [cell(r[f"llama_{t}"][f"vs_gpu_{k}"]) for t, k in cols]
+        if a.entrenar_cpu:
+            cells.append(", ".join(cell(r[f"llama_{t}"]["vs_cpu_same_file"]) for t in ("f32", "f16")))
+        print(f"| {r['prompt'][:30]!r} | {r['prompt_ids_ok']} | " + " | ".join(cells) + " |")
+    for r in results:
+        print(f"llama.cpp f32 text for {r['prompt'][:30]!r}: {r['llama_f32']['text'][:200]!r}")
     print(json.dumps({k: v for k, v in summary.items() if k != "prompts"}))
     if a.json:
         a.json.write_text(json.dumps(summary, indent=2) + "\n")

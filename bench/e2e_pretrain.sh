@@ -7,14 +7,14 @@
 #   --steps for TRAIN_S seconds of training -> `pretrain --model llama-370m` -> in parallel: `eval` of
 #   final/ on the held-out packages, `generate` (greedy) on 3 code prompts, `export gguf` (f16; 740 MB, stays
 #   on the machine: entrenar generates from it in fp32 next to final/), `plot`; and the `tiny` preset trained
-#   the same way, exported (f16, a few MB) and generated from (fp32, final/ and the GGUF), so that
+#   the same way, exported (f16 and f32, a few MB) and generated from (fp32: final/ and each GGUF), so that
 #   bench/e2e_gguf_check.py can run that GGUF in llama.cpp on a CPU and compare the greedy tokens.
 #
 #   OUT=/path bash bench/e2e_pretrain.sh                 # the GPU run (carry .whl: the gguf wheel, see below)
 #   E2E_SMALL=1 OUT=/tmp/e2e_out bash bench/e2e_pretrain.sh   # CPU dry run: tiny models, a tiny corpus
 #
-# Into $OUT (8 files, flat): e2e.log, summary.json, report.md, curves.png, main_metrics.jsonl,
-# small-f16.gguf, tokenizer.json, small_greedy.json. Every stage runs under `timeout` and never past
+# Into $OUT (8 files, flat): e2e.log, summary.json (with llama-370m's metrics.jsonl rows), report.md,
+# curves.png, small-f16.gguf, small-f32.gguf, tokenizer.json, small_greedy.json. Every stage runs under `timeout` and never past
 # TOTAL_S (less what later stages need), so a hang still leaves the earlier stages' results; each stage
 # prints its wall time. The `gguf` package (for `export gguf`) is installed from .whl/gguf-*.whl into
 # $WORK/pysite when python3 lacks it (the GPU image does).
@@ -40,7 +40,7 @@ PROMPTS=($'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
          $'class Stack:\n    def __init__(self):\n')
 if [ "${E2E_SMALL:-0}" = 1 ]; then
   MODE="cpu dry run (E2E_SMALL=1)"; DEVICE=cpu; TOTAL_S=${TOTAL_S:-1500}; PAR=${E2E_PAR:-0}
-  MAIN_MODEL=tiny; MAIN_BATCH=4; MAIN_SEQ=128; MAIN_LR=${LR:-3e-3}; TRAIN_S=${TRAIN_S:-20}; CAL_STEPS=6
+  MAIN_MODEL=tiny; MAIN_BATCH=4; MAIN_SEQ=128; MAIN_LR=${LR:-3e-3}; TRAIN_S=${TRAIN_S:-20}; CAL_STEPS=20
   EVAL_BATCHES=4; ASSUMED_TOK_S=5000; AFTER_MAIN_S=600; MAIN_OVERHEAD_S=120
   SMALL_MODEL=tiny; SMALL_BATCH=4; SMALL_SEQ=128; SMALL_LR=3e-3; SMALL_STEPS=${SMALL_STEPS:-30}; SMALL_SAVE=10
   SMALL_LIMIT=300; VOCAB=${VOCAB:-2048}; TRAIN_MB=3; TOK_MB=2; HELDOUT_MB=0.5
@@ -182,14 +182,20 @@ small_jobs() {
   local small
   small=$(model_of "$WORK/run_small")
   [ -n "$small" ] || { echo "== no model from pretrain_small"; return; }
-  stage export_small 60 25 $PY -m entrenar export gguf "$small" "$OUT/small-f16.gguf" --type f16 --json
+  # f16: the export users make; f32: the very weights of final/, so llama.cpp vs `generate` of final/ is exact
+  for t in f16 f32; do
+    bg stage export_small_$t 60 25 $PY -m entrenar export gguf "$small" "$OUT/small-$t.gguf" --type $t --json
+  done
+  waitjobs
   bg stage eval_small 60 15 $PY -m entrenar eval --model "$small" --data "$WORK/shards_heldout" --split train \
     --seq-len $MAIN_SEQ --batch-size $MAIN_BATCH --device $DEVICE --json
   for i in 0 1 2; do
     bg stage gen_small_final_$i 60 15 $PY -m entrenar generate --model "$small" --prompt "${PROMPTS[$i]}" \
       "${SMALL_GEN_FLAGS[@]}" --json
-    [ -f "$OUT/small-f16.gguf" ] && bg stage gen_small_gguf_$i 60 15 $PY -m entrenar generate \
-      --model "$OUT/small-f16.gguf" --prompt "${PROMPTS[$i]}" "${SMALL_GEN_FLAGS[@]}" --json
+    for t in f16 f32; do
+      [ -f "$OUT/small-$t.gguf" ] && bg stage gen_small_${t}_$i 60 15 $PY -m entrenar generate \
+        --model "$OUT/small-$t.gguf" --prompt "${PROMPTS[$i]}" "${SMALL_GEN_FLAGS[@]}" --json
+    done
   done
   waitjobs
 }
@@ -201,7 +207,6 @@ fi
 
 # ---- 5. report ------------------------------------------------------------------------------------------
 cp "$WORK/tokenizer/tokenizer.json" "$OUT/tokenizer.json" 2>/dev/null
-cp "$WORK/run_main/metrics.jsonl" "$OUT/main_metrics.jsonl" 2>/dev/null
 stage report 60 -30 $PY bench/e2e_report.py report --work "$WORK" --out "$OUT"
 cat "$WORK/logs/report.out"
 echo "== per-stage stderr (head and tail) ==================================================================="

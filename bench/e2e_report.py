@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 WARMUP_STEPS = 5  # the first steps include Triton compilation/autotuning and allocator warm-up
+SMALL_GENERATIONS = ("final", "f16", "f32")  # `generate` of the small model's final/ and of its two GGUFs
 TARGET_LOSSES = (8.0, 7.0, 6.0, 5.0, 4.5, 4.0, 3.5, 3.0, 2.75, 2.5, 2.25, 2.0, 1.75, 1.5, 1.25, 1.0)
 
 
@@ -184,9 +185,8 @@ def report(a: argparse.Namespace) -> int:
     main_gguf = last_json(logs / "export_main.out")
     fp32_final = generation(logs / "gen_main_fp32_final.out", prompts[0])
     fp32_gguf = generation(logs / "gen_main_fp32_gguf.out", prompts[0])
-    small_final = [generation(logs / f"gen_small_final_{i}.out", p) for i, p in enumerate(prompts)]
-    small_gguf = [generation(logs / f"gen_small_gguf_{i}.out", p) for i, p in enumerate(prompts)]
-    small_export = last_json(logs / "export_small.out")
+    small_gen = {kind: [generation(logs / f"gen_small_{kind}_{i}.out", p) for i, p in enumerate(prompts)]
+                 for kind in SMALL_GENERATIONS}
 
     def same_tokens(x: dict[str, Any], y: dict[str, Any]) -> dict[str, Any]:
         if not (x["ok"] and y["ok"]):
@@ -212,22 +212,26 @@ def report(a: argparse.Namespace) -> int:
                                                **same_tokens(fp32_final, fp32_gguf)}},
         "small": {"model": plan["small"]["model"], "run": small, "pretrain_json": last_json(logs / "pretrain_small.out"),
                   "eval_heldout": held_eval("eval_small"),
-                  "gguf": small_export,
-                  "greedy": [{"final": f, "gguf": g, **same_tokens(f, g)} for f, g in zip(small_final, small_gguf)]},
+                  "gguf": {t: last_json(logs / f"export_small_{t}.out") for t in ("f16", "f32")},
+                  "greedy_final": small_gen["final"],
+                  "greedy_final_vs": {t: [same_tokens(f, g) for f, g in zip(small_gen["final"], small_gen[t])]
+                                      for t in ("f16", "f32")}},
+        "main_metrics": jsonl(work / "run_main" / "metrics.jsonl"),
     }
     if main and main["val_curve"]:
         last = main["val_curve"][-1]
         summary["main"]["final_val_bits_per_byte"] = bits_per_byte(last["loss"], train_tokens, train_bytes)
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-    write_small_greedy(out, work, plan, small_final, small_gguf)
+    write_small_greedy(out, work, plan, small_gen)
     (out / "report.md").write_text(markdown(summary))
     print((out / "report.md").read_text())
     return 0
 
 
-def write_small_greedy(out: Path, work: Path, plan: dict[str, Any], finals: list[dict], ggufs: list[dict]) -> None:
-    """What the CPU-side llama.cpp check needs besides the GGUF and tokenizer.json: the prompts, the prompt ids
-    our tokenizer gives, the stop ids, the tokenizer's config and the greedy tokens of both `generate` runs."""
+def write_small_greedy(out: Path, work: Path, plan: dict[str, Any], gens: dict[str, list[dict]]) -> None:
+    """What the CPU-side llama.cpp check needs besides the GGUFs and tokenizer.json: the prompts, the prompt ids
+    our tokenizer gives, the stop ids, the tokenizer's config and the greedy tokens of each `generate` run
+    (final/, small-f16.gguf, small-f32.gguf)."""
     tok_dir = work / "tokenizer"
     prompt_ids: list[list[int] | None] = [None] * len(plan["prompts"])
     stop_ids: list[int] | None = None
@@ -241,8 +245,9 @@ def write_small_greedy(out: Path, work: Path, plan: dict[str, Any], finals: list
     data = {"model": plan["small"]["model"], "device": plan.get("device_name"),
             "generate_flags": plan["small"]["generate_flags"], "stop_ids": stop_ids,
             "tokenizer_config": json.loads(config.read_text()) if config.exists() else None,
-            "prompts": [{"prompt": p, "prompt_ids": ids, "final": f, "gguf": g}
-                        for p, ids, f, g in zip(plan["prompts"], prompt_ids, finals, ggufs)]}
+            "gguf": {t: f"small-{t}.gguf" for t in ("f16", "f32")},
+            "prompts": [{"prompt": p, "prompt_ids": ids, **{kind: gens[kind][i] for kind in SMALL_GENERATIONS}}
+                        for i, (p, ids) in enumerate(zip(plan["prompts"], prompt_ids))]}
     (out / "small_greedy.json").write_text(json.dumps(data, indent=2) + "\n")
 
 
@@ -308,11 +313,13 @@ def markdown(s: dict[str, Any]) -> str:
                            f"{fmt((m['gguf'] or {}).get('seconds'))} s; `generate --dtype fp32` of final/ and of the "
                            f"GGUF, first prompt: {same_text(cmp)}")]
         else:
-            lines += ["", (f"GGUF f16 export: {fmt((m['gguf'] or {}).get('bytes'), ',')} bytes (small-f16.gguf); "
-                           "`generate --dtype fp32` of final/ vs of the GGUF:"), ""]
-            for g in m["greedy"]:
-                lines.append(f"- {g['final']['prompt']!r}: {same_text(g)}; final/: "
-                             + (repr(g["final"].get("text", ""))[:200]))
+            sizes = ", ".join(f"small-{t}.gguf {fmt((j or {}).get('bytes'), ',')} bytes" for t, j in m["gguf"].items())
+            lines += ["", f"GGUF exports: {sizes}. `generate --dtype fp32` of final/ vs of each GGUF:", ""]
+            for i, prompt in enumerate(s["plan"]["prompts"]):
+                final = s["small"]["greedy_final"][i]
+                lines.append(f"- {prompt!r}: f16 {same_text(m['greedy_final_vs']['f16'][i])}, f32 "
+                             f"{same_text(m['greedy_final_vs']['f32'][i])}; final/: "
+                             + (repr(final["text"])[:200] if final["ok"] else f"FAILED {final['error']}"))
     return "\n".join(lines) + "\n"
 
 
