@@ -54,6 +54,8 @@ else
   VAL_FRACTION=0.01  # ~90 of ~9,000 files, ~0.4M tokens: 16 eval batches of 8 x 2048
 fi
 MAIN_TPS=$((MAIN_BATCH * MAIN_SEQ)); SMALL_TPS=$((SMALL_BATCH * SMALL_SEQ))
+# steps 1-2 may eat into the training time (the calibration then plans fewer steps), never below a minute of it
+EARLY_RESERVE=$((AFTER_MAIN_S + MAIN_OVERHEAD_S + 60))
 SMALL_GEN_FLAGS=(--max-new-tokens 64 --device "$DEVICE" --dtype fp32)
 
 elapsed() { echo $(( $(date +%s) - T0 )); }
@@ -117,18 +119,18 @@ json.dump({"mode": mode, "device_name": dev, "prompts": prompts, "train_seconds"
 EOF
 
 # ---- 1. corpus, tokenizer, shards --------------------------------------------------------------------------
-stage corpus 90 $((AFTER_MAIN_S + TRAIN_S)) $PY bench/e2e_corpus.py --out "$WORK/corpus" --train-mb $TRAIN_MB \
+stage corpus 90 $EARLY_RESERVE $PY bench/e2e_corpus.py --out "$WORK/corpus" --train-mb $TRAIN_MB \
   --tok-mb $TOK_MB --heldout-mb $HELDOUT_MB ${ONLY:+--only "$ONLY"}
-stage tokenizer 120 $((AFTER_MAIN_S + TRAIN_S)) $PY -m entrenar tokenizer train --vocab-size "$VOCAB" \
+stage tokenizer 120 $EARLY_RESERVE $PY -m entrenar tokenizer train --vocab-size "$VOCAB" \
   --out "$WORK/tokenizer" "$WORK/corpus/tok" --json
-bg stage pack_train 120 $((AFTER_MAIN_S + TRAIN_S)) $PY -m entrenar data pack --model "$WORK/tokenizer" \
+bg stage pack_train 120 $EARLY_RESERVE $PY -m entrenar data pack --model "$WORK/tokenizer" \
   --out "$WORK/shards" --val-fraction $VAL_FRACTION --workers $WORKERS "$WORK/corpus/train" --json
-bg stage pack_heldout 120 $((AFTER_MAIN_S + TRAIN_S)) $PY -m entrenar data pack --model "$WORK/tokenizer" \
+bg stage pack_heldout 120 $EARLY_RESERVE $PY -m entrenar data pack --model "$WORK/tokenizer" \
   --out "$WORK/shards_heldout" --workers 4 "$WORK/corpus/heldout" --json
 waitjobs
 
 # ---- 2. calibration: the real pretrain command for CAL_STEPS steps sets --steps ---------------------------
-stage calibrate 150 $((AFTER_MAIN_S + TRAIN_S)) $PY bench/e2e_report.py calibrate --run "$WORK/calib" \
+stage calibrate 150 $EARLY_RESERVE $PY bench/e2e_report.py calibrate --run "$WORK/calib" \
   --measure-steps $CAL_STEPS --train-seconds "$TRAIN_S" --tokens-per-step $MAIN_TPS --evals 10 \
   --deadline $((T0 + TOTAL_S - AFTER_MAIN_S - MAIN_OVERHEAD_S)) --out "$WORK/calib.json" \
   -- $PY -m entrenar pretrain --model $MAIN_MODEL --data "$WORK/shards" --out "$WORK/calib" --steps 100000 \
