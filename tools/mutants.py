@@ -51,9 +51,9 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "contracts"
-# What a scratch copy holds: everything the tests import or read. Not .venv (the tests run with the
-# working tree's interpreter) and not .git.
-COPY = ("src", "tests", "contracts", "tools", "pyproject.toml", "conftest.py")
+# What a scratch copy holds: everything the tests import or read (bench/: the scripts that
+# tests/test_e2e_bench.py loads, 1 MB). Not .venv (the tests run with the working tree's interpreter) and not .git.
+COPY = ("src", "tests", "contracts", "tools", "bench", "pyproject.toml", "conftest.py")
 COSTS = ("fast", "slow")
 DEFAULT_TIMEOUT = 600.0
 OK = "caught"
