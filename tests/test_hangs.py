@@ -85,8 +85,9 @@ def test_a_template_that_loops_without_output_is_stopped_by_time(monkeypatch):
 
 
 def test_the_alarm_stops_a_finite_loop_that_writes_nothing(monkeypatch):
-    """36 M silent iterations (~5 s here) stopped after 0.2 s: only the alarm can, nothing is written
-    until the loops end (the clock between pieces would stop it only then)."""
+    """400 M silent iterations (10 s or more on any CPU; 36 M took only ~1.5 s on an idle machine, and the mutant
+    without the alarm then passed) stopped after 0.2 s: only the alarm can, nothing is written until the loops
+    end (the clock between pieces would stop it only then)."""
     import time
 
     from test_tokenizer import tiny_tokenizer
@@ -95,7 +96,8 @@ def test_the_alarm_stops_a_finite_loop_that_writes_nothing(monkeypatch):
     from entrenar.errors import InputError
 
     monkeypatch.setattr(tokmod, "RENDER_SECONDS", 0.2)
-    silent = "{% for i in range(6000) %}{% for j in range(6000) %}{% endfor %}{% endfor %}{{ messages[0]['content'] }}"
+    silent = ("{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}"
+              "{{ messages[0]['content'] }}")
     tok = tiny_tokenizer(chat_template=silent)
     t0 = time.monotonic()
     with pytest.raises(InputError, match=r"ran longer than 0.2 s"):
@@ -124,17 +126,19 @@ def test_the_time_bound_holds_off_the_main_thread_too(monkeypatch):
     from entrenar.errors import InputError
 
     monkeypatch.setattr(tokmod, "RENDER_SECONDS", 0.5)
-    # only the time bound may fire: a fast CPU writes the 16 Mi characters of the size bound within 0.5 s
-    monkeypatch.setattr(tokmod, "MAX_RENDER_CHARS", 1 << 40)
+    # one character per 2,000 silent iterations: 50 M iterations (seconds on any CPU) write 25,000 characters,
+    # far below the size bound, so only the clock can stop it (WRITES reached 16 Mi characters within 0.5 s on
+    # an idle machine); without the clock it ends on its own and nothing is raised
+    slow_writer = "{% for i in range(25000) %}{% for j in range(2000) %}{% endfor %}{{ 'x' }}{% endfor %}"
     errors: list[BaseException] = []
 
     def render() -> None:
         try:
-            tiny_tokenizer(chat_template=WRITES).render_chat(USER)
+            tiny_tokenizer(chat_template=slow_writer).render_chat(USER)
         except InputError as e:
             errors.append(e)
 
-    t = threading.Thread(target=render)
+    t = threading.Thread(target=render, daemon=True)
     t.start()
     t.join(timeout=60)
     assert not t.is_alive() and len(errors) == 1 and "longer than 0.5 s" in str(errors[0])
