@@ -78,6 +78,8 @@ BOUNDS: dict[str, Bounds] = {
     "fp32": Bounds("fp32", logits=1e-5, ce=1e-4, hidden=1e-5, op=1e-5, grad=1e-4),
     "bf16": Bounds("bf16", logits=2e-2, ce=5e-2, hidden=5e-2, op=5e-2, grad=1e-1),
     "fp16": Bounds("fp16", logits=2e-2, ce=5e-2, hidden=5e-2, op=5e-2, grad=1e-1),
+    # --dtype fp8 (train/fp8.py): the blocks' linears in e4m3, the rest bf16; floors at 4 u of e4m3
+    "fp8": Bounds("fp8", logits=0.25, ce=0.5, hidden=0.25, op=0.25, grad=1.0),
 }
 
 # The depth-grown bound is DEPTH_C x (one block's relative rounding) x sqrt(blocks + 1): independent rounding
@@ -85,8 +87,10 @@ BOUNDS: dict[str, Bounds] = {
 # (bench/parity/bf16_depth.py, the CPU; docs/design.md has the table): bf16 1.7-1.8 u at Qwen2.5-Coder-7B's
 # width (u = 2^-8; 28 layers on 4x H200 gave 3.96e-2 = 1.8 u sqrt(29)), <= 1.4 u at Qwen2.5-0.5B's; fp32
 # 10-11 u at either (the matmuls' fp32 accumulation over thousands of terms). DEPTH_C = 4 leaves >= 2x margin.
+# fp8 (e4m3, u = 2^-4): k = relL2 / (u sqrt(depth + 1)) measured 0.52-0.72 (train/fp8.py), so C = 2.
 DEPTH_C = 4.0
-BLOCK_ROUNDING = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 12 * 2.0 ** -24}
+DEPTH_C_OF = {"fp8": 2.0}
+BLOCK_ROUNDING = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11, "fp32": 12 * 2.0 ** -24, "fp8": 2.0 ** -4}
 
 
 def bounds_for(dtype: str, cfg: Any) -> Bounds:
@@ -97,7 +101,7 @@ def bounds_for(dtype: str, cfg: Any) -> Bounds:
     base = BOUNDS[dtype]
     if dtype not in BLOCK_ROUNDING:
         return base
-    per_depth = DEPTH_C * BLOCK_ROUNDING[dtype]
+    per_depth = DEPTH_C_OF.get(dtype, DEPTH_C) * BLOCK_ROUNDING[dtype]
     final = per_depth * math.sqrt(cfg.num_layers + 2)  # the blocks, the final norm and the head
     scale = max(1.0, final / base.logits)
     return Bounds(dtype, logits=base.logits * scale, ce=base.ce * scale, hidden=base.hidden, op=base.op,
@@ -489,11 +493,13 @@ def check_finite_weights(model: torch.nn.Module) -> None:
 
 def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSequence] | None = None,
                  dtype: torch.dtype | str | None = None, against: str = "reference", hf_model: Any = None,
-                 seq_len: int = 512, grads: bool = True, meta: dict | None = None, oracle: Any = None) -> dict:
+                 seq_len: int = 512, grads: bool = True, meta: dict | None = None, oracle: Any = None,
+                 bounds: str | None = None) -> dict:
     """Verify ``model`` as it stands (its device, dtype, kernels) against an oracle.
 
     ``dtype`` (default: the weights' dtype) picks the bounds and, if it differs from the
-    weights, runs the model under autocast. ``against="hf"`` uses ``hf_model`` if given (e.g.
+    weights, runs the model under autocast; ``bounds`` names other bounds (a path whose matmuls round
+    coarser than its autocast dtype: "fp8"). ``against="hf"`` uses ``hf_model`` if given (e.g.
     transformers loading the same file), else builds one from ``model``'s weights.
     """
     from .probe import build_probe
@@ -507,7 +513,7 @@ def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSeq
     model.eval()
     try:
         test = OurPath(model, autocast_dtype=run_dtype)
-        test.label = f"{test.device.type} {DTYPE_NAMES[run_dtype]} kernels={model.kernels}"
+        test.label = f"{test.device.type} {bounds or DTYPE_NAMES[run_dtype]} kernels={model.kernels}"
         if oracle is not None:  # given by the caller (the preflight's one cached float64 reference)
             ref = oracle
         elif against == "reference":
@@ -517,8 +523,8 @@ def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSeq
                          label="transformers cpu fp32 (eager attention)")
         else:
             raise ValueError(f"against {against!r} not in ('reference', 'hf')")
-        return verify_paths(test, ref, probe, model.cfg.num_layers, bounds_for(DTYPE_NAMES[run_dtype], model.cfg),
-                            grads=grads,
+        checked = bounds_for(bounds or DTYPE_NAMES[run_dtype], model.cfg)
+        return verify_paths(test, ref, probe, model.cfg.num_layers, checked, grads=grads,
                             meta={"against": against, "dtype": DTYPE_NAMES[run_dtype], **(meta or {})})
     finally:
         model.train(was_training)

@@ -11,6 +11,7 @@ diverges; otherwise the numbers come back for ``RUN/preflight.json``.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -40,8 +41,13 @@ def _summary(rep: dict) -> dict:
 
 def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device,
               dtype: torch.dtype | str, kernels: str, *, seq_len: int = 64, grads: bool = False,
-              oracle: Any = None) -> dict:
+              oracle: Any = None, convert: Callable[[torch.nn.Module], Any] | None = None,
+              convert_bounds: str = "fp8") -> dict:
     """Check the run's forward (and optionally one backward) against float64; raise GUARD-PARITY.
+
+    ``convert``: the run's in-place module swap (``--dtype fp8``: train/fp8.py's ``to_float8``), applied once
+    the unconverted passes hold and checked by a last pass with the ``convert_bounds`` bounds against the
+    same float64 reference. (A run without the preflight applies it itself.)
 
     Returns a JSON-able dict: ok, seconds, device, dtype, kernels, per-probe-sequence logits
     relL2 / max |diff| / CE of each side / CE difference / worst layer, bounds.
@@ -59,10 +65,18 @@ def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device
         twin = verify_model(model, probe=probe, dtype=torch.float32, grads=False, oracle=oracle)
     rep = twin if twin is not None and not twin["ok"] else \
         verify_model(model, probe=probe, dtype=run_dtype, against="reference", grads=grads, oracle=oracle)
+    unconverted = rep
+    if convert is not None and rep["ok"]:
+        convert(model)
+        rep = verify_model(model, probe=probe, dtype=run_dtype, against="reference", grads=False, oracle=oracle,
+                           bounds=convert_bounds)
     result = {"check": "parity", "device": str(device), "dtype": DTYPE_NAMES[run_dtype], "kernels": model_kernels,
               **_summary(rep), "seconds": round(time.time() - t0, 2)}
     if twin is not None:
         result["fp32_twin"] = _summary(twin)
+    if rep is not unconverted:
+        result["unconverted"] = _summary(unconverted)
+        result["dtype"] = convert_bounds
     if model_kernels != kernels:
         result["note"] = f"model.kernels={model_kernels!r} differs from the run's kernels={kernels!r}"
     if not rep["ok"]:
@@ -72,7 +86,7 @@ def preflight(model: torch.nn.Module, tokenizer: Any, device: str | torch.device
         else:
             what = (f"diverges from the float64 reference first at {fd['name']} on the {fd['sequence']} probe "
                     f"(relL2 {fd['rel_l2']:.3e} > bound {fd['bound']:g})")
-        path = (f"{device}, {DTYPE_NAMES[run_dtype]}, kernels={model_kernels}" if rep is not twin else
+        path = (f"{device}, {result['dtype']}, kernels={model_kernels}" if rep is not twin else
                 f"{device}, kernels={model_kernels}, checked in fp32 before its {DTYPE_NAMES[run_dtype]} run")
         raise GuardError(
             GUARD_ID,
