@@ -65,6 +65,11 @@ def _contract(*items: str, test: str = "tests/test_toy.py::test_add") -> str:
             f"    mutate:\n{body}")
 
 
+def _problems(tmp_path: Path, item: str, **modules: str) -> str:
+    """The lint's lines for a toy whose one invariant has the one mutate item."""
+    return "\n".join(mutants.lint(_toy(tmp_path, _contract(item), **modules)))
+
+
 ADD_BY_SYMBOL = """\
     - symbol: toy.core:Adder.add
       find: "return a + b"
@@ -100,30 +105,25 @@ def test_method_moved_to_another_class_is_found_by_its_last_part(tmp_path):
     assert list(mutants.apply_edits(root, mutants.load_contracts(root / "contracts")[0][0].edits)) == \
         ["src/toy/sums.py"]
     # ...but only while that last part names one symbol: with Adder.add left in place it names two
-    root2 = _toy(tmp_path / "2", _contract(ADD_BY_SYMBOL.replace("Adder.add", "Gone.add")), sums=summer)
-    assert "ambiguous (by its last part 'add'), 2 candidates" in "\n".join(mutants.lint(root2))
+    problems = _problems(tmp_path / "2", ADD_BY_SYMBOL.replace("Adder.add", "Gone.add"), sums=summer)
+    assert "ambiguous (by its last part 'add'), 2 candidates" in problems, problems
 
 
 def test_ambiguous_symbol_is_a_lint_error_naming_the_candidates(tmp_path):
     """Adder is defined in two modules and the hint (toy.gone) names neither: the lint lists both."""
     adder = CORE[CORE.index("class Adder"):CORE.index("def scale")]
-    root = _toy(tmp_path, _contract(ADD_BY_SYMBOL.replace("toy.core:", "toy.gone:")), copy=adder)
-    problems = "\n".join(mutants.lint(root))
+    problems = _problems(tmp_path, ADD_BY_SYMBOL.replace("toy.core:", "toy.gone:"), copy=adder)
     assert "TOY-ONE: mutate item 1: symbol toy.gone:Adder.add: not in toy.gone, and ambiguous, 2 candidates" \
         in problems, problems
     assert "toy.copy:Adder.add (src/toy/copy.py:2)" in problems and "toy.core:Adder.add (src/toy/core.py:8)" \
         in problems, problems
     # with a hint that names one of them, the anchor is exact again
-    assert mutants.lint(_toy(tmp_path / "2", _contract(ADD_BY_SYMBOL), copy=adder)) == []
+    assert _problems(tmp_path / "2", ADD_BY_SYMBOL, copy=adder) == ""
 
 
 def test_find_twice_in_its_symbol_is_a_lint_error(tmp_path):
-    twice = """\
-        - symbol: toy.core:Adder.twice
-          find: "self.add(a, a)"
-          replace: "self.add(a, 0)"
-    """
-    problems = "\n".join(mutants.lint(_toy(tmp_path, _contract(twice))))
+    twice = ADD_BY_SYMBOL.replace("Adder.add", "Adder.twice").replace("return a + b", "self.add(a, a)")
+    problems = _problems(tmp_path, twice)
     assert ("mutate item 1: find 'self.add(a, a)' occurs 2 times in symbol toy.core:Adder.twice "
             "(src/toy/core.py:11) (must be exactly once)") in problems, problems
 
@@ -131,20 +131,16 @@ def test_find_twice_in_its_symbol_is_a_lint_error(tmp_path):
 def test_find_outside_its_symbol_and_unknown_symbols_are_lint_errors(tmp_path):
     outside = ADD_BY_SYMBOL.replace("Adder.add", "scale")  # "return a + b" is in the file, not in scale
     missing = ADD_BY_SYMBOL.replace("Adder.add", "Adder.sub")
-    problems = "\n".join(mutants.lint(_toy(tmp_path, _contract(outside))))
+    problems = _problems(tmp_path, outside)
     assert "mutate item 1: find 'return a + b' is not in symbol toy.core:scale (src/toy/core.py:15)" in problems
-    problems = "\n".join(mutants.lint(_toy(tmp_path / "2", _contract(missing))))
+    problems = _problems(tmp_path / "2", missing)
     assert "mutate item 1: symbol toy.core:Adder.sub: module toy.core has no such symbol, and no such symbol " \
         "under src/" in problems, problems
 
 
 def test_a_mutation_that_changes_no_code_is_a_lint_error(tmp_path):
-    comment_only = """\
-        - symbol: toy.core:Adder.add
-          find: "return a + b"
-          replace: "return a + b  # mutant?"
-    """
-    problems = "\n".join(mutants.lint(_toy(tmp_path, _contract(comment_only))))
+    comment_only = ADD_BY_SYMBOL.replace("return a - b", "return a + b  # mutant?")
+    problems = _problems(tmp_path, comment_only)
     assert "the mutation leaves the code of src/toy/core.py unchanged" in problems, problems
 
 
