@@ -220,3 +220,19 @@ def test_converter_refreshes_a_moved_symbol(tmp_path):
     assert anchor_contracts.main(["--root", str(root)]) == 0
     assert "- symbol: toy.arith:Adder.add\n" in (root / "contracts" / "toy.yaml").read_text()
     assert anchor_contracts.main(["--root", str(root), "--check"]) == 0
+
+
+def test_converter_re_anchors_a_find_that_moved_out_of_its_symbol_or_file(tmp_path):
+    """`return a + b` moved from Adder.add into plus() of another module: the lint names the stale anchors
+    (symbol and file alike); the converter re-anchors both where the find now is, once in all of src/."""
+    file_anchored = ADD_BY_SYMBOL.replace("symbol: toy.core:Adder.add", "file: src/toy/core.py")
+    second = _contract(file_anchored).split("invariants:\n")[1].replace("TOY-ONE", "TOY-TWO")
+    root = _toy(tmp_path, _contract(ADD_BY_SYMBOL) + second,
+                core=CORE.replace("return a + b", "return plus(a, b)"), ops="def plus(a, b):\n    return a + b\n")
+    problems = "\n".join(mutants.lint(root))
+    assert "find 'return a + b' is not in symbol toy.core:Adder.add" in problems, problems
+    assert anchor_contracts.main(["--root", str(root)]) == 0
+    text = (root / "contracts" / "toy.yaml").read_text()
+    assert text.count("- symbol: toy.ops:plus\n") == 2, text
+    assert mutants.lint(root) == []
+    assert anchor_contracts.main(["--root", str(root), "--check"]) == 0

@@ -8,9 +8,10 @@
 Each ``file:`` + ``find:`` edit of a Python file whose find lies inside a def, class or module/class-level
 assignment becomes ``symbol: module:Qual.name`` (the innermost such symbol whose name is unique in its
 file), so the edit survives the code moving around its file or to another one (tools/symbol_anchors.py).
-Each ``symbol:`` edit whose symbol has moved since gets its current module:qualname. Everything else
-(text between symbols, e.g. imports; a find that spans two symbols; an edit that does not apply now)
-keeps its ``file:`` and is counted with the reason.
+Each ``symbol:`` edit whose symbol has moved since gets its current module:qualname. An edit that no
+longer applies where it points (its find left its symbol or file) is re-anchored where the find now is,
+if it occurs exactly once in all of src/. Everything else (text between symbols, e.g. imports; a find
+that spans two symbols; a find that is nowhere or repeated) keeps its anchor and is counted with the reason.
 
 Only the ``file: ...`` (or ``symbol: ...``) key and value of a converted edit are replaced: comments,
 order, quoting and layout of the rest stay byte for byte (a text edit at the positions the YAML parser
@@ -24,7 +25,7 @@ import argparse
 import json
 import sys
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import yaml
@@ -53,15 +54,15 @@ def _mapping(node) -> dict[str, tuple]:
     return {k.value: (k, v) for k, v in node.value if isinstance(k, yaml.ScalarNode)}
 
 
-def _symbol_line(spec: str) -> str:
-    """``symbol: spec``, quoted only if YAML would not read the plain value back as this string."""
-    plain = f"symbol: {spec}"
+def _line(key: str, value: str) -> str:
+    """``key: value``, quoted only if YAML would not read the plain value back as this string."""
+    plain = f"{key}: {value}"
     try:
-        if yaml.safe_load(plain) == {"symbol": spec}:
+        if yaml.safe_load(plain) == {key: value}:
             return plain
     except yaml.YAMLError:
         pass  # not valid plain: quoted below
-    return f"symbol: {json.dumps(spec)}"
+    return f"{key}: {json.dumps(value)}"
 
 
 def anchor_for(index: SourceIndex, file: str, find: str, texts: dict[str, str]) -> tuple[str | None, str]:
@@ -72,8 +73,12 @@ def anchor_for(index: SourceIndex, file: str, find: str, texts: dict[str, str]) 
     if text is None:
         return None, "its file does not exist"
     if text.count(find) != 1:
-        return None, "its find is not exactly once in its file (the lint reports it)"
-    at = text.index(find)
+        return None, "its find is not exactly once in its file"
+    return _innermost_spec(index, file, find, text.index(find), texts)
+
+
+def _innermost_spec(index: SourceIndex, file: str, find: str, at: int,
+                    texts: dict[str, str]) -> tuple[str | None, str]:
     try:
         symbols = index.symbols(file, texts)
     except AnchorError:
@@ -94,6 +99,29 @@ def anchor_for(index: SourceIndex, file: str, find: str, texts: dict[str, str]) 
     return None, "every enclosing symbol's name occurs more than once in its file"
 
 
+def relocate(index: SourceIndex, edit: Edit, texts: dict[str, str]) -> Edit | None:
+    """The edit re-anchored where its find now is, when it no longer applies where it points: the find
+    must occur exactly once in all of src/ (and the edit's own top folder), then it gets the innermost
+    symbol there, or that file when it is module-level text. None when the find is absent or repeated."""
+    tops = ["src"]
+    hint = edit.file or (index.file_of(edit.symbol.rpartition(":")[0], texts) or "" if ":" in edit.symbol else "")
+    if "/" in hint and hint.split("/")[0] not in tops:
+        tops.append(hint.split("/")[0])
+    hits = []
+    for top in tops:
+        for file in index.python_files(top):
+            n = (index.text(file, texts) or "").count(edit.find)
+            if n > 1:
+                return None  # twice in one file: the place is a guess
+            if n == 1:
+                hits.append(file)
+    if len(hits) != 1:
+        return None
+    file = hits[0]
+    spec, _ = _innermost_spec(index, file, edit.find, (index.text(file, texts) or "").index(edit.find), texts)
+    return Edit("" if spec else file, edit.find, edit.replace, spec or "")
+
+
 def plan(path: Path, index: SourceIndex, counts: Counter, left: list[str]) -> tuple[str, list[Change]]:
     """The YAML text of path and the changes that anchor its edits (counts: one reason per edit;
     left: a line per edit that keeps its file anchor or does not resolve)."""
@@ -111,7 +139,7 @@ def plan(path: Path, index: SourceIndex, counts: Counter, left: list[str]) -> tu
             get = {k: _scalar(v) for k, (_, v) in keys.items()}
             edit = Edit(get.get("file") or "", get.get("find"), get.get("replace"), get.get("symbol") or "")
             label = f"{path.name}: {inv_id} item {n}"
-            why, change = _anchor_item(index, edit, keys, texts, label)
+            why, change, edit = _anchor_item(index, edit, keys, texts, label)
             counts[why] += 1
             if why.startswith("left"):
                 left.append(f"{label}: {why}")
@@ -125,27 +153,40 @@ def plan(path: Path, index: SourceIndex, counts: Counter, left: list[str]) -> tu
 
 
 def _anchor_item(index: SourceIndex, edit: Edit, keys: dict, texts: dict[str, str],
-                 label: str) -> tuple[str, Change | None]:
-    """(what happens to one edit, the change to its YAML or None)."""
+                 label: str) -> tuple[str, Change | None, Edit]:
+    """(what happens to one edit, the change to its YAML or None, the edit as it will read)."""
     if not isinstance(edit.find, str) or bool(edit.file) == bool(edit.symbol):
-        return "left: malformed (the lint reports it)", None
+        return "left: malformed (the lint reports it)", None, edit
+    anchor = "symbol" if edit.symbol else "file"
+    key, value = keys[anchor]
+
+    def change(why: str, new: Edit, note: str) -> tuple[str, Change, Edit]:
+        line = _line("symbol", new.symbol) if new.symbol else _line("file", new.file)
+        return why, Change(key.start_mark.index, value.end_mark.index, line, f"{label}: {note}"), new
+
     if edit.symbol:
         try:
             sym, _ = locate(index, edit.symbol, edit.find, texts)
         except AnchorError:
-            return "left: its symbol does not resolve now (the lint reports it)", None
+            moved = relocate(index, edit, texts)
+            if moved is None:
+                return "left: its symbol or find does not resolve now (the lint reports it)", None, edit
+            return change("re-anchored (its find moved out of its symbol)", moved,
+                          f"find moved: {edit.symbol} -> {moved.symbol or moved.file}")
         if sym.spec == edit.symbol or ":" not in edit.symbol:
-            return "symbol already", None
-        key, value = keys["symbol"]
-        moved = f"{label}: moved: {edit.symbol} -> {sym.spec}"
-        return "symbol refreshed (the code moved)", Change(key.start_mark.index, value.end_mark.index,
-                                                           _symbol_line(sym.spec), moved)
+            return "symbol already", None, edit
+        return change("symbol refreshed (the code moved)", replace(edit, symbol=sym.spec),
+                      f"moved: {edit.symbol} -> {sym.spec}")
     spec, why = anchor_for(index, edit.file, edit.find, texts)
-    if spec is None:
-        return f"left file-anchored: {why}", None
-    key, value = keys["file"]
-    return "converted", Change(key.start_mark.index, value.end_mark.index, _symbol_line(spec),
-                               f"{label}: {edit.file} -> {spec}")
+    if spec is not None:
+        return change("converted", replace(edit, file="", symbol=spec), f"{edit.file} -> {spec}")
+    if why in ("its file does not exist", "its find is not exactly once in its file"):
+        moved = relocate(index, edit, texts)
+        if moved is not None and (moved.symbol or moved.file != edit.file):
+            return change("re-anchored (its find moved to another file)", moved,
+                          f"find moved: {edit.file} -> {moved.symbol or moved.file}")
+        why += " (the lint reports it)"
+    return f"left file-anchored: {why}", None, edit
 
 
 def rewrite(text: str, changes: list[Change]) -> str:
@@ -184,8 +225,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         new = rewrite(text, changes)
         before, after = _mutated(text, index), _mutated(new, index)
-        if before != after:  # a bug here, never expected: refuse to write rather than change a mutation
-            bad = [k for k in before if before[k] != after.get(k)]
+        # an invariant that applied must mutate exactly as before (a bug here, never expected: refuse to
+        # write); one that did not apply (its find moved) may now, and must not newly fail
+        bad = [k for k in before if not isinstance(before[k], str) and before[k] != after.get(k)]
+        if bad:
             print(f"{path.name}: the anchored edits would mutate differently ({', '.join(bad)}); not written")
             failed += 1
             continue
