@@ -32,7 +32,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutants import ROOT, Edit, apply_edits
-from symbol_anchors import AnchorError, SourceIndex, innermost, locate
+from symbol_anchors import AnchorError, SourceIndex, innermost, locate, search_roots
 
 
 @dataclass
@@ -103,12 +103,10 @@ def relocate(index: SourceIndex, edit: Edit, texts: dict[str, str]) -> Edit | No
     """The edit re-anchored where its find now is, when it no longer applies where it points: the find
     must occur exactly once in all of src/ (and the edit's own top folder), then it gets the innermost
     symbol there, or that file when it is module-level text. None when the find is absent or repeated."""
-    tops = ["src"]
-    hint = edit.file or (index.file_of(edit.symbol.rpartition(":")[0], texts) or "" if ":" in edit.symbol else "")
-    if "/" in hint and hint.split("/")[0] not in tops:
-        tops.append(hint.split("/")[0])
+    module = edit.symbol.rpartition(":")[0]
+    hint = edit.file or (index.file_of(module, texts) if module else None)
     hits = []
-    for top in tops:
+    for top in search_roots(hint):
         for file in index.python_files(top):
             n = (index.text(file, texts) or "").count(edit.find)
             if n > 1:

@@ -101,6 +101,14 @@ def symbols_of(file: str, text: str) -> list[Symbol]:
     return out
 
 
+def search_roots(hint: str | None) -> list[str]:
+    """Where a moved symbol or find is looked for: src/, and the top folder of the file it was in."""
+    tops = list(SEARCH_ROOTS)
+    if hint and "/" in hint and hint.split("/")[0] not in tops:
+        tops.append(hint.split("/")[0])
+    return tops
+
+
 def innermost(symbols: list[Symbol], start: int, end: int) -> list[Symbol]:
     """The symbols whose span holds [start, end), innermost first."""
     holding = [s for s in symbols if s.start <= start and end <= s.end]
@@ -167,9 +175,7 @@ class SourceIndex:
             if len(here) > 1:
                 raise AnchorError(f"symbol {spec}: defined {len(here)} times in {hint} (lines "
                                   f"{', '.join(str(s.line) for s in here)}); anchor an enclosing symbol or a file")
-        tops = list(SEARCH_ROOTS)
-        if hint is not None and hint.split("/")[0] not in tops:
-            tops.append(hint.split("/")[0])
+        tops = search_roots(hint)
         everything = [s for top in tops for f in self.python_files(top) for s in self._symbols_or_none(f, texts)]
         leaf = qualname.rsplit(".", 1)[-1]
         for how, match in (("", lambda s: s.qualname == qualname),
