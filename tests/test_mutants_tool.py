@@ -142,6 +142,12 @@ def test_a_mutation_that_changes_no_code_is_a_lint_error(tmp_path):
     comment_only = ADD_BY_SYMBOL.replace("return a - b", "return a + b  # mutant?")
     problems = _problems(tmp_path, comment_only)
     assert "the mutation leaves the code of src/toy/core.py unchanged" in problems, problems
+    # the comparison looks only at what changed: a def's header, a nested body, a blank line added
+    for find, replace in (("def add(self, a, b):", "def add(self, a, b=0):"), ("+ b", "+ b  # mutant?\n"),
+                          ("return a + b", "return a + b + 0")):
+        item = ADD_BY_SYMBOL.replace("return a + b", find).replace("return a - b", replace)
+        unchanged = "unchanged" in _problems(tmp_path / find, item)
+        assert unchanged == (find == "+ b"), (find, replace)
 
 
 def test_symbol_anchored_mutant_is_run_and_caught(tmp_path):

@@ -32,7 +32,7 @@ import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from mutants import ROOT, Edit, apply_edits
-from symbol_anchors import AnchorError, SourceIndex, innermost, locate, search_roots
+from symbol_anchors import AnchorError, SourceIndex, gc_paused, innermost, locate, search_roots
 
 
 @dataclass
@@ -247,4 +247,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with gc_paused():
+        sys.exit(main())

@@ -50,7 +50,7 @@ from pathlib import Path
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from symbol_anchors import AnchorError, SourceIndex, locate
+from symbol_anchors import AnchorError, SourceIndex, gc_paused, locate, same_code
 
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "contracts"
@@ -193,11 +193,16 @@ def _short(s: str, n: int = 70) -> str:
 
 def lint(root: Path = ROOT) -> list[str]:
     """Every problem with contracts/*.yaml against the tree at root, one clear line each."""
+    with gc_paused():
+        return _lint(root)
+
+
+def _lint(root: Path) -> list[str]:
     invariants, problems = load_contracts(root / "contracts")
     seen: dict[str, str] = {}
     cache: dict[Path, set[str]] = {}
     index = SourceIndex(root)  # each source read and parsed once for every invariant
-    unmutated: dict[str, str | None] = {}  # file -> AST dump of its unmutated text
+    unmutated: dict[str, ast.Module | None] = {}  # file -> the AST of its unmutated text
     for inv in invariants:
         where = f"{inv.source}: {inv.id}"
         if inv.id in seen:
@@ -230,27 +235,23 @@ def lint(root: Path = ROOT) -> list[str]:
         for name, text in texts.items():
             if name.endswith(".py"):
                 if name not in unmutated:
-                    unmutated[name] = _ast_dump(index.text(name) or "")
-                problems += [f"{where}: {p}" for p in _code_changed(name, unmutated[name], text)]
+                    try:
+                        unmutated[name] = index.tree(name)
+                    except AnchorError:
+                        unmutated[name] = None  # broken already: its own tests say so, nothing to compare
+                problems += [f"{where}: {p}" for p in _code_changed(name, index.text(name) or "", unmutated[name], text)]
     return problems
 
 
-def _ast_dump(source: str) -> str | None:
-    try:
-        return ast.dump(ast.parse(source))
-    except SyntaxError:
-        return None  # the unmutated file is broken already: its own tests say so, nothing to compare
-
-
-def _code_changed(name: str, before: str | None, after: str) -> list[str]:
-    """[] if the mutated source parses and its code (AST) differs from before's dump, else why not.
+def _code_changed(name: str, before: str, before_tree: ast.Module | None, after: str) -> list[str]:
+    """[] if the mutated source parses and its code (AST) differs from before's, else why not.
 
     A find/replace that only touches comments or layout passes every test and mutates nothing."""
     try:
-        mutated = ast.dump(ast.parse(after))
+        after_tree = ast.parse(after)
     except SyntaxError as e:
         return [f"the mutated {name} does not parse: {e.msg} (line {e.lineno})"]
-    if mutated == before:
+    if before_tree is not None and same_code(before, before_tree, after, after_tree):
         return [f"the mutation leaves the code of {name} unchanged (only comments or layout differ)"]
     return []
 

@@ -16,10 +16,26 @@ them all: the anchor must then say which one.
 from __future__ import annotations
 
 import ast
+import contextlib
+import gc
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 SEARCH_ROOTS = ("src",)
+
+
+@contextlib.contextmanager
+def gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector: with the ASTs of the tree held for the lint, each collection
+    walks their millions of nodes, which doubled the lint's time. ASTs hold no cycles (refcounts free them)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
 
 
 class AnchorError(ValueError):
@@ -66,16 +82,16 @@ _BLOCKS = (ast.If, ast.Try, ast.With, ast.AsyncWith, ast.For, ast.AsyncFor, ast.
     (ast.TryStar,) if hasattr(ast, "TryStar") else ()) + ((ast.Match,) if hasattr(ast, "Match") else ())
 
 
-def symbols_of(file: str, text: str) -> list[Symbol]:
-    """Every def, class and module/class-level assignment of a Python source, in source order.
+def symbols_of(file: str, text: str, tree: ast.Module | None = None) -> list[Symbol]:
+    """Every def, class and module/class-level assignment of a Python source (tree: its AST, if parsed).
 
     Raises SyntaxError when text does not parse."""
-    tree = ast.parse(text)
+    tree = tree or ast.parse(text)
     starts = _line_starts(text)
     out: list[Symbol] = []
 
-    def span(node: ast.AST, name: str, prefix: str) -> None:
-        first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+    def span(node: ast.stmt, name: str, prefix: str) -> None:
+        first = _first_line(node)
         last = node.end_lineno or node.lineno
         end = starts[last] if last < len(starts) else len(text)
         out.append(Symbol(file, prefix + name, starts[first - 1], end, first))
@@ -109,6 +125,49 @@ def search_roots(hint: str | None) -> list[str]:
     return tops
 
 
+def same_code(before: str, before_tree: ast.Module, after: str, after_tree: ast.Module) -> bool:
+    """Whether two versions of a module have the same AST (positions aside: comments and layout only).
+
+    Dumping a whole module per mutation made the lint twice as slow, so only the statements outside the
+    lines both versions share at their start and end are compared (those within are the same complete
+    text and parse the same), descending into the one def/class that holds the change."""
+    b, a = before.split("\n"), after.split("\n")
+    head = 0
+    while head < min(len(a), len(b)) and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(a), len(b)) - head and a[-1 - tail] == b[-1 - tail]:
+        tail += 1
+
+    def middle(body: list[ast.stmt], n_lines: int) -> tuple[int, int, list[ast.stmt]]:
+        above = sum((s.end_lineno or s.lineno) <= head for s in body)
+        below = sum(_first_line(s) > n_lines - tail for s in body)
+        return above, below, body[above:len(body) - below]
+
+    body_b, body_a = before_tree.body, after_tree.body
+    while True:
+        *shared_b, mid_b = middle(body_b, len(b))
+        *shared_a, mid_a = middle(body_a, len(a))
+        if shared_b != shared_a:  # never expected; the whole modules then decide
+            return ast.dump(before_tree) == ast.dump(after_tree)
+        one_def = (len(mid_b) == len(mid_a) == 1 and type(mid_b[0]) is type(mid_a[0])
+                   and isinstance(mid_b[0], _DEFS))
+        if not one_def:
+            return [ast.dump(s) for s in mid_b] == [ast.dump(s) for s in mid_a]
+        if _header(mid_b[0]) != _header(mid_a[0]):
+            return False
+        body_b, body_a = mid_b[0].body, mid_a[0].body
+
+
+def _first_line(node: ast.stmt) -> int:
+    return min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
+
+
+def _header(node: ast.stmt) -> str:
+    """The AST of a def/class without its body."""
+    return ast.dump(node.__class__(**{f: ([] if f == "body" else getattr(node, f, None)) for f in node._fields}))
+
+
 def innermost(symbols: list[Symbol], start: int, end: int) -> list[Symbol]:
     """The symbols whose span holds [start, end), innermost first."""
     holding = [s for s in symbols if s.start <= start and end <= s.end]
@@ -123,7 +182,7 @@ class SourceIndex:
     def __init__(self, root: Path):
         self.root = root
         self._disk: dict[str, str | None] = {}
-        self._parsed: dict[str, tuple[str, list[Symbol]]] = {}
+        self._parsed: dict[str, tuple[str, ast.Module, list[Symbol]]] = {}
         self._files: dict[str, list[str]] = {}
 
     def text(self, file: str, texts: dict[str, str] | None = None) -> str | None:
@@ -135,17 +194,25 @@ class SourceIndex:
         return self._disk[file]
 
     def symbols(self, file: str, texts: dict[str, str] | None = None) -> list[Symbol]:
+        return self._parse(file, texts)[2] if self.text(file, texts) is not None else []
+
+    def tree(self, file: str, texts: dict[str, str] | None = None) -> ast.Module:
+        """The AST of file (AnchorError if it does not parse or does not exist)."""
+        return self._parse(file, texts)[1]
+
+    def _parse(self, file: str, texts: dict[str, str] | None) -> tuple[str, ast.Module, list[Symbol]]:
         text = self.text(file, texts)
         if text is None:
-            return []
+            raise AnchorError(f"{file} does not exist")
         cached = self._parsed.get(file)
         if cached is None or cached[0] is not text and cached[0] != text:
             try:
-                cached = (text, symbols_of(file, text))
+                tree = ast.parse(text)
             except SyntaxError as e:
                 raise AnchorError(f"{file} does not parse ({e.msg}, line {e.lineno})") from None
+            cached = (text, tree, symbols_of(file, text, tree))
             self._parsed[file] = cached
-        return cached[1]
+        return cached
 
     def python_files(self, top: str) -> list[str]:
         if top not in self._files:
