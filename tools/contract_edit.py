@@ -3,7 +3,7 @@
 
     tools/contract_edit.py SPEC.yaml [--check]
 
-SPEC.yaml maps invariant ids to ``{cost: fast|slow, mutate: [{file, find, replace}, ...]}``. For each id
+SPEC.yaml maps invariant ids to ``{cost: fast|slow, mutate: [{symbol or file, find, replace}, ...]}``. For each id
 the block is inserted right after that invariant's last line in whichever contracts file holds it; the
 rest of the file is left byte for byte as it was (other people edit these files concurrently, so a
 whole-file rewrite through a YAML dumper is never done). An invariant that already has ``mutate:`` is
@@ -33,7 +33,8 @@ def render(spec: dict) -> str:
         lines.append(f"    timeout: {spec['timeout']}")
     lines.append("    mutate:")
     for item in spec["mutate"]:
-        lines.append(f"      - file: {item['file']}")
+        anchor = "symbol" if item.get("symbol") else "file"
+        lines.append(f"      - {anchor}: {item[anchor]}")
         lines.append(f"        find: {json.dumps(item['find'], ensure_ascii=False)}")
         lines.append(f"        replace: {json.dumps(item['replace'], ensure_ascii=False)}")
     return "\n".join(lines) + "\n"

@@ -2,7 +2,7 @@
 """Run the executable mutations of contracts/*.yaml and show that the named tests catch each one.
 
 Every invariant in ``contracts/*.yaml`` lists its tests and a ``mutate:`` list of exact source edits
-(``file``, ``find``, ``replace``). For each invariant this tool copies the source tree to a scratch
+(``symbol`` or ``file``, ``find``, ``replace``: tools/symbol_anchors.py says how a symbol is found). For each invariant this tool copies the source tree to a scratch
 directory (never touching the working tree), applies all of the invariant's edits there, runs only
 the named tests with the repository's Python (``PYTHONPATH`` = the scratch ``src`` so the mutated
 source is what is imported, not the editable install) and reports:
@@ -11,15 +11,15 @@ source is what is imported, not the editable install) and reports:
   missed          every named test passed, twice -- the tests cannot see the defect
   caught-on-retry every named test passed once, then one failed: a test that sees the defect only
                   sometimes (passes the gate; listed at the end of the table to be fixed)
-  broken          an edit does not apply (its ``find`` is not in the file exactly once)
+  broken          an edit does not apply (its ``find`` is not exactly once in its symbol / file)
   skipped         every named test was skipped (nothing was checked)
   error           pytest could not collect / run the tests (e.g. the mutant breaks an import)
   timeout         the tests ran past the time limit
   baseline-fails  (--baseline) the named tests fail on the unmutated tree already
 
 Exit status 1 when any result is neither ``caught`` nor ``caught-on-retry``. ``--lint`` checks the YAML without running tests:
-ids unique, tests defined, a ``mutate:`` on every invariant, every edit applies exactly once and the
-mutated file still parses.
+ids unique, tests defined, a ``mutate:`` on every invariant, every edit applies exactly once (its symbol
+names one place; its find occurs once in it), the mutated file still parses and its code (AST) changed.
 
     tools/mutants.py                 # the fast invariants (what CI runs)
     tools/mutants.py --all           # every invariant
@@ -49,6 +49,9 @@ from pathlib import Path
 
 import yaml
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from symbol_anchors import AnchorError, SourceIndex, gc_paused, locate, same_code
+
 ROOT = Path(__file__).resolve().parents[1]
 CONTRACTS = ROOT / "contracts"
 # What a scratch copy holds: everything the tests import or read (bench/: the scripts that
@@ -63,9 +66,10 @@ PASSING = (OK, FLAKY)
 
 @dataclass
 class Edit:
-    file: str
-    find: str
-    replace: str
+    file: str = ""  # a path relative to the root (text anywhere in the file), or
+    find: str | None = None
+    replace: str | None = None
+    symbol: str = ""  # [module:]Qual.name: find must be once inside that def/class/assignment
 
 
 @dataclass
@@ -122,7 +126,8 @@ def load_contracts(directory: Path = CONTRACTS) -> tuple[list[Invariant], list[s
             edits = []
             for item in _as_list(inv.get("mutate")):
                 if isinstance(item, dict):
-                    edits.append(Edit(str(item.get("file", "")), item.get("find"), item.get("replace")))
+                    edits.append(Edit(str(item.get("file") or ""), item.get("find"), item.get("replace"),
+                                      str(item.get("symbol") or "")))
                 else:
                     edits.append(Edit("", None, None))
             invariants.append(Invariant(
@@ -146,26 +151,38 @@ def defined_tests(path: Path) -> set[str]:
     return names
 
 
-def apply_edits(root: Path, edits: list[Edit]) -> dict[str, str]:
-    """The edited text of every file the edits touch (edits apply in order, on root's files).
+def apply_edits(root: Path, edits: list[Edit], index: SourceIndex | None = None,
+                texts: dict[str, str] | None = None) -> dict[str, str]:
+    """The edited text of every file the edits touch (edits apply in order, on root's files, or on
+    texts' where it holds a file already edited).
 
-    Raises ValueError naming the edit when a ``find`` is not in its file exactly once."""
-    texts: dict[str, str] = {}
+    Raises ValueError naming the edit when it does not apply: a ``symbol`` that names no or several
+    places, or a ``find`` not exactly once in its symbol (or, for a ``file`` edit, in its file)."""
+    index = index or SourceIndex(root)
+    texts = dict(texts or {})
     for n, e in enumerate(edits, 1):
-        if not e.file or not isinstance(e.find, str) or not isinstance(e.replace, str):
-            raise ValueError(f"mutate item {n} needs 'file', 'find' and 'replace' (strings)")
+        if bool(e.file) == bool(e.symbol) or not isinstance(e.find, str) or not isinstance(e.replace, str):
+            raise ValueError(f"mutate item {n} needs 'symbol' or 'file' (one of them), 'find' and 'replace' (strings)")
         if e.find == e.replace:
             raise ValueError(f"mutate item {n}: 'replace' equals 'find' (no mutation)")
-        if e.file not in texts:
-            target = root / e.file
-            if not target.is_file():
-                raise ValueError(f"mutate item {n}: {e.file} does not exist")
-            texts[e.file] = target.read_text()
-        count = texts[e.file].count(e.find)
-        if count != 1:
-            where = "is not in" if count == 0 else f"occurs {count} times in"
-            raise ValueError(f"mutate item {n}: find {_short(e.find)!r} {where} {e.file} (must be exactly once)")
-        texts[e.file] = texts[e.file].replace(e.find, e.replace)
+        if e.symbol:
+            try:
+                sym, at = locate(index, e.symbol, e.find, texts)
+            except AnchorError as err:
+                raise ValueError(f"mutate item {n}: {err}") from None
+            file = sym.file
+        else:
+            file = e.file
+            text = index.text(file, texts)
+            if text is None:
+                raise ValueError(f"mutate item {n}: {file} does not exist")
+            count = text.count(e.find)
+            if count != 1:
+                where = "is not in" if count == 0 else f"occurs {count} times in"
+                raise ValueError(f"mutate item {n}: find {_short(e.find)!r} {where} {file} (must be exactly once)")
+            at = text.index(e.find)
+        text = index.text(file, texts)
+        texts[file] = text[:at] + e.replace + text[at + len(e.find):]
     return texts
 
 
@@ -176,9 +193,16 @@ def _short(s: str, n: int = 70) -> str:
 
 def lint(root: Path = ROOT) -> list[str]:
     """Every problem with contracts/*.yaml against the tree at root, one clear line each."""
+    with gc_paused():
+        return _lint(root)
+
+
+def _lint(root: Path) -> list[str]:
     invariants, problems = load_contracts(root / "contracts")
     seen: dict[str, str] = {}
     cache: dict[Path, set[str]] = {}
+    index = SourceIndex(root)  # each source read and parsed once for every invariant
+    unmutated: dict[str, ast.Module | None] = {}  # file -> the AST of its unmutated text
     for inv in invariants:
         where = f"{inv.source}: {inv.id}"
         if inv.id in seen:
@@ -204,17 +228,32 @@ def lint(root: Path = ROOT) -> list[str]:
             problems.append(f"{where}: no 'mutate:' edits (add file/find/replace so the mutation is executable)")
             continue
         try:
-            texts = apply_edits(root, inv.edits)
+            texts = apply_edits(root, inv.edits, index)
         except ValueError as e:
             problems.append(f"{where}: {e}")
             continue
         for name, text in texts.items():
             if name.endswith(".py"):
-                try:
-                    ast.parse(text)
-                except SyntaxError as e:
-                    problems.append(f"{where}: the mutated {name} does not parse: {e.msg} (line {e.lineno})")
+                if name not in unmutated:
+                    try:
+                        unmutated[name] = index.tree(name)
+                    except AnchorError:
+                        unmutated[name] = None  # broken already: its own tests say so, nothing to compare
+                problems += [f"{where}: {p}" for p in _code_changed(name, index.text(name) or "", unmutated[name], text)]
     return problems
+
+
+def _code_changed(name: str, before: str, before_tree: ast.Module | None, after: str) -> list[str]:
+    """[] if the mutated source parses and its code (AST) differs from before's, else why not.
+
+    A find/replace that only touches comments or layout passes every test and mutates nothing."""
+    try:
+        after_tree = ast.parse(after)
+    except SyntaxError as e:
+        return [f"the mutated {name} does not parse: {e.msg} (line {e.lineno})"]
+    if before_tree is not None and same_code(before, before_tree, after, after_tree):
+        return [f"the mutation leaves the code of {name} unchanged (only comments or layout differ)"]
+    return []
 
 
 # ---------------------------------------------------------------- running
