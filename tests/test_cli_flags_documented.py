@@ -285,7 +285,8 @@ def generate_cli(model: Path, *extra: str, capsys) -> dict:
 def test_max_new_tokens_bounds_the_output_and_defaults_to_the_context_left(tmp_path, capsys, monkeypatch):
     """--max-new-tokens N: exactly N tokens when nothing stops earlier (this model's greedy text never reaches
     a stop token); without it, the default (256) or what is left of the context if less."""
-    from entrenar import generate, model_commands
+    from entrenar import generate
+    from entrenar.cli import models as model_commands
 
     model = _generate_dir(tmp_path, context=20)
     r = generate_cli(model, "--max-new-tokens", "5", capsys=capsys)
