@@ -551,7 +551,7 @@ def test_verify_json_writes_nonfinite_as_null_and_names_them(capsys, monkeypatch
     """docs/design.md: under --json a non-finite number is null and its key is listed under "nonfinite" (one
     rule for every command). verify wrote the strings "nan" / "inf" instead, so a client reading relL2 as a
     number got a string."""
-    from entrenar.verify import commands
+    from entrenar.cli import verify as commands
 
     report = {"ok": False, "exit_code": 1, "sequences": [{"logits_rel_l2": float("nan")}],
               "first_divergent": {"name": "embed", "rel_l2": float("inf"), "bound": 1e-5}}

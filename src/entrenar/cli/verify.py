@@ -11,6 +11,7 @@ import torch
 
 from ..devices import COMPUTE_DTYPES, DTYPES
 from ..errors import InputError
+from ..kernels import KERNELS
 from ..verify.bisect import format_report, hf_from_source, hf_with_adapter, verify_model
 
 
@@ -23,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     add_device_option(p)
     add_dtype_option(p, COMPUTE_DTYPES, "compute dtype of the path under test; its bounds are docs/design.md's")
-    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
+    p.add_argument("--kernels", default="auto", choices=("auto", *KERNELS),
                    help="auto = triton on cuda, torch elsewhere (auto)")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
@@ -40,7 +41,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     add_device_option(p)
     add_dtype_option(p, COMPUTE_DTYPES, "compute dtype the answers are generated in")
-    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
+    p.add_argument("--kernels", default="auto", choices=("auto", *KERNELS),
                    help="auto = triton on cuda, torch elsewhere (auto)")
 
 

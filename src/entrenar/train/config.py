@@ -21,6 +21,7 @@ from ..config import PRESETS
 from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 from ..devices import DEFAULT_DEVICE, DEVICE_CHOICES_HELP, WEIGHT_DTYPES, resolve_device, resolve_dtype
 from ..errors import InputError
+from ..kernels import KERNELS
 from . import guards
 from .optim import SCHEDULES
 
@@ -111,7 +112,7 @@ class TrainConfig:
                         commands=_EVERY, choices=("auto", *DTYPES))
     dtype_reason: str = ""  # how --dtype was chosen ("--dtype auto: bf16 on cuda ..."): logged, in run.json
     kernels: str = option("auto", "op implementations: auto = triton on cuda, torch elsewhere", commands=_EVERY,
-                          choices=("auto", "torch", "triton"))
+                          choices=("auto", *KERNELS))
     # eval, checkpoints
     eval_every: int = option(0, "eval period in steps; 0 = at start and end")
     eval_batches: int = option(20, "batches per eval; 0 = all", commands=_EVERY, per_command={
