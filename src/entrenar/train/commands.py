@@ -1,4 +1,4 @@
-"""`entrenar pretrain | finetune | eval | plot`: build model, tokenizer and loaders, then the one loop.
+"""`entrenar pretrain | finetune` (their options: cli/train.py): build model, tokenizer and loaders, then the one loop.
 
 Everything the user gave is validated (model resolves, data loads, numbers in range, --resume
 checkpoint COMPLETE, --out usable) before the run directory is created, so bad input exits 2
