@@ -299,7 +299,7 @@ def test_check_creatable(tmp_path, monkeypatch):
 
 # ---- the JSON contract ---------------------------------------------------------------------------------
 def test_ctrl_c_prints_json_with_exit_130_and_the_resume_hint(monkeypatch, capsys):
-    from entrenar.train import commands
+    from entrenar.cli import train as commands
 
     class Interrupted(KeyboardInterrupt):  # what the trainer raises: carries the checkpoint and command
         checkpoint = "runs/x/checkpoints/step-0000004"
@@ -320,7 +320,7 @@ def test_ctrl_c_prints_json_with_exit_130_and_the_resume_hint(monkeypatch, capsy
 
 
 def test_the_trainers_interruption_reaches_the_json_line(monkeypatch, capsys):
-    from entrenar.train import commands
+    from entrenar.cli import train as commands
     from entrenar.train.loop import TrainingInterrupted
 
     def boom(args):
@@ -334,7 +334,7 @@ def test_the_trainers_interruption_reaches_the_json_line(monkeypatch, capsys):
 
 
 def test_plain_ctrl_c_still_prints_json(monkeypatch, capsys):
-    from entrenar.train import commands
+    from entrenar.cli import train as commands
 
     def boom(args):
         raise KeyboardInterrupt
@@ -345,7 +345,7 @@ def test_plain_ctrl_c_still_prints_json(monkeypatch, capsys):
 
 
 def test_an_internal_error_prints_the_json_line_then_raises(monkeypatch, capsys):
-    from entrenar.train import commands
+    from entrenar.cli import train as commands
 
     def bug(args):
         raise RuntimeError("index out of range in something")
@@ -359,7 +359,7 @@ def test_an_internal_error_prints_the_json_line_then_raises(monkeypatch, capsys)
 
 
 def test_nonfinite_numbers_are_null_and_named(monkeypatch, capsys):
-    from entrenar.train import commands
+    from entrenar.cli import train as commands
 
     monkeypatch.setattr(commands, "cmd_plot", lambda args: {
         "loss": float("nan"), "ok_value": 1.5, "curve": [1.0, float("inf"), -float("inf")],
@@ -380,8 +380,8 @@ def test_strict_json_leaves_finite_values_alone():
 
 
 def test_errors_are_strict_json_too(monkeypatch, capsys):
+    from entrenar.cli import train as commands
     from entrenar.errors import GuardError
-    from entrenar.train import commands
 
     def guard(args):
         raise GuardError("GUARD-NONFINITE", "loss is nan", "lower --lr", details={"loss": float("nan")})
@@ -469,7 +469,7 @@ def test_plot_prints_its_path(tmp_path, capsys):
 
 def test_a_nan_from_torch_is_also_caught(monkeypatch, capsys):
     """A tensor's .item() NaN (what eval returns on a broken model) goes through the same rule."""
-    from entrenar.train import commands
+    from entrenar.cli import train as commands
 
     monkeypatch.setattr(commands, "cmd_plot", lambda args: {"loss": torch.tensor(float("nan")).item()})
     code, result, _ = run_cli(["plot", "r", "--json"], capsys)
@@ -479,7 +479,7 @@ def test_a_nan_from_torch_is_also_caught(monkeypatch, capsys):
 def test_export_gguf_into_a_read_only_directory_is_exit_2_before_loading(world, tmp_path, monkeypatch, capsys):
     """Issue 28 item 7: a PermissionError traceback at write time (convert and merge already said exit 2).
     Root may write anywhere, so the read-only directory is simulated as in test_check_creatable."""
-    from entrenar.formats import export
+    from entrenar import export
 
     ro = tmp_path / "ro"
     ro.mkdir()

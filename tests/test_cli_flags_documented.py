@@ -285,7 +285,8 @@ def generate_cli(model: Path, *extra: str, capsys) -> dict:
 def test_max_new_tokens_bounds_the_output_and_defaults_to_the_context_left(tmp_path, capsys, monkeypatch):
     """--max-new-tokens N: exactly N tokens when nothing stops earlier (this model's greedy text never reaches
     a stop token); without it, the default (256) or what is left of the context if less."""
-    from entrenar import generate, model_commands
+    from entrenar import generate
+    from entrenar.cli import models as model_commands
 
     model = _generate_dir(tmp_path, context=20)
     r = generate_cli(model, "--max-new-tokens", "5", capsys=capsys)
@@ -550,7 +551,7 @@ def test_verify_json_writes_nonfinite_as_null_and_names_them(capsys, monkeypatch
     """docs/design.md: under --json a non-finite number is null and its key is listed under "nonfinite" (one
     rule for every command). verify wrote the strings "nan" / "inf" instead, so a client reading relL2 as a
     number got a string."""
-    from entrenar.verify import commands
+    from entrenar.cli import verify as commands
 
     report = {"ok": False, "exit_code": 1, "sequences": [{"logits_rel_l2": float("nan")}],
               "first_divergent": {"name": "embed", "rel_l2": float("inf"), "bound": 1e-5}}

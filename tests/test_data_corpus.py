@@ -175,7 +175,7 @@ def test_pack_bad_inputs_exit_2_and_write_nothing(tmp_path, capsys, monkeypatch)
         pack([str(tmp_path / "ok.txt")], tok, tmp_path / "other", overwrite=True)
     assert (tmp_path / "other" / "keep.me").read_text() == "x"
     # Through the CLI: exit 2 with the file:line message.
-    monkeypatch.setattr("entrenar.data.commands._load_tokenizer", lambda spec: tok)
+    monkeypatch.setattr("entrenar.cli.data._load_tokenizer", lambda spec: tok)
     rc = main(["data", "pack", "--model", "any", "--out", str(tmp_path / "out"), str(tmp_path / "bad.jsonl")])
     assert rc == 2 and "bad.jsonl:2:" in capsys.readouterr().err
 

@@ -13,7 +13,8 @@ import pytest
 import torch
 from test_train_cli import byte_model_dir, byte_shards, main, pretrain_args  # noqa: F401 (fixtures)
 
-from entrenar import cli, model_commands
+from entrenar import cli
+from entrenar.cli import models as model_commands
 from entrenar.devices import resolve_dtype
 from entrenar.train.config import TrainConfig
 
@@ -63,7 +64,7 @@ def test_pretrain_logs_and_records_the_chosen_dtype(tmp_path, byte_model_dir, by
 
 def test_generate_loads_bf16_weights_on_a_bf16_gpu_and_the_stored_dtype_on_the_cpu(monkeypatch):
     seen = []
-    monkeypatch.setattr("entrenar.formats.load_model_with_adapter",
+    monkeypatch.setattr("entrenar.peft.load.load_model_with_adapter",
                         lambda spec, adapter, device, dtype, force_base: seen.append((device, dtype)))
     args = argparse.Namespace(model="m", adapter=None, force_base=False, dtype="auto", json=True)
     model_commands.load_generation_model(args, "cpu")

@@ -17,9 +17,9 @@ import torch
 from entrenar import cli
 from entrenar.config import ModelConfig
 from entrenar.errors import InputError
+from entrenar.export import export_gguf
 from entrenar.formats import gguf_write as gw
 from entrenar.formats import load_model, save_hf_dir
-from entrenar.formats.export import export_gguf
 from entrenar.formats.gguf import load_gguf, open_reader
 from entrenar.model import CausalLM
 from entrenar.tensors import rel_l2

@@ -17,7 +17,7 @@ from test_export_gguf import (
     llama_cpp_tokenize,
 )
 
-from entrenar.formats.export import export_gguf
+from entrenar.export import export_gguf
 from entrenar.formats.gguf import open_reader
 from entrenar.generate import generate
 from entrenar.tensors import rel_l2

@@ -15,8 +15,9 @@ from test_peft import IDS, randomize_adapters, tiny_model
 from entrenar import cli
 from entrenar import peft as ep
 from entrenar.errors import InputError
-from entrenar.formats import load_model, load_model_with_adapter, save_hf_dir
+from entrenar.formats import load_model, save_hf_dir
 from entrenar.peft import identity
+from entrenar.peft.load import load_model_with_adapter
 
 
 @pytest.fixture()

@@ -8,9 +8,10 @@ import pytest
 import test_train_loop as T
 import torch
 
+from entrenar.cli.train import add_options
 from entrenar.train import checkpoint as ckpt_mod
 from entrenar.train import loop
-from entrenar.train.config import TrainConfig, add_options
+from entrenar.train.config import TrainConfig
 from entrenar.train.metrics import peak_flops, read_jsonl
 from entrenar.train.precision import BF16Weights, make_precision, verify_dtype
 

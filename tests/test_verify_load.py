@@ -117,7 +117,7 @@ def test_verify_with_lora_adapter_against_reference_and_peft(bf16_dir, tmp_path,
 
 def test_json_line_is_strict_with_nonfinite_numbers(capsys, monkeypatch):
     """A relL2 of inf/nan (weights decoded to garbage) still prints strict JSON (no Infinity/NaN)."""
-    from entrenar.verify import commands
+    from entrenar.cli import verify as commands
 
     report = {"ok": False, "exit_code": 1, "sequences": [{"logits_rel_l2": float("nan")}],
               "first_divergent": {"name": "embed", "rel_l2": float("inf"), "bound": 1e-5}}

@@ -88,7 +88,7 @@ def test_verify_import_error_stops_finetune_with_the_cause(tiny_dir_and_data, tm
     said 'skipped'); now it stops the run before step 1 naming the failed import."""
     import sys
 
-    import entrenar.verify.commands  # noqa: F401 -- the CLI registers `verify` from it, before the patch
+    import entrenar.cli.verify  # noqa: F401 -- the CLI registers `verify` from it, before the patch
 
     model_dir, data = tiny_dir_and_data
     _route_triton(monkeypatch, dataclasses.replace(TORCH_OPS))  # a clean path: only the import is broken

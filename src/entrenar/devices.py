@@ -9,6 +9,17 @@ import torch
 from .errors import InputError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
+DEVICE_CHOICES_HELP = "cpu | cuda | cuda:N | auto (= cuda when available, else cpu)"
+DEFAULT_DEVICE = "cpu"  # reproducible by default; generate (interactive) asks for "auto"
+
+# The --dtype vocabulary of every command, written once (the CLI reads it): a name -> the torch dtype.
+# Weights are loaded and saved in WEIGHT_DTYPES (generate, convert); verify and qa also compute in fp16;
+# training adds its precision recipes to WEIGHT_DTYPES (train/config.py DTYPES, train/precision.py).
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+WEIGHT_DTYPES = ("fp32", "bf16")
+COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+DTYPE_AUTO_HELP = ("auto = bf16 on a CUDA device with native bf16 (compute capability >= 8.0), fp32 on the CPU "
+                   "and older GPUs; the choice and its reason are logged")
 
 
 def resolve_device(name: str) -> str:

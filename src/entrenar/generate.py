@@ -7,7 +7,7 @@ max_new_tokens. Text is streamed through `on_text` as soon as it decodes to whol
 `generate_batch` decodes many prompts at once (left padding + attention mask, one KV cache, each row
 stopping on its own); `generate` is its batch of one.
 
-`entrenar generate` (model_commands.py) is the command-line face.
+`entrenar generate` (cli/models.py) is the command-line face.
 """
 
 from __future__ import annotations

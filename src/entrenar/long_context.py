@@ -153,9 +153,9 @@ def chunked_rows(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, c
 def set_mlp_chunk(model: torch.nn.Module, tokens: int) -> int:
     """Every MLP of ``model`` computes inputs of more than ``tokens`` tokens in chunks of ``tokens``
     (0: never). Returns how many MLPs were set."""
-    from .model import MLP
-
-    mlps = [m for m in model.modules() if isinstance(m, MLP)]
+    # the model's MLPs are the modules with a chunk size (model.MLP.chunk_tokens): this module is below
+    # model.py (docs/design.md, "Layout"), so it does not import the class
+    mlps = [m for m in model.modules() if hasattr(m, "chunk_tokens")]
     for m in mlps:
         m.chunk_tokens = int(tokens)
     return len(mlps)

@@ -1,4 +1,4 @@
-"""Fold a LoRA/QLoRA adapter into its base (`entrenar merge`, in model_commands.py).
+"""Fold a LoRA/QLoRA adapter into its base (`entrenar merge`, in cli/models.py).
 
 Merging folds ``scale * B @ A`` into the base weight. Which base weight matters for QLoRA: the adapter
 was trained against the NF4-dequantized weights of *every* decoder linear, so the default
@@ -20,8 +20,9 @@ from .errors import GuardError, InputError
 from .fileio import atomic_dir
 from .peft import adapter_path, load_adapter, read_adapter_config
 from .peft.lora import ONTO, merge_in_place  # the merge math lives with LoRALinear
+from .tensors import rel_l2
 
-__all__ = ["MERGE_TOLERANCE", "ONTO", "GuardError", "merge", "merge_in_place", "probe_ids"]
+__all__ = ["MERGE_TOLERANCE", "ONTO", "GuardError", "merge", "merge_checked", "merge_in_place", "probe_ids"]
 
 MERGE_TOLERANCE = 1e-4  # relL2 of merged vs base+adapter logits (fp32); measured ~1e-7
 
@@ -31,8 +32,23 @@ def probe_ids(vocab_size: int, n: int = 48, seed: int = 1234) -> torch.Tensor:
     return torch.randint(0, vocab_size, (1, n), generator=torch.Generator().manual_seed(seed))
 
 
-def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    return ((a.double() - b.double()).norm() / b.double().norm()).item()
+def merge_checked(model: nn.Module, onto: str = "trained", original: dict[str, torch.Tensor] | None = None,
+                  check: bool = True) -> tuple[int, float, float]:
+    """Fold every adapter of ``model`` into its base weights (``merge_in_place``); return (adapters merged,
+    relL2 and max |diff| of the merged logits vs base + adapter on ``probe_ids``). GUARD-MERGE (exit 3)
+    when ``check`` and they differ by more than MERGE_TOLERANCE: the one check of `merge` and `export`."""
+    ids = probe_ids(model.cfg.vocab_size)
+    with torch.no_grad():
+        before = model(ids)
+    n_merged = merge_in_place(model, onto, original)
+    with torch.no_grad():
+        after = model(ids)
+    rel = rel_l2(after, before)
+    if check and not rel <= MERGE_TOLERANCE:
+        raise GuardError("GUARD-MERGE", f"merged logits differ from base+adapter by relL2 {rel:.3g} "
+                         f"(> {MERGE_TOLERANCE:g}); nothing was written.",
+                         "report this as a bug; use the unmerged adapter (--adapter) meanwhile")
+    return n_merged, rel, (after - before).abs().max().item()
 
 
 def _check_out(out_dir: Path) -> None:
@@ -89,26 +105,17 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.Pat
     load_adapter(model, adapter_dir, force_base=force_base, base_name=str(base))
     base_check = model.peft_config["base_check"]
     model.float().eval()
-    ids = probe_ids(model.cfg.vocab_size)
-    with torch.no_grad():
-        trained_logits = model(ids)
     if original is not None:
         original = {k: v.float() for k, v in original.items()}
-    n_merged = merge_in_place(model, onto, original)
-    with torch.no_grad():
-        merged_logits = model(ids)
-    rel_vs_trained = _rel(merged_logits, trained_logits)
-    if (onto == "trained" or not trained_nf4) and rel_vs_trained > MERGE_TOLERANCE:
-        raise GuardError("GUARD-MERGE", f"merged logits differ from base+adapter by relL2 {rel_vs_trained:.3g} "
-                         f"(> {MERGE_TOLERANCE:g}); nothing was written.",
-                         "report this as a bug; use the unmerged adapter (--adapter) meanwhile")
+    n_merged, rel_vs_trained, max_diff = merge_checked(model, onto, original,
+                                                       check=onto == "trained" or not trained_nf4)
     model.to(dtype)
     has_tokenizer = _save_merged(model, base, out_dir)
     result = {
         "out_dir": str(out_dir), "onto": onto, "adapters_merged": n_merged,
         "trained_against": "nf4" if trained_nf4 else "base weights",
         "logit_rel_l2_vs_trained": rel_vs_trained,
-        "logit_max_abs_diff_vs_trained": (merged_logits - trained_logits).abs().max().item(),
+        "logit_max_abs_diff_vs_trained": max_diff,
         "dtype": str(dtype).removeprefix("torch."), "tokenizer": has_tokenizer,
         "base_check": base_check["status"],
     }

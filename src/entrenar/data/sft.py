@@ -45,8 +45,7 @@ MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is l
 # Skip reasons (stable keys of DataReport.skipped).
 INVALID_REASONS = ("malformed_json", "not_an_object", "unknown_format", "unknown_role", "empty_content",
                    "no_assistant_message", "not_ending_with_assistant")
-LENGTH_REASONS = ("prompt_too_long", "response_truncated")
-TEMPLATE_REASONS = ("no_assistant_tokens",)
+# and prompt_too_long, response_truncated (--max-seq-len), no_assistant_tokens (the chat template)
 
 
 class ChatEncoder(Protocol):
@@ -578,8 +577,3 @@ def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int) -> dict[st
         position_ids[b, at:] = torch.arange(T - at)
     return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids, "position_ids": position_ids,
             "sample_ids": sample_ids}
-
-
-def loss_token_stats(batch: dict[str, Any]) -> int:
-    """Number of loss tokens in a batch (the trainer's GUARD-ZERO-LOSS-TOKENS input)."""
-    return int((batch["labels"] != IGNORE_INDEX).sum())

@@ -16,7 +16,7 @@ import torch
 from ..config import ModelConfig
 from .registry import resolve_model
 
-__all__ = ["load_model", "load_model_with_adapter", "load_state", "resolve_model", "save_hf_dir", "state_dtype"]
+__all__ = ["load_model", "load_state", "resolve_model", "save_hf_dir", "state_dtype"]
 
 
 def load_state(spec: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Tensor], dict[str, Any]]:
@@ -28,7 +28,7 @@ def load_state(spec: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Te
 
         cfg, state, info = load_gguf(path)
     else:
-        from ..peft.io import is_adapter_dir
+        from .registry import is_adapter_dir
 
         if is_adapter_dir(path):
             from ..errors import InputError
@@ -66,41 +66,6 @@ def load_model(spec: str | os.PathLike, dtype: torch.dtype | None = None, device
     state = {k: v.to(device=device, dtype=dtype) for k, v in state.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model.source = info  # where the weights came from (inspect / run.json)
-    return model.eval()
-
-
-def load_model_with_adapter(spec: str | os.PathLike, adapter: str | os.PathLike | None = None, *,
-                            dtype: torch.dtype | None = None, device: str | torch.device = "cpu",
-                            kernels: str = "torch", force_base: bool = False):
-    """The one way commands load a model to run: MODEL, plus an adapter attached unmerged.
-
-    ``spec`` may itself be an adapter directory (a LoRA run's final/): its recorded base is loaded and the
-    adapter attached. The base must be the one the adapter recorded (exit 2 naming both otherwise) unless
-    ``force_base``. Returns the model in eval mode on ``device``.
-    """
-    import sys
-
-    from ..errors import InputError
-    from ..peft.base_location import locate_base, located_base_mismatch
-    from ..peft.io import is_adapter_dir, load_adapter
-
-    found_note = None
-    if adapter is None:
-        path = resolve_model(spec)
-        if is_adapter_dir(path):  # its recorded base, from any folder (issue 28 item 3)
-            run = str(spec)
-            spec, found_note = locate_base(path, shown_as=run)
-            adapter = path
-            if found_note:
-                print(found_note, file=sys.stderr, flush=True)
-    model = load_model(spec, dtype=dtype, device=device, kernels=kernels)
-    if adapter:
-        try:
-            model = load_adapter(model, adapter, force_base=force_base, base_name=str(spec)).to(device)
-        except InputError as e:
-            if found_note is None:
-                raise
-            raise located_base_mismatch(e, found_note, run) from e
     return model.eval()
 
 

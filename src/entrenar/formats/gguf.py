@@ -324,8 +324,3 @@ def describe(path: str | Path) -> list[TensorRecord]:
         shape = tuple(int(x) for x in reversed(t.shape.tolist()))
         out.append(TensorRecord(hf_name(t.name) or t.name, t.name, shape, t.tensor_type.name))
     return out
-
-
-def torch_dtype_of(stored: str) -> torch.dtype:
-    """The dtype a stored GGUF type loads as: its own for F32/F16/BF16, float32 when quantized."""
-    return _FLOAT_TYPES.get(stored, torch.float32)

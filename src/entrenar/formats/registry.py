@@ -14,6 +14,8 @@ from pathlib import Path
 
 from ..errors import InputError
 
+ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter directory's config (entrenar/peft/io.py)
+
 
 @dataclass(frozen=True)
 class Packaged:
@@ -102,8 +104,6 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         if path.suffix != ".gguf":
             raise InputError(f"{s}: a model file must be .gguf (or give an HF directory)")
         return path
-    from ..peft.io import is_adapter_dir
-
     if (path / "config.json").is_file() or is_adapter_dir(path):
         return _complete_checkpoint(path, s)
     if (path / "final" / "config.json").is_file() or is_adapter_dir(path / "final"):
@@ -140,3 +140,9 @@ def _complete_checkpoint(path: Path, spec: str) -> Path:
         raise InputError(f"{spec}: checkpoint {real.name} has no COMPLETE marker (still being written, or its "
                          f"save was interrupted), so it is not read; {use}")
     return real if path.is_symlink() else path
+
+
+def is_adapter_dir(path: str | Path) -> bool:
+    """A LoRA adapter directory: adapter_config.json and no config.json (a full model has config.json)."""
+    p = Path(path)
+    return (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").is_file()

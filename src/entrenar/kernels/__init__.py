@@ -26,6 +26,8 @@ class Ops:
     add_rms_norm: Callable
 
 
+KERNELS = ("torch", "triton")  # --kernels (with auto first): the one vocabulary, read by the CLI
+
 TORCH_OPS = Ops(reference.rms_norm_reference, reference.rope_reference, reference.swiglu_reference,
                 reference.linear_cross_entropy_reference, reference.add_rms_norm_reference)
 
@@ -63,7 +65,7 @@ def resolve_kernels(kind: str, device: str) -> str:
     on_cuda = str(device).startswith("cuda")
     if kind == "auto":
         return "triton" if on_cuda and triton_available() else "torch"
-    if kind not in ("torch", "triton"):
+    if kind not in KERNELS:
         raise ValueError(f"kernels {kind!r} not in ('auto', 'torch', 'triton')")
     if kind == "triton":
         _triton_ops()  # no importable triton: that remedy first (pip install triton)

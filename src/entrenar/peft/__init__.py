@@ -6,7 +6,7 @@
     identity.py    the base model's weights fingerprint recorded in the adapter note, checked at load
     lr.py          auto_lr: the rate ``--lr auto`` picks
 
-Loading a model plus an adapter from a MODEL spec is ``entrenar.formats.load_model_with_adapter``.
+Loading a model plus an adapter from a MODEL spec is ``load.py`` (load_model_with_adapter, load_any_model).
 """
 
 from .identity import base_fingerprint, check_base_identity

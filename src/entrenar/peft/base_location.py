@@ -16,29 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-
-
-def base_to_record(base_spec: str | os.PathLike | None) -> str | None:
-    """The base as an adapter records it: an existing path made absolute, anything else (a packaged
-    name, a hub id of a peft adapter) as given."""
-    if base_spec is None:
-        return None
-    from ..formats.registry import PACKAGED
-
-    spec = str(base_spec)
-    if spec not in PACKAGED and Path(spec).exists():
-        return os.path.abspath(spec)
-    return spec
-
-
-def base_relative_to(base_spec: str | None, adapter_dir: str | os.PathLike) -> str | None:
-    """The recorded base's path relative to the adapter directory (None for a name or an unrelated drive)."""
-    if base_spec is None or not os.path.isabs(base_spec):
-        return None
-    try:
-        return Path(os.path.relpath(base_spec, os.path.abspath(adapter_dir))).as_posix()
-    except ValueError:  # another drive (Windows)
-        return None
+from ..formats.registry import PACKAGED
+from .io import adapter_path, read_adapter_config
 
 
 def _candidates(recorded: str, note: dict[str, Any], adapter_dir: Path) -> list[Path]:
@@ -57,8 +36,6 @@ def _candidates(recorded: str, note: dict[str, Any], adapter_dir: Path) -> list[
 def locate_base(adapter_dir: str | os.PathLike, shown_as: str | None = None) -> tuple[str, str | None]:
     """(MODEL spec of the adapter's recorded base that exists here, a note when it was found elsewhere
     than recorded). InputError naming the recorded base and the remedy when it is nowhere."""
-    from ..formats.registry import PACKAGED
-    from .io import adapter_path, read_adapter_config
 
     d = adapter_path(adapter_dir)
     cfg, note = read_adapter_config(d)

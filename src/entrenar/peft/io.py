@@ -20,21 +20,35 @@ from torch import nn
 
 from ..errors import InputError
 from ..fileio import atomic_write
+from ..formats.registry import ADAPTER_CONFIG, PACKAGED, is_adapter_dir
 from ..kernels import nf4
-from .base_location import base_relative_to, base_to_record
 from .identity import check_base_identity
 from .lora import apply_lora, lora_modules
 
-ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_NOTE = "entrenar_adapter.json"  # what base the adapter needs and whether it was NF4
 PEFT_PREFIX = "base_model.model."
 
 
-def is_adapter_dir(path: str | Path) -> bool:
-    """A LoRA adapter directory: adapter_config.json and no config.json (a full model has config.json)."""
-    p = Path(path)
-    return (p / ADAPTER_CONFIG).is_file() and not (p / "config.json").is_file()
+def base_to_record(base_spec: str | os.PathLike | None) -> str | None:
+    """The base as an adapter records it: an existing path made absolute, anything else (a packaged
+    name, a hub id of a peft adapter) as given."""
+    if base_spec is None:
+        return None
+    spec = str(base_spec)
+    if spec not in PACKAGED and Path(spec).exists():
+        return os.path.abspath(spec)
+    return spec
+
+
+def base_relative_to(base_spec: str | None, adapter_dir: str | os.PathLike) -> str | None:
+    """The recorded base's path relative to the adapter directory (None for a name or an unrelated drive)."""
+    if base_spec is None or not os.path.isabs(base_spec):
+        return None
+    try:
+        return Path(os.path.relpath(base_spec, os.path.abspath(adapter_dir))).as_posix()
+    except ValueError:  # another drive (Windows)
+        return None
 
 
 def adapter_path(adapter_dir: str | Path) -> Path:

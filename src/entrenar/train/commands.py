@@ -1,4 +1,4 @@
-"""`entrenar pretrain | finetune | eval | plot`: build model, tokenizer and loaders, then the one loop.
+"""`entrenar pretrain | finetune` (their options: cli/train.py): build model, tokenizer and loaders, then the one loop.
 
 Everything the user gave is validated (model resolves, data loads, numbers in range, --resume
 checkpoint COMPLETE, --out usable) before the run directory is created, so bad input exits 2
@@ -7,10 +7,8 @@ with nothing half-written.
 
 from __future__ import annotations
 
-import argparse
 import functools
 import json
-import math
 import os
 import platform
 import shlex
@@ -25,16 +23,16 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..cli_registry import add_command
 from ..config import PRESETS, preset
 from ..errors import GuardError, InputError
 from ..fileio import atomic_write
 from ..outpaths import check_creatable
+from ..peft.load import tokenizer_or_none
 from .checkpoint import find_resume
-from .config import DataConfig, LoRAConfig, add_options, default_of, from_args
-from .distributed import current, env_world, join_job, other_rank
-from .jobwatch import judge_failure
-from .loop import TrainConfig, check_resume_has_work, evaluate
+from .config import DataConfig, LoRAConfig, default_of, from_args
+from .distributed import current, env_world, other_rank
+from .jobwatch import join_job, judge_failure
+from .loop import TrainConfig, check_resume_has_work
 from .runlock import LOCK_FILE, check_free, holding
 
 
@@ -121,7 +119,7 @@ def _check_out(out: Path, resume: str | None) -> None:
         find_resume(out, resume, _log)  # raises InputError unless the checkpoint is COMPLETE
 
 
-def _configs(args: argparse.Namespace, command: str) -> tuple[TrainConfig, LoRAConfig, DataConfig]:
+def _configs(args: Any, command: str) -> tuple[TrainConfig, LoRAConfig, DataConfig]:
     """The run's three configs from the parsed flags, validated in the order the user reads the
     flags: data, adapter, then the loop (so --alpha -16 is not reported as a bad --lr)."""
     data = from_args(DataConfig, args, command)
@@ -162,7 +160,7 @@ def _check_batch(batch_size: int, n: int, what: str) -> None:
                          f"effective batch), or add data")
 
 
-def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: Any, seq_len: int,
+def _run_preflight(args: Any, model: torch.nn.Module, tokenizer: Any, seq_len: int,
                    dtype: str) -> dict:
     if args.no_preflight:
         _log("preflight: SKIPPED (--no-preflight)")
@@ -189,7 +187,7 @@ def _run_preflight(args: argparse.Namespace, model: torch.nn.Module, tokenizer: 
     return {"verify": result}
 
 
-def _run_json(args: argparse.Namespace, command: str, cfg: TrainConfig, model: torch.nn.Module,
+def _run_json(args: Any, command: str, cfg: TrainConfig, model: torch.nn.Module,
               tokenizer: Any) -> dict:
     """run.json: asdict of the three configs plus provenance (what ran, on what, when, from which code)."""
     lora = from_args(LoRAConfig, args, command) if cfg.mode in ("lora", "qlora") else None
@@ -252,20 +250,8 @@ def _model_config_of(spec: str):
     return cfg
 
 
-def _tokenizer_or_none(spec: str | None) -> Any:
-    if not spec:
-        return None
-    from ..tokenizer import load_tokenizer
-
-    try:
-        return load_tokenizer(spec)
-    except InputError as e:
-        _log(f"note: no tokenizer from {spec}: {e}")
-        return None
-
-
 # ---- pretrain -------------------------------------------------------------------------------------
-def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_pretrain(args: Any) -> dict[str, Any]:
     from ..data.corpus import PretrainLoader, read_index
     from ..formats import load_model, resolve_model
     from ..model import CausalLM
@@ -311,7 +297,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
         model = CausalLM(mcfg, kernels=args.kernels)
         model.init_weights(cfg.seed)
         tok_spec, flag = (None, None) if _is_preset(args.model) else (args.model, "--model")
-    own_tok = _tokenizer_or_none(tok_spec)
+    own_tok = tokenizer_or_none(tok_spec, _log)
     check_same_tokenizer(args.data, shards_tok, own_tok, tok_spec, flag)
     check_shards_fit(args.data, index, model.cfg.vocab_size)
     if cfg.seq_len > model.cfg.max_position_embeddings:  # trained silently, then generate refused (issue 28 item 8)
@@ -319,7 +305,7 @@ def cmd_pretrain(args: argparse.Namespace) -> dict[str, Any]:
                          f"{model.cfg.max_position_embeddings} ({args.init or args.model}): windows would train "
                          f"positions the model does not have, and `generate` refuses a longer context. Use "
                          f"--seq-len {model.cfg.max_position_embeddings} or less")
-    tokenizer = shards_tok or own_tok or _tokenizer_or_none((index.get("tokenizer") or {}).get("model"))
+    tokenizer = shards_tok or own_tok or tokenizer_or_none((index.get("tokenizer") or {}).get("model"), _log)
     model = model.to(cfg.device).train()
     data_report = {"kind": "pretrain", "shards": str(args.data), "index": {k: v for k, v in index.items()
                                                                           if k != "inputs"},
@@ -343,7 +329,7 @@ def _hf_saver(tokenizer: Any):
 
 def _adapter_saver(tokenizer: Any, base_spec: str):
     def save(model: torch.nn.Module, final: Path) -> None:
-        from ..tokenizer import write_checkpoint_files
+        from .model_files import write_checkpoint_files
 
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
@@ -418,7 +404,7 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
                             adapters=cfg.mode in ("lora", "qlora"), save_final=save_final, log=_log,
                             resume_command=_resume_command())
     trainers.append(trainer)
-    from ..tokenizer import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
+    from .model_files import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
 
     trainer.checkpoint_files = functools.partial(write_checkpoint_files, tokenizer=tokenizer, base_spec=args.model)
     if trainer.resume(args.resume) is None:  # a fresh start: step 0, recorded before its guard judges it
@@ -447,7 +433,7 @@ def _split_val(examples: list, fraction: float, seed: int) -> tuple[list, list]:
             [e for i, e in enumerate(examples) if i in val_idx])
 
 
-def cmd_finetune(args: argparse.Namespace) -> dict[str, Any]:
+def cmd_finetune(args: Any) -> dict[str, Any]:
     from ..data.sft import SFTLoader, load_sft
     from ..formats import load_model, resolve_model
     from ..tokenizer import load_tokenizer
@@ -523,119 +509,4 @@ def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:
              f"full fine-tuning (--mode full) trains fewer")
 
 
-# ---- eval ------------------------------------------------------------------------------------------
-def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
-                   adapter: str | None = None, force_base: bool = False) -> tuple[torch.nn.Module, Any, Path]:
-    """A full model (plus `adapter`, unmerged) or a LoRA adapter directory (loaded onto its recorded
-    base). Returns (model, tokenizer or None, resolved path)."""
-    from ..formats import load_model_with_adapter, resolve_model
-    from ..peft import is_adapter_dir
-    from ..peft.base_location import locate_base
-
-    path = resolve_model(spec)
-    model = load_model_with_adapter(spec, adapter, dtype=torch.float32, device=device, kernels=kernels,
-                                    force_base=force_base)
-    if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's (wherever it is now)
-        tok = _tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else locate_base(path, spec)[0])
-    else:
-        tok = _tokenizer_or_none(str(path) if path.is_dir() else spec)
-    return model, tok, path
-
-
-def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from ..evaluate.commands import check_task_flags, cmd_task_eval
-
-    check_task_flags(args)
-    if args.task != "loss":
-        return cmd_task_eval(args)
-    if args.data is None:
-        raise InputError("--data is required for --task loss (token shards directory or SFT .jsonl)")
-    dcfg = from_args(DataConfig, args, "eval")
-    dcfg.validate()
-    ecfg = from_args(TrainConfig, args, "eval", command="eval")
-    ecfg.validate()  # --batch-size, --seq-len, --max-batches, --device; --dtype auto resolved
-    if args.dtype == "auto" and not args.json:
-        _log(f"dtype: {ecfg.dtype} ({ecfg.dtype_reason})")
-    data = Path(args.data)
-    if not data.exists():
-        raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
-    model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
-                                      getattr(args, "force_base", False))
-    if data.is_dir():
-        from ..data.corpus import (
-            PretrainLoader,
-            check_same_tokenizer,
-            check_shards_fit,
-            read_index,
-            shard_tokenizer,
-        )
-
-        index = read_index(data)
-        # the shards' ids must mean the model's tokens (issue 28 item 4), and fit its embedding (item 7)
-        check_same_tokenizer(data, shard_tokenizer(data, index), tok, args.model, "--model",
-                             alternative="evaluate a model of the shards' tokenizer")
-        check_shards_fit(data, index, model.cfg.vocab_size)
-        split = args.split or ("val" if (index["splits"].get("val") or {}).get("tokens", 0) > args.seq_len
-                               else "train")
-        loader = PretrainLoader(data, split, args.seq_len, args.batch_size)
-        what = f"{data} split {split}, seq_len {args.seq_len}"
-    else:
-        from ..data.sft import SFTLoader, load_sft
-
-        if tok is None:
-            raise InputError(f"{args.model}: no tokenizer found, needed to encode {data}")
-        examples, report = load_sft(data, tok, args.max_seq_len, truncation=args.truncation,
-                                    max_skip_fraction=dcfg.max_skip_fraction)
-        pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id
-        loader = SFTLoader(examples, args.batch_size, pad_id=pad_id, max_seq_len=args.max_seq_len)
-        what = f"{data} ({report.kept} samples, max_seq_len {args.max_seq_len})"
-    t0 = time.perf_counter()
-    ev = evaluate(model, loader.iter_epoch(), args.device, ecfg.dtype, args.eval_batches)
-    dt = time.perf_counter() - t0
-    ln_v = math.log(model.cfg.vocab_size)
-    if not args.json:
-        print(f"eval {path} on {what}: loss {ev['loss']:.4f}, perplexity {ev['ppl']:.3f} over {ev['tokens']} "
-              f"loss tokens ({ev['batches']} batches, {dt:.1f}s); ln(vocab) = {ln_v:.4f}")
-    return {"model": str(path), "data": str(data), **ev, "ln_vocab": ln_v, "seconds": dt, "dtype": ecfg.dtype}
-
-
-# ---- plot ------------------------------------------------------------------------------------------
-def cmd_plot(args: argparse.Namespace) -> dict[str, Any]:
-    from ..plot import plot_run
-
-    result = plot_run(Path(args.run), Path(args.out) if args.out else None)
-    if not args.json:
-        print(f"wrote {result['out']}")  # issue 18: a silent success left users looking for the file
-    return result
-
-
-# ---- registration ------------------------------------------------------------------------------------
-def _run_options(p: argparse.ArgumentParser) -> None:
-    """The options of a run that are not configuration (where it goes, whether it continues)."""
-    p.add_argument("--out", required=True, help="run directory (created; or continued with --resume)")
-    p.add_argument("--resume", default=None, metavar="auto|PATH",
-                   help="continue from the newest COMPLETE checkpoint of --out, or from PATH")
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    """pretrain / finetune / eval options come from the dataclass fields of train/config.py."""
-    for name, func, help_text in (
-            ("pretrain", cmd_pretrain, "pretrain (or continue pretraining) on token shards"),
-            ("finetune", cmd_finetune, "supervised fine-tuning on chat JSONL (full | lora | qlora)"),
-            ("eval", cmd_eval, "loss and perplexity of MODEL|RUN on data, or pass@k of generated code")):
-        p = add_command(sub, name, func, help_text)
-        for cls in (TrainConfig, LoRAConfig, DataConfig):
-            add_options(p, cls, name)
-        if name != "eval":
-            _run_options(p)
-        else:
-            from ..evaluate.commands import add_task_options
-
-            add_task_options(p)
-
-    p = add_command(sub, "plot", cmd_plot, "RUN/curves.png: loss, eval loss, lr and grad-norm vs step")
-    p.add_argument("run", metavar="RUN", help="run directory")
-    p.add_argument("--out", default=None, help="output image (RUN/curves.png)")
-
-
-__all__ = ["cmd_eval", "cmd_finetune", "cmd_plot", "cmd_pretrain", "load_any_model", "register"]
+__all__ = ["cmd_finetune", "cmd_pretrain"]

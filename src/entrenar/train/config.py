@@ -4,28 +4,28 @@ Three dataclasses describe a run: `TrainConfig` (what is trained, how: the loop'
 model/mode identity), `LoRAConfig` (the adapter of `finetune --mode lora|qlora`) and `DataConfig`
 (where the examples come from and how they are read). Every field carries its command-line face in
 `field(metadata=...)` (built by `option()`): help text, choices, the commands that offer it, and,
-where one command differs, that command's flag name or default. `add_options` turns the fields into
-argparse options and `from_args` turns parsed arguments back into the dataclass, so a default is
+where one command differs, that command's flag name or default. `cli/train.py`'s `add_options` turns the
+fields into argparse options and `from_args` turns parsed arguments back into the dataclass, so a default is
 written once (issue 11: lr 3e-4 was written in three places and TrainConfig's steps/eval_batches
 disagreed with the CLI's). `run.json` is `asdict` of these plus provenance (train/commands.py).
 """
 
 from __future__ import annotations
 
-import argparse
 import math
 import typing
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
-from ..cli_registry import DEFAULT_DEVICE, DEVICE_CHOICES_HELP
 from ..config import PRESETS
 from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
-from ..devices import resolve_device, resolve_dtype
+from ..devices import DEFAULT_DEVICE, DEVICE_CHOICES_HELP, WEIGHT_DTYPES, resolve_device, resolve_dtype
 from ..errors import InputError
+from ..kernels import KERNELS
 from . import guards
+from .optim import SCHEDULES
 
-DTYPES = ("fp32", "bf16", "bf16-weights", "bf16-pure")  # --dtype; what each means: train/precision.py
+DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure")  # --dtype; what each means: train/precision.py
 
 # Resuming with any of these changed would not continue the same run (refused unless allowed).
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
@@ -61,7 +61,7 @@ def _lr_or_auto(text: str) -> float | str:
     try:
         return float(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number or 'auto', got {text!r}") from None
+        raise ValueError(f"must be a number or 'auto', got {text!r}") from None  # the CLI shows this message
 
 
 # ---- the three configs ------------------------------------------------------------------------------
@@ -92,7 +92,7 @@ class TrainConfig:
         "finetune": {"default": "auto", "default_help": "auto: by mode and adapter shape, logged"}})
     warmup: int | None = option(None, "warmup steps", default_help="min(100, steps/10)")
     schedule: str = option("cosine", "decay after warmup, to min_lr_ratio of the peak",
-                           choices=("cosine", "linear", "constant"))
+                           choices=SCHEDULES)
     min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of the peak (not a flag)
     weight_decay: float = option(0.1, "AdamW weight decay on >=2-D weights",
                                  per_command={"finetune": {"default": 0.0}})
@@ -112,7 +112,7 @@ class TrainConfig:
                         commands=_EVERY, choices=("auto", *DTYPES))
     dtype_reason: str = ""  # how --dtype was chosen ("--dtype auto: bf16 on cuda ..."): logged, in run.json
     kernels: str = option("auto", "op implementations: auto = triton on cuda, torch elsewhere", commands=_EVERY,
-                          choices=("auto", "torch", "triton"))
+                          choices=("auto", *KERNELS))
     # eval, checkpoints
     eval_every: int = option(0, "eval period in steps; 0 = at start and end")
     eval_batches: int = option(20, "batches per eval; 0 = all", commands=_EVERY, per_command={
@@ -176,7 +176,7 @@ class TrainConfig:
             raise InputError(f"--clip must be a finite number >= 0 (0 = off), got {self.clip}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
             raise InputError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
-        for f, allowed in (("dtype", DTYPES), ("mode", MODES), ("schedule", ("cosine", "linear", "constant")),
+        for f, allowed in (("dtype", DTYPES), ("mode", MODES), ("schedule", SCHEDULES),
                            ("on_nonfinite", guards.NONFINITE_POLICIES), ("on_spike", guards.SPIKE_POLICIES),
                            ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
@@ -260,7 +260,7 @@ CONFIGS = (TrainConfig, LoRAConfig, DataConfig)
 C = TypeVar("C")
 
 
-# ---- dataclass fields <-> argparse ----------------------------------------------------------------------
+# ---- dataclass fields <-> the command line (argparse itself: cli/train.py) ------------------------------
 def _cli(f: Any, command: str) -> dict[str, Any] | None:
     """The field's command-line spec for `command` (per-command overrides applied), or None."""
     meta = f.metadata.get("cli")
@@ -291,40 +291,7 @@ def flag_of(cls: type, name: str, command: str) -> str:
     return spec.get("flag") or "--" + name.replace("_", "-")
 
 
-def _base_type(cls: type, name: str) -> type:
-    hint = typing.get_type_hints(cls)[name]
-    args = [a for a in typing.get_args(hint) if a is not type(None)]
-    return args[0] if args else hint
-
-
-def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
-    """One argparse option per field of `cls` that `command` offers; dest is the field name."""
-    for f in fields(cls):
-        spec = _cli(f, command)
-        if spec is None:
-            continue
-        default = spec["default"] if "default" in spec else _field_default(f)
-        shown = spec["default_help"] if spec["default_help"] is not None else default
-        typ = _base_type(cls, f.name)
-        flag = flag_of(cls, f.name, command)
-        quiet = spec["required"] or typ is bool  # a switch's default is "off": nothing to show
-        help_text = spec["help"] + ("" if quiet else f" ({shown})")
-        kwargs: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%")}
-        if typ is bool:
-            kwargs["action"] = "store_true"
-        else:
-            kwargs.update(type=spec["parse"] or typ, default=default)
-            if spec["choices"]:
-                kwargs["choices"] = spec["choices"]
-            else:
-                kwargs["metavar"] = spec["metavar"] or flag.lstrip("-").replace("-", "_").upper()
-            if spec["required"]:
-                kwargs["required"] = True
-                kwargs.pop("default")
-        p.add_argument(flag, **kwargs)
-
-
-def from_args(cls: type[C], args: argparse.Namespace, command: str, /, **overrides: Any) -> C:
+def from_args(cls: type[C], args: Any, command: str, /, **overrides: Any) -> C:
     """The dataclass from parsed arguments: offered fields from `args`, the rest at their defaults
     for this command, then `overrides`."""
     values: dict[str, Any] = {}

@@ -17,7 +17,6 @@ Exactness rules (docs/design.md, "Distributed"):
 
 from __future__ import annotations
 
-import atexit
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -142,7 +141,7 @@ def _decode_error(d: dict[str, Any]) -> EntrenarError:
         err.__class__ = d["cls"] if issubclass(d["cls"], GuardError) else GuardError
     else:
         err = d["cls"](d["message"])
-    err.job_wide = True  # every rank raises it: rank 0 alone prints it (cli.py)
+    err.job_wide = True  # every rank raises it: rank 0 alone prints it (cli/main.py)
     return err
 
 
@@ -196,18 +195,6 @@ def init_from_env(device: str = "cpu") -> DistContext:
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
     _CURRENT = DistContext(rank=rank, world=world, local_rank=local_rank, device=dev, mesh=mesh)
     return _CURRENT
-
-
-def join_job(device: str = "cpu") -> DistContext:
-    """`init_from_env` for a command: the process group is left again when the process exits
-    (also after an error), so a failed rank does not leave its peers waiting on a dead group."""
-    ctx = init_from_env(device)
-    if ctx.active:
-        atexit.register(shutdown)
-        from .jobwatch import start  # the peers' pids, and stop when the launcher is gone
-
-        start(ctx)
-    return ctx
 
 
 def settle_ranks(timeout_s: float = 60.0) -> None:
@@ -348,5 +335,5 @@ def global_batch(batch_size: int, grad_accum: int, world: int) -> int:
     return int(batch_size) * int(grad_accum) * int(world)
 
 
-__all__ = ["DistContext", "RankSlice", "current", "env_world", "global_batch", "init_from_env", "join_job",
+__all__ = ["DistContext", "RankSlice", "current", "env_world", "global_batch", "init_from_env",
            "other_rank", "row_sample_ids", "settle_ranks", "shard_loader", "shutdown", "slice_rows"]

@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+import atexit
 import os
 import signal
 import socket
@@ -28,6 +29,7 @@ from typing import Any
 
 from .. import stops
 from ..errors import EntrenarError
+from .distributed import DistContext, current, init_from_env, shutdown
 
 EXIT_RANK_LOST = 4
 WATCH_INTERVAL_S = 0.5  # a worker outlives its launcher by at most this (plus the SIGKILL)
@@ -134,12 +136,20 @@ def _rank0_ended() -> bool:
         return True
 
 
+def join_job(device: str = "cpu") -> DistContext:
+    """`init_from_env` for a command: the process group is left again when the process exits
+    (also after an error), so a failed rank does not leave its peers waiting on a dead group."""
+    ctx = init_from_env(device)
+    if ctx.active:
+        atexit.register(shutdown)
+        start(ctx)  # the peers' pids, and stop when the launcher is gone
+    return ctx
+
+
 def judge_failure(e: BaseException, checkpoint: Path | None, resume_command: str | None) -> BaseException:
     """What to raise for `e`, which ended this rank's part of a distributed run: RankLost when a peer
     died; JobEnded (quiet) on a rank other than 0 once rank 0 ended the job in order; else `e`. A verdict
     of the command itself (an EntrenarError) and anything outside torchrun stay `e`."""
-    from .distributed import current
-
     ctx = current()
     if not ctx.active or isinstance(e, EntrenarError):
         return e
@@ -175,5 +185,5 @@ def launcher_words() -> list[str]:
     return [*words, "-m", "entrenar"]
 
 
-__all__ = ["EXIT_RANK_LOST", "JobEnded", "RankLost", "announce_end", "judge_failure", "launcher_words",
+__all__ = ["EXIT_RANK_LOST", "JobEnded", "RankLost", "announce_end", "join_job", "judge_failure", "launcher_words",
            "lost_ranks", "start"]

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from ..devices import DTYPES as COMMAND_DTYPES
 from ..errors import InputError
 from ..model import CausalLM
 from ..tensors import IGNORE_INDEX, rel_l2
@@ -108,9 +109,8 @@ def bounds_for(dtype: str, cfg: Any) -> Bounds:
                   grad=base.grad * scale, per_depth=per_depth, num_layers=cfg.num_layers)
 
 
-DTYPES = {"fp32": torch.float32, "float32": torch.float32, "bf16": torch.bfloat16,
-          "bfloat16": torch.bfloat16, "fp16": torch.float16, "float16": torch.float16,
-          "fp64": torch.float64, "float64": torch.float64}
+DTYPES = {**COMMAND_DTYPES, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "fp64": torch.float64, "float64": torch.float64}  # the --dtype names (devices.py) and torch's names
 DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16", torch.float64: "fp64"}
 
 # What a divergence first seen at an op most likely means: the defects earlier fast paths shipped (RoPE pairs

@@ -1,5 +1,5 @@
-"""`entrenar ...`: the command line. Each area registers its own subcommands (through the leaf
-module `cli_registry`, so no library module imports this one).
+"""`entrenar ...`: the command line. Each command module of this package registers its subcommands
+(through `registry`); no library module imports the CLI (tests/test_layers.py).
 
 Contract (docs/design.md): every command takes --json and then prints one JSON object as the last
 stdout line -- also when the arguments do not parse, on Ctrl-C and on errors ({"ok": false, ...});
@@ -22,13 +22,13 @@ from typing import Any, NoReturn
 
 # Modules with a `register(subparsers)` function, in help order.
 COMMAND_MODULES = [
-    "entrenar.formats.commands",  # inspect, convert
-    "entrenar.formats.export",  # export gguf
-    "entrenar.verify.commands",  # verify, qa
-    "entrenar.data.commands",  # data pack, data sft-from-code, data check
-    "entrenar.tokenizer_train",  # tokenizer train
-    "entrenar.model_commands",  # merge, generate
-    "entrenar.train.commands",  # pretrain, finetune, eval, plot
+    "entrenar.cli.formats",  # inspect, convert
+    "entrenar.cli.export",  # export gguf
+    "entrenar.cli.verify",  # verify, qa
+    "entrenar.cli.data",  # data pack, data sft-from-code, data check
+    "entrenar.cli.tokenizer",  # tokenizer train
+    "entrenar.cli.models",  # merge, generate
+    "entrenar.cli.train",  # pretrain, finetune, eval, plot
 ]
 
 EXIT_USAGE = 2  # argparse's own exit code for bad arguments: the same as InputError
@@ -97,17 +97,17 @@ def _failure(command: str, message: str, code: int, want_json: bool, **extra: An
 def _resolve_common(args: argparse.Namespace) -> None:
     """One rule for every command's --device and --kernels (auto = Triton on CUDA)."""
     if getattr(args, "device", None) is not None:
-        from .devices import resolve_device
+        from ..devices import resolve_device
 
         args.device = resolve_device(args.device)
     if getattr(args, "kernels", None) in ("auto", "triton"):  # triton: refused off CUDA (exit 2)
-        from .kernels import resolve_kernels
+        from ..kernels import resolve_kernels
 
         args.kernels = resolve_kernels(args.kernels, getattr(args, "device", "cpu"))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .stops import handled
+    from ..stops import handled
 
     code = 1
     with handled():  # SIGTERM stops a command as Ctrl-C does (stops.py)
@@ -119,8 +119,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from . import stops
-    from .errors import EntrenarError
+    from .. import stops
+    from ..errors import EntrenarError
 
     argv = list(sys.argv[1:] if argv is None else argv)
     want_json = _wants_json(argv)
@@ -168,14 +168,14 @@ def _main(argv: list[str] | None) -> int:
 
 
 def _other_rank() -> bool:
-    from .train.distributed import other_rank
+    from ..train.distributed import other_rank
 
     return other_rank()
 
 
 def _settle_ranks() -> None:
     if "WORLD_SIZE" in os.environ:  # only under torchrun: do not import torch.distributed otherwise
-        from .train.distributed import settle_ranks
+        from ..train.distributed import settle_ranks
 
         settle_ranks()
 
@@ -188,17 +188,17 @@ def _error_details(e: Exception) -> dict[str, Any]:
 def _announce_end(code: int) -> None:
     """Under torchrun, rank 0 tells the other ranks it ended in order (train/jobwatch.py)."""
     if "WORLD_SIZE" in os.environ and not _other_rank():
-        from .train.distributed import current
+        from ..train.distributed import current
 
         if current().active:
-            from .train.jobwatch import announce_end
+            from ..train.jobwatch import announce_end
 
             announce_end(code)
 
 
 def _interrupted_message(e: BaseException) -> str:
     """Ctrl-C / SIGTERM: the trainer's interruption names the last complete checkpoint and how to resume."""
-    from . import stops
+    from .. import stops
 
     what = "interrupted" if stops.received() in (None, signal.SIGINT) else f"stopped by {stops.name()}"
     text = str(e).strip()

@@ -1,8 +1,8 @@
-"""Command registration, shared by every `*/commands.py`: a leaf module.
+"""Command registration, shared by every command module of `entrenar.cli`.
 
-It imports nothing from entrenar, so library modules never import the CLI (`cli.py`) and
-`cli.py` can import every command module without a cycle (issue 11: generate.py and merge.py
-imported `cli.add_command`, so importing the library pulled in the command line).
+Library modules never import the CLI (issue 11: generate.py and merge.py imported `cli.add_command`,
+so importing the library pulled in the command line); the option vocabularies (devices, dtypes) are
+library code (`entrenar.devices`) read here. tests/test_layers.py checks both.
 """
 
 from __future__ import annotations
@@ -11,11 +11,9 @@ import argparse
 from collections.abc import Callable
 from typing import Any
 
+from ..devices import DEFAULT_DEVICE, DEVICE_CHOICES_HELP, DTYPE_AUTO_HELP
+
 JSON_HELP = "print one JSON object as the last stdout line (also on errors: {\"ok\": false, ...})"
-DEVICE_CHOICES_HELP = "cpu | cuda | cuda:N | auto (= cuda when available, else cpu)"
-DEFAULT_DEVICE = "cpu"  # reproducible by default; generate (interactive) asks for "auto"
-DTYPE_AUTO_HELP = ("auto = bf16 on a CUDA device with native bf16 (compute capability >= 8.0), fp32 on the CPU "
-                   "and older GPUs; the choice and its reason are logged")
 
 CommandFunc = Callable[[argparse.Namespace], dict[str, Any]]
 

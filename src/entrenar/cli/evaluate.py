@@ -1,6 +1,6 @@
 """`entrenar eval --task humaneval`: the task options of `eval` and the command behind them.
 
-`eval --task loss` (the default) stays in train/commands.py; cmd_eval hands any other task here.
+`eval --task loss` (the default) is cli/train.py's cmd_eval; it hands any other task here.
 """
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
-    from ..train.commands import load_any_model
-    from .harness import TaskEvalSettings, entrenar_completer, run_task_eval
-    from .sandbox import SandboxLimits
-    from .tasks import humaneval_problems, load_problems
+    from ..evaluate.harness import TaskEvalSettings, entrenar_completer, run_task_eval
+    from ..evaluate.sandbox import SandboxLimits
+    from ..evaluate.tasks import humaneval_problems, load_problems
+    from ..peft.load import load_any_model
 
     _validate(args)
     problems = load_problems(args.data) if args.data else humaneval_problems()

@@ -10,10 +10,11 @@ from typing import Any
 
 import torch
 
-from ..cli_registry import add_command
+from ..devices import DTYPES, WEIGHT_DTYPES
 from ..errors import InputError
 from ..fileio import atomic_dir
 from ..outpaths import check_creatable
+from .registry import add_command
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -23,7 +24,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "convert", cmd_convert, "any readable model -> HF directory")
     p.add_argument("model", help="packaged name, .gguf file, HF directory or run directory")
     p.add_argument("out_dir", help="HF directory to create (must not exist)")
-    p.add_argument("--dtype", choices=("keep", "fp32", "bf16"), default="keep",
+    p.add_argument("--dtype", choices=("keep", *WEIGHT_DTYPES), default="keep",
                    help="keep = stored float dtype (float32 for quantized GGUF)")
 
 
@@ -42,7 +43,7 @@ def tensor_rows(state: dict[str, torch.Tensor], info: dict[str, Any]) -> list[di
 
 
 def cmd_inspect(args: argparse.Namespace) -> dict:
-    from . import load_state
+    from ..formats import load_state
 
     cfg, state, info = load_state(args.model)
     rows = tensor_rows(state, info)
@@ -63,18 +64,15 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
             "num_parameters": cfg.num_parameters(), "tensors": rows}
 
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-
-
 def _has_tokenizer(spec: str) -> bool:
     """Whether the source carries a tokenizer (GGUF vocabulary metadata or tokenizer.json).
     A weights-only source converts to a weights-only directory."""
-    from .registry import resolve_model
+    from ..formats.registry import resolve_model
 
     path = resolve_model(spec)
     if path.is_dir():
         return (path / "tokenizer.json").is_file()
-    from .gguf import open_reader
+    from ..formats.gguf import open_reader
 
     return "tokenizer.ggml.tokens" in open_reader(path).fields
 
@@ -93,7 +91,7 @@ def _convert_to_gguf(args: argparse.Namespace, out: Path) -> dict:
 
 
 def cmd_convert(args: argparse.Namespace) -> dict:
-    from . import load_model, save_hf_dir
+    from ..formats import load_model, save_hf_dir
 
     out = Path(args.out_dir)
     if out.suffix.lower() == ".gguf":  # a GGUF file, not an HF directory named x.gguf (issue 18 item 5)
@@ -103,7 +101,7 @@ def cmd_convert(args: argparse.Namespace) -> dict:
     check_creatable(out, "OUT_DIR")  # a parent that is a file or read-only: exit 2 before loading
     if not out.parent.is_dir():
         raise InputError(f"{out.parent}: parent directory of OUT_DIR does not exist")
-    model = load_model(args.model, dtype=_DTYPES.get(args.dtype))
+    model = load_model(args.model, dtype=DTYPES.get(args.dtype))
     tokenizer = None
     if importlib.util.find_spec("entrenar.tokenizer") is not None and _has_tokenizer(args.model):
         from ..tokenizer import load_tokenizer  # type: ignore[import-not-found]

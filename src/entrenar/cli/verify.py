@@ -9,22 +9,22 @@ from typing import Any
 
 import torch
 
+from ..devices import COMPUTE_DTYPES, DTYPES
 from ..errors import InputError
-from .bisect import DTYPES, format_report, hf_from_source, hf_with_adapter, verify_model
-
-VERIFY_DTYPES = ("fp32", "bf16", "fp16")
+from ..kernels import KERNELS
+from ..verify.bisect import format_report, hf_from_source, hf_with_adapter, verify_model
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli_registry import add_command, add_device_option, add_dtype_option
+    from .registry import add_command, add_device_option, add_dtype_option
 
     p = add_command(sub, "verify", cmd_verify,
                     "the model's fast path (device/dtype/kernels) vs a float64 reference or transformers: "
                     "logits, CE, per-layer and per-op relL2, gradients; exit 1 naming the first op over its bound")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     add_device_option(p)
-    add_dtype_option(p, VERIFY_DTYPES, "compute dtype of the path under test; its bounds are docs/design.md's")
-    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
+    add_dtype_option(p, COMPUTE_DTYPES, "compute dtype of the path under test; its bounds are docs/design.md's")
+    p.add_argument("--kernels", default="auto", choices=("auto", *KERNELS),
                    help="auto = triton on cuda, torch elsewhere (auto)")
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
@@ -40,8 +40,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     add_device_option(p)
-    add_dtype_option(p, VERIFY_DTYPES, "compute dtype the answers are generated in")
-    p.add_argument("--kernels", default="auto", choices=("auto", "torch", "triton"),
+    add_dtype_option(p, COMPUTE_DTYPES, "compute dtype the answers are generated in")
+    p.add_argument("--kernels", default="auto", choices=("auto", *KERNELS),
                    help="auto = triton on cuda, torch elsewhere (auto)")
 
 
@@ -63,7 +63,7 @@ def _dtype(requested: str, device: torch.device) -> str:
 
 def _load(spec: str, adapter: str | None, device: torch.device, dtype: torch.dtype, kernels: str,
           force_base: bool = False):
-    from ..formats import load_model_with_adapter
+    from ..peft.load import load_model_with_adapter
 
     return load_model_with_adapter(spec, adapter, dtype=dtype, device=device, kernels=kernels,
                                    force_base=force_base)
@@ -77,7 +77,7 @@ def run_verify(spec: str, device: str = "cpu", dtype: str = "auto", kernels: str
     from ..peft.base_location import locate_base
     from ..peft.io import is_adapter_dir
     from ..tokenizer import load_tokenizer
-    from .probe import build_probe
+    from ..verify.probe import build_probe
 
     if seq_len < 32:
         raise InputError(f"--seq-len {seq_len}: must be >= 32 so the long probe passes a 32-wide reduction")
@@ -117,7 +117,7 @@ def cmd_verify(args: argparse.Namespace) -> dict:
 
 def cmd_qa(args: argparse.Namespace) -> dict:
     from ..tokenizer import load_tokenizer
-    from .qa import format_qa, run_qa
+    from ..verify.qa import format_qa, run_qa
 
     dev = _device(args.device)
     tokenizer = load_tokenizer(args.model)

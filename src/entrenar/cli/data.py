@@ -8,8 +8,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 from ..errors import InputError
-from .sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 
 
 def _load_tokenizer(spec: str) -> Any:
@@ -25,8 +25,8 @@ def _load_tokenizer(spec: str) -> Any:
 
 
 def cmd_pack(args: argparse.Namespace) -> dict[str, Any]:
-    from . import corpus
-    from .corpus import pack
+    from ..data import corpus
+    from ..data.corpus import pack
 
     if 1 <= args.shard_tokens < corpus.MIN_SHARD_TOKENS:
         raise InputError(f"--shard-tokens {args.shard_tokens} is below the minimum of {corpus.MIN_SHARD_TOKENS:,} "
@@ -63,7 +63,7 @@ def cmd_pack(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
-    from .from_code import sft_from_code
+    from ..data.from_code import sft_from_code
 
     system_prompt = None
     if args.system_prompt_file:
@@ -81,7 +81,7 @@ def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
-    from .sft import load_sft
+    from ..data.sft import load_sft
 
     if not 0.0 <= args.max_skip_fraction <= 1.0:
         raise InputError(f"--max-skip-fraction must be in [0, 1], got {args.max_skip_fraction}")
@@ -95,7 +95,7 @@ def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli_registry import add_command
+    from .registry import add_command
 
     def dispatch(args: argparse.Namespace) -> dict:
         return args.data_func(args)

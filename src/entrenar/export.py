@@ -3,12 +3,12 @@
 MODEL is anything `--model` accepts (packaged name, .gguf, HF directory, run or checkpoint
 directory, or a LoRA run whose adapter names its base). `--adapter` merges a LoRA/QLoRA adapter
 onto the base it was trained against first (as `entrenar merge --onto trained` does), checked by
-comparing merged and unmerged logits (GUARD-MERGE). The library part is gguf_write.py.
+comparing merged and unmerged logits (GUARD-MERGE, merge.merge_checked). The writer is formats/gguf_write.py,
+the command cli/export.py.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import time
 from pathlib import Path
@@ -16,44 +16,23 @@ from typing import Any
 
 import torch
 
-from ..errors import GuardError, InputError
-from ..outpaths import check_creatable
-from .gguf_write import EXPORT_TYPES, write_gguf
-
-
-def register(sub: argparse._SubParsersAction) -> None:
-    from ..cli_registry import add_command
-
-    p = sub.add_parser("export", help="write a model in a runtime's format (gguf: llama.cpp, Ollama, LM Studio)",
-                       description="write a model in a runtime's format")
-    formats = p.add_subparsers(dest="export_format", required=True, metavar="FORMAT")
-    g = add_command(formats, "gguf", cmd_export_gguf,
-                    "MODEL -> one GGUF file that llama.cpp loads (weights, architecture, tokenizer, chat template)")
-    g.add_argument("model", metavar="MODEL", help="packaged name, .gguf file, HF directory, run or checkpoint directory")
-    g.add_argument("out", metavar="OUT.gguf", help="GGUF file to create (must not exist)")
-    g.add_argument("--adapter", default=None,
-                   help="LoRA/QLoRA adapter directory (or LoRA run) merged onto MODEL before writing")
-    g.add_argument("--type", dest="export_type", choices=EXPORT_TYPES, default="f16",
-                   help="stored type of the 2-D weights (norms and biases stay f32); q8_0/q4_0 quantize "
-                        "with gguf.quants (f16)")
-    g.add_argument("--tokenizer", default=None,
-                   help="take the tokenizer from this MODEL/HF directory instead of MODEL's own")
-    g.add_argument("--force-base", action="store_true",
-                   help="merge --adapter even if MODEL is not the base the adapter recorded")
+from .errors import InputError
+from .formats.gguf_write import EXPORT_TYPES, write_gguf
+from .outpaths import check_creatable
 
 
 def _tokenizer_for(spec: str, tokenizer_spec: str | None) -> Any:
     """MODEL's tokenizer; for an adapter directory without one, its recorded base's."""
-    from ..peft import is_adapter_dir
-    from ..tokenizer import load_tokenizer
-    from .registry import resolve_model
+    from .formats.registry import resolve_model
+    from .peft import is_adapter_dir
+    from .tokenizer import load_tokenizer
 
     if tokenizer_spec is not None:
         return load_tokenizer(tokenizer_spec)
     path = resolve_model(spec)
     if path.is_dir() and not (path / "tokenizer.json").is_file():
         if is_adapter_dir(path):
-            from ..peft.base_location import locate_base
+            from .peft.base_location import locate_base
 
             return _tokenizer_for(locate_base(path, shown_as=spec)[0], None)
         raise InputError(f"{path}: has no tokenizer.json, and a GGUF file must carry its tokenizer; "
@@ -62,31 +41,21 @@ def _tokenizer_for(spec: str, tokenizer_spec: str | None) -> Any:
 
 
 def _merged_model(spec: str, adapter: str | None, force_base: bool) -> tuple[Any, int]:
-    """float32 model with every LoRA/QLoRA adapter folded in, and how many were merged."""
-    from ..merge import MERGE_TOLERANCE, probe_ids
-    from ..peft import LoRALinear, merge_in_place
-    from ..tensors import rel_l2
-    from . import load_model_with_adapter
+    """float32 model with every LoRA/QLoRA adapter folded in (GUARD-MERGE checked), and how many were merged."""
+    from .merge import merge_checked
+    from .peft import LoRALinear
+    from .peft.load import load_model_with_adapter
 
     model = load_model_with_adapter(spec, adapter, dtype=torch.float32, force_base=force_base)
     if not any(isinstance(m, LoRALinear) for m in model.modules()):
         return model, 0
-    ids = probe_ids(model.cfg.vocab_size)
-    with torch.no_grad():
-        before = model(ids)
-        n = merge_in_place(model, "trained")
-        after = model(ids)
-    rel = rel_l2(after, before)
-    if not rel <= MERGE_TOLERANCE:
-        raise GuardError("GUARD-MERGE", f"merged logits differ from base+adapter by relL2 {rel:.3g} "
-                         f"(> {MERGE_TOLERANCE:g}); nothing was written.",
-                         "report this as a bug; run the unmerged adapter with `generate --adapter` meanwhile")
+    n, _, _ = merge_checked(model, "trained")
     return model, n
 
 
 def _requantized_from(model: torch.nn.Module, export_type: str) -> list[str]:
     """The source's quantized GGUF types when --type quantizes into another type (issue 28 item 9)."""
-    from .gguf import _FLOAT_TYPES
+    from .formats.gguf import _FLOAT_TYPES
 
     stored = (getattr(model, "source", None) or {}).get("stored_dtypes") or {}
     quantized = sorted({t for t in stored.values() if t not in _FLOAT_TYPES})
@@ -120,19 +89,4 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
                                f"values exactly")
     result.update(model=str(spec), adapter=adapter, adapters_merged=n_merged, requantized_from=requantized or None,
                   load_seconds=round(load_seconds, 3), total_seconds=round(time.perf_counter() - start, 3))
-    return result
-
-
-def cmd_export_gguf(args: argparse.Namespace) -> dict[str, Any]:
-    result = export_gguf(args.model, args.out, args.export_type, args.adapter, args.tokenizer, args.force_base)
-    if not args.json:
-        types = ", ".join(f"{k} x{v}" for k, v in sorted(result["tensor_types"].items()))
-        merged = f", {result['adapters_merged']} adapters merged" if result["adapters_merged"] else ""
-        print(f"wrote {result['out']}: {result['architecture']}, {result['tensors']} tensors ({types}), "
-              f"{result['bytes'] / 1e6:.1f} MB written in {result['seconds']:.1f} s ({result['mb_per_s']} MB/s; "
-              f"{result['total_seconds']:.1f} s with loading); "
-              f"tokenizer: {result['vocab']} tokens, pre-tokenizer {result['pre_tokenizer']}, "
-              f"add_bos {str(result['add_bos']).lower()}{merged}")
-        for note in result["notes"]:
-            print(f"note: {note}")
     return result

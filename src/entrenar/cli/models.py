@@ -9,10 +9,11 @@ import argparse
 import sys
 from typing import Any
 
-from .cli_registry import add_command, add_device_option
-from .errors import InputError
-from .generate import DEFAULT_MAX_NEW_TOKENS
-from .merge import ONTO
+from ..devices import DTYPES, WEIGHT_DTYPES
+from ..errors import InputError
+from ..generate import DEFAULT_MAX_NEW_TOKENS
+from ..merge import ONTO
+from .registry import add_command, add_device_option
 
 
 # ---- generate ------------------------------------------------------------------------------------
@@ -23,24 +24,22 @@ def add_model_source_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
 
 
-GENERATE_DTYPES = {"fp32": "float32", "bf16": "bfloat16"}
 
 
 def load_generation_model(args: argparse.Namespace, device: str) -> Any:
     """The model to generate with, in the weights dtype --dtype resolves to on `device` (bf16 weights on a
     GPU with native bf16: decoding reads every weight once per token). Arguments from add_model_source_args
     are applied here."""
-    import torch
 
-    from .devices import resolve_dtype
-    from .formats import load_model_with_adapter
+    from ..devices import resolve_dtype
+    from ..peft.load import load_model_with_adapter
 
     requested = getattr(args, "dtype", "auto")
     dtype, why = resolve_dtype(requested, device)
     if requested == "auto" and dtype == "fp32":  # the CPU: today's behaviour, the weights' stored dtype
         weights, why = None, why.replace("fp32", "the stored dtype", 1)
     else:
-        weights = getattr(torch, GENERATE_DTYPES[dtype])
+        weights = DTYPES[dtype]
     if requested == "auto" and not getattr(args, "json", False):
         print(why, file=sys.stderr, flush=True)
     return load_model_with_adapter(args.model, getattr(args, "adapter", None), device=device, dtype=weights,
@@ -61,9 +60,9 @@ def prompt_ids_for(tokenizer: Any, prompt: str, chat: bool, system: str | None) 
 
 
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
-    from .devices import resolve_device
-    from .generate import generate
-    from .tokenizer import load_tokenizer
+    from ..devices import resolve_device
+    from ..generate import generate
+    from ..tokenizer import load_tokenizer
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens is {args.max_new_tokens}; it must be at least 1")
@@ -94,7 +93,7 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
 
 # ---- merge ---------------------------------------------------------------------------------------
 def cmd_merge(args: argparse.Namespace) -> dict[str, Any]:
-    from .merge import merge
+    from ..merge import merge
 
     result = merge(args.base, args.adapter, args.out, args.onto, force_base=args.force_base)
     if not args.json:
@@ -132,7 +131,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "probabilities add up to P; 1 = all tokens (1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
     add_device_option(p, default="auto")
-    p.add_argument("--dtype", default="auto", choices=("auto", *GENERATE_DTYPES),
+    p.add_argument("--dtype", default="auto", choices=("auto", *WEIGHT_DTYPES),
                    help="weights and compute dtype: auto = bf16 on a CUDA device with native bf16 (compute "
                         "capability >= 8.0), else the weights' stored dtype (a GGUF dequantizes to fp32) (auto)")
     add_model_source_args(p)

@@ -1,0 +1,38 @@
+"""The files that make a directory of trained weights a MODEL by itself (issue 13): written into every
+checkpoint and final/ of a run (train/commands.py). Not in tokenizer.py: writing adapters and
+config.json is above the tokenizer's layer (docs/design.md, "Layout")."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..peft import save_adapter
+from ..tokenizer import save_tokenizer_files
+
+
+def write_checkpoint_files(model: Any, out_dir: str | os.PathLike, tokenizer: Any = None,
+                           base_spec: str | None = None) -> None:
+    """The files that make a directory of trained weights a MODEL by itself (issue 13): for full
+    training config.json (the weights are the checkpoint's model.safetensors, all parameters under
+    their HF names), for LoRA/QLoRA the PEFT adapter files (onto ``base_spec``); and for both
+    generation_config.json (bos/eos/pad) and the tokenizer files."""
+    out = Path(out_dir)
+    cfg = model.cfg
+    if getattr(model, "peft_config", None) is not None:
+        save_adapter(model, out, base_spec)
+    else:
+        d = cfg.to_hf_dict()
+        dtypes = {str(p.dtype).removeprefix("torch.") for p in model.parameters() if p.requires_grad}
+        d["dtype"] = dtypes.pop() if len(dtypes) == 1 else "float32"
+        (out / "config.json").write_text(json.dumps(d, indent=2) + "\n")
+    ids = {"bos_token_id": cfg.bos_token_id, "eos_token_id": cfg.eos_token_id, "pad_token_id": cfg.pad_token_id}
+    if tokenizer is not None:  # a model config without special ids (a preset): the tokenizer's
+        for key, tok_id in (("bos_token_id", tokenizer.bos_id), ("eos_token_id", tokenizer.eos_id),
+                            ("pad_token_id", tokenizer.pad_id)):
+            ids[key] = tok_id if ids[key] is None else ids[key]
+        save_tokenizer_files(tokenizer, out)
+    gen = {k: v for k, v in ids.items() if v is not None}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=2) + "\n")
