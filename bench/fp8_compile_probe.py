@@ -85,7 +85,7 @@ def run_variant(cfg, args, variant: str, batches, ref_logits) -> dict:
     tokens = args.batch * args.seq
     flops_per_token = cfg.flops_per_token(args.seq)  # the formula the CLI's MFU uses
     peak_tflops = args.peak_tflops
-    row = {"variant": variant, "model": args.model, "kernels": args.kernels, "batch": args.batch, "seq": args.seq,
+    row = {"variant": variant, "model": args.model, "layers": cfg.num_layers, "kernels": args.kernels, "batch": args.batch, "seq": args.seq,
            "tokens_per_s": round(tokens / med), "step_s": round(med, 4), "first_step_s": round(first_step_s, 2),
            "peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
            "mfu_bf16_peak": round(flops_per_token * tokens / med / (peak_tflops * 1e12), 4),
@@ -103,12 +103,15 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=14)
     ap.add_argument("--warmup", type=int, default=5)
     ap.add_argument("--kernels", default="triton")
+    ap.add_argument("--layers", type=int, default=0, help="keep the widths, use this many blocks (0 = the preset's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--variants", default="bf16,fp8,bf16+compile,fp8+compile")
     ap.add_argument("--peak-tflops", type=float, default=989.0, help="dense bf16 peak of the card (H100/H200 SXM)")
     ap.add_argument("--out", default="")
     args = ap.parse_args()
     cfg = PRESETS[args.model]
+    if args.layers:
+        cfg = cfg.replace(num_layers=args.layers)
     g = torch.Generator().manual_seed(1)
     batches = []
     for _ in range(4):
