@@ -147,6 +147,21 @@ def test_qwen3_checkpoint_and_config_disagreeing_is_guard_load(tiny_hf_dir):
         check_state(model.cfg, bias, "qwen3")
 
 
+def test_qwen3_variants_llama_cpp_cannot_run_are_refused_with_the_family_that_can():
+    """In GGUF the architecture alone says bias and qk-norm: a model between families is named its family, or refused."""
+    from entrenar.errors import InputError
+    from entrenar.formats.gguf_write import check_exportable
+
+    qwen3 = tiny_config("qwen3")
+    check_exportable(qwen3)
+    with pytest.raises(InputError, match="qwen3 architecture requires.*architecture='llama'"):
+        check_exportable(qwen3.replace(qk_norm=False))
+    with pytest.raises(InputError, match="no llama.cpp architecture has them with qk-norm"):
+        check_exportable(qwen3.replace(attention_bias=True))
+    with pytest.raises(InputError, match="set architecture='qwen3'"):
+        check_exportable(tiny_config("llama", qk_norm=True))
+
+
 # ---- GGUF: our reader and llama.cpp ---------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def qwen3_dir(tmp_path_factory) -> Path:
