@@ -66,21 +66,19 @@ TINY_BASE = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 176, "nu
 
 
 def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
-    """A random transformers LlamaForCausalLM / Qwen2ForCausalLM (fp32, eval).
+    """A random transformers LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM (fp32, eval).
 
     Every tensor is randomized -- norm weights around 1, biases nonzero -- so no parameter can be
     dropped or swapped without changing the logits. Embeddings stay small (std 0.02 as HF's init)
     so RMSNorm's eps matters to the output.
     """
-    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+    import transformers
 
+    from entrenar.families import family
+
+    fam = family(arch)
     kw = {**TINY_BASE, **overrides}
-    if arch == "llama":
-        cfg, cls = LlamaConfig(**kw), LlamaForCausalLM
-    elif arch == "qwen2":
-        cfg, cls = Qwen2Config(**kw), Qwen2ForCausalLM
-    else:
-        raise ValueError(arch)
+    cfg, cls = getattr(transformers, fam.hf_config_class)(**kw), getattr(transformers, fam.hf_architecture)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
     gen = torch.Generator().manual_seed(seed + 1)
@@ -117,13 +115,16 @@ def tiny_hf_dir(tmp_path):
 
 def tiny_config(arch: str = "llama", **overrides):
     """A small ModelConfig: 2 layers, hidden 64, 4 heads over 2 KV heads (GQA); ``arch="qwen2"`` adds
-    Qwen2's Q/K/V bias, eps 1e-6 and tied head. Any field can be overridden."""
+    Qwen2's Q/K/V bias, eps 1e-6 and tied head; ``arch="qwen3"`` qk-norm, eps 1e-6, tied head and head_dim 32
+    (not hidden / heads = 16). Any field can be overridden."""
     from entrenar.config import ModelConfig
 
     base = {"vocab_size": 97, "hidden_size": 64, "intermediate_size": 128, "num_layers": 2, "num_heads": 4,
             "num_kv_heads": 2, "architecture": arch}
     if arch == "qwen2":
         base.update(attention_bias=True, tie_word_embeddings=True, rms_norm_eps=1e-6)
+    if arch == "qwen3":
+        base.update(qk_norm=True, tie_word_embeddings=True, rms_norm_eps=1e-6, head_dim=32)
     return ModelConfig(**{**base, **overrides})
 
 

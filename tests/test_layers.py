@@ -21,7 +21,7 @@ SRC = Path(entrenar.__file__).resolve().parent
 LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("base", ("entrenar.errors", "entrenar.tensors", "entrenar.stops")),
     ("utils", ("entrenar.fileio", "entrenar.devices", "entrenar.outpaths", "entrenar.chat_limits")),
-    ("config", ("entrenar.config",)),
+    ("config", ("entrenar.families", "entrenar.config")),
     ("kernels", ("entrenar.kernels",)),
     ("model", ("entrenar.long_context", "entrenar.model")),
     ("formats", ("entrenar.formats", "entrenar.tokenizer")),

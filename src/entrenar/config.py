@@ -1,7 +1,8 @@
 """Model configuration, presets, and the mapping to transformers' ``config.json``.
 
-One ``ModelConfig`` describes every LLaMA / Qwen2 / SmolLM2 shape we support. Nothing in the
-model hard-codes eps, theta, RoPE pairing or bias choice: each comes from here.
+One ``ModelConfig`` describes every LLaMA / Qwen2 / Qwen3 / SmolLM2 shape we support. Nothing in the
+model hard-codes eps, theta, RoPE pairing, bias or qk-norm: each comes from here, and what a family
+fixes or defaults (config.json's names, Q/K/V bias, qk-norm, eps) comes from its spec in ``families.py``.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .families import FAMILIES, Family, family
+
 ROPE_STYLES = ("neox", "gptj")
-ARCHITECTURES = ("llama", "qwen2")
+ARCHITECTURES = tuple(FAMILIES)
 
 
 @dataclass
@@ -30,7 +33,7 @@ class ModelConfig:
     rope_scaling: dict[str, Any] | None = None  # None | {"rope_type": "linear"|"llama3", "factor": ..}
     rms_norm_eps: float = 1e-5
     attention_bias: bool = False  # Q/K/V projection biases (Qwen2)
-    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE
+    qk_norm: bool = False  # RMSNorm over head_dim on q and k before RoPE (Qwen3)
     tie_word_embeddings: bool = False
     max_position_embeddings: int = 4096
     architecture: str = "llama"  # which transformers class config.json names
@@ -96,12 +99,16 @@ class ModelConfig:
         return 6 * self.matmul_parameters() + attn
 
     # ---- transformers config.json ------------------------------------------------------
+    @property
+    def family(self) -> Family:
+        return family(self.architecture)
+
     def to_hf_dict(self) -> dict[str, Any]:
-        arch = "Qwen2ForCausalLM" if self.architecture == "qwen2" else "LlamaForCausalLM"
+        fam = self.family
         d: dict[str, Any] = dict(self.extra)
         d.update(
-            architectures=[arch],
-            model_type=self.architecture,
+            architectures=[fam.hf_architecture],
+            model_type=fam.name,
             vocab_size=self.vocab_size,
             hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size,
@@ -119,34 +126,36 @@ class ModelConfig:
             rms_norm_eps=self.rms_norm_eps,
             tie_word_embeddings=self.tie_word_embeddings,
             max_position_embeddings=self.max_position_embeddings,
-            hidden_act="silu",
+            hidden_act=fam.hidden_act,
             initializer_range=self.initializer_range,
             bos_token_id=self.bos_token_id,
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
         )
-        # transformers' LLaMA puts a bias on o_proj too when attention_bias is set; Qwen2 biases
-        # exactly Q/K/V. So Q/K/V bias is expressed as qwen2 and its absence as llama.
-        if self.architecture == "llama":
-            if self.attention_bias:
-                raise ValueError("Q/K/V bias without an o_proj bias is the qwen2 architecture; "
-                                 "set architecture='qwen2'")
-            d["attention_bias"] = False
-            d["mlp_bias"] = False
-        elif not self.attention_bias:
-            raise ValueError("a Qwen2 config.json cannot express attention_bias=false; use llama")
-        if self.rope_style != "neox":
-            d["entrenar_rope_style"] = self.rope_style  # transformers has no gptj pairing for llama
-        if self.qk_norm:
+        # A family fixes Q/K/V bias: transformers' LLaMA and Qwen3 put a bias on o_proj too when attention_bias
+        # is set, Qwen2 biases exactly Q/K/V. So Q/K/V bias is expressed as qwen2 and its absence as llama/qwen3.
+        if self.attention_bias != fam.qkv_bias:
+            other = _family_for(self.attention_bias, self.qk_norm)
+            raise ValueError(f"Q/K/V bias without an o_proj bias is the {other.name} architecture; set "
+                             f"architecture='{other.name}'" if self.attention_bias else
+                             f"a {fam.name} config.json cannot express attention_bias=false; use {other.name}")
+        if fam.qk_norm and not self.qk_norm:
+            raise ValueError(f"a {fam.name} config.json cannot express qk_norm=false; use "
+                             f"{_family_for(self.attention_bias, False).name}")
+        d.update(fam.hf_fixed_keys)
+        if self.rope_style != fam.rope_style:
+            d["entrenar_rope_style"] = self.rope_style  # transformers has no gptj pairing for these families
+        if self.qk_norm and not fam.qk_norm:
             d["entrenar_qk_norm"] = True
         return d
 
     @classmethod
     def from_hf_dict(cls, d: dict[str, Any]) -> ModelConfig:
         model_type = d.get("model_type", "llama")
-        if model_type not in ARCHITECTURES:
+        if model_type not in FAMILIES:
             raise ValueError(f"config.json model_type {model_type!r} is not supported "
-                             f"(supported: {', '.join(ARCHITECTURES)})")
+                             f"(supported: {', '.join(FAMILIES)})")
+        fam = FAMILIES[model_type]
         known = {
             "architectures", "model_type", "vocab_size", "hidden_size", "intermediate_size",
             "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
@@ -155,12 +164,17 @@ class ModelConfig:
             "initializer_range", "bos_token_id", "eos_token_id", "pad_token_id",
             "entrenar_rope_style", "entrenar_qk_norm", "rope_parameters",
         }
-        if d.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"hidden_act {d['hidden_act']!r} not supported (silu only)")
+        if d.get("hidden_act", fam.hidden_act) != fam.hidden_act:
+            raise ValueError(f"hidden_act {d['hidden_act']!r} not supported ({fam.hidden_act} only)")
         if d.get("mlp_bias"):
             raise ValueError("mlp_bias=true is not supported")
-        if model_type == "llama" and d.get("attention_bias"):
-            raise ValueError("LLaMA attention_bias=true (bias on o_proj too) is not supported")
+        for key, value in fam.hf_fixed_keys:
+            if d.get(key, value) not in (value, None):
+                raise ValueError(f"{model_type} {key}={d[key]!r} is not supported"
+                                 + (" (bias on o_proj too)" if key == "attention_bias" else ""))
+        if d.get("use_sliding_window"):
+            raise ValueError("use_sliding_window=true is not supported: every layer here attends to the whole "
+                             "context, so layers past the window would compute something else than the model")
         rope_scaling = d.get("rope_scaling")
         rope_theta = d.get("rope_theta", 10000.0)
         if d.get("rope_parameters"):  # transformers >= 5 writes theta and scaling here
@@ -178,12 +192,12 @@ class ModelConfig:
             num_kv_heads=d.get("num_key_value_heads") or heads,
             head_dim=d.get("head_dim") or d["hidden_size"] // heads,
             rope_theta=float(rope_theta),
-            rope_style=d.get("entrenar_rope_style", "neox"),
+            rope_style=d.get("entrenar_rope_style", fam.rope_style),
             rope_scaling=rope_scaling,
-            rms_norm_eps=float(d.get("rms_norm_eps", 1e-6 if model_type == "qwen2" else 1e-5)),
-            attention_bias=True if model_type == "qwen2" else bool(d.get("attention_bias", False)),
-            qk_norm=bool(d.get("entrenar_qk_norm", False)),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),  # transformers' default
+            rms_norm_eps=float(d.get("rms_norm_eps", fam.rms_norm_eps)),
+            attention_bias=fam.qkv_bias,
+            qk_norm=fam.qk_norm or bool(d.get("entrenar_qk_norm", False)),
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", fam.tie_word_embeddings)),
             max_position_embeddings=d.get("max_position_embeddings", 4096),
             architecture=model_type,
             bos_token_id=d.get("bos_token_id"),
@@ -202,6 +216,13 @@ class ModelConfig:
 
     def replace(self, **changes: Any) -> ModelConfig:
         return dataclasses.replace(self, **changes)
+
+
+def _family_for(qkv_bias: bool, qk_norm: bool) -> Family:
+    """The family a config.json of these features is written as: the one that fixes both, else the one with this
+    bias and no qk-norm (qk-norm then travels as entrenar_qk_norm)."""
+    exact = [f for f in FAMILIES.values() if (f.qkv_bias, f.qk_norm) == (qkv_bias, qk_norm)]
+    return (exact or [f for f in FAMILIES.values() if f.qkv_bias == qkv_bias and not f.qk_norm])[0]
 
 
 PRESETS: dict[str, ModelConfig] = {
@@ -228,6 +249,15 @@ PRESETS: dict[str, ModelConfig] = {
                                     tie_word_embeddings=False, max_position_embeddings=32768,
                                     architecture="qwen2", bos_token_id=151643,
                                     eos_token_id=151645),
+    # Qwen3: no Q/K/V bias, RMSNorm over head_dim on q and k before RoPE, head_dim not hidden / heads
+    "tiny-qwen3": ModelConfig(vocab_size=49152, hidden_size=64, intermediate_size=176, num_layers=2,
+                              num_heads=4, num_kv_heads=2, head_dim=32, rope_theta=1e6, rms_norm_eps=1e-6,
+                              qk_norm=True, tie_word_embeddings=True, max_position_embeddings=2048,
+                              architecture="qwen3"),
+    "qwen3-0.6b": ModelConfig(vocab_size=151936, hidden_size=1024, intermediate_size=3072, num_layers=28,
+                              num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=1e6, rms_norm_eps=1e-6,
+                              qk_norm=True, tie_word_embeddings=True, max_position_embeddings=40960,
+                              architecture="qwen3", bos_token_id=151643, eos_token_id=151645),
 }
 
 

@@ -1,8 +1,9 @@
-"""The decoder: one readable file for LLaMA, Qwen2 and SmolLM2.
+"""The decoder: one readable file for LLaMA, Qwen2, Qwen3 and SmolLM2.
 
 Parameter names are Hugging Face's (``model.layers.0.self_attn.q_proj.weight`` ...), so loading
 an HF checkpoint is a rename-free copy. Every numeric choice (eps, theta, RoPE pairing and
-scaling, Q/K/V bias, qk-norm, tied head) comes from ``ModelConfig``.
+scaling, Q/K/V bias, qk-norm, tied head, head_dim) comes from ``ModelConfig``, whose family
+(``families.py``) fixes what the architecture implies; nothing here tests a family's name.
 
 Shapes: B batch, T sequence, H heads, K kv heads, D head_dim, C hidden.
 Labels passed to ``forward`` are already shifted: ``labels[:, t]`` is the target of position t.
@@ -133,7 +134,7 @@ class Attention(nn.Module):
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
         v = self.v_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
-        if cfg.qk_norm:
+        if cfg.qk_norm:  # Qwen3: per-head RMSNorm over head_dim, before RoPE (the RMSNorm kernel on rows of D)
             q, k = self.q_norm(q, ops), self.k_norm(k, ops)
         q, k = ops.rope(q, k, cos, sin, cfg.rope_style)
         internals = self.internals

@@ -5,7 +5,8 @@ bit for bit); quantized tensors (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K, ...) are dequanti
 with ``gguf.quants.dequantize``. GGUF lists dimensions fastest-first (ne0, ne1), the reverse of
 torch's order. llama.cpp permutes the rows of Q and K for the ``llama`` architecture (to turn
 HF's split-half RoPE pairs into adjacent pairs); we undo it so the weights are HF's again.
-``qwen2`` is stored unpermuted (llama.cpp uses NeoX RoPE for it).
+``qwen2`` and ``qwen3`` are stored unpermuted (llama.cpp uses NeoX RoPE for them). Which
+architecture does what is its family's spec (``families.py``).
 """
 
 from __future__ import annotations
@@ -21,8 +22,9 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import InputError
+from ..families import GGUF_FAMILIES, gguf_family
 
-SUPPORTED_ARCHITECTURES = ("llama", "qwen2")
+SUPPORTED_ARCHITECTURES = tuple(GGUF_FAMILIES)
 
 _FLOAT_TYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16}
 
@@ -180,9 +182,10 @@ def _f32_value(v: float) -> float:
 
 
 def read_config(reader, path: str | Path) -> ModelConfig:
-    """ModelConfig from GGUF metadata (llama / qwen2)."""
+    """ModelConfig from GGUF metadata (an architecture of families.GGUF_FAMILIES)."""
     arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
+    fam = gguf_family(arch)
+    if fam is None:
         raise InputError(f"{path}: GGUF architecture {arch!r} is not supported "
                          f"(supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
 
@@ -229,13 +232,14 @@ def read_config(reader, path: str | Path) -> ModelConfig:
             num_kv_heads=int(kv_heads),
             head_dim=head_dim,
             rope_theta=_f32_value(_field(reader, f"{arch}.rope.freq_base", 10000.0)),
-            rope_style="neox",  # the llama permutation is undone on load; qwen2 is NeoX as stored
+            rope_style=fam.rope_style,  # the llama permutation is undone on load; qwen2/qwen3 are NeoX as stored
             rope_scaling=rope_scaling,
             rms_norm_eps=_f32_value(need("attention.layer_norm_rms_epsilon")),
-            attention_bias=arch == "qwen2",
+            attention_bias=fam.qkv_bias,
+            qk_norm=fam.qk_norm,
             tie_word_embeddings="output.weight" not in tensors,
             max_position_embeddings=int(_field(reader, f"{arch}.context_length", 4096)),
-            architecture=arch,
+            architecture=fam.name,
             bos_token_id=None if bos is None else int(bos),
             eos_token_id=None if eos is None else int(eos),
             pad_token_id=None if pad is None else int(pad),
@@ -286,11 +290,12 @@ def _tensor_to_torch(t, path: Path) -> torch.Tensor:
 
 
 def iter_tensors(reader, cfg: ModelConfig, path: Path) -> Iterator[tuple[TensorRecord, torch.Tensor]]:
-    """(record, tensor) per GGUF tensor, HF-named, llama Q/K permutation undone."""
+    """(record, tensor) per GGUF tensor, HF-named, llama's Q/K permutation undone."""
+    permuted = cfg.family.gguf_rope_adjacent  # the file pairs Q/K rows for llama.cpp's NORM RoPE
     for t in reader.tensors:
         name = hf_name(t.name) or t.name
         tensor = _tensor_to_torch(t, path)
-        if cfg.architecture == "llama":
+        if permuted:
             if ".self_attn.q_proj." in name:
                 tensor = unpermute_qk(tensor, cfg.num_heads)
             elif ".self_attn.k_proj." in name:

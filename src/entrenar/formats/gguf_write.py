@@ -4,10 +4,12 @@ What llama.cpp needs, and why each step is here:
 
 - Tensor names are llama.cpp's (``blk.0.attn_q.weight`` ...): the inverse of the reader's table in
   ``gguf.py``, so reading and writing can never disagree on a name.
-- RoPE pairing: llama.cpp runs ``llama`` with NORM RoPE (adjacent pairs 2i, 2i+1) and ``qwen2`` with
-  NEOX RoPE (pairs i, i + d/2). Our weights pair as ``cfg.rope_style`` says (HF's neox by default),
+- The architecture is the family's (``families.py``: ``gguf_arch``), and so is its RoPE: llama.cpp runs
+  ``llama`` with NORM RoPE (adjacent pairs 2i, 2i+1) and ``qwen2``/``qwen3`` with NEOX RoPE (pairs i, i + d/2).
+  Our weights pair as ``cfg.rope_style`` says (HF's neox by default),
   so Q/K rows (and biases) are permuted where the two disagree: neox -> llama is llama.cpp's own
   ``permute`` of convert_hf_to_gguf.py; gptj -> qwen2 is its inverse. The reader undoes the same.
+  Qwen3's q_norm/k_norm act on whole heads before RoPE, so they are never permuted.
 - Qwen2's Q/K/V biases are written (llama.cpp requires them); a tied head is written once
   (``token_embd.weight``, no ``output.weight``), which is how llama.cpp and our reader detect tying.
 - 1-D tensors (norms, biases) stay F32 whatever ``--type`` says, as llama.cpp's converter does;
@@ -33,6 +35,7 @@ import torch
 
 from ..config import ModelConfig
 from ..errors import InputError
+from ..families import family_with
 from .gguf import _BLOCK_NAMES, _GLOBAL_NAMES, unpermute_qk
 
 EXPORT_TYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -84,7 +87,7 @@ def permute_qk(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 def rope_layout(w: torch.Tensor, cfg: ModelConfig, n_head: int) -> torch.Tensor:
     """Q or K rows (weight or bias) in the pairing llama.cpp's RoPE for this architecture uses."""
-    target_adjacent = cfg.architecture == "llama"  # llama.cpp: llama = NORM, qwen2 = NEOX
+    target_adjacent = cfg.family.gguf_rope_adjacent  # llama.cpp: llama = NORM, qwen2/qwen3 = NEOX
     source_adjacent = cfg.rope_style == "gptj"
     if target_adjacent and not source_adjacent:
         return permute_qk(w, n_head)
@@ -94,16 +97,24 @@ def rope_layout(w: torch.Tensor, cfg: ModelConfig, n_head: int) -> torch.Tensor:
 
 
 def check_exportable(cfg: ModelConfig) -> None:
-    """InputError for model features llama.cpp's llama/qwen2 graphs (or our reader) cannot express."""
-    if cfg.qk_norm:
-        raise InputError("the model uses qk-norm, which llama.cpp's llama and qwen2 architectures do not "
-                         "have; it cannot be exported to GGUF")
-    if cfg.architecture == "llama" and cfg.attention_bias:
-        raise InputError("a llama model with Q/K/V biases is the qwen2 architecture in GGUF; set "
-                         "architecture='qwen2' in its config.json before exporting")
-    if cfg.architecture == "qwen2" and not cfg.attention_bias:
-        raise InputError("a qwen2 model without Q/K/V biases cannot be exported (llama.cpp requires them); "
-                         "export it as architecture 'llama'")
+    """InputError for model features the family's llama.cpp graph (or our reader) cannot express: in GGUF the
+    architecture alone says whether there are Q/K/V biases and qk-norm."""
+    fam = cfg.family
+    if cfg.qk_norm != fam.qk_norm:
+        other = family_with(cfg.attention_bias, cfg.qk_norm)
+        raise InputError(f"the model {'uses' if cfg.qk_norm else 'lacks'} qk-norm, which llama.cpp's {fam.gguf_arch} "
+                         f"architecture {'does not have' if cfg.qk_norm else 'requires'}; "
+                         + (f"set architecture='{other.name}' in its config.json before exporting" if other else
+                            "it cannot be exported to GGUF"))
+    if cfg.attention_bias and not fam.qkv_bias:
+        other = family_with(True, cfg.qk_norm)
+        raise InputError(f"a {fam.name} model with Q/K/V biases is the {other.name} architecture in GGUF; set "
+                         f"architecture='{other.name}' in its config.json before exporting" if other else
+                         f"a {fam.name} model with Q/K/V biases cannot be exported (no llama.cpp architecture "
+                         f"has them with qk-norm)")
+    if fam.qkv_bias and not cfg.attention_bias:
+        raise InputError(f"a {fam.name} model without Q/K/V biases cannot be exported (llama.cpp requires them); "
+                         f"export it as architecture '{family_with(False, cfg.qk_norm).name}'")
     kind = (cfg.rope_scaling or {}).get("rope_type", (cfg.rope_scaling or {}).get("type"))
     if kind not in (None, "default", "linear"):
         raise InputError(f"RoPE scaling {kind!r} is not supported by the GGUF export (none or linear)")
@@ -205,11 +216,13 @@ def _pre_split(pre_tokenizer: Any, text: str) -> list[str]:
     return [piece for piece, _ in pre_tokenizer.pre_tokenize_str(text)]
 
 
-def detect_pre_tokenizer(tokenizer: Any, source: str = "tokenizer", ignore_merges: bool | None = None) -> str:
+def detect_pre_tokenizer(tokenizer: Any, source: str = "tokenizer", ignore_merges: bool | None = None,
+                         prefer: tuple[str, ...] = ()) -> str:
     """llama.cpp's pre-tokenizer name whose split equals this tokenizer's own on every probe.
 
     `tokenizer` is a ``tokenizers.Tokenizer`` (byte-level BPE). InputError when none matches:
-    a wrong name makes llama.cpp split text differently and produce other token ids.
+    a wrong name makes llama.cpp split text differently and produce other token ids. `prefer`: the
+    model family's own names (families.Family.gguf_pre_tokenizers), tried first.
     """
     from ..tokenizer import GGUF_PRE_TOKENIZERS
 
@@ -220,7 +233,7 @@ def detect_pre_tokenizer(tokenizer: Any, source: str = "tokenizer", ignore_merge
     if ignore_merges is None:
         ignore_merges = bool(json.loads(tokenizer.to_str())["model"].get("ignore_merges", False))
     own_splits = [_pre_split(own, p) for p in PRE_TOKENIZER_PROBES]
-    for name in LLAMA_CPP_PRE_NAMES:
+    for name in dict.fromkeys([*(n for n in prefer if n in LLAMA_CPP_PRE_NAMES), *LLAMA_CPP_PRE_NAMES]):
         make, candidate_ignores_merges = GGUF_PRE_TOKENIZERS[name]
         if candidate_ignores_merges != ignore_merges:
             continue
@@ -254,13 +267,14 @@ def _check_byte_level_bpe(j: dict[str, Any], source: str) -> list[str]:
     return notes
 
 
-def tokenizer_meta(chat_tokenizer: Any, vocab_size: int) -> TokenizerMeta:
-    """GGUF tokenizer metadata from a ChatTokenizer: tokens by id, token types, merges, special ids."""
+def tokenizer_meta(chat_tokenizer: Any, vocab_size: int, prefer_pre: tuple[str, ...] = ()) -> TokenizerMeta:
+    """GGUF tokenizer metadata from a ChatTokenizer: tokens by id, token types, merges, special ids.
+    `prefer_pre`: the family's pre-tokenizer names, tried first (detect_pre_tokenizer)."""
     tok = chat_tokenizer.tokenizer
     source = chat_tokenizer.source or "tokenizer"
     j = json.loads(tok.to_str())
     notes = _check_byte_level_bpe(j, source)
-    pre = detect_pre_tokenizer(tok, source, bool(j["model"].get("ignore_merges", False)))
+    pre = detect_pre_tokenizer(tok, source, bool(j["model"].get("ignore_merges", False)), prefer_pre)
     merges = [m if isinstance(m, str) else " ".join(m) for m in j["model"]["merges"]]
     merged = {m.replace(" ", "", 1) for m in merges}
     n = tok.get_vocab_size(with_added_tokens=True)
@@ -364,10 +378,10 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any,
     out = Path(out)
     start = time.perf_counter()
     plan = plan_tensors(cfg, state, export_type)
-    meta = tokenizer_meta(tokenizer, cfg.vocab_size)
+    meta = tokenizer_meta(tokenizer, cfg.vocab_size, cfg.family.gguf_pre_tokenizers)
 
     def write(tmp: Path) -> None:
-        w = GGUFWriter(tmp, cfg.architecture)
+        w = GGUFWriter(tmp, cfg.family.gguf_arch)
         _add_architecture(w, cfg, export_type, name)
         _add_tokenizer(w, meta)
         for p in plan:
@@ -394,7 +408,7 @@ def write_gguf(cfg: ModelConfig, state: dict[str, torch.Tensor], tokenizer: Any,
     types: dict[str, int] = {}
     for p in plan:
         types[p.qtype.name] = types.get(p.qtype.name, 0) + 1
-    return {"out": str(out), "type": export_type, "architecture": cfg.architecture,
+    return {"out": str(out), "type": export_type, "architecture": cfg.family.gguf_arch,
             "tensors": len(plan), "tensor_types": types, "bytes": size, "seconds": round(seconds, 3),
             "mb_per_s": round(size / 1e6 / seconds, 1) if seconds > 0 else None,
             "pre_tokenizer": meta.pre, "vocab": len(meta.tokens), "vocab_padded": meta.padded,

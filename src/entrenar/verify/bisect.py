@@ -28,11 +28,21 @@ import torch.nn.functional as F
 
 from ..devices import DTYPES as COMMAND_DTYPES
 from ..errors import InputError
+from ..families import eps_defaults
 from ..model import CausalLM
 from ..tensors import IGNORE_INDEX, rel_l2
 from .probe import ProbeSequence
 from .quiet import quiet_third_party
-from .trace import OP_ORDER, FilteredTrace, keep_block, keep_layers, record_hf, record_ours
+from .trace import (
+    ALL_OPS,
+    OP_ORDER,
+    FilteredTrace,
+    block_ops,
+    keep_block,
+    keep_layers,
+    record_hf,
+    record_ours,
+)
 
 
 @dataclass(frozen=True)
@@ -118,11 +128,14 @@ DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp
 HINTS = {
     "embed": "weights decoded wrongly at load (dtype tag, dequantization, transposition); compare with "
              "`entrenar verify --against hf`",
-    "input_norm": "RMSNorm eps or the rmsnorm kernel (Qwen2 needs eps 1e-6, LLaMA 1e-5: read it from the "
-                  "config)",
+    "input_norm": f"RMSNorm eps or the rmsnorm kernel (defaults {eps_defaults()}: read it from the config)",
     "q_proj": "Q/K/V projection: a dropped Q/K/V bias or wrong projection weights",
     "k_proj": "Q/K/V projection: a dropped Q/K/V bias or wrong projection weights",
     "v_proj": "Q/K/V projection: a dropped Q/K/V bias or wrong projection weights",
+    "q_norm": "qk-norm (Qwen3): the per-head RMSNorm of q over head_dim, before RoPE (its eps, weights, or applied "
+              "after RoPE)",
+    "k_norm": "qk-norm (Qwen3): the per-head RMSNorm of k over head_dim, before RoPE (its eps, weights, or applied "
+              "after RoPE)",
     "q_rope": "RoPE: pairing (neox split-half vs gptj adjacent), theta, scaling or positions",
     "k_rope": "RoPE: pairing (neox split-half vs gptj adjacent), theta, scaling or positions",
     "attn_probs": "attention probabilities: the mask (causality, document mask) or the softmax reduction",
@@ -307,8 +320,8 @@ def hf_from_model(model: CausalLM) -> Any:
     cfg_dict = model.cfg.to_hf_dict()
     if "entrenar_rope_style" in cfg_dict or "entrenar_qk_norm" in cfg_dict:
         raise ValueError("transformers cannot express this config (gptj RoPE or qk-norm): use --against reference")
-    cls = transformers.Qwen2ForCausalLM if model.cfg.architecture == "qwen2" else transformers.LlamaForCausalLM
-    conf_cls = transformers.Qwen2Config if model.cfg.architecture == "qwen2" else transformers.LlamaConfig
+    fam = model.cfg.family
+    cls, conf_cls = getattr(transformers, fam.hf_architecture), getattr(transformers, fam.hf_config_class)
     hf_cfg = conf_cls(**{k: v for k, v in cfg_dict.items() if k != "architectures"})
     hf = cls(hf_cfg)
     sd = {k: v.detach().to("cpu", torch.float32) for k, v in model.state_dict().items()}
@@ -368,8 +381,10 @@ def _ce(logits: torch.Tensor, ids: torch.Tensor) -> float:
     return float(F.cross_entropy(logits[:-1], ids[0, 1:].to(logits.device), reduction="mean"))
 
 
-def compare_sequence(test: Any, ref: Any, seq: ProbeSequence, num_layers: int, bounds: Bounds) -> dict:
-    """Logits, CE, per-layer hidden states and (if a layer breaks) per-op relL2 for one sequence."""
+def compare_sequence(test: Any, ref: Any, seq: ProbeSequence, num_layers: int, bounds: Bounds,
+                     ops: tuple[str, ...] = OP_ORDER) -> dict:
+    """Logits, CE, per-layer hidden states and (if a layer breaks) per-op relL2 for one sequence.
+    `ops`: the block's ops (trace.block_ops of the model's config)."""
     t_logits, t_trace = test.forward(seq.input_ids, keep_layers)
     r_logits, r_trace = ref.forward(seq.input_ids, keep_layers)
     ce_t, ce_r = _ce(t_logits, seq.input_ids), _ce(r_logits, seq.input_ids)
@@ -393,7 +408,7 @@ def compare_sequence(test: Any, ref: Any, seq: ProbeSequence, num_layers: int, b
             li = int(bad["name"].split(".")[1])
             _, t_ops = test.forward(seq.input_ids, keep_block(li))
             _, r_ops = ref.forward(seq.input_ids, keep_block(li))
-            res["ops"] = _entries([f"layers.{li}.{op}" for op in OP_ORDER], t_ops, r_ops, bounds)
+            res["ops"] = _entries([f"layers.{li}.{op}" for op in ops], t_ops, r_ops, bounds)
             first_op = next((e for e in res["ops"] if not e["ok"]), None)
             res["first_divergent"] = dict(first_op or bad)
         else:
@@ -441,16 +456,16 @@ def _position(name: str, num_layers: int) -> tuple[int, int]:
     m = re.fullmatch(r"layers\.(\d+)(?:\.(\w+))?", name)
     if m:
         op = m.group(2)
-        return (1 + int(m.group(1)), OP_ORDER.index(op) if op in OP_ORDER else len(OP_ORDER))
+        return (1 + int(m.group(1)), ALL_OPS.index(op) if op in ALL_OPS else len(ALL_OPS))
     order = {"norm": 1, "logits": 2, "ce": 3}
     return (1 + num_layers + order.get(name, 4), 0)
 
 
 def verify_paths(test: Any, ref: Any, probe: list[ProbeSequence], num_layers: int, bounds: Bounds,
-                 grads: bool = True, meta: dict | None = None) -> dict:
+                 grads: bool = True, meta: dict | None = None, ops: tuple[str, ...] = OP_ORDER) -> dict:
     """Run the whole comparison; ``first_divergent`` names the earliest op over its bound."""
     t0 = time.time()
-    seqs = [compare_sequence(test, ref, s, num_layers, bounds) for s in probe]
+    seqs = [compare_sequence(test, ref, s, num_layers, bounds, ops) for s in probe]
     grad_report = compare_grads(test, ref, probe[-1], bounds) if grads else None
     first = None
     for s in seqs:
@@ -524,7 +539,7 @@ def verify_model(model: CausalLM, tokenizer: Any = None, *, probe: list[ProbeSeq
         else:
             raise ValueError(f"against {against!r} not in ('reference', 'hf')")
         checked = bounds_for(bounds or DTYPE_NAMES[run_dtype], model.cfg)
-        return verify_paths(test, ref, probe, model.cfg.num_layers, checked, grads=grads,
+        return verify_paths(test, ref, probe, model.cfg.num_layers, checked, grads=grads, ops=block_ops(model.cfg),
                             meta={"against": against, "dtype": DTYPE_NAMES[run_dtype], **(meta or {})})
     finally:
         model.train(was_training)

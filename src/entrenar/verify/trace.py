@@ -7,7 +7,8 @@ transformers side through eager attention's returned weights and a wrapper aroun
 ``apply_rotary_pos_emb``.
 
 Names: ``embed``, ``layers.{i}`` (block output), ``norm``, and per block ``layers.{i}.{op}`` for op in
-``OP_ORDER``. q/k/v projections are recorded as [B, T, heads, D]; attention probabilities [B, H, T, Tk].
+``block_ops(cfg)``: ``OP_ORDER``, plus ``q_norm``/``k_norm`` for a family with qk-norm (Qwen3). q/k/v projections
+and q/k norms are recorded as [B, T, heads, D]; attention probabilities [B, H, T, Tk].
 """
 
 from __future__ import annotations
@@ -24,8 +25,18 @@ import torch
 OP_ORDER = ("input_norm", "q_proj", "k_proj", "v_proj", "q_rope", "k_rope", "attn_probs", "attn_out",
             "o_proj", "attn_residual", "post_attention_norm", "gate_proj", "up_proj", "act", "down_proj",
             "mlp_residual")
+# A qk-norm family's (Qwen3) per-head RMSNorms on q and k: between the projections and RoPE.
+QK_NORM_OPS = ("q_norm", "k_norm")
+# Every op any family has, in execution order (orders divergences across families' op lists).
+ALL_OPS = OP_ORDER[:OP_ORDER.index("q_rope")] + QK_NORM_OPS + OP_ORDER[OP_ORDER.index("q_rope"):]
 # The ops a forward hook cannot see: they come from inside the attention forward.
 INTERNAL_OPS = ("q_rope", "k_rope", "attn_probs")
+
+
+def block_ops(cfg: Any) -> tuple[str, ...]:
+    """The ops of one block of a model of `cfg` (a ModelConfig), in execution order: q_norm / k_norm only where
+    its family has qk-norm, so a LLaMA's list has no op it cannot record and a Qwen3's none it skips."""
+    return ALL_OPS if cfg.qk_norm else OP_ORDER
 
 
 class FilteredTrace(dict):
@@ -93,6 +104,7 @@ def op_hooks(backbone: torch.nn.Module, trace: dict, head_dim: int) -> Iterator[
             attn.q_proj.register_forward_hook(out_hook(p + "q_proj", heads=True)),
             attn.k_proj.register_forward_hook(out_hook(p + "k_proj", heads=True)),
             attn.v_proj.register_forward_hook(out_hook(p + "v_proj", heads=True)),
+            *(getattr(attn, op).register_forward_hook(out_hook(p + op)) for op in QK_NORM_OPS if hasattr(attn, op)),
             attn.o_proj.register_forward_pre_hook(in_hook(p + "attn_out")),
             attn.o_proj.register_forward_hook(out_hook(p + "o_proj")),
             layer.post_attention_layernorm.register_forward_hook(residual_hook(p + "attn_residual")),
@@ -125,7 +137,7 @@ def record_ours(model: Any, trace: dict, keep: Callable[[str], bool] = lambda na
 
 @contextlib.contextmanager
 def record_hf(hf_model: Any, trace: dict, head_dim: int) -> Iterator[dict]:
-    """The same names from a transformers LLaMA/Qwen2 model in eager attention."""
+    """The same names from a transformers LLaMA/Qwen2/Qwen3 model in eager attention."""
     base = hf_model.model
     handles = []
     for i, layer in enumerate(base.layers):
