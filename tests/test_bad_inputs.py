@@ -24,22 +24,7 @@ from entrenar import cli
 from entrenar.config import ModelConfig
 from entrenar.formats import save_hf_dir
 from entrenar.model import CausalLM
-
-
-def _no_constants(name: str) -> float:
-    raise AssertionError(f"non-strict JSON constant {name} in --json output")
-
-
-def strict_loads(line: str) -> dict:
-    """json.loads that rejects NaN / Infinity (what JavaScript, jq and Go parsers do)."""
-    return json.loads(line, parse_constant=_no_constants)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, dict | None, str]:
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-    return code, (strict_loads(lines[-1]) if lines and lines[-1].startswith("{") else None), err
+from tests.helpers.cli import run_cli, strict_loads
 
 
 # ---- fixtures: one small world per module ------------------------------------------------------------
@@ -58,11 +43,10 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
-    from test_train_cli import STDLIB, ByteTokenizer
-
     from entrenar.data.corpus import pack
     from entrenar.peft import apply_lora, save_adapter
     from entrenar.tokenizer import load_tokenizer
+    from tests.helpers.tokenizers import STDLIB, ByteTokenizer
 
     root = tmp_path_factory.mktemp("world")
     tok = load_tokenizer("smollm2-135m-instruct")
