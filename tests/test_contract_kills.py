@@ -345,7 +345,7 @@ def _grad_norms_at_update(monkeypatch) -> list[float]:
 def test_clip_bounds_the_gradient_the_optimizer_sees(tmp_path, monkeypatch):
     """Mutant: ``clip > 0`` -> ``clip > 1``: --clip 1.0 (or any clip <= 1) silently stops clipping. AdamW
     hides gradient scale, so the check is on the gradients at the update, not on the weights."""
-    from test_train_loop import run
+    from tests.test_train_loop import run
 
     seen = _grad_norms_at_update(monkeypatch)
     result = run(tmp_path / "clip", 3, clip=0.05)
@@ -355,7 +355,7 @@ def test_clip_bounds_the_gradient_the_optimizer_sees(tmp_path, monkeypatch):
 
 def test_clip_zero_means_no_clipping(tmp_path, monkeypatch):
     """Mutant: ``clip > 0`` -> ``clip >= 0``: --clip 0 (documented: off) would clip every gradient to zero."""
-    from test_train_loop import run
+    from tests.test_train_loop import run
 
     seen = _grad_norms_at_update(monkeypatch)
     run(tmp_path / "noclip", 3, clip=0.0)
