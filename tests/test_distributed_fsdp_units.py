@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed_toy import torchrun
 
 from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
 from entrenar.tensors import rel_l2
 from entrenar.train import parallel as P
+from tests.test_distributed_toy import torchrun
 
 
 def blocks(sizes: list[int]) -> list[torch.nn.Module]:
@@ -64,8 +64,7 @@ def test_clip_without_dtensors_is_torchs():
 WORKER = """
 import sys, torch
 import torch.distributed as dist
-sys.path.insert(0, {tests!r})
-from test_distributed_toy import manual_steps, tiny
+from tests.test_distributed_toy import manual_steps, tiny
 from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
 from entrenar.train import distributed as D, parallel as P
@@ -110,7 +109,7 @@ D.shutdown()
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("units")
     script = out / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
+    script.write_text(WORKER.format())
     proc: subprocess.CompletedProcess = torchrun(script, [str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -137,7 +136,7 @@ def test_clip_over_shards_equals_one_process_with_one_allreduce(two_ranks):
 
 
 def test_block_units_train_like_one_process(two_ranks):
-    from test_distributed_toy import _single
+    from tests.test_distributed_toy import _single
 
     got = torch.load(two_ranks / "result.pt")
     ref_params, ref_losses = _single("fsdp", True)
