@@ -7,14 +7,12 @@ The packaged models (SmolLM2, Qwen2.5-Coder) are in tests/test_export_real.py (r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from entrenar import cli
 from entrenar.config import ModelConfig
 from entrenar.errors import InputError
 from entrenar.formats import gguf_write as gw
@@ -24,6 +22,7 @@ from entrenar.formats.gguf import load_gguf, open_reader
 from entrenar.model import CausalLM
 from entrenar.tensors import rel_l2
 from entrenar.tokenizer import QWEN2_SPLIT, ChatTokenizer, load_tokenizer
+from tests.helpers.cli import run_cli
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
           "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
@@ -297,13 +296,8 @@ def test_unknown_pre_tokenizer_refused(tmp_path, tok_dir):
 
 # ---- the command ------------------------------------------------------------------------------
 def _run_json(argv: list[str]) -> dict:
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = cli.main(argv)
-    result = json.loads(buf.getvalue().strip().splitlines()[-1])
+    code, result, _ = run_cli(argv, capture=True)
+    assert result is not None, f"no JSON line from {argv}"
     result["exit_code_seen"] = code
     return result
 
