@@ -10,7 +10,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
 from safetensors.torch import load_file, save_file
 
 from entrenar import cli
@@ -19,6 +18,7 @@ from entrenar.formats import gguf as ggufmod
 from entrenar.formats import load_model, load_state, save_hf_dir
 from entrenar.formats.hf import check_state
 from entrenar.tensors import rel_l2
+from tests.helpers.models import make_hf_model
 
 Q = gguf.GGMLQuantizationType
 _TO_GGUF = {v: k for k, v in ggufmod._GLOBAL_NAMES.items()}
