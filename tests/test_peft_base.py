@@ -10,13 +10,13 @@ import json
 
 import pytest
 import torch
-from test_peft import IDS, randomize_adapters, tiny_model
 
 from entrenar import cli
 from entrenar import peft as ep
 from entrenar.errors import InputError
 from entrenar.formats import load_model, load_model_with_adapter, save_hf_dir
 from entrenar.peft import identity
+from tests.test_peft import IDS, randomize_adapters, tiny_model
 
 
 @pytest.fixture()
