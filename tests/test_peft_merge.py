@@ -6,12 +6,12 @@ import json
 
 import pytest
 import torch
-from test_peft import IDS, randomize_adapters, rel, tiny_model
 
 from entrenar import cli
 from entrenar import merge as em
 from entrenar import peft as ep
 from entrenar.formats import load_model, save_hf_dir
+from tests.test_peft import IDS, randomize_adapters, rel, tiny_model
 
 
 @pytest.fixture()
