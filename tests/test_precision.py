@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import test_train_loop as T
 import torch
 
 from entrenar.train import checkpoint as ckpt_mod
@@ -13,6 +12,7 @@ from entrenar.train import loop
 from entrenar.train.config import TrainConfig, add_options
 from entrenar.train.metrics import peak_flops, read_jsonl
 from entrenar.train.precision import BF16Weights, make_precision, verify_dtype
+from tests import test_train_loop as T
 
 CPU = torch.device("cpu")
 
