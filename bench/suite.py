@@ -13,6 +13,7 @@ rows are not failures), 1 otherwise, 2 for an unknown scenario.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import shlex
@@ -74,7 +75,8 @@ def list_text() -> str:
     return "\n".join(out)
 
 
-def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, argv: list[str]) -> Path:
+def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, argv: list[str],
+        budget_s: float | None = None) -> Path:
     scenarios = resolve(names)
     probe = {"device": "cpu", "gpus": 0} if smoke else R.probe_device()
     env = {"device": probe["device"], "gpus": probe["gpus"], "versions": R.package_versions(),
@@ -87,10 +89,18 @@ def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, a
     ctx = Context(env=env, work=scratch, smoke=smoke, device="cuda" if probe["gpus"] and not smoke else "cpu",
                   gpus=probe["gpus"])
     done: list[dict[str, Any]] = []
+    t0 = time.monotonic()
     try:
         for sc in scenarios:
-            print(f"[bench] {sc.name} ...", file=sys.stderr, flush=True)
-            for row in run_scenario(sc, ctx):
+            left = None if budget_s is None else budget_s - (time.monotonic() - t0)
+            if left is not None and left < 30:  # the device call's limit: what is left is said, not cut off
+                rows = [ctx.row(sc, status="skipped", reason=f"--budget-s {budget_s:.0f} spent ({left:.0f} s left)")]
+            else:
+                if left is not None and left < sc.timeout_s:
+                    sc = dataclasses.replace(sc, timeout_s=left - 20)
+                print(f"[bench] {sc.name} ...", file=sys.stderr, flush=True)
+                rows = run_scenario(sc, ctx)
+            for row in rows:
                 R.write_row(folder, row)
                 done.append(row)
                 shown = f"{row['tokens_per_s']:,.0f} tok/s" if row["tokens_per_s"] else row["reason"][:200]
@@ -113,6 +123,10 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--smoke", action="store_true", help="tiny shapes on the CPU, 3 steps (checks the plumbing)")
     r.add_argument("--out", type=Path, default=None,
                    help="results folder (default bench/results/<UTC date>-<host>-<card>/)")
+    r.add_argument("--budget-s", type=float, default=None,
+                   help="wall seconds for the whole run: a scenario gets at most what is left (minus 20 s), and "
+                        "once less than 30 s is left the rest are skipped rows saying so (e.g. 540 in a 10-minute "
+                        "device call)")
     r.add_argument("--work", type=Path, default=None, help="scratch folder for shards and run directories "
                    "(default: a temporary one, removed at the end unless BENCH_KEEP_WORK=1)")
     args = ap.parse_args(argv)
@@ -120,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
         print(list_text())
         return 0
     try:
-        folder = run(args.names, smoke=args.smoke, out=args.out, work=args.work, argv=argv)
+        folder = run(args.names, smoke=args.smoke, out=args.out, work=args.work, argv=argv, budget_s=args.budget_s)
     except KeyError as e:
         print(f"unknown scenario or group {e}; `python -m bench --list` names them", file=sys.stderr)
         return 2

@@ -62,6 +62,13 @@ def test_smoke_cli_row_and_skipped_peer_row(tmp_path):
     assert run["scenarios"] == ["q05-cli-default", "q05-liger-bf16"] and run["smoke"] is True
 
 
+def test_a_spent_budget_skips_the_rest_and_says_so(tmp_path):
+    proc = run_suite("run", "q05-cli-default", "--smoke", "--budget-s", "10", "--out", str(tmp_path), timeout=60)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    (row,) = R.read_rows(tmp_path)
+    assert row["status"] == "skipped" and "--budget-s 10 spent" in row["reason"] and R.check_row(row) == []
+
+
 def test_unknown_scenario_exits_2_and_list_names_every_scenario_and_group():
     proc = run_suite("run", "no-such-scenario", "--smoke", timeout=60)
     assert proc.returncode == 2 and "no-such-scenario" in proc.stderr
