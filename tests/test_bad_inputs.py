@@ -25,6 +25,7 @@ from entrenar.config import ModelConfig
 from entrenar.formats import save_hf_dir
 from entrenar.model import CausalLM
 from tests.helpers.cli import run_cli, strict_loads
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 # ---- fixtures: one small world per module ------------------------------------------------------------
@@ -50,17 +51,14 @@ def world(tmp_path_factory) -> World:
 
     root = tmp_path_factory.mktemp("world")
     tok = load_tokenizer("smollm2-135m-instruct")
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    m = CausalLM(cfg)
-    m.init_weights(0)
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, tie_word_embeddings=True,
+                      max_position_embeddings=256)
+    m = tiny_causal_lm(cfg, 0)
     model = save_hf_dir(m, root / "tiny", tok)
     sft = root / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Say {i}.", "completion": f"{i}!"}) + "\n" for i in range(11)))
-    bcfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    bm = CausalLM(bcfg)
-    bm.init_weights(0)
+    bm = tiny_causal_lm(tiny_config(vocab_size=258, hidden_size=32, intermediate_size=64, tie_word_embeddings=True,
+                                    max_position_embeddings=256), 0)
     byte_model = save_hf_dir(bm, root / "bytemodel")
     shards = root / "shards"
     pack([str(STDLIB / "decoder.py")], ByteTokenizer(), shards, val_fraction=0.0, seed=1)
