@@ -24,13 +24,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrenar.config import ModelConfig
 from entrenar.fileio import read_jsonl
 from entrenar.formats import save_hf_dir
-from entrenar.model import CausalLM
 from entrenar.tensors import IGNORE_INDEX, rel_l2
 from tests.helpers.cli import PROCESS_TIMEOUT, child_env
 from tests.helpers.cli import run_cli_process as run_cli
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 TIMEOUT = PROCESS_TIMEOUT  # seconds for one CLI run; a hang (a rank waiting on a dead peer) fails instead of blocking CI
 STEPS = 10
@@ -85,10 +84,9 @@ def base_model(tmp_path_factory, sft_data) -> Path:
     tok = load_tokenizer("smollm2-135m-instruct")
     examples, _ = load_sft(sft_data, tok, 64)
     used = sorted({int(t) for e in examples for t in e.labels if t != IGNORE_INDEX})
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=False, max_position_embeddings=128)
-    m = CausalLM(cfg)
-    m.init_weights(1)
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, tie_word_embeddings=False,
+                      max_position_embeddings=128)
+    m = tiny_causal_lm(cfg, 1)
     g = torch.Generator().manual_seed(2)
     u = torch.randn(cfg.hidden_size, generator=g)
     u = u / u.norm()
