@@ -17,6 +17,7 @@ from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
 from entrenar.tensors import rel_l2
 from entrenar.train import parallel as P
+from tests.helpers.models import tiny_causal_lm, tiny_config
 from tests.test_distributed_toy import torchrun
 
 
@@ -118,10 +119,9 @@ def two_ranks(tmp_path_factory) -> Path:
 def test_clip_over_shards_equals_one_process_with_one_allreduce(two_ranks):
     got = torch.load(two_ranks / "result.pt")
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                      tie_word_embeddings=False, max_position_embeddings=128)
-    model = CausalLM(cfg)
-    model.init_weights(0)
+    cfg = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, tie_word_embeddings=False,
+                      max_position_embeddings=128)
+    model = tiny_causal_lm(cfg, 0)
     for rank in (0, 1):  # both ranks' samples, gradients summed as the SUM reduction does
         ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
         s, _ = model(ids, labels=ids)
