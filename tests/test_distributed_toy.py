@@ -19,14 +19,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
 from entrenar.tensors import IGNORE_INDEX, rel_l2
 from entrenar.train import distributed as D
 from entrenar.train import parallel as P
 from tests.helpers.cli import child_env, run_torchrun
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 def free_port() -> int:
@@ -76,11 +74,8 @@ def samples() -> list[list[int]]:
 
 
 def tiny(seed: int = 0, tie: bool = True) -> CausalLM:
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=tie, max_position_embeddings=128)
-    m = CausalLM(cfg)
-    m.init_weights(seed)
-    return m
+    return tiny_causal_lm(tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, tie_word_embeddings=tie,
+                                      max_position_embeddings=128), seed)
 
 
 def manual_steps(ctx: D.DistContext, parallel: str, per_rank_batch: int, accum: int, steps: int,
