@@ -11,11 +11,11 @@ import json
 import pytest
 import torch
 
-from entrenar import cli
 from entrenar import peft as ep
 from entrenar.errors import InputError
 from entrenar.formats import load_model, load_model_with_adapter, save_hf_dir
 from entrenar.peft import identity
+from tests.helpers.cli import run_cli
 from tests.test_peft import IDS, randomize_adapters, tiny_model
 
 
@@ -32,9 +32,7 @@ def bases(tmp_path):
 
 
 def merge_cli(base, adapter, out, capsys, *extra) -> tuple[int, dict, str]:
-    code = cli.main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--json", *extra])
-    captured = capsys.readouterr()
-    return code, json.loads(captured.out.strip().splitlines()[-1]), captured.err
+    return run_cli(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--json", *extra], capsys)
 
 
 def test_merge_onto_wrong_base_exits_2_naming_both(bases, tmp_path, capsys):
