@@ -23,6 +23,7 @@ from entrenar.formats import save_hf_dir
 from entrenar.model import CausalLM
 from entrenar.train.metrics import read_jsonl
 from tests.helpers.cli import run_cli as main
+from tests.helpers.models import tiny_causal_lm, tiny_config
 from tests.helpers.tokenizers import STDLIB, ByteTokenizer
 
 
@@ -36,10 +37,8 @@ def byte_shards(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def byte_model_dir(tmp_path_factory) -> Path:
     """An HF dir whose architecture `pretrain --model DIR` trains from a random init."""
-    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    m = CausalLM(cfg)
-    m.init_weights(0)
+    m = tiny_causal_lm(tiny_config(vocab_size=258, hidden_size=32, intermediate_size=64, tie_word_embeddings=True,
+                                   max_position_embeddings=256), 0)
     return save_hf_dir(m, tmp_path_factory.mktemp("bytemodel") / "m")
 
 
