@@ -30,19 +30,26 @@ def make_hf_model(arch: str = "llama", seed: int = 0, **overrides):
         raise ValueError(arch)
     torch.manual_seed(seed)
     model = cls(cfg).eval()
-    gen = torch.Generator().manual_seed(seed + 1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(0.02 * noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
+    randomize_(model, seed + 1, embed_std=0.02)
     return model
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int, *, embed_std: float,
+               embed_names: tuple[str, ...] = ("embed_tokens",)) -> None:
+    """Every parameter drawn from Generator(seed) in parameter order: norm weights 1 + N(0, 0.2), biases N(0, 0.5),
+    the tensors named by `embed_names` N(0, embed_std), the rest N(0, 1 / fan_in)."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        noise = torch.randn(p.shape, generator=gen)
+        if name.endswith("norm.weight"):
+            p.copy_(1.0 + 0.2 * noise)
+        elif name.endswith(".bias"):
+            p.copy_(0.5 * noise)
+        elif any(e in name for e in embed_names):
+            p.copy_(embed_std * noise)
+        else:
+            p.copy_(noise / p.shape[-1] ** 0.5)
 
 
 # ---- tiny random CausalLMs (our model), shared by verify / generate / peft / trainer tests ----
