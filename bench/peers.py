@@ -259,7 +259,7 @@ def _titan_model(cfg: Any, torch: Any) -> Any:
 
 def titan(p: dict[str, Any]) -> dict[str, Any]:
     """torchtitan's Llama-3 model as its trainer builds it on one GPU: fp32 weights, bf16 autocast, fused
-    AdamW, torch.compile of every block; with float8, torchao's float8 training (tensorwise scaling) on every
+    AdamW (bench/train_throughput.py's step loop), torch.compile of every block; with float8, torchao's float8 training (tensorwise scaling) on every
     linear but the output head (torchtitan's Float8 converter's choice). Not torchtitan's trainer loop."""
     torch = _need("titan")
     import torch.nn.functional as F
@@ -276,34 +276,24 @@ def titan(p: dict[str, Any]) -> dict[str, Any]:
     layers = model.layers
     for name, block in list(layers.named_children()):
         layers.register_module(name, torch.compile(block, fullgraph=True))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=True)
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, cfg.vocab_size, (p["batch"], p["seq"] + 1), generator=gen).cuda()
     inputs, labels = ids[:, :-1], ids[:, 1:]
-    times, losses = [], []
-    torch.cuda.reset_peak_memory_stats()
-    for i in range(p["steps"]):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            logits = model(inputs)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), labels.flatten())
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        torch.cuda.synchronize()
-        times.append(time.perf_counter() - t0)
-        losses.append(float(loss))
-    step_s = sorted(times[p["warmup"]:])[len(times[p["warmup"]:]) // 2]
-    tok_s = p["batch"] * p["seq"] / step_s
+
+    def loss() -> Any:  # run under bf16 autocast by run_training; the loss over fp32 logits as torchtitan's
+        return F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+
     from importlib.metadata import version
 
-    return {"tokens_per_s": tok_s, "tokens_per_s_per_gpu": tok_s, "seconds_per_step": step_s,
-            "peak_gib": torch.cuda.max_memory_allocated() / 2**30,
-            "mfu": tok_s * cfg.flops_per_token(p["seq"]) / 989e12,
-            "extra": {"loss_first": losses[0], "loss_last": losses[-1], "first_step_s": times[0],
+    from bench import train_throughput as tt
+
+    r = tt.run_training("titan", model, loss, cfg, p["batch"], p["seq"], p["steps"] - p["warmup"], p["warmup"],
+                        torch.device("cuda"), True)
+    return {"tokens_per_s": r["tok_s"], "tokens_per_s_per_gpu": r["tok_s"], "seconds_per_step": r["step_s"],
+            "peak_gib": r["peak_gib"], "mfu": r["mfu"],
+            "extra": {"loss_first": r["loss0"], "loss_last": r["loss_last"], "first_step_s": r["first_step_s"],
                       "parameters": sum(q.numel() for q in model.parameters()), "torchtitan": version("torchtitan"),
-                      "mfu_peak_tflops": 989.0}}
+                      "mfu_peak_tflops": tt.PEAK_BF16_TFLOPS}}
 
 
 KINDS = {"liger": liger, "long-liger": long_liger, "qlora-entrenar": qlora_entrenar, "qlora-bnb": qlora_bnb,
