@@ -177,6 +177,8 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     """One CLI row of scenario `sc` (ctx: suite.Context)."""
     from entrenar.config import preset
 
+    if not ctx.smoke and ctx.device == "cpu":  # real shapes on a CPU would only run into the timeout
+        return [ctx.row(sc, status="skipped", reason="no CUDA GPU here (--smoke runs tiny shapes on the CPU)")]
     if sc.gpus > max(ctx.gpus, 1) and not ctx.smoke:
         return [ctx.row(sc, status="skipped", reason=f"needs {sc.gpus} GPUs, this machine has {ctx.gpus}")]
     vocab = preset(sc.model).vocab_size
@@ -207,4 +209,6 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     else:
         values["status"], values["reason"] = "failed", failure_reason(code, out, err) if code != 0 else \
             "exit 0 but no metrics.jsonl rows"
+        if records and records[-1]["step"] >= sc.steps:  # the numbers stand; what came after the steps did not end
+            values["reason"] = f"all {sc.steps} steps logged, then: {values['reason']}"
     return [ctx.row(sc, **values)]

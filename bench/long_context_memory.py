@@ -1,9 +1,9 @@
 """Long-context training memory (issue 15, goal 5): peak GPU memory and step time of one full
 fine-tuning step of Qwen2.5-0.5B (random weights, real shapes), batch 1, at 8k ... 512k tokens.
 
-    PYTHONPATH=src python bench/long_context_memory.py --out DIR            # GPU, 8k..512k in a ~6 min budget
-    PYTHONPATH=src python bench/long_context_memory.py --out DIR --lengths 524288 --runs long,peer --budget-s 520
-    PYTHONPATH=src python bench/long_context_memory.py --out DIR --quick    # CPU: tiny model, checks the script
+    PYTHONPATH=src python -m bench.long_context_memory --out DIR            # GPU, 8k..512k in a ~6 min budget
+    PYTHONPATH=src python -m bench.long_context_memory --out DIR --lengths 524288 --runs long,peer --budget-s 520
+    PYTHONPATH=src python -m bench.long_context_memory --out DIR --quick    # CPU: tiny model, checks the script
 
 (one 512k step is minutes of attention: the default budget usually skips 512k, the second line measures it)
 

@@ -1,6 +1,6 @@
 """QLoRA training throughput, same GPU, same process family: entrenar vs bitsandbytes NF4 + PEFT.
 
-    PYTHONPATH=src python bench/qlora_throughput.py [--steps 10] [--warmup 3] [--batch 2] [--seq 2048]
+    PYTHONPATH=src python -m bench.qlora_throughput [--steps 10] [--warmup 3] [--batch 2] [--seq 2048]
                                                      [--rank 16] [--preset qwen2.5-coder-7b] [--out DIR]
 
 Qwen2.5-Coder-7B shapes with random weights (N(0, 0.02)), every decoder linear NF4 with double-quantized

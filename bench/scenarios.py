@@ -122,7 +122,8 @@ def _multi() -> list[Scenario]:
                                 f"--parallel auto", "cli", CLI, model, "bf16", 8, 2048, gpus=gpus, timeout_s=200,
                                 baseline=f"{short}-ddp-1gpu" if gpus > 1 else None))
     out.append(Scenario("fsdp7b-4gpu", "torchrun CLI pretrain qwen2.5-coder-7b shapes, 4 GPUs FSDP2, bf16, "
-                        "activation checkpointing", "cli", CLI, "qwen2.5-coder-7b", "bf16", 2, 2048, gpus=4,
+                        "activation checkpointing (the CLI's end-of-run checkpoint and final/ are written after the "
+                        "measured steps)", "cli", CLI, "qwen2.5-coder-7b", "bf16", 2, 2048, gpus=4,
                         steps=8, warmup=3, flags=("--activation-checkpointing", "--parallel", "fsdp"),
                         timeout_s=560))
     return out
