@@ -1,7 +1,7 @@
 """Issue 24 part 5, the CPU side: the small model's GGUFs that bench/e2e_pretrain.sh exported on the GPU
 machine run in llama.cpp (llama-cpp-python) here with the same greedy tokens as `entrenar generate` there.
 
-    python bench/e2e_gguf_check.py OUT_DIR [--entrenar-cpu] [--json FILE]
+    python -m bench.e2e_gguf_check OUT_DIR [--entrenar-cpu] [--json FILE]
 
 OUT_DIR is what the GPU run returned: small-f16.gguf, small-f32.gguf, tokenizer.json, small_greedy.json
 (--gguf-f16/--gguf-f32/--tokenizer/--greedy point elsewhere). For each prompt of small_greedy.json:
@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
-from e2e_report import first_difference  # bench/ is on sys.path when this file runs as a script
+
+from bench.e2e_report import first_difference
 
 # (GGUF type, the GPU `generate` it must equal): final/'s weights exactly, and the f16 file itself
 MUST_MATCH = (("f32", "final"), ("f16", "f16"))

@@ -1,9 +1,9 @@
 """Long-context training memory (issue 15, goal 5): peak GPU memory and step time of one full
 fine-tuning step of Qwen2.5-0.5B (random weights, real shapes), batch 1, at 8k ... 512k tokens.
 
-    PYTHONPATH=src python bench/long_context_memory.py --out DIR            # GPU, 8k..512k in a ~6 min budget
-    PYTHONPATH=src python bench/long_context_memory.py --out DIR --lengths 524288 --runs long,peer --budget-s 520
-    PYTHONPATH=src python bench/long_context_memory.py --out DIR --quick    # CPU: tiny model, checks the script
+    PYTHONPATH=src python -m bench.long_context_memory --out DIR            # GPU, 8k..512k in a ~6 min budget
+    PYTHONPATH=src python -m bench.long_context_memory --out DIR --lengths 524288 --runs long,peer --budget-s 520
+    PYTHONPATH=src python -m bench.long_context_memory --out DIR --quick    # CPU: tiny model, checks the script
 
 (one 512k step is minutes of attention: the default budget usually skips 512k, the second line measures it)
 
@@ -64,7 +64,7 @@ def model_config(quick: bool):
 def random_init_(model: torch.nn.Module, seed: int = 0) -> None:
     """N(0, 0.02) weights, unit norms, zero biases (qlora_throughput.init_normal_), drawn on the model's
     device (a CPU draw of 494M values would cost seconds per run)."""
-    from qlora_throughput import init_normal_  # bench/ is on sys.path: this script runs from there
+    from bench.qlora_throughput import init_normal_
 
     torch.manual_seed(seed)
     init_normal_(model)
@@ -237,7 +237,7 @@ def launch(run: str, lengths: list[int], deadline: float, args: argparse.Namespa
            prior: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """One worker subprocess (fresh CUDA allocator, no fragmentation carried between runs); returns its rows.
     Killed at the deadline (+60 s grace for a step already under way); the rows it printed are kept."""
-    cmd = [sys.executable, __file__, "--worker", run, "--lengths", ",".join(map(str, lengths)),
+    cmd = [sys.executable, "-m", "bench.long_context_memory", "--worker", run, "--lengths", ",".join(map(str, lengths)),
            "--deadline", str(deadline), "--mlp-chunk", str(args.mlp_chunk)]
     if args.quick:
         cmd.append("--quick")
@@ -247,7 +247,7 @@ def launch(run: str, lengths: list[int], deadline: float, args: argparse.Namespa
         cmd += ["--prior", f"{prior['tokens']}:{prior['step_s']}"]
     print(f"[{run}] {' '.join(cmd[2:])}", file=sys.stderr, flush=True)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False,
+        proc = subprocess.run(cmd, capture_output=True, text=True, check=False, cwd=Path(__file__).resolve().parents[1],
                               timeout=max(30.0, deadline - time.time() + 60))
         out, err, code = proc.stdout, proc.stderr, proc.returncode
     except subprocess.TimeoutExpired as e:

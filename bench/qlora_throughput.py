@@ -1,6 +1,6 @@
 """QLoRA training throughput, same GPU, same process family: entrenar vs bitsandbytes NF4 + PEFT.
 
-    PYTHONPATH=src python bench/qlora_throughput.py [--steps 10] [--warmup 3] [--batch 2] [--seq 2048]
+    PYTHONPATH=src python -m bench.qlora_throughput [--steps 10] [--warmup 3] [--batch 2] [--seq 2048]
                                                      [--rank 16] [--preset qwen2.5-coder-7b] [--out DIR]
 
 Qwen2.5-Coder-7B shapes with random weights (N(0, 0.02)), every decoder linear NF4 with double-quantized
@@ -93,8 +93,7 @@ def run_entrenar(args) -> dict:
 
 def _profile(step, steps: int = 2) -> dict:
     """Device time per kernel class over `steps` steps against their wall time (the rest: device idle)."""
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
-    from train_throughput import timed_profile
+    from bench.train_throughput import timed_profile
 
     return timed_profile(lambda: [step() for _ in range(steps)], steps)
 
@@ -209,11 +208,11 @@ def main() -> int:
 
     results = {}
     for side in args.sides.split(","):
-        cmd = [sys.executable, __file__, "--only", side] + [
+        cmd = [sys.executable, "-m", "bench.qlora_throughput", "--only", side] + [
             f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "seq", "rank", "steps", "warmup",
                                                    "checkpointing")] + (["--profile"] if args.profile else []) \
             + (["--lora-unfused"] if args.lora_unfused else [])
-        proc = subprocess.run(cmd, check=False, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         if proc.returncode != 0:
             results[side] = {"error": proc.stderr[-3000:]}
         else:

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Which lines of entrenar make the host wait for the GPU inside a training step (CUDA only).
 
-    PYTHONPATH=src python bench/step_syncs.py [--steps 3]
+    PYTHONPATH=src python -m bench.step_syncs [--steps 3]
 
 Runs Trainer steps (the CLI's step: `Trainer.train_step`) under torch.cuda.set_sync_debug_mode("warn"),
 which warns at every synchronising CUDA call (blocking copies, .item(), stream/device synchronize, ...),
@@ -25,9 +25,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from trainer_syncs import RandomLoader
-
+from bench.trainer_syncs import RandomLoader
 from entrenar.config import preset
 from entrenar.model import CausalLM
 from entrenar.train.loop import TrainConfig, Trainer

@@ -1,6 +1,6 @@
 """Same-process, same-GPU training throughput: entrenar vs transformers (sdpa) vs transformers + Liger.
 
-    PYTHONPATH=src python bench/train_throughput.py [--out DIR] [--quick] [--compile]
+    PYTHONPATH=src python -m bench.train_throughput [--out DIR] [--quick] [--compile]
 
 For each model shape (Qwen2.5-0.5B and llama-370m presets, random weights identical for everyone, batch
 8 x 2048, full fine-tune with AdamW) it times training steps and reports tokens/s, MFU (cfg.flops_per_token

@@ -6,8 +6,8 @@ grad norm (grad_accum + 1 reads per step). This counts the synchronizing CUDA ca
 train_step with torch.cuda.set_sync_debug_mode("warn") and times steps, for the Trainer as it is and
 for a subclass that reads back per micro-batch as before (same math, same losses).
 
-    PYTHONPATH=src python bench/trainer_syncs.py            # prints a table; needs CUDA
-    PYTHONPATH=src python bench/trainer_syncs.py --smoke    # the same code on the CPU (no sync counts)
+    PYTHONPATH=src python -m bench.trainer_syncs            # prints a table; needs CUDA
+    PYTHONPATH=src python -m bench.trainer_syncs --smoke    # the same code on the CPU (no sync counts)
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ import shutil
 from pathlib import Path
 
 import pytest
-from test_bad_inputs import run_cli
 
 from entrenar.formats import save_hf_dir
+from tests.helpers.cli import run_cli
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +29,8 @@ def trained(tmp_path_factory) -> Path:
     from work/ (a relative path, as a user types it)."""
     import os
 
-    from test_peft_seed import tiny_base_and_data
-
     from entrenar.cli import main
+    from tests.test_peft_seed import tiny_base_and_data
 
     work = tmp_path_factory.mktemp("work")
     base, data = tiny_base_and_data(work / "runs")

@@ -8,11 +8,11 @@ import json
 
 import pytest
 import torch
-from test_peft import IDS, _hf_model, rel, tiny_model
 
 from entrenar import peft as ep
 from entrenar.errors import InputError
 from entrenar.peft import io as peft_io
+from tests.test_peft import IDS, _hf_model, rel, tiny_model
 
 
 def _peft_adapter(tmp_path, target_modules, **lora_kw):

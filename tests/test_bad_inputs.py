@@ -24,22 +24,8 @@ from entrenar import cli
 from entrenar.config import ModelConfig
 from entrenar.formats import save_hf_dir
 from entrenar.model import CausalLM
-
-
-def _no_constants(name: str) -> float:
-    raise AssertionError(f"non-strict JSON constant {name} in --json output")
-
-
-def strict_loads(line: str) -> dict:
-    """json.loads that rejects NaN / Infinity (what JavaScript, jq and Go parsers do)."""
-    return json.loads(line, parse_constant=_no_constants)
-
-
-def run_cli(argv: list[str], capsys) -> tuple[int, dict | None, str]:
-    code = cli.main(argv)
-    out, err = capsys.readouterr()
-    lines = [ln for ln in out.strip().splitlines() if ln.strip()]
-    return code, (strict_loads(lines[-1]) if lines and lines[-1].startswith("{") else None), err
+from tests.helpers.cli import run_cli, strict_loads
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 # ---- fixtures: one small world per module ------------------------------------------------------------
@@ -58,25 +44,21 @@ class World:
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory) -> World:
-    from test_train_cli import STDLIB, ByteTokenizer
-
     from entrenar.data.corpus import pack
     from entrenar.peft import apply_lora, save_adapter
     from entrenar.tokenizer import load_tokenizer
+    from tests.helpers.tokenizers import STDLIB, ByteTokenizer
 
     root = tmp_path_factory.mktemp("world")
     tok = load_tokenizer("smollm2-135m-instruct")
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    m = CausalLM(cfg)
-    m.init_weights(0)
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, tie_word_embeddings=True,
+                      max_position_embeddings=256)
+    m = tiny_causal_lm(cfg, 0)
     model = save_hf_dir(m, root / "tiny", tok)
     sft = root / "sft.jsonl"
     sft.write_text("".join(json.dumps({"prompt": f"Say {i}.", "completion": f"{i}!"}) + "\n" for i in range(11)))
-    bcfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                       num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    bm = CausalLM(bcfg)
-    bm.init_weights(0)
+    bm = tiny_causal_lm(tiny_config(vocab_size=258, hidden_size=32, intermediate_size=64, tie_word_embeddings=True,
+                                    max_position_embeddings=256), 0)
     byte_model = save_hf_dir(bm, root / "bytemodel")
     shards = root / "shards"
     pack([str(STDLIB / "decoder.py")], ByteTokenizer(), shards, val_fraction=0.0, seed=1)

@@ -5,10 +5,10 @@ and a template that raises is an InputError."""
 from __future__ import annotations
 
 import pytest
-from test_tokenizer import CHATML, QWEN, SMOLLM, hf_gguf_tokenizer, tiny_tokenizer
 
 from entrenar.errors import InputError
 from entrenar.tokenizer import load_tokenizer
+from tests.helpers.tokenizers import CHATML, QWEN, SMOLLM, hf_gguf_tokenizer, tiny_tokenizer
 
 SYSTEM = {"role": "system", "content": "You are terse. Answer in one line."}
 TURNS = [

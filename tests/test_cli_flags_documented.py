@@ -11,16 +11,13 @@ from __future__ import annotations
 import itertools
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # sibling test modules' fixtures and helpers
-import test_train_cli
-from test_train_cli import main
-
 from entrenar.train.metrics import read_jsonl
+from tests import test_train_cli
+from tests.helpers.cli import run_cli as main
 
 # the byte-level model of test_train_cli (an architecture pretrain initialises), module-scoped there
 byte_model_dir = test_train_cli.byte_model_dir
@@ -159,7 +156,7 @@ def test_seed_same_command_same_metrics_other_seed_differs(tmp_path, byte_model_
 @pytest.fixture(scope="module")
 def sft_base(tmp_path_factory) -> tuple[Path, Path]:
     """A tiny base with SmolLM2's tokenizer whose start passes GUARD-INIT-LOSS, and 8 chat rows."""
-    from test_peft_seed import tiny_base_and_data
+    from tests.test_peft_seed import tiny_base_and_data
 
     return tiny_base_and_data(tmp_path_factory.mktemp("sftbase"))
 
@@ -260,10 +257,10 @@ def _generate_dir(root: Path, context: int = 256) -> Path:
     `context` is its max_position_embeddings. The head rows of the stop tokens are zero: their logit 0 is
     below the largest of ~270 sharp logits, so greedy decoding never stops before its bound."""
     import torch
-    from conftest import tiny_causal_lm, tiny_config
-    from test_tokenizer import tiny_tokenizer
 
     from entrenar.formats import save_hf_dir
+    from tests.helpers.models import tiny_causal_lm, tiny_config
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     tok = tiny_tokenizer()
     cfg = tiny_config("qwen2", vocab_size=len(tok), tie_word_embeddings=False, rms_norm_eps=1e-6,
@@ -304,10 +301,10 @@ def test_temperature_top_p_and_seed_reach_the_sampler(tmp_path, capsys):
     likely token, so sampling at any temperature is greedy again; --top-p 1 at --temperature 3 samples
     other tokens, the same ones for the same --seed."""
     import torch
-    from test_tokenizer import tiny_tokenizer
 
     from entrenar.formats import load_model
     from entrenar.generate import generate
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     model = _generate_dir(tmp_path)
     n = ("--max-new-tokens", "12")
@@ -334,10 +331,10 @@ def test_data_pack_workers_shard_tokens_seed_and_overwrite(tmp_path, capsys, mon
     --shard-tokens N caps every shard file at N tokens; --seed picks another train/val split of the
     documents; an existing --out is exit 2 unless --overwrite, which replaces it."""
     import numpy as np
-    from test_data_pack import TEXTS
 
     from entrenar.data import corpus
     from entrenar.tokenizer_train import train_tokenizer
+    from tests.test_data_pack import TEXTS
 
     (tmp_path / "c.txt").write_text("".join(TEXTS) * 3)
     train_tokenizer([str(tmp_path / "c.txt")], 320, tmp_path / "tok")
@@ -428,10 +425,10 @@ def adapter_on_a(tmp_path_factory) -> tuple[Path, Path, Path]:
     """(base A with the tiny tokenizer, base B: the same shape from another seed, a LoRA adapter trained on A
     whose B matrices are nonzero so it changes the output)."""
     import torch
-    from test_peft import randomize_adapters
 
     from entrenar import peft as ep
     from entrenar.formats import load_model, save_hf_dir
+    from tests.test_peft import randomize_adapters
 
     root = tmp_path_factory.mktemp("adapter")
     a = _generate_dir(root / "A")
@@ -439,7 +436,7 @@ def adapter_on_a(tmp_path_factory) -> tuple[Path, Path, Path]:
     with torch.no_grad():
         for p in b_model.parameters():
             p.add_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(9)))
-    from test_tokenizer import tiny_tokenizer
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     b = save_hf_dir(b_model, root / "B", tokenizer=tiny_tokenizer())
     m = load_model(a, dtype=torch.float32)
@@ -525,9 +522,8 @@ def test_eval_dtype_bf16_is_a_bf16_forward_within_the_ce_bound(tmp_path, byte_mo
 @pytest.mark.parametrize(("flag", "value"), [("--shard-tokens", "0"), ("--workers", "0"), ("--val-fraction", "1")])
 def test_data_pack_bad_number_exits_2_naming_the_flag(flag, value, tmp_path, capsys):
     """A bad number for a `data pack` flag is exit 2 naming that flag, nothing written."""
-    from test_tokenizer import tiny_tokenizer
-
     from entrenar.tokenizer import save_tokenizer_files
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     tok_dir = tmp_path / "tok"
     save_tokenizer_files(tiny_tokenizer(), tok_dir)
@@ -597,7 +593,7 @@ def test_weight_decay_shrinks_only_matrices_by_lr_times_wd(tmp_path, byte_model_
 def test_on_spike_policy_through_pretrain(policy, tmp_path, byte_model_dir, small_shards, capsys, monkeypatch):
     """--on-spike: one step whose loss (and gradient) is 50x is GUARD-SPIKE. warn (the default) names it and
     applies the step; skip drops that update and marks the metrics row; stop exits 3 naming the step."""
-    from test_train_loop import _scale_loss_at_call
+    from tests.test_train_loop import _scale_loss_at_call
 
     _scale_loss_at_call(monkeypatch, 20, 50.0)
     extra = () if policy == "warn" else ("--on-spike", policy)

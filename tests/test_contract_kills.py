@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from entrenar.generate import sample_next
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 # ---- generation sampling (src/entrenar/generate.py: sample_next) -------------------------------------
@@ -243,13 +244,8 @@ def test_early_spike_is_above_twice_the_starting_loss_not_at_it():
 
 # ---- the training step's loss normalisation and the eval (src/entrenar/train/loop.py) ------------------
 def _tiny_lm():
-    from entrenar.config import ModelConfig
-    from entrenar.model import CausalLM
-
-    model = CausalLM(ModelConfig(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
-                                 num_kv_heads=1))
-    model.init_weights(seed=0)
-    return model
+    return tiny_causal_lm(tiny_config(vocab_size=50, hidden_size=16, intermediate_size=32, num_layers=1, num_heads=2,
+                                      num_kv_heads=1), 0)
 
 
 def _batches() -> list[dict]:
@@ -345,7 +341,7 @@ def _grad_norms_at_update(monkeypatch) -> list[float]:
 def test_clip_bounds_the_gradient_the_optimizer_sees(tmp_path, monkeypatch):
     """Mutant: ``clip > 0`` -> ``clip > 1``: --clip 1.0 (or any clip <= 1) silently stops clipping. AdamW
     hides gradient scale, so the check is on the gradients at the update, not on the weights."""
-    from test_train_loop import run
+    from tests.test_train_loop import run
 
     seen = _grad_norms_at_update(monkeypatch)
     result = run(tmp_path / "clip", 3, clip=0.05)
@@ -355,7 +351,7 @@ def test_clip_bounds_the_gradient_the_optimizer_sees(tmp_path, monkeypatch):
 
 def test_clip_zero_means_no_clipping(tmp_path, monkeypatch):
     """Mutant: ``clip > 0`` -> ``clip >= 0``: --clip 0 (documented: off) would clip every gradient to zero."""
-    from test_train_loop import run
+    from tests.test_train_loop import run
 
     seen = _grad_norms_at_update(monkeypatch)
     run(tmp_path / "noclip", 3, clip=0.0)

@@ -16,28 +16,7 @@ from entrenar.data import corpus
 from entrenar.data.corpus import PretrainLoader, pack, read_index
 from entrenar.errors import InputError
 from entrenar.model import CausalLM
-
-WORDS = [f"w{i}" for i in range(40)]
-
-
-class WordTokenizer:
-    """The ChatTokenizer attributes pack() uses, over a real word-level tokenizers.Tokenizer."""
-
-    def __init__(self, vocab_size: int = 64, add_bos: bool = False):
-        vocab = {"<unk>": 0, "<s>": 1, "</s>": 2}
-        vocab.update({w: i + 3 for i, w in enumerate(WORDS)})
-        for i in range(len(vocab), vocab_size):
-            vocab[f"x{i}"] = i
-        self.tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
-        self.tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-        self.bos_id, self.eos_id, self.pad_id, self.add_bos = 1, 2, 2, add_bos
-
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-        return ([self.bos_id] if add_special and self.add_bos else []) + ids
-
-    def __len__(self) -> int:
-        return self.tokenizer.get_vocab_size()
+from tests.helpers.tokenizers import WORDS, WordTokenizer
 
 
 def make_corpus(root, n_docs: int = 12, seed: int = 0) -> list[str]:

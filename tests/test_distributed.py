@@ -17,49 +17,26 @@ token count would show). fp32 throughout.
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import socket
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_torchrun
 
-from entrenar.config import ModelConfig
 from entrenar.fileio import read_jsonl
 from entrenar.formats import save_hf_dir
-from entrenar.model import CausalLM
 from entrenar.tensors import IGNORE_INDEX, rel_l2
+from tests.helpers.cli import PROCESS_TIMEOUT, child_env
+from tests.helpers.cli import run_cli_process as run_cli
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
-SRC = str(Path(__file__).resolve().parents[1] / "src")
-TIMEOUT = 240  # seconds for one CLI run; a hang (a rank waiting on a dead peer) fails instead of blocking CI
+TIMEOUT = PROCESS_TIMEOUT  # seconds for one CLI run; a hang (a rank waiting on a dead peer) fails instead of blocking CI
 STEPS = 10
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _env() -> dict[str, str]:
-    return {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""),
-            "OMP_NUM_THREADS": "1", "ENTRENAR_DIST_TIMEOUT": "90"}
-
-
-def run_cli(argv: list[str], nproc: int = 1, script: str | None = None) -> subprocess.CompletedProcess:
-    """`python -m entrenar ARGV` (nproc 1) or under torchrun; `script` replaces `-m entrenar` with a
-    python file that patches something, then calls the CLI with sys.argv[1:]."""
-    target = [script] if script else ["-m", "entrenar"]
-    if nproc == 1:
-        cmd = [sys.executable, *target, *argv]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
-               "127.0.0.1", "--master-port", str(free_port()), *target, *argv]
-    return run_torchrun(cmd, capture_output=True, text=True, timeout=TIMEOUT, env=_env(), check=False)
+    return child_env(OMP_NUM_THREADS="1", ENTRENAR_DIST_TIMEOUT="90")
 
 
 def losses(run: Path) -> list[float]:
@@ -107,10 +84,9 @@ def base_model(tmp_path_factory, sft_data) -> Path:
     tok = load_tokenizer("smollm2-135m-instruct")
     examples, _ = load_sft(sft_data, tok, 64)
     used = sorted({int(t) for e in examples for t in e.labels if t != IGNORE_INDEX})
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=False, max_position_embeddings=128)
-    m = CausalLM(cfg)
-    m.init_weights(1)
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, tie_word_embeddings=False,
+                      max_position_embeddings=128)
+    m = tiny_causal_lm(cfg, 1)
     g = torch.Generator().manual_seed(2)
     u = torch.randn(cfg.hidden_size, generator=g)
     u = u / u.norm()

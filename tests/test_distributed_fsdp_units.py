@@ -12,12 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_distributed_toy import torchrun
 
 from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
 from entrenar.tensors import rel_l2
 from entrenar.train import parallel as P
+from tests.helpers.models import tiny_causal_lm, tiny_config
+from tests.test_distributed_toy import torchrun
 
 
 def blocks(sizes: list[int]) -> list[torch.nn.Module]:
@@ -64,8 +65,7 @@ def test_clip_without_dtensors_is_torchs():
 WORKER = """
 import sys, torch
 import torch.distributed as dist
-sys.path.insert(0, {tests!r})
-from test_distributed_toy import manual_steps, tiny
+from tests.test_distributed_toy import manual_steps, tiny
 from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
 from entrenar.train import distributed as D, parallel as P
@@ -110,7 +110,7 @@ D.shutdown()
 def two_ranks(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("units")
     script = out / "worker.py"
-    script.write_text(WORKER.format(tests=str(Path(__file__).parent)))
+    script.write_text(WORKER.format())
     proc: subprocess.CompletedProcess = torchrun(script, [str(out)])
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -119,10 +119,9 @@ def two_ranks(tmp_path_factory) -> Path:
 def test_clip_over_shards_equals_one_process_with_one_allreduce(two_ranks):
     got = torch.load(two_ranks / "result.pt")
     torch.manual_seed(0)
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, num_heads=4, num_kv_heads=2,
-                      tie_word_embeddings=False, max_position_embeddings=128)
-    model = CausalLM(cfg)
-    model.init_weights(0)
+    cfg = tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=4, tie_word_embeddings=False,
+                      max_position_embeddings=128)
+    model = tiny_causal_lm(cfg, 0)
     for rank in (0, 1):  # both ranks' samples, gradients summed as the SUM reduction does
         ids = torch.randint(0, 64, (2, 9), generator=torch.Generator().manual_seed(rank))
         s, _ = model(ids, labels=ids)
@@ -137,7 +136,7 @@ def test_clip_over_shards_equals_one_process_with_one_allreduce(two_ranks):
 
 
 def test_block_units_train_like_one_process(two_ranks):
-    from test_distributed_toy import _single
+    from tests.test_distributed_toy import _single
 
     got = torch.load(two_ranks / "result.pt")
     ref_params, ref_losses = _single("fsdp", True)

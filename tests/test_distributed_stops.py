@@ -28,12 +28,11 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the torchrun helpers and fixtures of test_distributed
-import test_distributed as td
-from test_distributed import finetune_args, free_port, losses, ok, weights
-
 from entrenar import cli
 from entrenar.train.runlock import LOCK_FILE
+from tests import test_distributed as td
+from tests.helpers.cli import free_port
+from tests.test_distributed import finetune_args, losses, ok, weights
 
 sft_data, base_model, fsdp = td.sft_data, td.base_model, td.fsdp
 WORKERS_GONE_S = 3.0  # the bound stated in docs/design.md: jobwatch polls the launcher every 0.5 s

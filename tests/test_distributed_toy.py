@@ -11,7 +11,6 @@ GuardError to every rank.
 from __future__ import annotations
 
 import json
-import os
 import socket
 import subprocess
 import sys
@@ -19,15 +18,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_torchrun
 
-from entrenar.config import ModelConfig
 from entrenar.model import CausalLM
 from entrenar.tensors import IGNORE_INDEX, rel_l2
 from entrenar.train import distributed as D
 from entrenar.train import parallel as P
-
-SRC = str(Path(__file__).resolve().parents[1] / "src")
+from tests.helpers.cli import child_env, run_torchrun
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 def free_port() -> int:
@@ -37,8 +34,7 @@ def free_port() -> int:
 
 
 def torchrun(script: Path, args: list[str], nproc: int = 2, timeout: int = 180) -> subprocess.CompletedProcess:
-    env = {**os.environ, "PYTHONPATH": SRC + os.pathsep + os.environ.get("PYTHONPATH", ""), "OMP_NUM_THREADS": "1",
-           "ENTRENAR_DIST_TIMEOUT": "60"}
+    env = child_env(OMP_NUM_THREADS="1", ENTRENAR_DIST_TIMEOUT="60")
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc), "--master-addr",
            "127.0.0.1", "--master-port", str(free_port()), str(script), *args]
     return run_torchrun(cmd, capture_output=True, text=True, timeout=timeout, env=env, check=False)
@@ -78,11 +74,8 @@ def samples() -> list[list[int]]:
 
 
 def tiny(seed: int = 0, tie: bool = True) -> CausalLM:
-    cfg = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=tie, max_position_embeddings=128)
-    m = CausalLM(cfg)
-    m.init_weights(seed)
-    return m
+    return tiny_causal_lm(tiny_config(vocab_size=64, hidden_size=32, intermediate_size=64, tie_word_embeddings=tie,
+                                      max_position_embeddings=128), seed)
 
 
 def manual_steps(ctx: D.DistContext, parallel: str, per_rank_batch: int, accum: int, steps: int,
@@ -113,8 +106,7 @@ def manual_steps(ctx: D.DistContext, parallel: str, per_rank_batch: int, accum: 
 
 WORKER = """
 import json, sys, torch
-sys.path.insert(0, {tests!r})
-from test_distributed_toy import manual_steps, tiny
+from tests.test_distributed_toy import manual_steps, tiny
 from entrenar.train import distributed as D, parallel as P
 ctx = D.init_from_env("cpu")
 out = sys.argv[1]
@@ -182,7 +174,7 @@ D.shutdown()      # while rank 0 was still in the verdict's broadcast aborted in
 @pytest.fixture(scope="module")
 def worker(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("worker") / "worker.py"
-    path.write_text(WORKER.format(tests=str(Path(__file__).parent)))
+    path.write_text(WORKER.format())
     return path
 
 

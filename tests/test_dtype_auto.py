@@ -11,12 +11,13 @@ import json
 
 import pytest
 import torch
-from test_train_cli import byte_model_dir, byte_shards, main, pretrain_args  # noqa: F401 (fixtures)
 
 from entrenar import cli
 from entrenar.cli import models as model_commands
 from entrenar.devices import resolve_dtype
 from entrenar.train.config import TrainConfig
+from tests.helpers.cli import run_cli as main
+from tests.test_train_cli import byte_model_dir, byte_shards, pretrain_args  # noqa: F401 (fixtures)
 
 
 def fake_gpu(monkeypatch, capability: tuple[int, int], name: str) -> None:

@@ -4,22 +4,17 @@ byte caps hold, the tokenizer's files are training files; the report's target-lo
 
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import sys
 from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[1] / "bench"
-
 
 def bench_module(name: str):
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
+    """bench/NAME.py, imported as the package module bench.NAME (bench/ sits beside tests/)."""
+    return importlib.import_module(f"bench.{name}")
 
 
 def code(i: int, pkg: str) -> str:

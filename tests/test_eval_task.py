@@ -10,10 +10,6 @@ from itertools import combinations
 from pathlib import Path
 
 import pytest
-from conftest import tiny_causal_lm, tiny_config
-from test_sandbox import canonical_solutions
-from test_tokenizer import tiny_tokenizer
-from test_train_cli import main
 
 from entrenar.errors import InputError
 from entrenar.evaluate.harness import TaskEvalSettings, run_task_eval, task_records
@@ -30,6 +26,10 @@ from entrenar.evaluate.tasks import (
     program,
     prompt_ids,
 )
+from tests.helpers.cli import run_cli as main
+from tests.helpers.models import tiny_causal_lm, tiny_config
+from tests.helpers.tokenizers import tiny_tokenizer
+from tests.test_sandbox import canonical_solutions
 
 ADD = Problem("t/add", 'def add(a, b):\n    """Sum of a and b."""\n', "def check(candidate):\n"
               "    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n", "add")

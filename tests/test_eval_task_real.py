@@ -17,9 +17,8 @@ PROBLEMS = ("HumanEval/23", "HumanEval/53", "HumanEval/45", "HumanEval/2", "Huma
 
 @pytest.mark.real_model
 def test_humaneval_pass_fail_matches_transformers_qwen(qwen_model, qwen_path):
-    from test_generate import _hf_from_gguf
-
     from entrenar.tokenizer import load_tokenizer
+    from tests.test_generate import _hf_from_gguf
 
     tok = load_tokenizer("qwen2.5-coder-0.5b-instruct")
     problems = [p for p in humaneval_problems() if p.task_id in PROBLEMS]

@@ -7,14 +7,12 @@ The packaged models (SmolLM2, Qwen2.5-Coder) are in tests/test_export_real.py (r
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from entrenar import cli
 from entrenar.config import ModelConfig
 from entrenar.errors import InputError
 from entrenar.export import export_gguf
@@ -24,6 +22,8 @@ from entrenar.formats.gguf import load_gguf, open_reader
 from entrenar.model import CausalLM
 from entrenar.tensors import rel_l2
 from entrenar.tokenizer import QWEN2_SPLIT, ChatTokenizer, load_tokenizer
+from tests.helpers.cli import run_cli
+from tests.helpers.models import randomize_
 
 CHATML = ("{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] "
           "+ '<|im_end|>\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}"
@@ -92,18 +92,8 @@ def random_model(cfg: ModelConfig, seed: int = 0) -> CausalLM:
     meaningful: no tensor can be dropped, mis-permuted or mis-typed without changing the logits."""
     torch.manual_seed(seed)
     m = CausalLM(cfg)
-    gen = torch.Generator().manual_seed(seed + 1)
+    randomize_(m, seed + 1, embed_std=1.0, embed_names=("embed_tokens", "lm_head"))
     with torch.no_grad():
-        for name, p in m.named_parameters():
-            noise = torch.randn(p.shape, generator=gen)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.2 * noise)
-            elif name.endswith(".bias"):
-                p.copy_(0.5 * noise)
-            elif "embed_tokens" in name or "lm_head" in name:
-                p.copy_(noise)
-            else:
-                p.copy_(noise / p.shape[-1] ** 0.5)
         if not cfg.tie_word_embeddings:
             # an untied head near the embedding: peaked next-token distributions as in trained models
             # (a fully random head has near-ties at many positions, where top-1 is a coin flip)
@@ -297,13 +287,8 @@ def test_unknown_pre_tokenizer_refused(tmp_path, tok_dir):
 
 # ---- the command ------------------------------------------------------------------------------
 def _run_json(argv: list[str]) -> dict:
-    import contextlib
-    import io
-
-    buf = io.StringIO()
-    with contextlib.redirect_stdout(buf):
-        code = cli.main(argv)
-    result = json.loads(buf.getvalue().strip().splitlines()[-1])
+    code, result, _ = run_cli(argv, capture=True)
+    assert result is not None, f"no JSON line from {argv}"
     result["exit_code_seen"] = code
     return result
 

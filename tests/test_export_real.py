@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_export_gguf import (
+
+from entrenar.export import export_gguf
+from entrenar.formats.gguf import open_reader
+from entrenar.generate import generate
+from entrenar.tensors import rel_l2
+from entrenar.tokenizer import load_tokenizer
+from tests.test_export_gguf import (
     TOKENIZE_STRINGS,
     agreement,
     llama_cpp,
@@ -16,12 +22,6 @@ from test_export_gguf import (
     llama_cpp_logits,
     llama_cpp_tokenize,
 )
-
-from entrenar.export import export_gguf
-from entrenar.formats.gguf import open_reader
-from entrenar.generate import generate
-from entrenar.tensors import rel_l2
-from entrenar.tokenizer import load_tokenizer
 
 pytestmark = pytest.mark.real_model
 

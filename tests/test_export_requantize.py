@@ -7,9 +7,9 @@ Seen red before the fix: no note in the result (exit 0, silent).
 from __future__ import annotations
 
 import pytest
-from test_export_gguf import exports, tiny_dirs, tok_dir  # noqa: F401 (fixtures)
 
 from entrenar.export import export_gguf
+from tests.test_export_gguf import exports, tiny_dirs, tok_dir  # noqa: F401 (fixtures)
 
 
 @pytest.mark.parametrize(("source", "target", "lossy"), [("q8_0", "q4_0", True), ("q4_0", "q8_0", True),

@@ -11,7 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_causal_lm, tiny_config
 from test_export_gguf import _run_json, llama_cpp, llama_cpp_greedy, llama_cpp_logits, llama_cpp_tokenize
 from test_export_gguf import random_model as random_export_model
 from test_export_gguf import train_tokenizer as train_qwen2_split_tokenizer
@@ -23,6 +22,7 @@ from entrenar.formats import load_model, save_hf_dir
 from entrenar.formats.gguf import load_gguf, open_reader
 from entrenar.tensors import IGNORE_INDEX, rel_l2
 from entrenar.tokenizer import load_tokenizer
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 # (overrides of conftest.TINY_BASE): head_dim 32 is not hidden / heads (64 / 4 = 16), as Qwen3-0.6B's 128 is not
 # 1024 / 16; tied and untied heads; GQA and MHA; eps 1e-6 (Qwen3's) and 1e-5; theta 1e6 and 1e4.

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_causal_lm, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from entrenar.errors import GuardError, InputError
 from entrenar.train import fp8
 from entrenar.verify import preflight, rel_l2
 from entrenar.verify.bisect import BLOCK_ROUNDING, bounds_for
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 def byte_tok() -> Tokenizer:

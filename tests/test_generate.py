@@ -11,8 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import make_hf_model, tiny_causal_lm, tiny_config
-from test_tokenizer import QWEN, SMOLLM, tiny_tokenizer
 
 from entrenar.cli import main as cli_main
 from entrenar.errors import InputError
@@ -20,6 +18,9 @@ from entrenar.generate import TextStream, generate, sample_next
 from entrenar.model import CausalLM, KVCache
 from entrenar.tensors import rel_l2
 from entrenar.tokenizer import ChatTokenizer
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_hf_model, tiny_causal_lm, tiny_config
+from tests.helpers.tokenizers import QWEN, SMOLLM, tiny_tokenizer
 
 
 def tiny_model(vocab_size: int, arch: str = "qwen2", seed: int = 0) -> CausalLM:
@@ -212,10 +213,8 @@ def _tiny_dir(root: Path, name: str, model_vocab: int | None = None, template: s
 
 
 def _run(argv, capsys) -> tuple[int, dict | None, str, str]:
-    rc = cli_main(["generate", *argv])
-    out, err = capsys.readouterr()
-    lines = out.strip().splitlines()
-    return rc, (json.loads(lines[-1]) if "--json" in argv and lines else None), out, err
+    run = run_cli(["generate", *argv], capsys)
+    return run[0], (run[1] if "--json" in argv else None), run.out, run[2]
 
 
 def test_cli_generate_json_and_stream(tmp_path, capsys):

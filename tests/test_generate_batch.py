@@ -6,14 +6,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import make_hf_model
-from test_generate import PROMPT, tiny_model
-from test_tokenizer import QWEN, SMOLLM, tiny_tokenizer
 
 from entrenar.errors import InputError
 from entrenar.generate import generate, generate_batch
 from entrenar.model import padding_mask
 from entrenar.tensors import rel_l2
+from tests.helpers.models import make_hf_model
+from tests.helpers.tokenizers import QWEN, SMOLLM, tiny_tokenizer
+from tests.test_generate import PROMPT, tiny_model
 
 PROMPTS = [PROMPT, "the", "in the er the in", "er er"]
 
@@ -138,9 +138,8 @@ REAL_PROMPTS = ["What is 2 + 2?", "Write a Python function that reverses a strin
 
 
 def _real_batch_parity(model, path, name):
-    from test_generate import _hf_from_gguf
-
     from entrenar.tokenizer import load_tokenizer
+    from tests.test_generate import _hf_from_gguf
 
     tok = load_tokenizer(name)
     ids = [tok.encode_chat([{"role": "user", "content": p}], add_generation_prompt=True).ids for p in REAL_PROMPTS]

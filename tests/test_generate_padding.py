@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_generate import tiny_model
-from test_tokenizer import tiny_tokenizer
 
 from entrenar.generate import generate
+from tests.helpers.tokenizers import tiny_tokenizer
+from tests.test_generate import tiny_model
 
 
 @pytest.mark.parametrize("temperature", [0.0, 1.0])

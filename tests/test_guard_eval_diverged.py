@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import math
-import sys
 from pathlib import Path
 
 import pytest
@@ -20,13 +19,11 @@ from entrenar.errors import GuardError
 from entrenar.train import guards, loop
 from entrenar.train.loop import TrainConfig, train
 from entrenar.train.metrics import read_jsonl
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-import test_distributed as D
-import test_train_cli
-import test_train_loop as T
-from test_peft_seed import tiny_base_and_data
-from test_train_cli import main
+from tests import test_distributed as D
+from tests import test_train_cli
+from tests import test_train_loop as T
+from tests.helpers.cli import run_cli as main
+from tests.test_peft_seed import tiny_base_and_data
 
 byte_shards = test_train_cli.byte_shards  # module-scoped there: built once per module
 base_model, sft_data = D.base_model, D.sft_data

@@ -74,10 +74,9 @@ USER = [{"role": "user", "content": "hi"}]
 
 
 def test_a_template_that_loops_without_output_is_stopped_by_time(monkeypatch):
-    from test_tokenizer import tiny_tokenizer
-
     from entrenar import chat_limits as tokmod
     from entrenar.errors import InputError
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     monkeypatch.setattr(tokmod, "RENDER_SECONDS", 0.5)
     with pytest.raises(InputError, match=r"chat template ran longer than 0.5 s"):
@@ -90,10 +89,9 @@ def test_the_alarm_stops_a_finite_loop_that_writes_nothing(monkeypatch):
     end (the clock between pieces would stop it only then)."""
     import time
 
-    from test_tokenizer import tiny_tokenizer
-
     from entrenar import chat_limits as tokmod
     from entrenar.errors import InputError
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     monkeypatch.setattr(tokmod, "RENDER_SECONDS", 0.2)
     silent = ("{% for i in range(20000) %}{% for j in range(20000) %}{% endfor %}{% endfor %}"
@@ -106,10 +104,9 @@ def test_the_alarm_stops_a_finite_loop_that_writes_nothing(monkeypatch):
 
 
 def test_a_template_that_writes_without_end_is_stopped_by_size(monkeypatch):
-    from test_tokenizer import tiny_tokenizer
-
     from entrenar import chat_limits as tokmod
     from entrenar.errors import InputError
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     monkeypatch.setattr(tokmod, "MAX_RENDER_CHARS", 1 << 16)
     with pytest.raises(InputError, match=r"chat template wrote more than"):
@@ -120,10 +117,9 @@ def test_the_time_bound_holds_off_the_main_thread_too(monkeypatch):
     """SIGALRM exists only in the main thread; elsewhere the bound is checked between output pieces."""
     import threading
 
-    from test_tokenizer import tiny_tokenizer
-
     from entrenar import chat_limits as tokmod
     from entrenar.errors import InputError
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     monkeypatch.setattr(tokmod, "RENDER_SECONDS", 0.5)
     # one character per 2,000 silent iterations: 50 M iterations (seconds on any CPU) write 25,000 characters,
@@ -145,10 +141,9 @@ def test_the_time_bound_holds_off_the_main_thread_too(monkeypatch):
 
 
 def test_a_normal_template_renders_unchanged_after_a_bounded_one(monkeypatch):
-    from test_tokenizer import tiny_tokenizer
-
     from entrenar import chat_limits as tokmod
     from entrenar.errors import InputError
+    from tests.helpers.tokenizers import tiny_tokenizer
 
     monkeypatch.setattr(tokmod, "RENDER_SECONDS", 0.3)
     with pytest.raises(InputError):

@@ -10,15 +10,15 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
 from safetensors.torch import load_file, save_file
 
-from entrenar import cli
 from entrenar.errors import InputError, LoadError
 from entrenar.formats import gguf as ggufmod
 from entrenar.formats import load_model, load_state, save_hf_dir
 from entrenar.formats.hf import check_state
 from entrenar.tensors import rel_l2
+from tests.helpers.cli import run_cli
+from tests.helpers.models import make_hf_model
 
 Q = gguf.GGMLQuantizationType
 _TO_GGUF = {v: k for k, v in ggufmod._GLOBAL_NAMES.items()}
@@ -262,9 +262,8 @@ def test_check_state_accepts_exact_state(tiny_hf_dir):
 # ---- command line: bad input exits 2 with one line naming the file ----------------------------
 def _run_cli(capsys, *argv: str) -> tuple[int, str, str]:
     capsys.readouterr()  # drop what fixtures printed (progress bars)
-    rc = cli.main(list(argv))
-    out, err = capsys.readouterr()
-    return rc, out, err
+    run = run_cli(list(argv), capsys)
+    return run[0], run.out, run[2]
 
 
 def _assert_one_line_error(rc: int, err: str, *needles: str) -> None:

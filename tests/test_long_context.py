@@ -15,14 +15,15 @@ import copy
 import json
 
 import pytest
-import test_train_cli
 import torch
-from conftest import tiny_causal_lm, tiny_config
-from test_train_cli import main, pretrain_args
 
 import entrenar.model as model_module
 from entrenar.long_context import ActivationOffload, chunked_rows, set_mlp_chunk
 from entrenar.tensors import rel_l2
+from tests import test_train_cli
+from tests.helpers.cli import run_cli as main
+from tests.helpers.models import tiny_causal_lm, tiny_config
+from tests.test_train_cli import pretrain_args
 
 # the byte-tokenizer shards and model of test_train_cli (module-scoped fixtures), shared as test_trainer_cli does
 byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir

@@ -5,9 +5,7 @@ project publishes (RESULTS.md, issue goals) without failing anything else."""
 from __future__ import annotations
 
 import pytest
-import test_train_loop as T
 import torch
-from conftest import tiny_config
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -16,6 +14,8 @@ from entrenar.model import CausalLM
 from entrenar.train import loop
 from entrenar.train.config import TrainConfig
 from entrenar.train.metrics import read_jsonl
+from tests import test_train_loop as T
+from tests.helpers.models import tiny_config
 
 
 @pytest.mark.parametrize("name", ["llama-370m", "smollm2-135m", "qwen2.5-0.5b", "qwen2.5-coder-7b"])

@@ -15,13 +15,13 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from test_loading import bf16_gguf_roundtrip_ok, bf16_hf_roundtrip_ok
-from test_parity_hf import CASES, assert_parity, check_causality, sample_ids
 
 import entrenar.model as model_mod
 from entrenar.formats import gguf as ggufmod
 from entrenar.formats import load_model
 from entrenar.kernels import get_ops
+from tests.test_loading import bf16_gguf_roundtrip_ok, bf16_hf_roundtrip_ok
+from tests.test_parity_hf import CASES, assert_parity, check_causality, sample_ids
 
 
 def _load_case(case: str, tiny_hf_dir):
@@ -141,8 +141,8 @@ def test_bf16_read_as_f16_is_caught(tmp_path, monkeypatch):
 
 def test_unpermuted_llama_gguf_is_caught(tmp_path, monkeypatch):
     """Skipping llama.cpp's inverse Q/K permutation breaks parity of a llama GGUF."""
-    from conftest import make_hf_model
-    from test_loading import write_gguf
+    from tests.helpers.models import make_hf_model
+    from tests.test_loading import write_gguf
 
     hf_model = make_hf_model("llama")
     path = write_gguf(tmp_path / "m.gguf", hf_model)
@@ -158,7 +158,7 @@ def test_rope_frequencies_are_built_once_and_follow_the_config(monkeypatch):
     """Each forward used to copy the CPU-built inverse frequencies to the device: on CUDA a blocking copy
     that made the host wait for every queued kernel. They are now built once per device and RoPE setting;
     the numbers are the same, and a changed rope_theta is not served stale."""
-    from test_train_loop import tiny_model
+    from tests.test_train_loop import tiny_model
 
     calls = []
     real = model_mod.rope_inv_freq

@@ -12,9 +12,6 @@ import gguf
 import numpy as np
 import pytest
 import torch
-from conftest import make_hf_model
-from test_export_gguf import random_model, tiny_cfg, train_tokenizer
-from test_loading import permute_qk, to_gguf_name
 
 from entrenar.errors import InputError
 from entrenar.formats import gguf_write as gw
@@ -22,6 +19,9 @@ from entrenar.formats import load_model
 from entrenar.formats.gguf import load_gguf, open_reader
 from entrenar.tensors import rel_l2
 from entrenar.tokenizer import ChatTokenizer, load_tokenizer
+from tests.helpers.models import make_hf_model
+from tests.test_export_gguf import random_model, tiny_cfg, train_tokenizer
+from tests.test_loading import permute_qk, to_gguf_name
 
 Q = gguf.GGMLQuantizationType
 
@@ -282,7 +282,7 @@ def test_loaded_tensors_own_their_memory(qtype, tmp_path):
     """The state dict must not be a view of the file's memory map: a file rewritten in place afterwards
     (convert writing over its input, a download resuming) would change the loaded weights."""
     hf = make_hf_model("llama")
-    from test_loading import write_gguf
+    from tests.test_loading import write_gguf
 
     path = write_gguf(tmp_path / "m.gguf", hf, weight_type=qtype)
     _, state, info = load_gguf(path)

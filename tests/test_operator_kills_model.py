@@ -9,11 +9,11 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import make_hf_model, tiny_causal_lm, tiny_config
 
 from entrenar.formats import load_model
 from entrenar.model import Block, CausalLM, KVCache, rope_inv_freq, rope_tables
 from entrenar.tensors import IGNORE_INDEX, rel_l2
+from tests.helpers.models import make_hf_model, tiny_causal_lm, tiny_config
 
 
 # ---- RoPE: llama3 scaling against Meta's reference ------------------------------------------------

@@ -15,7 +15,6 @@ import math
 
 import pytest
 import torch
-from test_verify import FAST_OPS, _drop_qkv_bias, byte_tokenizer, fast_path
 
 from entrenar.config import preset
 from entrenar.errors import GuardError
@@ -25,6 +24,7 @@ from entrenar.model import Attention, CausalLM
 from entrenar.verify import BOUNDS, bounds_for, format_report, preflight, verify_model
 from entrenar.verify.bisect import BLOCK_ROUNDING, DEPTH_C, compare_sequence
 from entrenar.verify.probe import ProbeSequence
+from tests.test_verify import FAST_OPS, _drop_qkv_bias, byte_tokenizer, fast_path
 
 U = 2.0 ** -8
 MEASURED_7B_28_LAYERS = 3.955e-2  # the false stop's logits relL2 (4x H200, random init, bf16)

@@ -7,7 +7,6 @@ import re
 
 import pytest
 import torch
-from conftest import tiny_causal_lm, tiny_config
 from torch import nn
 
 from entrenar import peft as ep
@@ -17,6 +16,7 @@ from entrenar.kernels import nf4
 from entrenar.model import CausalLM
 from entrenar.peft import io as peft_io
 from entrenar.peft import nf4_linear
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 def tiny_cfg(qwen: bool = True, **kw) -> ModelConfig:

@@ -10,14 +10,14 @@ import json
 
 import pytest
 import torch
-from test_peft import IDS, randomize_adapters, tiny_model
 
-from entrenar import cli
 from entrenar import peft as ep
 from entrenar.errors import InputError
 from entrenar.formats import load_model, save_hf_dir
 from entrenar.peft import identity
 from entrenar.peft.load import load_model_with_adapter
+from tests.helpers.cli import run_cli
+from tests.test_peft import IDS, randomize_adapters, tiny_model
 
 
 @pytest.fixture()
@@ -33,9 +33,7 @@ def bases(tmp_path):
 
 
 def merge_cli(base, adapter, out, capsys, *extra) -> tuple[int, dict, str]:
-    code = cli.main(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--json", *extra])
-    captured = capsys.readouterr()
-    return code, json.loads(captured.out.strip().splitlines()[-1]), captured.err
+    return run_cli(["merge", "--base", str(base), "--adapter", str(adapter), "--out", str(out), "--json", *extra], capsys)
 
 
 def test_merge_onto_wrong_base_exits_2_naming_both(bases, tmp_path, capsys):

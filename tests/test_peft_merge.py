@@ -6,12 +6,13 @@ import json
 
 import pytest
 import torch
-from test_peft import IDS, randomize_adapters, rel, tiny_model
 
 from entrenar import cli
 from entrenar import merge as em
 from entrenar import peft as ep
 from entrenar.formats import load_model, save_hf_dir
+from tests.helpers.models import tiny_causal_lm, tiny_config
+from tests.test_peft import IDS, randomize_adapters, rel, tiny_model
 
 
 @pytest.fixture()
@@ -105,16 +106,13 @@ def test_merge_cli_exit_codes(base_dir, tmp_path, capsys):
 
 def test_generate_and_eval_accept_adapter(tmp_path, capsys):
     """`generate --adapter` and `eval --adapter` run base + adapter unmerged (tiny model, SmolLM2 tokenizer)."""
-    from entrenar.config import ModelConfig
-    from entrenar.model import CausalLM
     from entrenar.tokenizer import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m-instruct")  # reads the GGUF's tokenizer metadata only
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                      tie_word_embeddings=True, max_position_embeddings=256)
     torch.manual_seed(0)
-    m = CausalLM(cfg)
-    m.init_weights(0)
+    m = tiny_causal_lm(cfg, 0)
     base = save_hf_dir(m, tmp_path / "base", tok)
     ep.apply_lora(m, rank=4, alpha=8)
     randomize_adapters(m, std=2.0)
@@ -159,17 +157,14 @@ def test_finetune_unknown_target_exits_2_listing_linears(tmp_path, capsys):
 def test_generate_and_eval_adapter_on_wrong_base_exit_2(tmp_path, capsys):
     """`generate/eval --adapter` onto a same-shape base the adapter was not trained on: exit 2 naming both
     bases; `--force-base` runs it anyway (a warning on stderr)."""
-    from entrenar.config import ModelConfig
-    from entrenar.model import CausalLM
     from entrenar.tokenizer import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m-instruct")  # reads the GGUF's tokenizer metadata only
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1,
+                      tie_word_embeddings=True, max_position_embeddings=256)
     bases = {}
     for name, seed in (("A", 0), ("B", 1)):
-        m = CausalLM(cfg)
-        m.init_weights(seed)
+        m = tiny_causal_lm(cfg, seed)
         bases[name] = save_hf_dir(m, tmp_path / f"base-{name}", tok)
     m = load_model(bases["A"], dtype=torch.float32)
     ep.apply_lora(m, rank=4, alpha=8, seed=0)

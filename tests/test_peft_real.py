@@ -24,6 +24,7 @@ from entrenar import cli
 from entrenar import peft as ep
 from entrenar.generate import generate
 from entrenar.tokenizer import load_tokenizer
+from tests.helpers.cli import run_cli
 
 pytestmark = pytest.mark.real_model
 
@@ -40,10 +41,9 @@ HELD_OUT = [("triple(x)", "Return three times x.", "3 * x"), ("is_odd(n)", "Retu
                                                            "items[1]")]
 
 
-def run_cli(argv: list[str], capsys) -> tuple[int, dict]:
-    code = cli.main([*argv, "--json"])
-    out = capsys.readouterr().out.strip().splitlines()
-    return code, json.loads(out[-1]) if out else {}
+def run_json(argv: list[str], capsys) -> tuple[int, dict]:
+    code, result, _ = run_cli([*argv, "--json"], capsys)
+    return code, result or {}
 
 
 def _sft_from_code(root: Path, name: str, functions: list) -> Path:
@@ -73,7 +73,7 @@ def finetune_args(model: str, data: tuple[Path, Path], out: Path, mode: str, ste
 
 
 def finetune(model: str, data, run: Path, mode: str, steps: int, lr: str, capsys) -> list[dict]:
-    code, result = run_cli(finetune_args(model, data, run, mode, steps, lr), capsys)
+    code, result = run_json(finetune_args(model, data, run, mode, steps, lr), capsys)
     assert code == 0, result
     final = run / "final"
     assert (final / "adapter_config.json").is_file() and (final / "adapter_model.safetensors").is_file()
@@ -118,7 +118,7 @@ def test_lora_smollm2_finetune_resume_eval_generate(code_data, smollm_model, tmp
     shutil.rmtree(resumed / "final")
     shutil.rmtree(resumed / "checkpoints" / "step-0000006")
     (resumed / "checkpoints" / "latest").unlink()
-    code, _ = run_cli([*finetune_args(spec, code_data, resumed, "lora", 6, "5e-4"), "--resume", "auto"], capsys)
+    code, _ = run_json([*finetune_args(spec, code_data, resumed, "lora", 6, "5e-4"), "--resume", "auto"], capsys)
     assert code == 0
     a = load_file(str(run / "final" / "adapter_model.safetensors"))
     b = load_file(str(resumed / "final" / "adapter_model.safetensors"))
@@ -126,7 +126,7 @@ def test_lora_smollm2_finetune_resume_eval_generate(code_data, smollm_model, tmp
     losses = [json.loads(x)["loss"] for x in (run / "metrics.jsonl").read_text().splitlines()]
     assert losses == [json.loads(x)["loss"] for x in (resumed / "metrics.jsonl").read_text().splitlines()]
 
-    code, ev = run_cli(["eval", "--model", spec, "--adapter", str(run), "--data", str(code_data[1]),
+    code, ev = run_json(["eval", "--model", spec, "--adapter", str(run), "--data", str(code_data[1]),
                         "--max-seq-len", "128", "--batch-size", "2"], capsys)
     assert code == 0 and ev["loss"] == pytest.approx(evals[-1]["loss"], rel=1e-5)
 

@@ -13,11 +13,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrenar import cli
 from entrenar import peft as ep
 from entrenar.config import ModelConfig
 from entrenar.formats import save_hf_dir
 from entrenar.model import CausalLM
+from tests.helpers.cli import run_cli
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight")
 
@@ -34,10 +35,9 @@ def tiny_base_and_data(root: Path, seed: int = 0, boost: float = 4.0) -> tuple[P
     for r in rows:
         ids.update(tok.encode_chat([{"role": "user", "content": r["prompt"]},
                                     {"role": "assistant", "content": r["completion"]}]).ids)
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    m = CausalLM(cfg)
-    m.init_weights(seed)
+    cfg = tiny_config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=1, tie_word_embeddings=True,
+                      max_position_embeddings=256)
+    m = tiny_causal_lm(cfg, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     d = torch.randn(cfg.hidden_size, generator=gen)
     with torch.no_grad():
@@ -55,10 +55,9 @@ def base_and_data(tmp_path_factory) -> tuple[Path, Path]:
 
 
 def finetune_losses(base: Path, data: Path, out: Path, mode: str, seed: int, capsys) -> list[float]:
-    code = cli.main(["finetune", "--model", str(base), "--data", str(data), "--out", str(out), "--mode", mode,
-                     "--steps", "3", "--batch-size", "2", "--seed", str(seed), "--no-preflight", "--json"])
-    captured = capsys.readouterr()
-    assert code == 0, captured.err[-2000:]
+    code, _, err = run_cli(["finetune", "--model", str(base), "--data", str(data), "--out", str(out), "--mode", mode,
+                            "--steps", "3", "--batch-size", "2", "--seed", str(seed), "--no-preflight", "--json"], capsys)
+    assert code == 0, err[-2000:]
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     losses = [r["loss"] for r in rows if "loss" in r]
     assert len(losses) == 3

@@ -5,7 +5,6 @@ from __future__ import annotations
 import time
 
 import pytest
-import test_train_loop as T
 import torch
 
 from entrenar.cli.train import add_options
@@ -14,6 +13,7 @@ from entrenar.train import loop
 from entrenar.train.config import TrainConfig
 from entrenar.train.metrics import peak_flops, read_jsonl
 from entrenar.train.precision import BF16Weights, make_precision, verify_dtype
+from tests import test_train_loop as T
 
 CPU = torch.device("cpu")
 

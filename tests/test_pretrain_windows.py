@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from test_data_corpus import WORDS, WordTokenizer
 
 from entrenar.data import corpus
 from entrenar.data.corpus import PretrainLoader, pack, read_index
 from entrenar.errors import GuardError, InputError
+from tests.helpers.tokenizers import WORDS, WordTokenizer
 
 
 def one_doc_shards(tmp_path, n_tokens: int, shard_tokens: int = 7):

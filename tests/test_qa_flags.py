@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cli_flags_documented import _generate_dir
-from test_train_cli import main
 
 from entrenar.verify import qa
+from tests.helpers.cli import run_cli as main
+from tests.test_cli_flags_documented import _generate_dir
 
 
 @pytest.fixture(scope="module")

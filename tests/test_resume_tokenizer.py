@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from test_train_cli import STDLIB, ByteTokenizer, main
-
 from entrenar.data.corpus import pack
+from tests.helpers.cli import run_cli as main
+from tests.helpers.tokenizers import STDLIB, ByteTokenizer
 
 
 class PermutedByteTokenizer(ByteTokenizer):

@@ -25,12 +25,11 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the CLI helpers of test_train_cli
-import test_train_cli
-from test_train_cli import main, pretrain_args
-
 from entrenar.train.metrics import read_jsonl
 from entrenar.train.runlock import LOCK_FILE
+from tests import test_train_cli
+from tests.helpers.cli import run_cli as main
+from tests.test_train_cli import pretrain_args
 
 byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir
 SRC = str(Path(__file__).resolve().parents[1] / "src")

@@ -1,13 +1,11 @@
 """Tokenizer: ids identical to transformers' tokenizer built from the same GGUF, special tokens
 whole, BOS only when the metadata says, ids range-checked, save_hf round trip through AutoTokenizer.
 
-Helpers here (tiny GGUF-style metadata, cached transformers reference tokenizers, the stdlib
-corpus) are shared with test_chat_template.py and test_generate.py.
+The tiny GGUF-style metadata and the cached transformers reference tokenizers are tests/helpers/tokenizers.py's.
 """
 
 from __future__ import annotations
 
-import os
 import sysconfig
 from pathlib import Path
 
@@ -15,80 +13,8 @@ import pytest
 
 from entrenar import tokenizer as tokmod
 from entrenar.errors import InputError
-from entrenar.tokenizer import BYTE_TO_UNICODE, load_tokenizer, tokenizer_from_gguf_metadata
-
-SMOLLM = "smollm2-135m-instruct"
-QWEN = "qwen2.5-coder-0.5b-instruct"
-
-CHATML = ("{% for message in messages %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + "
-          "'<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-          "{% endif %}")
-
-
-# ---- tiny byte-level vocabulary in GGUF metadata form ------------------------------------------
-def tiny_meta(pre: str = "qwen2", add_bos: bool | None = False, chat_template: str | None = CHATML,
-              bos: str = "<|endoftext|>") -> dict:
-    """256 byte tokens, a few merges (incl. "1 2", which only a digit-joining split can use), three
-    control tokens and one user-defined token, as tokenizer.ggml.* metadata."""
-    tokens = [BYTE_TO_UNICODE[b] for b in range(256)]
-    merges = []
-    for a, b in [("Ġ", "t"), ("h", "e"), ("Ġt", "he"), ("i", "n"), ("Ġ", "Ġ"), ("ĠĠ", "ĠĠ"), ("Ċ", "Ġ"),
-                 ("e", "r"), ("Ġ", "a"), ("1", "2"), ("Ġ", "1")]:
-        merges.append(f"{a} {b}")
-        if a + b not in tokens:
-            tokens.append(a + b)
-    types = [1] * len(tokens)
-    specials = [("<|endoftext|>", 3), ("<|im_start|>", 3), ("<|im_end|>", 3), ("<tool_call>", 4)]
-    for tok, kind in specials:
-        tokens.append(tok)
-        types.append(kind)
-    meta = {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": pre, "tokenizer.ggml.tokens": tokens,
-            "tokenizer.ggml.token_type": types, "tokenizer.ggml.merges": merges,
-            "tokenizer.ggml.bos_token_id": tokens.index(bos),
-            "tokenizer.ggml.eos_token_id": tokens.index("<|im_end|>"),
-            "tokenizer.ggml.padding_token_id": tokens.index("<|endoftext|>")}
-    if add_bos is not None:
-        meta["tokenizer.ggml.add_bos_token"] = add_bos
-    if chat_template is not None:
-        meta["tokenizer.chat_template"] = chat_template
-    return meta
-
-
-def tiny_tokenizer(**kw):
-    return tokenizer_from_gguf_metadata(tiny_meta(**kw), "tiny.gguf")
-
-
-# ---- transformers reference tokenizers (built from the GGUF once, then cached on disk) ------------
-_HF_CACHE: dict[str, object] = {}
-
-
-def hf_gguf_tokenizer(name: str):
-    """transformers' tokenizer loaded from the packaged GGUF (AutoTokenizer(..., gguf_file=...)).
-
-    Building it parses the GGUF in Python (tens of seconds for Qwen), so its save_pretrained copy is
-    kept under the entrenar cache, keyed by file size/mtime and the transformers version."""
-    if name in _HF_CACHE:
-        return _HF_CACHE[name]
-    import transformers
-    from transformers import AutoTokenizer
-
-    from entrenar.formats.registry import cache_dir, packaged_path
-
-    path = packaged_path(name)
-    st = path.stat()
-    d = cache_dir() / "test-fixtures" / f"hf-gguf-tokenizer-{name}-{st.st_size}-{st.st_mtime_ns}-" \
-                                         f"tf{transformers.__version__}"
-    if not (d / "tokenizer.json").is_file():
-        built = AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
-        tmp = d.with_name(d.name + f".tmp{os.getpid()}")
-        built.save_pretrained(tmp)
-        reloaded = AutoTokenizer.from_pretrained(str(tmp))
-        probe = "def f(x):\n\t return x  + 12345 # ünï <|im_end|>\n\n"
-        assert reloaded(probe)["input_ids"] == built(probe)["input_ids"], "save_pretrained changed the ids"
-        if not d.exists():
-            os.replace(tmp, d)
-    _HF_CACHE[name] = AutoTokenizer.from_pretrained(str(d))
-    return _HF_CACHE[name]
+from entrenar.tokenizer import load_tokenizer, tokenizer_from_gguf_metadata
+from tests.helpers.tokenizers import CHATML, QWEN, SMOLLM, hf_gguf_tokenizer, tiny_meta, tiny_tokenizer
 
 
 def stdlib_texts(n_files: int = 240, head_chars: int = 4096) -> list[tuple[str, str]]:

@@ -17,43 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from entrenar import cli
 from entrenar.config import ModelConfig
 from entrenar.data.corpus import pack
 from entrenar.formats import save_hf_dir
 from entrenar.model import CausalLM
-from entrenar.tokenizer import BYTE_TO_UNICODE
 from entrenar.train.metrics import read_jsonl
-
-STDLIB = Path(json.__file__).parent  # json/*.py: ~40 kB of text
-
-
-def _byte_tokenizers_model():
-    """A real tokenizers.Tokenizer whose ids are the UTF-8 bytes (no merges), eos 256, bos 257:
-    `data pack` stores it with the shards, and pretrain loads it from there."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    vocab = {ch: b for b, ch in BYTE_TO_UNICODE.items()}
-    tok = Tokenizer(models.BPE(vocab, []))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([AddedToken("<eos>", special=True), AddedToken("<bos>", special=True)])
-    return tok
-
-
-class ByteTokenizer:
-    """Bytes as ids 0..255, eos 256, bos 257: enough for `data pack` (which saves `.tokenizer`)."""
-
-    eos_id, bos_id, pad_id, add_bos = 256, 257, None, False
-
-    def __init__(self) -> None:
-        self.tokenizer = _byte_tokenizers_model()
-
-    def encode(self, text: str, add_special: bool = True) -> list[int]:
-        return list(text.encode("utf-8"))
-
-    def __len__(self) -> int:
-        return 258
+from tests.helpers.cli import run_cli as main
+from tests.helpers.models import tiny_causal_lm, tiny_config
+from tests.helpers.tokenizers import STDLIB, ByteTokenizer
 
 
 @pytest.fixture(scope="module")
@@ -66,18 +37,9 @@ def byte_shards(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def byte_model_dir(tmp_path_factory) -> Path:
     """An HF dir whose architecture `pretrain --model DIR` trains from a random init."""
-    cfg = ModelConfig(vocab_size=258, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, tie_word_embeddings=True, max_position_embeddings=256)
-    m = CausalLM(cfg)
-    m.init_weights(0)
+    m = tiny_causal_lm(tiny_config(vocab_size=258, hidden_size=32, intermediate_size=64, tie_word_embeddings=True,
+                                   max_position_embeddings=256), 0)
     return save_hf_dir(m, tmp_path_factory.mktemp("bytemodel") / "m")
-
-
-def main(argv: list[str], capsys=None) -> tuple[int, dict | None, str]:
-    code = cli.main(argv)
-    out, err = capsys.readouterr() if capsys else ("", "")
-    last = out.strip().splitlines()[-1] if out.strip() else ""
-    return code, (json.loads(last) if last.startswith("{") else None), err
 
 
 def pretrain_args(model: Path, data: Path, out: Path, steps: int = 8, extra: tuple = ()) -> list[str]:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import tiny_causal_lm, tiny_config
 
 from entrenar.config import ModelConfig
 from entrenar.errors import GuardError, InputError
@@ -26,6 +25,8 @@ from entrenar.train import checkpoint as ckpt_mod
 from entrenar.train import guards, loop
 from entrenar.train.loop import TrainConfig, evaluate, forward_backward, train
 from entrenar.train.metrics import read_jsonl
+from tests.helpers.cli import child_env
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 TESTS = Path(__file__).resolve().parent
 VOCAB = 97
@@ -111,8 +112,7 @@ def run(run_dir: Path, steps: int, batch_size: int = 2, grad_accum: int = 1, n_s
 
 SUBPROCESS = """
 import os, signal, sys
-sys.path.insert(0, {tests!r})
-import test_train_loop as T
+from tests import test_train_loop as T
 from entrenar.train import checkpoint, loop
 kill_step, kill_in_ckpt = {kill_step!r}, {kill_in_ckpt!r}
 if kill_step is not None:  # SIGKILL right after step kill_step is logged
@@ -135,10 +135,11 @@ T.run({run_dir!r}, {steps}, batch_size={bs}, grad_accum={ga}, save_every={save_e
 
 def run_subprocess(run_dir: Path, steps: int, bs: int, ga: int, save_every: int, kill_step=None,
                    kill_in_ckpt=None, resume=None) -> int:
-    code = SUBPROCESS.format(tests=str(TESTS), run_dir=str(run_dir), steps=steps, bs=bs, ga=ga,
+    code = SUBPROCESS.format(run_dir=str(run_dir), steps=steps, bs=bs, ga=ga,
                              save_every=save_every, kill_step=kill_step, kill_in_ckpt=kill_in_ckpt,
                              resume=resume)
-    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, timeout=300,
+                          env=child_env())
     if proc.returncode not in (0, -signal.SIGKILL):
         raise AssertionError(f"training subprocess failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
     return proc.returncode

@@ -8,17 +8,15 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
 from entrenar.train import loop
 from entrenar.train.metrics import read_jsonl
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the CLI helpers of test_train_cli
-import test_train_cli
-from test_train_cli import main, pretrain_args
+from tests import test_train_cli
+from tests.helpers.cli import run_cli as main
+from tests.test_train_cli import pretrain_args
 
 # the byte-tokenizer shards and model of test_train_cli, shared (module-scoped there, built once per module)
 byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir

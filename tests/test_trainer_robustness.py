@@ -30,9 +30,7 @@ from entrenar.train import guards, loop
 from entrenar.train.loop import TrainConfig, Trainer, TrainingInterrupted, train
 from entrenar.train.metrics import read_jsonl
 from entrenar.train.optim import Schedule
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the tiny model, ListLoader and run() of the loop tests
-import test_train_loop as T
+from tests import test_train_loop as T
 
 
 def lora_model():

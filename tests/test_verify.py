@@ -13,7 +13,6 @@ import math
 
 import pytest
 import torch
-from conftest import tiny_causal_lm, tiny_config
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 import entrenar.model as model_mod
@@ -24,6 +23,7 @@ from entrenar.kernels.rope import rope_reference
 from entrenar.model import Attention, CausalLM
 from entrenar.verify import BOUNDS, OP_ORDER, format_report, preflight, rel_l2, verify_model
 from entrenar.verify.probe import build_probe
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 SEQ_LEN = 128
 

@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 import transformers
-from test_verify import byte_tokenizer
 
 import entrenar.formats.hf as hf_format
 from entrenar.cli import main
+from tests.test_verify import byte_tokenizer
 
 
 @pytest.fixture(scope="module")

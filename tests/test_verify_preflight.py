@@ -11,11 +11,10 @@ import torch
 
 import entrenar.model as model_mod
 from entrenar import cli
-from entrenar.config import ModelConfig
 from entrenar.formats import save_hf_dir
 from entrenar.kernels import TORCH_OPS
 from entrenar.kernels.rope import rope_reference
-from entrenar.model import CausalLM
+from tests.helpers.models import tiny_causal_lm, tiny_config
 
 
 @pytest.fixture(scope="module")
@@ -23,11 +22,8 @@ def tiny_dir_and_data(tmp_path_factory):
     from entrenar.tokenizer import load_tokenizer
 
     tok = load_tokenizer("smollm2-135m-instruct")  # tokenizer only (GGUF metadata): chat template + ids
-    cfg = ModelConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_layers=2, num_heads=4,
-                      num_kv_heads=2, rope_theta=1e6, rms_norm_eps=1e-6, attention_bias=True,
-                      tie_word_embeddings=True, architecture="qwen2", max_position_embeddings=256)
-    m = CausalLM(cfg)
-    m.init_weights(0)
+    m = tiny_causal_lm(tiny_config("qwen2", vocab_size=len(tok), hidden_size=32, intermediate_size=64, rope_theta=1e6,
+                                   max_position_embeddings=256), 0)
     with torch.no_grad():
         for name, p in m.named_parameters():
             if name.endswith(".bias"):

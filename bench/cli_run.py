@@ -1,0 +1,214 @@
+"""entrenar's rows: the real CLI (`python -m entrenar pretrain ... --json`, under torchrun for several GPUs) on
+random weights of a preset's shapes and random-token shards of its vocabulary; tokens/s, MFU and peak memory
+read from the run directory's metrics.jsonl (median of the steps after the scenario's warm-up).
+
+Nothing of the CLI is patched: what it does in a real run (random init on the CPU, the final/ save) is in
+the wall time, outside the measured steps. `--no-preflight` skips the step-0 parity check (minutes at 7B;
+the preflight's own cost is not what these rows measure).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.rows import REPO
+
+GIB_MB = 1024
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _descendants(pid: int) -> list[int]:
+    """Every process below `pid` (torchrun's workers run in sessions of their own)."""
+    children: dict[int, list[int]] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(stat.parent.name))
+    out, todo = [], [pid]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            out.append(child)
+            todo.append(child)
+    return out
+
+
+def stop_job(proc: subprocess.Popen) -> str:
+    """A job past its time: SIGTERM (the CLI and torchrun stop cleanly on it), then SIGKILL to whatever is
+    left; an orphaned worker would keep its GPU memory and make every later row run out of it."""
+    workers = _descendants(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        _, err = proc.communicate(timeout=30)
+    except subprocess.TimeoutExpired:
+        err = ""
+    for pid in [proc.pid, *workers]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass  # already gone: what we wanted
+    proc.communicate()
+    return err or ""
+
+
+def run_command(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> tuple[Any, str, str]:
+    """(exit code or "timeout after N s", stdout, stderr) of `cmd`, stopped with its workers at the timeout."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
+                            env=env or child_env())
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        return proc.returncode, out, err
+    except subprocess.TimeoutExpired:
+        err = stop_job(proc)
+        return f"timeout after {timeout_s:.0f} s", "", err
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This checkout's src first on the path; NVLink multicast off (NCCL NVLS fails on the lent hosts)."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
+            "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", **extra}
+
+
+def write_shards(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
+    """Random token ids in [0, vocab) in entrenar's shard format (data/corpus.py): index.json,
+    train-00000.bin, train.docs.bin (one document); no val split, so the CLI runs no eval."""
+    from entrenar.data.corpus import FORMAT
+    from entrenar.fileio import sha256_file
+
+    if (out / "index.json").is_file() and json.loads((out / "index.json").read_text())["tokens"] >= tokens:
+        return out
+    out.mkdir(parents=True, exist_ok=True)
+    dtype = np.dtype("<u2") if vocab < 65536 else np.dtype("<u4")
+    ids = np.random.default_rng(seed).integers(0, vocab, size=tokens).astype(dtype)
+    ids.tofile(out / "train-00000.bin")
+    np.zeros(1, dtype="<u8").tofile(out / "train.docs.bin")
+    index = {"format": FORMAT, "dtype": dtype.str, "vocab_size": vocab,
+             "tokenizer": {"model": None, "vocab_size": vocab, "eos_id": None},
+             "source_sha256": f"random-{seed}-{vocab}-{tokens}", "tokens": tokens, "documents": 1,
+             "splits": {"train": {"documents": 1, "tokens": tokens, "doc_offsets": "train.docs.bin",
+                                  "shards": [{"file": "train-00000.bin", "tokens": tokens,
+                                              "sha256": sha256_file(out / "train-00000.bin")}]}}}
+    (out / "index.json").write_text(json.dumps(index, indent=2) + "\n")
+    return out
+
+
+def arch_dir(out: Path, preset_name: str, max_position_embeddings: int) -> Path:
+    """An HF directory of `preset_name`'s architecture with a longer max_position_embeddings (the preset's
+    32k would make `pretrain --seq-len 131072` exit 2): `pretrain --model DIR` takes its architecture and
+    draws random weights as for the preset; the stored weights (zeros, bf16) are never trained."""
+    import dataclasses
+
+    import torch
+
+    from entrenar.config import preset
+    from entrenar.formats.hf import expected_shapes, save_hf
+
+    if (out / "config.json").is_file():
+        return out
+    cfg = dataclasses.replace(preset(preset_name), max_position_embeddings=max_position_embeddings)
+    state = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in expected_shapes(cfg).items()}
+    save_hf(cfg, state, out)
+    return out
+
+
+def cli_command(sc: Any, data: Path, run: Path, device: str, model: str) -> list[str]:
+    """The exact command of a CLI row (torchrun's launcher in front for several GPUs)."""
+    cli = ["-m", "entrenar", "pretrain", "--model", model, "--data", str(data), "--out", str(run),
+           "--steps", str(sc.steps), "--batch-size", str(sc.batch), "--seq-len", str(sc.seq), "--device", device,
+           "--lr", "3e-4", "--warmup", "2", "--keep", "1", "--no-preflight", "--json",
+           *([] if sc.dtype == "auto" else ["--dtype", sc.dtype]), *sc.flags]
+    if sc.gpus == 1:
+        return [sys.executable, *cli]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(sc.gpus), "--master-addr",
+            "127.0.0.1", "--master-port", str(free_port()), *cli]
+
+
+def summarize_metrics(records: list[dict[str, Any]], warmup: int, tokens_per_step: int, gpus: int) -> dict[str, Any]:
+    """The row's numbers from metrics.jsonl: median tok_s of the steps after `warmup` (all steps when the
+    run had no more), MFU's median where the CLI reports it, peak = the largest mem_mb."""
+    later = [r for r in records if r["step"] > warmup] or records
+    tok = [r["tok_s"] for r in later if r.get("tok_s")]
+    mfu = [r["mfu"] for r in later if r.get("mfu") is not None]
+    mem = [r["mem_mb"] for r in records if r.get("mem_mb")]
+    median = statistics.median(tok) if tok else None
+    return {"tokens_per_s": median, "tokens_per_s_per_gpu": median / gpus if median else None,
+            "seconds_per_step": tokens_per_step / median if median else None,
+            "mfu": statistics.median(mfu) if mfu else None, "peak_gib": max(mem) / GIB_MB if mem else None,
+            "extra": {"steps_measured": len(later), "tok_s_min": min(tok, default=None),
+                      "tok_s_max": max(tok, default=None), "loss_first": records[0]["loss"] if records else None,
+                      "loss_last": records[-1]["loss"] if records else None}}
+
+
+def failure_reason(code: Any, out: str, err: str) -> str:
+    """The CLI's own error (its --json line) where it printed one, else the ranks' error lines."""
+    for line in reversed(out.strip().splitlines()):
+        if line.startswith("{"):
+            try:
+                obj = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if obj.get("ok") is False:
+                return f"exit {code}: {obj.get('error', obj)}"
+    causes = [ln for ln in err.splitlines() if ("Error" in ln or "error:" in ln or "out of memory" in ln)
+              and "ChildFailedError" not in ln and "elastic" not in ln and not ln.startswith("[W")]
+    tail = causes[-3:] or [ln for ln in err.splitlines() if ln.strip()][-4:]
+    return f"exit {code}: " + " | ".join(tail)[-800:]
+
+
+def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
+    """One CLI row of scenario `sc` (ctx: suite.Context)."""
+    from entrenar.config import preset
+
+    if not ctx.smoke and ctx.device == "cpu":  # real shapes on a CPU would only run into the timeout
+        return [ctx.row(sc, status="skipped", reason="no CUDA GPU here (--smoke runs tiny shapes on the CPU)")]
+    if sc.gpus > max(ctx.gpus, 1) and not ctx.smoke:
+        return [ctx.row(sc, status="skipped", reason=f"needs {sc.gpus} GPUs, this machine has {ctx.gpus}")]
+    vocab = preset(sc.model).vocab_size
+    tokens = int(1.25 * (sc.steps * sc.batch * sc.gpus * sc.seq)) + sc.seq + 1
+    data = write_shards(ctx.work / f"shards-{vocab}-{tokens}", vocab, tokens)
+    model = sc.model
+    if "max_position_embeddings" in sc.params:
+        model = str(arch_dir(ctx.work / f"arch-{sc.model}-{sc.params['max_position_embeddings']}", sc.model,
+                             sc.params["max_position_embeddings"]))
+    run = ctx.work / f"run-{sc.name}"
+    cmd = cli_command(sc, data, run, ctx.device, model)
+    t0 = time.perf_counter()
+    code, out, err = run_command(cmd, sc.timeout_s)
+    wall = time.perf_counter() - t0
+    metrics = run / "metrics.jsonl"
+    records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
+        if metrics.is_file() else []
+    values: dict[str, Any] = {"command": shlex.join(cmd), "wall_s": wall, "steps": sc.steps, "warmup": sc.warmup}
+    if records:
+        values.update(summarize_metrics(records, sc.warmup, sc.batch * sc.seq * sc.gpus, sc.gpus))
+    run_json = run / "run.json"
+    if run_json.is_file():
+        config = json.loads(run_json.read_text()).get("config", {})
+        values.setdefault("extra", {}).update({"dtype_run": config.get("dtype"),
+                                               "dtype_reason": config.get("dtype_reason")})
+    if code == 0 and records:
+        values["status"] = "ok"
+    else:
+        values["status"], values["reason"] = "failed", failure_reason(code, out, err) if code != 0 else \
+            "exit 0 but no metrics.jsonl rows"
+        if records and records[-1]["step"] >= sc.steps:  # the numbers stand; what came after the steps did not end
+            values["reason"] = f"all {sc.steps} steps logged, then: {values['reason']}"
+    return [ctx.row(sc, **values)]

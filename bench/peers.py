@@ -1,0 +1,318 @@
+"""The peers' rows, each measured in a child process of its own (`python -m bench.peers KIND PARAMS`), so
+one peer's patches (Liger patches transformers' classes, Unsloth patches everything it imports) and GPU
+memory never reach the next row.
+
+A peer that is not importable is a "skipped" row carrying the import error; a peer that needs CUDA on a
+machine without it is "skipped" saying so; anything else that goes wrong is a "failed" row with the error.
+The child prints `ROW {json}` (the measured fields) or `SKIP reason` as its last line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import shlex
+import sys
+import time
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+from bench.cli_run import child_env, run_command
+
+# what the child needs importable, per kind (a missing one makes the row "skipped")
+NEEDS = {"liger": ("transformers", "liger_kernel"), "long-liger": ("transformers", "liger_kernel"),
+         "qlora-entrenar": (), "qlora-bnb": ("transformers", "bitsandbytes", "peft"),
+         "qlora-unsloth": ("unsloth", "transformers", "peft"), "titan": ("torchtitan", "torchao")}
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+
+
+class Skip(Exception):
+    """The peer cannot run here (not importable, no CUDA): a skipped row, not a failure."""
+
+
+# ---- parent side ---------------------------------------------------------------------------------------
+def run_peer(sc: Any, ctx: Any) -> list[dict[str, Any]]:
+    params = {"kind": sc.kind, "model": sc.model, "batch": sc.batch, "seq": sc.seq, "steps": sc.steps,
+              "warmup": sc.warmup, "work": str(ctx.work), **sc.params}
+    cmd = [sys.executable, "-m", "bench.peers", sc.kind, json.dumps(params, sort_keys=True)]
+    t0 = time.perf_counter()
+    code, out, err = run_command(cmd, sc.timeout_s, child_env())
+    values: dict[str, Any] = {"command": shlex.join(cmd), "wall_s": time.perf_counter() - t0,
+                              "steps": sc.steps, "warmup": sc.warmup}
+    last = out.strip().splitlines()[-1] if out.strip() else ""
+    if code == 0 and last.startswith("ROW "):
+        values.update(json.loads(last[4:]), status="ok")
+    elif code == 0 and last.startswith("SKIP "):
+        values.update(status="skipped", reason=last[5:])
+    else:
+        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-6:]
+        values.update(status="failed", reason=f"exit {code}: " + " | ".join(tail)[-900:])
+    return [ctx.row(sc, **values)]
+
+
+def run_generate(sc: Any, ctx: Any) -> list[dict[str, Any]]:
+    """bench/generate_throughput.py as it is (a child process), one batch size: two rows, entrenar's
+    generate_batch (baseline: the transformers row) and transformers' generate."""
+    b = sc.params["batch"]
+    cmd = [sys.executable, "-m", "bench.generate_throughput", "--batches", str(b), *(["--tiny"] if ctx.smoke else [])]
+    t0 = time.perf_counter()
+    code, out, err = run_command(cmd, sc.timeout_s, child_env())
+    common = {"command": shlex.join(cmd), "wall_s": time.perf_counter() - t0}
+    found = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{") and '"entrenar_tok_s"' in ln]
+    ours, theirs = f"{sc.name}", f"{sc.name}-transformers"
+    if code != 0 or not found:
+        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-6:]
+        reason = f"exit {code}: " + " | ".join(tail)[-900:] if code != 0 else "no JSON row with entrenar_tok_s"
+        return [ctx.row(sc, row=r, runner=n, status="failed", reason=reason, **common)
+                for r, n in ((ours, "entrenar-generate"), (theirs, "transformers-generate"))]
+    g = found[-1]
+    seq = g.get("prompt_len", 0) + g.get("new_tokens", 0)
+    extra = {k: v for k, v in g.items() if k not in ("entrenar_tok_s", "transformers_tok_s")}
+    dtype = {"torch.bfloat16": "bf16", "torch.float32": "fp32"}.get(g.get("dtype"), str(g.get("dtype", sc.dtype)))
+    common.update(dtype=dtype, seq=seq or sc.seq, batch=g.get("batch", b), extra=extra)
+    return [ctx.row(sc, row=ours, runner="entrenar-generate", status="ok", tokens_per_s=g["entrenar_tok_s"],
+                    tokens_per_s_per_gpu=g["entrenar_tok_s"], baseline=theirs, **common),
+            ctx.row(sc, row=theirs, runner="transformers-generate", status="ok", tokens_per_s=g["transformers_tok_s"],
+                    tokens_per_s_per_gpu=g["transformers_tok_s"], baseline=None, **common)]
+
+
+# ---- child side: one measurement -----------------------------------------------------------------------
+def _need(kind: str) -> Any:
+    for module in NEEDS[kind]:
+        try:
+            importlib.import_module(module)
+        except Exception as e:  # an import that fails in any way (not only ImportError) is the skip's reason
+            raise Skip(f"{module} not importable: {type(e).__name__}: {e}"[:500]) from e
+    import torch
+
+    if not torch.cuda.is_available():
+        raise Skip(f"{kind} needs a CUDA GPU (torch {torch.__version__} sees none)")
+    return torch
+
+
+def liger(p: dict[str, Any]) -> dict[str, Any]:
+    """transformers + Liger (RoPE, RMSNorm, SwiGLU, fused linear cross-entropy), bf16 weights, fused AdamW,
+    the same random weights as entrenar's init (bench/train_throughput.py's step loop)."""
+    torch = _need("liger")
+    from bench import train_throughput as tt
+    from entrenar.config import preset
+
+    cfg, device = preset(p["model"]), torch.device("cuda")
+    input_ids, labels = (t.to(device) for t in tt.make_batch(cfg, p["batch"], p["seq"]))
+    hf_labels = torch.cat([input_ids[:, :1], labels], dim=1)[:, :p["seq"]].clone()  # HF shifts inside
+    tt.apply_liger(cfg)
+    model = tt.build_hf(cfg, tt.reference_state(cfg), torch.bfloat16, device)
+    r = tt.run_training("liger", model, lambda: model(input_ids=input_ids, labels=hf_labels, use_cache=False).loss,
+                        cfg, p["batch"], p["seq"], p["steps"] - p["warmup"], p["warmup"], device, False)
+    return {"tokens_per_s": r["tok_s"], "tokens_per_s_per_gpu": r["tok_s"], "seconds_per_step": r["step_s"],
+            "peak_gib": r["peak_gib"], "mfu": r["mfu"],
+            "extra": {"loss_first": r["loss0"], "loss_last": r["loss_last"], "mfu_peak_tflops": tt.PEAK_BF16_TFLOPS}}
+
+
+def long_liger(p: dict[str, Any]) -> dict[str, Any]:
+    """transformers + Liger at one long length, batch 1 (bench/long_context_memory.py's run and step)."""
+    torch = _need("long-liger")
+    from bench import long_context_memory as lcm
+
+    device = torch.device("cuda")
+    cfg = lcm.model_config(quick=False)
+    model, step_loss = lcm.build_hf(cfg, device, use_liger=True)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
+    for q in model.parameters():  # AdamW state allocated before the measured steps, as in a real run
+        q.grad = torch.zeros_like(q)
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+    def step(inputs: Any, labels: Any) -> float:
+        loss = step_loss(inputs, labels)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(loss)
+
+    r = lcm.measure(step, device, p["seq"], cfg.vocab_size, p["warmup"], p["steps"] - p["warmup"], None)
+    return {"tokens_per_s": r["tokens_per_s"], "tokens_per_s_per_gpu": r["tokens_per_s"],
+            "seconds_per_step": r["step_s"], "peak_gib": r["peak_gib"],
+            "extra": {"peak_reserved_gib": r.get("peak_reserved_gib"), "loss_last": r["loss"]}}
+
+
+def _qlora_args(p: dict[str, Any]) -> SimpleNamespace:
+    return SimpleNamespace(preset=p["model"], batch=p["batch"], seq=p["seq"], rank=p["rank"],
+                           steps=p["steps"] - p["warmup"], warmup=p["warmup"], checkpointing=p["checkpointing"],
+                           profile=False, lora_unfused=False)
+
+
+def _qlora_values(r: dict[str, Any]) -> dict[str, Any]:
+    return {"tokens_per_s": r["tok_s"], "tokens_per_s_per_gpu": r["tok_s"], "seconds_per_step": r["step_s"],
+            "peak_gib": r["peak_mem_gib"],
+            "extra": {k: v for k, v in r.items() if k not in ("tok_s", "step_s", "peak_mem_gib", "profile")}}
+
+
+def qlora_entrenar(p: dict[str, Any]) -> dict[str, Any]:
+    _need("qlora-entrenar")
+    from bench import qlora_throughput as qt
+
+    return _qlora_values(qt.run_entrenar(_qlora_args(p)))
+
+
+def qlora_bnb(p: dict[str, Any]) -> dict[str, Any]:
+    _need("qlora-bnb")
+    from bench import qlora_throughput as qt
+
+    return _qlora_values(qt.run_peer(_qlora_args(p)))
+
+
+def _random_hf_dir(p: dict[str, Any], torch: Any) -> Path:
+    """An HF directory of the preset's shapes with random bf16 weights (N(0, 0.02), unit norms) and a small
+    word-level tokenizer (random ids never need it; loaders do): what Unsloth's from_pretrained reads."""
+    import transformers
+    from tokenizers import Tokenizer, models
+
+    from bench.qlora_throughput import init_normal_
+    from entrenar.config import preset
+
+    out = Path(p["work"]) / f"hf-random-{p['model']}"
+    if (out / "config.json").is_file():
+        return out
+    cfg = preset(p["model"])
+    d = {k: v for k, v in cfg.to_hf_dict().items() if k not in ("architectures", "model_type")}
+    config_cls = transformers.Qwen2Config if cfg.architecture == "qwen2" else transformers.LlamaConfig
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = transformers.AutoModelForCausalLM.from_config(config_cls(**d), torch_dtype=torch.bfloat16)
+    init_normal_(model)
+    model.save_pretrained(out, safe_serialization=True)
+    vocab = {f"w{i}": i for i in range(1000)} | {"<unk>": 1000, "<pad>": 1001, "<eos>": 1002}
+    tok = transformers.PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel(vocab, unk_token="<unk>")),
+                                               unk_token="<unk>", pad_token="<pad>", eos_token="<eos>")
+    tok.save_pretrained(out)
+    del model
+    torch.cuda.empty_cache()
+    return out
+
+
+def qlora_unsloth(p: dict[str, Any]) -> dict[str, Any]:
+    """Unsloth's FastLanguageModel (its 4-bit NF4 load, its LoRA and checkpointing) on random weights of the
+    same shapes, rank, batch and sequence length; its own loss on HF-shifted labels."""
+    torch = _need("qlora-unsloth")  # unsloth first: it must patch transformers before anything else imports it
+    from unsloth import FastLanguageModel
+
+    from bench import qlora_throughput as qt
+
+    path = _random_hf_dir(p, torch)
+    model, _ = FastLanguageModel.from_pretrained(model_name=str(path), max_seq_length=p["seq"],
+                                                 dtype=torch.bfloat16, load_in_4bit=True)
+    model = FastLanguageModel.get_peft_model(model, r=p["rank"], lora_alpha=2 * p["rank"], target_modules=TARGETS,
+                                             lora_dropout=0.0, bias="none", random_state=0,
+                                             use_gradient_checkpointing=p["checkpointing"] == "full")
+    model.train()
+    params = [q for q in model.parameters() if q.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-4, fused=True)
+    input_ids, _ = qt.make_batch(model.config.vocab_size, p["batch"], p["seq"], "cuda")
+
+    def step() -> float:
+        out = model(input_ids=input_ids, labels=input_ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return float(out.loss)
+
+    import unsloth
+
+    r = qt._time(step, _qlora_args(p), {"trainable": sum(q.numel() for q in params), "unsloth": unsloth.__version__,
+                                        "use_gradient_checkpointing": p["checkpointing"] == "full"})
+    return _qlora_values(r)
+
+
+def _titan_model(cfg: Any, torch: Any) -> Any:
+    """torchtitan's Llama-3 Transformer with the preset's widths (the import path moved between releases)."""
+    errors = []
+    for mod, cls, args in (("torchtitan.models.llama3", "Transformer", "TransformerModelArgs"),
+                           ("torchtitan.models.llama3.model.model", "Transformer", None),
+                           ("torchtitan.models.llama", "Transformer", "ModelArgs")):
+        try:
+            m = importlib.import_module(mod)
+            transformer = getattr(m, cls)
+            args_cls = (getattr(m, args) if args
+                        else importlib.import_module("torchtitan.models.llama3.model.args").TransformerModelArgs)
+            break
+        except (ImportError, AttributeError) as e:
+            errors.append(f"{mod}: {e}")
+    else:
+        raise RuntimeError("no torchtitan Llama Transformer found: " + "; ".join(errors))
+    # torchtitan's FFN width: multiple_of-rounded int(2/3 * 4 * dim * ffn_dim_multiplier): pick the multiplier
+    # that gives the preset's intermediate_size
+    mult = cfg.intermediate_size / int(2 * 4 * cfg.hidden_size / 3)
+    margs = args_cls(dim=cfg.hidden_size, n_layers=cfg.num_layers, n_heads=cfg.num_heads,
+                     n_kv_heads=cfg.num_kv_heads, vocab_size=cfg.vocab_size, multiple_of=256, ffn_dim_multiplier=mult,
+                     norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, max_seq_len=cfg.max_position_embeddings)
+    with torch.device("cuda"):
+        model = transformer(margs)
+    try:
+        model.init_weights(buffer_device=torch.device("cuda"))
+    except TypeError:
+        model.init_weights()
+    return model
+
+
+def titan(p: dict[str, Any]) -> dict[str, Any]:
+    """torchtitan's Llama-3 model as its trainer builds it on one GPU: fp32 weights, bf16 autocast, fused
+    AdamW (bench/train_throughput.py's step loop), torch.compile of every block; with float8, torchao's float8 training (tensorwise scaling) on every
+    linear but the output head (torchtitan's Float8 converter's choice). Not torchtitan's trainer loop."""
+    torch = _need("titan")
+    import torch.nn.functional as F
+
+    from entrenar.config import preset
+
+    cfg = preset(p["model"])
+    model = _titan_model(cfg, torch)
+    if p["float8"]:
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+
+        convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
+                                   module_filter_fn=lambda mod, fqn: fqn != "output")
+    layers = model.layers
+    for name, block in list(layers.named_children()):
+        layers.register_module(name, torch.compile(block, fullgraph=True))
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, cfg.vocab_size, (p["batch"], p["seq"] + 1), generator=gen).cuda()
+    inputs, labels = ids[:, :-1], ids[:, 1:]
+
+    def loss() -> Any:  # run under bf16 autocast by run_training; the loss over fp32 logits as torchtitan's
+        return F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+
+    from importlib.metadata import version
+
+    from bench import train_throughput as tt
+
+    r = tt.run_training("titan", model, loss, cfg, p["batch"], p["seq"], p["steps"] - p["warmup"], p["warmup"],
+                        torch.device("cuda"), True)
+    return {"tokens_per_s": r["tok_s"], "tokens_per_s_per_gpu": r["tok_s"], "seconds_per_step": r["step_s"],
+            "peak_gib": r["peak_gib"], "mfu": r["mfu"],
+            "extra": {"loss_first": r["loss0"], "loss_last": r["loss_last"], "first_step_s": r["first_step_s"],
+                      "parameters": sum(q.numel() for q in model.parameters()), "torchtitan": version("torchtitan"),
+                      "mfu_peak_tflops": tt.PEAK_BF16_TFLOPS}}
+
+
+KINDS = {"liger": liger, "long-liger": long_liger, "qlora-entrenar": qlora_entrenar, "qlora-bnb": qlora_bnb,
+         "qlora-unsloth": qlora_unsloth, "titan": titan}
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description="one peer measurement (the suite's child process)")
+    ap.add_argument("kind", choices=sorted(KINDS))
+    ap.add_argument("params", help="JSON of the scenario's settings")
+    args = ap.parse_args(argv)
+    try:
+        values = KINDS[args.kind](json.loads(args.params))
+    except Skip as e:
+        print(f"SKIP {e}", flush=True)
+        return 0
+    print("ROW " + json.dumps(values), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

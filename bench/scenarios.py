@@ -1,0 +1,166 @@
+"""The named scenarios of the benchmark suite and their groups.
+
+A scenario is one measurement: what runs (`kind`: entrenar's CLI, or a peer), on which shapes (a preset of
+entrenar.config: random weights of the real widths), in which dtype, batch, sequence length and number of
+GPUs. `baseline` names the scenario its tokens/s is compared with in the table. `smoke()` maps any
+scenario to tiny CPU shapes (the suite's --smoke: checks the plumbing, measures nothing).
+
+Groups: each `issue25-*` group finishes inside 9 minutes on one H200 (the long-context tail excepted,
+where one step is minutes: those lengths are groups of their own); `issue25` is all of them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+# runner labels (the row's "runner": who produced the numbers)
+CLI = "entrenar-cli"
+LIB = "entrenar-library-step"  # entrenar's model + optimizer in the bench loop, not the CLI (said so in the row)
+LIGER = "transformers+liger"
+BNB = "bitsandbytes+peft"
+UNSLOTH = "unsloth"
+TITAN = "torchtitan"
+GENERATE = "generate (entrenar vs transformers)"
+
+STEPS, WARMUP = 12, 5  # speed rows: 12 steps, median tokens/s of steps 6..12
+
+
+@dataclass(frozen=True)
+class Scenario:
+    name: str
+    title: str
+    kind: str  # cli | liger | qlora-entrenar | qlora-bnb | qlora-unsloth | titan | generate | long-liger
+    runner: str
+    model: str  # a preset name of entrenar.config: the shapes (weights are random)
+    dtype: str  # the --dtype passed ("auto" = no flag), or what the peer runs in
+    batch: int
+    seq: int
+    gpus: int = 1
+    steps: int | None = STEPS  # None: the runner's own count (generation)
+    warmup: int | None = WARMUP
+    baseline: str | None = None
+    flags: tuple[str, ...] = ()  # extra CLI flags
+    params: dict = field(default_factory=dict)  # kind-specific settings (rank, checkpointing, ...)
+    timeout_s: float = 300.0
+
+    def smoke(self) -> Scenario:
+        """Tiny shapes on the CPU, 3 steps: the same code path, seconds instead of minutes."""
+        seq = min(self.seq, 64) if self.kind != "cli" or "--offload-activations" not in self.flags else 128
+        flags = tuple(f if not f.isdigit() else "32" for f in self.flags)  # --mlp-chunk N -> 32 tokens
+        return dataclasses.replace(self, model="tiny", batch=min(self.batch, 2), seq=seq, steps=3, warmup=1,
+                                   flags=flags, timeout_s=180.0,
+                                   params={**self.params, "smoke": True})
+
+
+LONG_FLAGS = ("--activation-checkpointing", "--offload-activations", "--mlp-chunk", "16384")
+
+
+def _speed() -> list[Scenario]:
+    q, l7 = "qwen2.5-0.5b", "llama-370m"
+    return [
+        Scenario("q05-liger-bf16", "transformers + Liger, bf16 weights, Qwen2.5-0.5B shapes", "liger", LIGER, q,
+                 "bf16", 8, 2048, timeout_s=240),
+        Scenario("q05-cli-default", "CLI pretrain, no --dtype (the GPU default)", "cli", CLI, q, "auto", 8, 2048,
+                 baseline="q05-liger-bf16"),
+        Scenario("q05-cli-bf16-pure", "CLI pretrain --dtype bf16-pure", "cli", CLI, q, "bf16-pure", 8, 2048,
+                 baseline="q05-liger-bf16"),
+        Scenario("q05-cli-fp8", "CLI pretrain --dtype fp8", "cli", CLI, q, "fp8", 8, 2048,
+                 baseline="q05-cli-bf16-pure"),
+        Scenario("l370-liger-bf16", "transformers + Liger, bf16 weights, llama-370m shapes", "liger", LIGER, l7,
+                 "bf16", 8, 2048, timeout_s=240),
+        Scenario("l370-cli-bf16-pure", "CLI pretrain --dtype bf16-pure (MFU)", "cli", CLI, l7, "bf16-pure", 8,
+                 2048, baseline="l370-liger-bf16"),
+        Scenario("l370-cli-fp8", "CLI pretrain --dtype fp8", "cli", CLI, l7, "fp8", 8, 2048,
+                 baseline="l370-cli-bf16-pure"),
+    ]
+
+
+def _fp8() -> list[Scenario]:
+    l7 = "llama-370m"
+    return [
+        Scenario("l370-titan-bf16", "torchtitan Llama3 model, bf16 autocast + torch.compile per block", "titan",
+                 TITAN, l7, "bf16", 8, 2048, params={"float8": False}, timeout_s=300,
+                 baseline="l370-cli-bf16-pure"),
+        Scenario("l370-titan-fp8", "torchtitan Llama3 model, torchao float8 (tensorwise) + torch.compile per block",
+                 "titan", TITAN, l7, "fp8", 8, 2048, params={"float8": True}, timeout_s=300,
+                 baseline="l370-cli-bf16-pure"),
+    ]
+
+
+def _qlora() -> list[Scenario]:
+    m, p = "qwen2.5-coder-7b", {"rank": 16, "checkpointing": "full"}
+    return [
+        Scenario("qlora7b-entrenar", "entrenar NF4 + LoRA r16, every linear, checkpointing (library step)",
+                 "qlora-entrenar", LIB, m, "bf16", 2, 2048, params=p, timeout_s=200),
+        Scenario("qlora7b-bnb-peft", "bitsandbytes NF4 + PEFT LoRA r16, gradient checkpointing", "qlora-bnb", BNB,
+                 m, "bf16", 2, 2048, params=p, timeout_s=200, baseline="qlora7b-entrenar"),
+        Scenario("qlora7b-unsloth", "Unsloth 4-bit + LoRA r16, gradient checkpointing", "qlora-unsloth", UNSLOTH,
+                 m, "bf16", 2, 2048, params=p, timeout_s=300, baseline="qlora7b-entrenar"),
+    ]
+
+
+def _long() -> list[Scenario]:
+    out = []
+    for tokens, label, steps, warmup, timeout in ((131072, "131k", 3, 1, 150), (262144, "262k", 3, 1, 240),
+                                                  (524288, "524k", 2, 1, 420), (1048576, "1m", 1, 0, 590)):
+        out.append(Scenario(f"long-{label}-cli", f"CLI pretrain, batch 1 x {tokens:,}, bf16-pure, offload + MLP "
+                            f"chunks", "cli", CLI, "qwen2.5-0.5b", "bf16-pure", 1, tokens, steps=steps,
+                            warmup=warmup, flags=LONG_FLAGS, timeout_s=timeout, baseline=f"long-{label}-liger",
+                            params={"max_position_embeddings": 1 << 20}))
+        out.append(Scenario(f"long-{label}-liger", f"transformers + Liger, batch 1 x {tokens:,}, bf16, gradient "
+                            f"checkpointing", "long-liger", LIGER, "qwen2.5-0.5b", "bf16", 1, tokens, steps=steps,
+                            warmup=warmup, timeout_s=timeout))
+    return out
+
+
+def _multi() -> list[Scenario]:
+    out = []
+    for model, short in (("qwen2.5-0.5b", "q05"), ("llama-370m", "l370")):
+        for gpus in (1, 2, 4):
+            out.append(Scenario(f"{short}-ddp-{gpus}gpu", f"torchrun CLI pretrain --dtype bf16 on {gpus} GPU(s), "
+                                f"--parallel auto", "cli", CLI, model, "bf16", 8, 2048, gpus=gpus, timeout_s=200,
+                                baseline=f"{short}-ddp-1gpu" if gpus > 1 else None))
+    out.append(Scenario("fsdp7b-4gpu", "torchrun CLI pretrain qwen2.5-coder-7b shapes, 4 GPUs FSDP2, bf16, "
+                        "activation checkpointing (the CLI's end-of-run checkpoint and final/ are written after the "
+                        "measured steps)", "cli", CLI, "qwen2.5-coder-7b", "bf16", 2, 2048, gpus=4,
+                        steps=8, warmup=3, flags=("--activation-checkpointing", "--parallel", "fsdp"),
+                        timeout_s=560))
+    return out
+
+
+def _generate() -> list[Scenario]:
+    return [Scenario(f"gen-b{b}", f"greedy generation, batch {b}, 128 prompt + 128 new tokens", "generate", GENERATE,
+                     "qwen2.5-0.5b", "bf16", b, 256, steps=None, warmup=None, params={"batch": b}, timeout_s=240,
+                     baseline=None) for b in (1, 16, 64)]
+
+
+SCENARIOS: dict[str, Scenario] = {s.name: s for s in
+                                  _speed() + _fp8() + _qlora() + _long() + _multi() + _generate()}
+
+GROUPS: dict[str, list[str]] = {
+    "issue25-speed": [s.name for s in _speed()],
+    "issue25-fp8": ["l370-cli-bf16-pure", "l370-cli-fp8", "l370-titan-bf16", "l370-titan-fp8"],
+    "issue25-qlora": [s.name for s in _qlora()],
+    "issue25-long": ["long-131k-cli", "long-131k-liger", "long-262k-cli", "long-262k-liger"],
+    "issue25-long-524k": ["long-524k-cli", "long-524k-liger"],
+    "issue25-long-1m": ["long-1m-cli"],
+    "issue25-long-1m-liger": ["long-1m-liger"],
+    "issue25-multi": [s.name for s in _multi() if s.name != "fsdp7b-4gpu"],
+    "issue25-7b-fsdp": ["fsdp7b-4gpu"],
+    "issue25-generate": [s.name for s in _generate()],
+}
+GROUPS["issue25"] = list(dict.fromkeys(n for g in list(GROUPS) for n in GROUPS[g]))
+
+
+def resolve(names: list[str]) -> list[Scenario]:
+    """Scenario and group names -> scenarios, in order, each once; KeyError names an unknown one."""
+    out: dict[str, Scenario] = {}
+    for name in names:
+        if name in GROUPS:
+            out.update((n, SCENARIOS[n]) for n in GROUPS[name])
+        elif name in SCENARIOS:
+            out[name] = SCENARIOS[name]
+        else:
+            raise KeyError(name)
+    return list(out.values())
