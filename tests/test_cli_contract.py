@@ -5,9 +5,9 @@ is tests/test_layers.py's: the cli package is the top layer.)"""
 from __future__ import annotations
 
 import pytest
-from test_layers import MODULES
 
 from entrenar import cli
+from tests.test_layers import MODULES
 
 
 def _device_actions(parser) -> dict[str, str]:

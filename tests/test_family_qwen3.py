@@ -11,10 +11,6 @@ from pathlib import Path
 
 import pytest
 import torch
-from test_export_gguf import _run_json, llama_cpp, llama_cpp_greedy, llama_cpp_logits, llama_cpp_tokenize
-from test_export_gguf import random_model as random_export_model
-from test_export_gguf import train_tokenizer as train_qwen2_split_tokenizer
-from test_parity_hf import PARITY_BOUND, sample_ids
 
 from entrenar.config import ModelConfig, preset
 from entrenar.errors import LoadError
@@ -23,6 +19,16 @@ from entrenar.formats.gguf import load_gguf, open_reader
 from entrenar.tensors import IGNORE_INDEX, rel_l2
 from entrenar.tokenizer import load_tokenizer
 from tests.helpers.models import tiny_causal_lm, tiny_config
+from tests.test_export_gguf import (
+    _run_json,
+    llama_cpp,
+    llama_cpp_greedy,
+    llama_cpp_logits,
+    llama_cpp_tokenize,
+)
+from tests.test_export_gguf import random_model as random_export_model
+from tests.test_export_gguf import train_tokenizer as train_qwen2_split_tokenizer
+from tests.test_parity_hf import PARITY_BOUND, sample_ids
 
 # (overrides of conftest.TINY_BASE): head_dim 32 is not hidden / heads (64 / 4 = 16), as Qwen3-0.6B's 128 is not
 # 1024 / 16; tied and untied heads; GQA and MHA; eps 1e-6 (Qwen3's) and 1e-5; theta 1e6 and 1e4.
@@ -237,9 +243,8 @@ def test_qwen3_llama_cpp_greedy_equals_entrenar_generate(qwen3_dir, qwen3_ggufs)
 # ---- verify: the bisection knows q_norm / k_norm ------------------------------------------------------------
 @pytest.fixture(scope="module")
 def probe():
-    from test_verify import SEQ_LEN, byte_tokenizer
-
     from entrenar.verify.probe import build_probe
+    from tests.test_verify import SEQ_LEN, byte_tokenizer
 
     return build_probe(byte_tokenizer(), SEQ_LEN)
 
@@ -249,10 +254,9 @@ def tiny_qwen3(seed: int = 0):
 
 
 def test_qwen3_verify_compares_q_norm_and_k_norm_against_transformers(probe, monkeypatch):
-    from test_verify import FAST_OPS, fast_path, first, ops_of
-
     from entrenar.verify import format_report, verify_model
     from entrenar.verify.trace import OP_ORDER, block_ops
+    from tests.test_verify import FAST_OPS, fast_path, first, ops_of
 
     model = fast_path(monkeypatch, tiny_qwen3())
     assert block_ops(model.cfg) == (*OP_ORDER[:4], "q_norm", "k_norm", *OP_ORDER[4:])
@@ -280,12 +284,11 @@ def _rms_norm_without_weight_on_heads(hidden: int):
                                         ("rope-pairs", "layers.0.q_rope")])
 def test_qwen3_seeded_defects_are_named_and_stop_the_preflight(defect, op, probe, monkeypatch):
     """The family's facts are checked as the other families' are: eps (1e-6), RoPE pairing, and its own qk-norm."""
-    from test_verify import FAST_OPS, fast_path, first
-
     from entrenar.errors import GuardError
     from entrenar.kernels.rmsnorm import rms_norm_reference
     from entrenar.kernels.rope import rope_reference
     from entrenar.verify import format_report, preflight, verify_model
+    from tests.test_verify import FAST_OPS, fast_path, first
 
     model = tiny_qwen3()
     ops = {"qk-norm-weight": dataclasses.replace(FAST_OPS, rms_norm=_rms_norm_without_weight_on_heads(64)),
@@ -296,7 +299,7 @@ def test_qwen3_seeded_defects_are_named_and_stop_the_preflight(defect, op, probe
     assert first(rep) == op, format_report(rep)
     if defect == "qk-norm-weight":
         assert "qk-norm" in rep["first_divergent"]["hint"]
-    from test_verify import byte_tokenizer
+    from tests.test_verify import byte_tokenizer
 
     with pytest.raises(GuardError) as e:
         preflight(model, byte_tokenizer(), "cpu", "fp32", "triton")
@@ -307,9 +310,8 @@ def test_qwen3_seeded_defects_are_named_and_stop_the_preflight(defect, op, probe
 def test_pretrain_tiny_qwen3_end_to_end_on_cpu(tmp_path, capsys):
     """`pretrain --model tiny-qwen3` with the parity preflight on: trains, and final/ is a Qwen3 transformers
     loads with our logits."""
-    from test_train_cli import ByteTokenizer, main
-
     from entrenar.data.corpus import pack
+    from tests.test_train_cli import ByteTokenizer, main
 
     docs = tmp_path / "docs"
     docs.mkdir()

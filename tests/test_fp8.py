@@ -8,21 +8,13 @@ import math
 
 import pytest
 import torch
-from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 
 from entrenar.errors import GuardError, InputError
 from entrenar.train import fp8
 from entrenar.verify import preflight, rel_l2
 from entrenar.verify.bisect import BLOCK_ROUNDING, bounds_for
 from tests.helpers.models import tiny_causal_lm, tiny_config
-
-
-def byte_tok() -> Tokenizer:
-    vocab = {c: i for i, c in enumerate(sorted(pre_tokenizers.ByteLevel.alphabet()))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    return tok
+from tests.test_verify import byte_tokenizer as byte_tok
 
 
 def tiny(num_layers: int = 2):
