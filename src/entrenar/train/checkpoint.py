@@ -296,7 +296,7 @@ def save_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, 
         _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
         _fsync_dir(tmp / SHARDED)
         _fsync_dir(tmp)
-        if final.exists():  # re-saving a step after resuming from an earlier checkpoint
+        if final.exists():  # this step saved again after a resume from an earlier checkpoint
             shutil.rmtree(final)
         os.replace(tmp, final)
         _fsync_dir(ckpt_root)
