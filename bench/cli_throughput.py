@@ -105,7 +105,7 @@ def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int 
     from trainer_syncs import RandomLoader
 
     from entrenar.model import CausalLM
-    from entrenar.train.loop import TrainConfig, Trainer
+    from entrenar.train.loop import TrainConfig, build_trainer
 
     cfg_m = preset(model_name)
     model = CausalLM(cfg_m, kernels="triton")
@@ -113,7 +113,7 @@ def trainer_profile(dtype: str, device: torch.device, steps: int = 3, warm: int 
     model = model.to(device)
     cfg = TrainConfig(steps=100, batch_size=BATCH, seq_len=SEQ, lr=3e-4, warmup=5, device="cuda", dtype=dtype)
     with tempfile.TemporaryDirectory() as d:
-        trainer = Trainer(model, RandomLoader(cfg_m.vocab_size, BATCH, SEQ), None, cfg, Path(d), log=lambda _t: None)
+        trainer = build_trainer(model, RandomLoader(cfg_m.vocab_size, BATCH, SEQ), None, cfg, Path(d), log=lambda _t: None)
         for step in range(1, warm + 1):
             trainer.train_step(step)
         def run_steps():

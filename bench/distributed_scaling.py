@@ -56,7 +56,6 @@ import os
 _save, _at = loop.Trainer.save, int(os.environ.get("BENCH_SAVE_AT") or 0)
 loop.Trainer.save = lambda self, step, *a, **k: _save(self, step, *a, **k) if step == _at else None
 loop.Trainer.finish = lambda self: None
-parallel.ParallelTrainer.finish = lambda self: None
 # bench: DDP constructor options under test (BENCH_DDP_KW, JSON, e.g. '{"bucket_cap_mb": 25}'), over what
 # train/parallel.apply_ddp passes (parallel.DDP_OPTIONS, static_graph without accumulation)
 import json

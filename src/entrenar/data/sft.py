@@ -578,8 +578,3 @@ def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int) -> dict[st
         position_ids[b, at:] = torch.arange(T - at)
     return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids, "position_ids": position_ids,
             "sample_ids": sample_ids}
-
-
-def loss_token_stats(batch: dict[str, Any]) -> int:
-    """Number of loss tokens in a batch (the trainer's GUARD-ZERO-LOSS-TOKENS input)."""
-    return int((batch["labels"] != IGNORE_INDEX).sum())

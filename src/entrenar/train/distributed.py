@@ -129,27 +129,21 @@ class DistContext:
 
 
 class DistReduce:
-    """The Trainer's reductions (its `reduce`, from the parallel strategy): a number or tensor summed /
-    maxed over every rank, returned as the same kind (ints stay ints); the identity in one process."""
+    """The Trainer's reductions (its `reduce`, from the parallel strategy): a number or tensor summed over
+    every rank, returned as the same kind (ints stay ints); the identity in one process."""
 
     def __init__(self, ctx: DistContext):
         self.ctx, self.rank, self.world_size = ctx, ctx.rank, ctx.world
 
-    def _reduce(self, value: Any, op: str) -> Any:
+    def all_reduce_sum(self, value: Any) -> Any:
         if not self.ctx.active:
             return value
         if isinstance(value, torch.Tensor):
             t = value.detach().to(self.ctx._comm_device(), copy=True)
-            dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
             return t.to(value.device)
-        out = self.ctx.all_reduce([value], op)[0]
+        out = self.ctx.all_reduce([value], "sum")[0]
         return round(out) if isinstance(value, int) else out
-
-    def all_reduce_sum(self, value: Any) -> Any:
-        return self._reduce(value, "sum")
-
-    def all_reduce_max(self, value: Any) -> Any:
-        return self._reduce(value, "max")
 
     def gather(self, obj: Any) -> list[Any]:
         """Every rank's `obj`, in rank order."""
