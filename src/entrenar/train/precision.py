@@ -15,7 +15,7 @@
   bf16-pure     (--mode full) the model itself is bf16: weights, gradients and AdamW state, 8 bytes per
                 parameter instead of 16; numerics of bf16-weights' step, but the update is rounded to
                 bf16 too (a change below ~2^-8 of a weight is lost). Cast after the step-0 preflight
-                (`to_training_dtype`), which checks the fp32 weights as bf16.
+                (`BF16Pure.prepare_model`, in build_trainer), which checks the fp32 weights as bf16.
 
 Each --dtype is one `Precision` object (`precision_policy`), used identically by every parallel strategy:
   prepare_model(model)  before parallelization and before the optimizer exists (bf16-pure: the cast; a
