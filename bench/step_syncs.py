@@ -28,7 +28,7 @@ import torch
 from bench.trainer_syncs import RandomLoader
 from entrenar.config import preset
 from entrenar.model import CausalLM
-from entrenar.train.loop import TrainConfig, Trainer
+from entrenar.train.loop import TrainConfig, build_trainer
 
 
 def count_syncs(fn) -> collections.Counter:
@@ -69,7 +69,7 @@ def run(name: str, model_name: str, dtype: str, steps: int, qlora: bool) -> dict
     model = model.to("cuda")
     cfg = TrainConfig(steps=100, batch_size=2, seq_len=512, lr=1e-4, warmup=2, device="cuda", dtype=dtype)
     with tempfile.TemporaryDirectory() as d:
-        trainer = Trainer(model, RandomLoader(cfg_m.vocab_size, 2, 512), None, cfg, Path(d), log=lambda _t: None)
+        trainer = build_trainer(model, RandomLoader(cfg_m.vocab_size, 2, 512), None, cfg, Path(d), log=lambda _t: None)
         trainer.train_step(1)
 
         def steps_fn():

@@ -134,8 +134,8 @@ def test_eval_collapse_boundaries_are_inclusive():
 
     uniform = math.log(100)
     with pytest.raises(GuardError, match="GUARD-EVAL-COLLAPSE|back at ln"):
-        check_eval_collapse(COLLAPSED * uniform, WELL_BELOW * uniform, 100, step=7)
-    check_eval_collapse(COLLAPSED * uniform * 0.999, WELL_BELOW * uniform, 100, step=7)  # not yet collapsed
+        check_eval_collapse(COLLAPSED * uniform, WELL_BELOW * uniform, uniform, step=7)
+    check_eval_collapse(COLLAPSED * uniform * 0.999, WELL_BELOW * uniform, uniform, step=7)  # not yet collapsed
 
 
 def test_init_loss_equal_to_ln_vocab_is_no_better_than_uniform():
@@ -148,8 +148,8 @@ def test_init_loss_equal_to_ln_vocab_is_no_better_than_uniform():
     from entrenar.train.guards import check_init_loss
 
     with pytest.raises(GuardError):
-        check_init_loss(math.log(1000), 1000, "m")
-    check_init_loss(math.log(1000) * 0.99, 1000, "m")
+        check_init_loss(math.log(1000), math.log(1000), "m")
+    check_init_loss(math.log(1000) * 0.99, math.log(1000), "m")
 
 
 def test_spike_zscore_uses_the_sample_std_from_min_history_values_on():
@@ -264,10 +264,11 @@ def test_step_gradients_are_those_of_the_token_mean_loss():
     """Mutant: each micro-batch backpropagates ``loss_sum * total_tokens`` instead of ``/ total_tokens``.
     AdamW is nearly scale-invariant and clipping rescales, so training curves hide it; the gradients
     themselves (and the logged grad norm) must be those of sum(loss) / tokens of the whole step."""
-    from entrenar.train.loop import backward_micro_batches, loss_token_count
+    from entrenar.train.loop import backward_micro_batches
+    from entrenar.train.objective import CausalLMLoss
 
     micro = _batches()
-    tokens = sum(loss_token_count(b) for b in micro)
+    tokens = sum(CausalLMLoss().count(b) for b in micro)
     model = _tiny_lm()
     summed = backward_micro_batches(model, micro, torch.device("cpu"), "fp32", tokens)
     got = {n: p.grad.clone() for n, p in model.named_parameters()}

@@ -296,17 +296,17 @@ def test_sigkill_then_resume_auto_is_bit_identical(tmp_path, fsdp, base_model, s
 
 NAN = """
 import os, sys
-from entrenar.train import loop
-orig = loop.loss_sum_of
+from entrenar.train.objective import CausalLMLoss
+orig = CausalLMLoss.loss
 calls = {"n": 0}
-def loss_sum_of(model, batch, device, dtype):
-    s = orig(model, batch, device, dtype)
+def loss(self, model, batch, device):
+    s, n, metrics = orig(self, model, batch, device)
     if model.training and os.environ.get("RANK") == "1":
         calls["n"] += 1
         if calls["n"] == 13:  # step 7, micro-batch 1, on rank 1 only
-            return s * float("nan")
-    return s
-loop.loss_sum_of = loss_sum_of
+            return s * float("nan"), n, metrics
+    return s, n, metrics
+CausalLMLoss.loss = loss
 from pathlib import Path
 from entrenar import cli
 code = cli.main(sys.argv[1:])

@@ -98,10 +98,10 @@ P.FSDP_UNIT_PARAMS = 1
 par2, losses = manual_steps(ctx, "fsdp", 2, 2, 3, tie=True)
 if ctx.is_main:
     res = {{"norm": float(norm), "allreduces": len(calls), "grads": grads, "fsdp_modules": units,
-           "losses": losses, "params": P.full_model_state(par2)}}
+           "losses": losses, "params": par2.full_state()}}
     torch.save(res, out + "/result.pt")
 else:
-    P.full_model_state(par2)
+    par2.full_state()
 D.shutdown()
 """
 

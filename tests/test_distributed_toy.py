@@ -113,13 +113,13 @@ out = sys.argv[1]
 results = {{}}
 for avg in (False, True):  # the rule, then the mutation: each rank divides by its own token count
     par, losses = manual_steps(ctx, "fsdp", 2, 2, 3, tie=True, average_per_rank=avg)
-    results["avg" if avg else "global"] = {{"losses": losses, "params": P.full_model_state(par)}}
+    results["avg" if avg else "global"] = {{"losses": losses, "params": par.full_state()}}
 # DDP with its options (P.DDP_OPTIONS: 100 MB buckets, gradients as bucket views), with accumulation 2
 # under no_sync and without (then also a static graph)
 for accum, batch in ((2, 2), (1, 4)):
     dpar, dlosses = manual_steps(ctx, "ddp", batch, accum, 3, tie=True)
     ddp = dpar.forward_module
-    results[f"ddp{{accum}}"] = {{"losses": dlosses, "params": P.full_model_state(dpar),
+    results[f"ddp{{accum}}"] = {{"losses": dlosses, "params": dpar.full_state(),
                                "options": {{"static_graph": bool(ddp.static_graph),
                                            "gradient_as_bucket_view": bool(ddp.gradient_as_bucket_view),
                                            "bucket_cap_mb": ddp.bucket_bytes_cap / 1024 ** 2}}}}
@@ -139,7 +139,7 @@ s.backward()
 results["qlora"] = {{"kind": qpar.kind, "reduced": sum(reduced),
                     "trainable": sum(p.numel() for p in qlora.parameters() if p.requires_grad),
                     "total": sum(p.numel() for p in qlora.parameters())}}
-# what the queued update relies on (ParallelTrainer.forward_backward -> Trainer.queue_update): the fused
+# what the queued update relies on (Trainer.forward_backward -> Trainer.queue_update): the fused
 # AdamW on FSDP2's DTensor shards with a plain found_inf skips (weights and step count untouched) or steps
 fm = tiny(0, True)
 fpar = P.apply_parallel(fm, ctx, "fsdp")
@@ -160,7 +160,8 @@ if ctx.is_main:
     torch.save(results, out + "/result.pt")
 # a sharded checkpoint of model + optimizer, written by both ranks (the per-rank-average model)
 opt = torch.optim.AdamW(par.module.parameters(), lr=1e-2)
-P.save_sharded(out + "/dcp", par, opt)
+from entrenar.train import checkpoint as C
+C.save_sharded(out + "/dcp", par.module, opt)
 try:
     ctx.run_on_main(lambda: (_ for _ in ()).throw(__import__("entrenar.errors").errors.GuardError(
         "GUARD-TEST", "rank 0 says stop", "nothing")))
@@ -253,7 +254,9 @@ def test_sharded_checkpoint_of_two_ranks_loads_in_one_process(two_ranks):
     want = torch.load(out / "result.pt")["avg"]["params"]
     model = tiny(9, True)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    P.load_sharded(out / "dcp", P.apply_parallel(model, D.DistContext(), "auto"), opt)
+    from entrenar.train import checkpoint as C
+
+    C.load_sharded(out / "dcp", P.apply_parallel(model, D.DistContext(), "auto").module, opt)
     assert max(rel_l2(model.state_dict()[n], want[n]) for n in want) == 0.0
     assert len(opt.state) == len(list(model.parameters()))  # the AdamW moments came back too
 
@@ -404,6 +407,7 @@ def test_activation_checkpointing_flag_recomputes_blocks_with_the_same_losses(tm
     import torch.utils.checkpoint as ckpt
 
     from entrenar.train.config import TrainConfig
+    from entrenar.train.loop import build_trainer
 
     calls = {"n": 0}
     orig = ckpt.checkpoint
@@ -417,7 +421,7 @@ def test_activation_checkpointing_flag_recomputes_blocks_with_the_same_losses(tm
     for flag in (False, True):
         cfg = TrainConfig(steps=2, batch_size=4, grad_accum=1, seq_len=32, lr=1e-2, warmup=0, device="cpu",
                           eval_batches=0, activation_checkpointing=flag)
-        trainer = P.build_trainer(tiny(0), ListLoader(samples(), 4), None, cfg, tmp_path / str(flag),
+        trainer = build_trainer(tiny(0), ListLoader(samples(), 4), None, cfg, tmp_path / str(flag),
                                   log=lambda text: None)
         assert trainer.model.activation_checkpointing is flag
         runs[flag] = [r["loss"] for r in (trainer.train_step(s) for s in (1, 2))]

@@ -40,9 +40,9 @@ def no_checkpoint() -> None:
     (6.56, 873.0, 1024),  # finetune --mode full --lr 5 --clip 0
 ])
 def test_the_reported_runs_fire(start, final, vocab):
-    guards.check_eval_collapse(final, start, vocab, 9)  # what let them through: none is back at ln V
+    guards.check_eval_collapse(final, start, math.log(vocab), 9)  # what let them through: none is back at ln V
     with pytest.raises(GuardError) as e:
-        guards.check_eval_diverged(final, start, vocab, 9, lambda: (Path("RUN/checkpoints/step-0000004"), 4, start))
+        guards.check_eval_diverged(final, start, math.log(vocab), 9, lambda: (Path("RUN/checkpoints/step-0000004"), 4, start))
     err = e.value
     assert err.guard_id == "GUARD-EVAL-DIVERGED" and err.exit_code == 3
     assert "at step 9" in str(err) and "final/ was not written" in str(err)
@@ -52,27 +52,28 @@ def test_the_reported_runs_fire(start, final, vocab):
 
 def test_the_limit_and_what_passes():
     v = 49152  # SmolLM2's vocabulary: ln V = 10.80
-    assert guards.diverged_limit(1.0, v) == pytest.approx(1.0 + 0.5 * (math.log(v) - 1.0))  # halfway to ln V
-    assert guards.diverged_limit(6.94, 1024) == pytest.approx(7.94)  # at/above ln V: the 1-nat floor
-    assert guards.diverged_limit(9.0, 256) == pytest.approx(10.0)  # a start worse than uniform: floor too
+    ln_v = math.log(v)  # the objective's uniform loss (cross-entropy)
+    assert guards.diverged_limit(1.0, ln_v) == pytest.approx(1.0 + 0.5 * (math.log(v) - 1.0))  # halfway to ln V
+    assert guards.diverged_limit(6.94, math.log(1024)) == pytest.approx(7.94)  # at/above ln V: the 1-nat floor
+    assert guards.diverged_limit(9.0, math.log(256)) == pytest.approx(10.0)  # a start worse than uniform: floor too
     called = []
 
     def finder() -> None:
         called.append(1)
-    guards.check_eval_diverged(50.0, None, v, 3, finder)  # no eval before: nothing to compare with
-    guards.check_eval_diverged(1.05, 1.0, v, 3, finder)  # noise
-    guards.check_eval_diverged(2.9, 1.0, v, 3, finder)  # a fine-tune overfitting its small set
-    guards.check_eval_diverged(7.9, 6.94, 1024, 3, finder)  # an early from-scratch wobble
-    guards.check_eval_diverged(guards.diverged_limit(1.0, v), 1.0, v, 3, finder)  # at the limit: passes
-    guards.check_eval_diverged(float("nan"), 1.0, v, 3, finder)  # NaN is GUARD-NONFINITE's (checked first)
+    guards.check_eval_diverged(50.0, None, ln_v, 3, finder)  # no eval before: nothing to compare with
+    guards.check_eval_diverged(1.05, 1.0, ln_v, 3, finder)  # noise
+    guards.check_eval_diverged(2.9, 1.0, ln_v, 3, finder)  # a fine-tune overfitting its small set
+    guards.check_eval_diverged(7.9, 6.94, math.log(1024), 3, finder)  # an early from-scratch wobble
+    guards.check_eval_diverged(guards.diverged_limit(1.0, ln_v), 1.0, ln_v, 3, finder)  # at the limit: passes
+    guards.check_eval_diverged(float("nan"), 1.0, ln_v, 3, finder)  # NaN is GUARD-NONFINITE's (checked first)
     assert called == []  # the checkpoint directory is read only when the guard fires
-    guards.check_eval_collapse(math.log(v) + 1.01, 0.586, v, 3)  # far above ln V: not uniform, so DIVERGED's
+    guards.check_eval_collapse(math.log(v) + 1.01, 0.586, ln_v, 3)  # far above ln V: not uniform, so DIVERGED's
     with pytest.raises(GuardError, match="GUARD-EVAL-COLLAPSE"):  # up to ln V + 1 inclusive it is COLLAPSE's
-        guards.check_eval_collapse(math.log(v) + 1.0, 0.586, v, 3)
+        guards.check_eval_collapse(math.log(v) + 1.0, 0.586, ln_v, 3)
     with pytest.raises(GuardError, match="GUARD-EVAL-DIVERGED"):
-        guards.check_eval_diverged(math.log(v) + 1.01, 0.586, v, 3, no_checkpoint)
+        guards.check_eval_diverged(math.log(v) + 1.01, 0.586, ln_v, 3, no_checkpoint)
     with pytest.raises(GuardError, match="no checkpoint with an eval was kept") as e:
-        guards.check_eval_diverged(guards.diverged_limit(1.0, v) + 1e-6, 1.0, v, 3, finder)
+        guards.check_eval_diverged(guards.diverged_limit(1.0, ln_v) + 1e-6, 1.0, ln_v, 3, finder)
     assert called == [1] and e.value.details["checkpoint"] is None
 
 

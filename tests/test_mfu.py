@@ -51,7 +51,7 @@ def test_step_record_mfu_is_flops_per_token_times_tok_s_over_the_peak(tmp_path, 
     monkeypatch.setattr(loop, "peak_flops", lambda device, dtype: 2.5e9)  # a CPU has no listed peak
     cfg = TrainConfig(steps=3, batch_size=2, seq_len=32, lr=1e-3, warmup=1, seed=5)
     model = T.tiny_model()
-    tr = loop.Trainer(model, T.ListLoader(T.make_samples(16), 2, seed=3),
+    tr = loop.build_trainer(model, T.ListLoader(T.make_samples(16), 2, seed=3),
                       T.ListLoader(T.make_samples(8, seed=99), 4), cfg, tmp_path, log=T.quiet)
     tr.fit()
     rows = read_jsonl(tmp_path / "metrics.jsonl")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import pytest
@@ -12,7 +13,7 @@ from entrenar.train import checkpoint as ckpt_mod
 from entrenar.train import loop
 from entrenar.train.config import TrainConfig
 from entrenar.train.metrics import peak_flops, read_jsonl
-from entrenar.train.precision import BF16Weights, make_precision, verify_dtype
+from entrenar.train.precision import BF16Weights, precision_policy, verify_dtype
 from tests import test_train_loop as T
 
 CPU = torch.device("cpu")
@@ -24,9 +25,9 @@ def _micro(n_micro: int = 2, batch: int = 2, seed: int = 4) -> list[dict]:
 
 
 def _backward(model, micro, precision=None, dtype="bf16-weights") -> float:
-    total = sum(loop.loss_token_count(b) for b in micro)
-    with loop.step_weights(precision):
-        return loop.forward_backward(model, micro, CPU, dtype, total)
+    total = sum(T.CE.count(b) for b in micro)
+    with precision.compute() if precision is not None else contextlib.nullcontext():
+        return float(loop.backward_micro_batches(model, micro, CPU, dtype, total)) / total
 
 
 def test_forward_and_backward_run_on_bf16_copies_masters_stay_fp32():
@@ -50,8 +51,8 @@ def test_grads_are_summed_over_micro_batches_in_fp32():
     per_micro = []
     for b in micro:  # each micro-batch alone, normalised by the step's total as the step does
         model.zero_grad(set_to_none=True)
-        total = sum(loop.loss_token_count(x) for x in micro)
-        with loop.step_weights(precision):
+        total = sum(T.CE.count(x) for x in micro)
+        with precision.compute():
             loop.backward_micro_batches(model, [b], CPU, "bf16-weights", total)
         per_micro.append({n: p.grad.clone() for n, p in model.named_parameters()})
     model.zero_grad(set_to_none=True)
@@ -121,9 +122,9 @@ def test_bf16_run_resumes_exactly(tmp_path, dtype, stored):
 def test_trainer_builds_copies_only_for_bf16_weights(tmp_path):
     for dtype, expect in (("fp32", False), ("bf16", False), ("bf16-weights", True)):
         T.run(tmp_path / dtype, 1, dtype=dtype)
-        assert (make_precision(T.tiny_model(), dtype) is not None) == expect
+        assert (precision_policy(dtype).weight_copies(T.tiny_model()) is not None) == expect
     with pytest.raises(ValueError, match="bf16w"):
-        make_precision(T.tiny_model(), "bf16w")
+        precision_policy("bf16w")
 
 
 def test_dtype_choices_flag_help_and_dependent_checks(capsys):
@@ -138,8 +139,8 @@ def test_dtype_choices_flag_help_and_dependent_checks(capsys):
     help_text = " ".join(capsys.readouterr().out.split())
     assert "bf16-weights" in help_text and "2.5e-2 relL2 from fp32, outside" in help_text
     assert verify_dtype("bf16-weights") == "bf16" and verify_dtype("fp32") == "fp32"
-    assert loop.autocast(CPU, "bf16-weights").fast_dtype == torch.bfloat16
-    assert loop.autocast(CPU, "bf16-weights")._enabled and not loop.autocast(CPU, "fp32")._enabled
+    assert precision_policy("bf16-weights").autocast(CPU).fast_dtype == torch.bfloat16
+    assert precision_policy("bf16-weights").autocast(CPU)._enabled and not precision_policy("fp32").autocast(CPU)._enabled
 
 
 def test_mfu_of_bf16_weights_uses_the_bf16_peak(monkeypatch):
@@ -152,7 +153,7 @@ def test_mfu_of_bf16_weights_uses_the_bf16_peak(monkeypatch):
 def _trainer(tmp_path, **overrides):
     cfg = TrainConfig(**{"steps": 6, "batch_size": 2, "seq_len": 32, "lr": 1e-3, "warmup": 1, "seed": 5,
                          **overrides})
-    return loop.Trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3),
+    return loop.build_trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3),
                         T.ListLoader(T.make_samples(8, seed=99), 4), cfg, tmp_path, log=T.quiet)
 
 
@@ -306,7 +307,7 @@ def test_bf16_pure_is_full_training_only():
         with pytest.raises(InputError, match="bf16-pure.*--mode full"):
             TrainConfig(mode=mode, dtype="bf16-pure").validate()
     TrainConfig(mode="full", dtype="bf16-pure").validate()
-    assert verify_dtype("bf16-pure") == "bf16" and make_precision(T.tiny_model(), "bf16-pure") is None
+    assert verify_dtype("bf16-pure") == "bf16" and precision_policy("bf16-pure").weight_copies(T.tiny_model()) is None
 
 
 @pytest.mark.parametrize("dtype,compute", [("bf16-weights", torch.bfloat16), ("bf16", torch.float32),

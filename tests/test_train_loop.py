@@ -22,9 +22,10 @@ from entrenar.config import ModelConfig
 from entrenar.errors import GuardError, InputError
 from entrenar.model import CausalLM
 from entrenar.train import checkpoint as ckpt_mod
-from entrenar.train import guards, loop
-from entrenar.train.loop import TrainConfig, evaluate, forward_backward, train
+from entrenar.train import guards
+from entrenar.train.loop import TrainConfig, backward_micro_batches, evaluate, train
 from entrenar.train.metrics import read_jsonl
+from entrenar.train.objective import CausalLMLoss
 from tests.helpers.cli import child_env
 from tests.helpers.models import tiny_causal_lm, tiny_config
 
@@ -93,6 +94,14 @@ class ListLoader:
 
 def quiet(_msg: str) -> None:
     pass
+
+
+CE = CausalLMLoss()
+
+
+def forward_backward(model, micro, device, dtype, total_tokens) -> float:
+    """The step's mean loss per token through the Trainer's one forward/backward."""
+    return float(backward_micro_batches(model, micro, device, dtype, total_tokens)) / total_tokens
 
 
 def run(run_dir: Path, steps: int, batch_size: int = 2, grad_accum: int = 1, n_samples: int = 16,
@@ -252,10 +261,10 @@ def _grads_after_step(batch_size: int, grad_accum: int, samples, normalise_per_m
     model = tiny_model(3)
     loader = ListLoader(samples, batch_size, seed=0)
     micro = [loader.next_batch() for _ in range(grad_accum)]
-    total = sum(loop.loss_token_count(b) for b in micro)
+    total = sum(CE.count(b) for b in micro)
     if normalise_per_micro:  # the classic bug: mean per micro-batch, then averaged over G
         for b in micro:
-            s, n = loop.batch_loss(model, b, torch.device("cpu"), "fp32")
+            s, n, _ = CE.loss(model, b, torch.device("cpu"))
             (s / n / grad_accum).backward()
     else:
         forward_backward(model, micro, torch.device("cpu"), "fp32", total)
@@ -293,7 +302,7 @@ def test_train_loss_equals_eval_loss_on_same_batch():
     samples = make_samples(4, seed=11)
     model = tiny_model(1)
     batch = ListLoader(samples, 4).next_batch()
-    n = loop.loss_token_count(batch)
+    n = CE.count(batch)
     train_loss = forward_backward(model, [batch], torch.device("cpu"), "fp32", n)
     ev = evaluate(model, [batch])
     assert ev["tokens"] == n
@@ -449,7 +458,7 @@ def test_eval_over_batches_is_token_weighted_like_train():
     model = tiny_model(2)
     b1 = ListLoader(make_samples(2, seed=1, min_len=3, max_len=4), 2).next_batch()
     b2 = ListLoader(make_samples(2, seed=2, min_len=30, max_len=31), 2).next_batch()
-    total = loop.loss_token_count(b1) + loop.loss_token_count(b2)
+    total = CE.count(b1) + CE.count(b2)
     train_loss = forward_backward(model, [b1, b2], torch.device("cpu"), "fp32", total)
     assert evaluate(model, [b1, b2])["loss"] == pytest.approx(train_loss, rel=1e-6)
     means = [evaluate(model, [b])["loss"] for b in (b1, b2)]

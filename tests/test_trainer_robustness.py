@@ -27,7 +27,7 @@ import torch
 from entrenar.errors import GuardError, InputError
 from entrenar.train import checkpoint as ckpt_mod
 from entrenar.train import guards, loop
-from entrenar.train.loop import TrainConfig, Trainer, TrainingInterrupted, train
+from entrenar.train.loop import TrainConfig, TrainingInterrupted, build_trainer, train
 from entrenar.train.metrics import read_jsonl
 from entrenar.train.optim import Schedule
 from tests import test_train_loop as T
@@ -143,7 +143,7 @@ def test_destroyed_final_model_is_guard_and_writes_no_final(tmp_path, monkeypatc
 def test_nonfinite_final_weights_without_eval_write_no_final(tmp_path):
     written = []
     cfg = TrainConfig(steps=1, batch_size=2, seq_len=32, lr=1e20, warmup=0, seed=5)
-    trainer = Trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3), None, cfg, tmp_path,
+    trainer = build_trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3), None, cfg, tmp_path,
                       save_final=lambda m, p: written.append(p), log=T.quiet)
     trainer.save = lambda step, *a, **k: None  # no checkpoint in the way: the final/ check alone
     with pytest.raises(GuardError) as e:
@@ -152,7 +152,7 @@ def test_nonfinite_final_weights_without_eval_write_no_final(tmp_path):
 
 
 def test_eval_collapse_unit():
-    v = 49152
+    v = math.log(49152)  # the objective's uniform loss (cross-entropy)
     guards.check_eval_collapse(10.0, None, v, 5)  # no earlier eval: nothing to collapse from
     guards.check_eval_collapse(10.0, 10.7, v, 5)  # never well below ln V (from-scratch start)
     guards.check_eval_collapse(4.0, 0.586, v, 5)  # worse, but far from uniform
@@ -490,7 +490,7 @@ def test_fit_runs_with_automatic_gc_off_and_collects_on_schedule(tmp_path, monke
     real_collect = gc.collect
     monkeypatch.setattr(gc, "collect", lambda gen=2: collects.append(gen) or real_collect(gen))
     cfg = TrainConfig(steps=5, batch_size=2, seq_len=32, lr=1e-3, warmup=0, seed=5)
-    trainer = Trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3), None, cfg, tmp_path,
+    trainer = build_trainer(T.tiny_model(), T.ListLoader(T.make_samples(16), 2, seed=3), None, cfg, tmp_path,
                       log=T.quiet)
     trainer.save = lambda step, *a, **k: None
     step_of = trainer.train_step

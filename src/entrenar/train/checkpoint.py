@@ -16,10 +16,13 @@ Contents -- nothing in a checkpoint is unpickled into code on load:
   meta.json             step, tokens and the sha256 of each file above
   COMPLETE
 
-A distributed run (torchrun, train/parallel.py) writes a sharded checkpoint instead: dcp/ (model and
+A distributed run (torchrun) writes a sharded checkpoint instead (save_sharded_checkpoint): dcp/ (model and
 optimizer through torch.distributed.checkpoint, one file per rank, loadable at any world size) in
 place of model.safetensors and optimizer.pt; rng.safetensors and trainer_state.json hold every
 rank's RNG; meta.json ("sharded": true, "world_size") hashes every file, the shards included.
+
+`Checkpointer` is the Trainer's checkpoint part: it writes the kind the job needs and restores either
+kind into the model and optimizer as they are now (one process, or DDP/FSDP2 at any world size).
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import pickle
 import random
 import re
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -44,6 +48,7 @@ from safetensors.torch import load_file, save_file
 
 from ..errors import InputError
 from ..fileio import atomic_dir, sha256_file
+from .distributed import DistContext
 
 COMPLETE = "COMPLETE"
 STEP_RE = re.compile(r"^step-(\d+)$")
@@ -179,6 +184,127 @@ def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimize
     _point_latest(ckpt_root, final)
     prune(ckpt_root, keep)
     return final
+
+
+# ---- sharded (torch.distributed.checkpoint): a distributed run's checkpoints -------------------------
+def _state_options(**kw: Any):
+    from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+    return StateDictOptions(**kw)
+
+
+def sharded_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """{"model", "optim"}: FQN-keyed, sharded (DTensor) under FSDP, for torch.distributed.checkpoint.
+    Only trainable tensors: a LoRA checkpoint holds the adapter, not the frozen base."""
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer, options=_state_options(ignore_frozen_params=True))
+    return {"model": msd, "optim": osd}
+
+
+def save_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Every rank writes its shards of model + optimizer into `path` (torch.distributed.checkpoint)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(sharded_state(model, optimizer), checkpoint_id=str(path))
+
+
+def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load a torch.distributed.checkpoint directory into the model and optimizer, resharding to the
+    current world size (also 1: one process reads every shard)."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    state = sharded_state(model, optimizer)
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
+                   options=_state_options(ignore_frozen_params=True))
+
+
+def _fqn_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                         saved: dict[str, Any]) -> dict[str, Any]:
+    """A torch optimizer state dict keyed by parameter index (what one process saves) rekeyed by
+    parameter name, matched through the current optimizer's groups (same model, same order)."""
+    name_of = {id(p): n for n, p in model.named_parameters()}
+    if len(saved["param_groups"]) != len(optimizer.param_groups):
+        raise InputError("checkpoint optimizer has a different number of parameter groups than this model")
+    index_to_name: dict[int, str] = {}
+    groups = []
+    for g_saved, g_now in zip(saved["param_groups"], optimizer.param_groups, strict=True):
+        if len(g_saved["params"]) != len(g_now["params"]):
+            raise InputError("checkpoint optimizer groups do not match this model's trainable parameters")
+        names = [name_of[id(p)] for p in g_now["params"]]
+        index_to_name.update(zip(g_saved["params"], names, strict=True))
+        groups.append({**g_saved, "params": names})
+    return {"state": {index_to_name[int(i)]: st for i, st in saved["state"].items()}, "param_groups": groups}
+
+
+def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_tensors: dict[str, torch.Tensor],
+              optim_state: dict[str, Any]) -> None:
+    """Load a single-process checkpoint (full trainable tensors + index-keyed optimizer state) into a
+    (possibly sharded) model: each rank keeps its shard. Resuming 1 -> N processes."""
+    from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    osd = _fqn_optimizer_state(model, optimizer, optim_state)
+    set_state_dict(model, optimizer, model_state_dict=dict(model_tensors), optim_state_dict=osd,
+                   options=_state_options(full_state_dict=True, strict=False))
+
+
+
+# ---- sharded checkpoints ------------------------------------------------------------------------------
+def save_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int,
+                            ctx: DistContext) -> Path:
+    """step-N of a distributed run, with the single-process checkpoint's atomicity: every rank writes
+    its model/optimizer shards (torch.distributed.checkpoint) into one hidden temporary directory;
+    rank 0 then adds every rank's RNG, the trainer state, meta.json (sha256 of every file) and
+    COMPLETE last, renames it to step-N and points `latest` at it. A kill at any point leaves no
+    step-N without COMPLETE; --resume never reads the temporary directory."""
+    final = ckpt_root / step_dir_name(step)
+    tmp = ckpt_root / f".{final.name}.tmp-dist"  # one name every rank agrees on (checkpoint.TMP_RE)
+    if ctx.is_main:
+        ckpt_root.mkdir(parents=True, exist_ok=True)
+        for stale in stale_tmp_dirs(ckpt_root, max_step=step, min_step=step):
+            shutil.rmtree(stale)
+        tmp.mkdir()
+    ctx.barrier()
+    save_sharded(tmp / SHARDED, model, optimizer)
+    # each rank hashes the shard files it wrote itself (DCP names them __{rank}_{n}.distcp), all ranks at
+    # once: for a 7B run that is 85 GiB, which rank 0 alone took a minute or more to hash; rank 0 hashes
+    # whatever no rank claimed (.metadata, the files it writes below, any other naming)
+    digests: dict[str, str] = {}
+    for part in ctx.all_gather_object({f"{SHARDED}/{f.name}": sha256_file(f) for f in
+                                       sorted((tmp / SHARDED).glob(f"__{ctx.rank}_*.distcp"))}):
+        digests.update(part)
+    state = dict(trainer_state)
+    rngs = ctx.all_gather_object(_rng_to_files(state.pop("rng", None) or rng_state()))
+
+    def finish() -> Path:
+        tensors = {f"rank{r}.{k}": t for r, (_, ts) in enumerate(rngs) for k, t in ts.items()}
+        save_file(tensors, str(tmp / RNG))
+        _fsync_file(tmp / RNG)
+        _write_bytes(tmp / STATE, (json.dumps({**state, "rng": {"ranks": [j for j, _ in rngs]}}, indent=1)
+                                       + "\n").encode())
+        _write_bytes(tmp / RUN_CONFIG, (json.dumps(run_config, indent=2, default=str) + "\n").encode())
+        files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
+        meta = {"step": step, "tokens": trainer_state.get("tokens"), "sharded": True, "world_size": ctx.world,
+                "sha256": {name: digests.get(name) or sha256_file(tmp / name) for name in files}}
+        _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
+        _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
+        _fsync_dir(tmp / SHARDED)
+        _fsync_dir(tmp)
+        if final.exists():  # this step saved again after a resume from an earlier checkpoint
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        _fsync_dir(ckpt_root)
+        _point_latest(ckpt_root, final)
+        prune(ckpt_root, keep)
+        return final
+
+    return ctx.run_on_main(finish)
 
 
 # ---- find ------------------------------------------------------------------------------------------
@@ -451,3 +577,40 @@ def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
                 raise InputError(f"checkpoint tensor {n} has shape {tuple(t.shape)}, model has "
                                  f"{tuple(params[n].shape)}")
             params[n].copy_(t)
+
+
+# ---- the Trainer's part -------------------------------------------------------------------------------
+class Checkpointer:
+    """The checkpoints of one run under `run_dir`/checkpoints: written as one directory by one process, or
+    as DCP shards by every rank together under torchrun; restored from either kind into the model and
+    optimizer as they are now. `extra_files(model, dir)` adds what makes a local checkpoint a runnable
+    MODEL (config or adapter files, generation_config.json, the tokenizer; set by the commands)."""
+
+    def __init__(self, run_dir: Path, keep: int, ctx: DistContext,
+                 extra_files: Callable[[torch.nn.Module, Path], None] | None = None):
+        self.run_dir, self.root, self.keep, self.ctx = Path(run_dir), Path(run_dir) / "checkpoints", keep, ctx
+        self.extra_files = extra_files
+
+    def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+             trainer_state: dict[str, Any], run_config: dict[str, Any]) -> Path:
+        """Write step-N atomically (a collective under torchrun); returns its path."""
+        if self.ctx.active:
+            return save_sharded_checkpoint(self.root, step, model, optimizer, trainer_state, run_config,
+                                           self.keep, self.ctx)
+        return save_checkpoint(self.root, step, model, optimizer, trainer_state, run_config, self.keep,
+                               extra_files=self.extra_files)
+
+    def load(self, spec: str, log: Callable[[str], None]) -> tuple[Path | None, dict[str, Any] | None]:
+        """load_resume with the ranks sharing the hashing (each hashes every world-th file)."""
+        return load_resume(self.run_dir, spec, log, (self.ctx.rank, self.ctx.world, self.ctx.all_gather_object))
+
+    def restore(self, ckpt: dict[str, Any], model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        """Weights and optimizer state of a loaded checkpoint: DCP shards reshard to this world size; a
+        one-process checkpoint continued on several ranks leaves each rank its share."""
+        if ckpt.get("sharded") is not None:
+            load_sharded(ckpt["sharded"], model, optimizer)
+        elif not self.ctx.active:
+            restore_model(model, ckpt["model"])
+            optimizer.load_state_dict(ckpt["optimizer"])
+        else:
+            load_full(model, optimizer, ckpt["model"], ckpt["optimizer"])

@@ -25,14 +25,14 @@ import torch
 
 from ..config import PRESETS, preset
 from ..errors import GuardError, InputError
-from ..fileio import atomic_write
 from ..outpaths import check_creatable
 from ..peft.load import tokenizer_or_none
 from .checkpoint import find_resume
 from .config import DataConfig, LoRAConfig, default_of, from_args
 from .distributed import current, env_world, other_rank
 from .jobwatch import join_job, judge_failure
-from .loop import TrainConfig, check_resume_has_work
+from .loop import TrainConfig, build_trainer, check_resume_has_work
+from .precision import precision_policy, verify_dtype
 from .runlock import LOCK_FILE, check_free, holding
 
 
@@ -141,7 +141,7 @@ def _configs(args: Any, command: str) -> tuple[TrainConfig, LoRAConfig, DataConf
         overrides.update(seq_len=data.max_seq_len, check_init_loss=True)
     cfg = from_args(TrainConfig, args, command, **overrides)
     cfg.validate()
-    if cfg.dtype == "bf16-weights" and env_world()[1] > 1:
+    if precision_policy(cfg.dtype).one_process_only and env_world()[1] > 1:
         # the bf16 compute copies exist in the one-process step only; under DDP/FSDP2 the run would be a
         # --dtype bf16 run recorded as bf16-weights (issue 23: same peak memory, same tokens/s)
         raise InputError("--dtype bf16-weights runs on bf16 copies of the weights that only a one-process run "
@@ -176,8 +176,7 @@ def _run_preflight(args: Any, model: torch.nn.Module, tokenizer: Any, seq_len: i
                          remedy="repair the installation (`pip install -e .` in the entrenar checkout) or the "
                                 "module named above; --no-preflight skips the check (logged), at your own risk.") from e
     t0 = time.perf_counter()
-    from .precision import verify_dtype  # bf16-weights is checked on the kernels' bf16 path
-
+    # bf16-weights is checked on the kernels' bf16 path
     result = preflight(model, tokenizer, args.device, verify_dtype(dtype), getattr(model, "kernels", "torch"),
                        seq_len=min(64, seq_len))
     worst = max((s["logits_rel_l2"] for s in result.get("sequences", []) if s.get("logits_rel_l2") is not None),
@@ -385,8 +384,6 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
 
 def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
                 trainers: list) -> dict:
-    from .parallel import build_trainer
-
     ctx = current()
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
@@ -400,19 +397,14 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
         _start_run_dir(out, run_json, data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
         ctx.run_on_main(lambda: _run_preflight(args, model, tokenizer, cfg.seq_len, cfg.dtype))
-    trainer = build_trainer(model, train_loader, eval_loader, cfg, out, parallel=cfg.parallel,
-                            adapters=cfg.mode in ("lora", "qlora"), save_final=save_final, log=_log,
-                            resume_command=_resume_command())
-    trainers.append(trainer)
     from .model_files import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
 
-    trainer.checkpoint_files = functools.partial(write_checkpoint_files, tokenizer=tokenizer, base_spec=args.model)
-    if trainer.resume(args.resume) is None:  # a fresh start: step 0, recorded before its guard judges it
-        record = trainer.step0()
-        if ctx.is_main:
-            atomic_write(out / "preflight.json", json.dumps({**pre, "step0": record}, indent=2, default=str)
-                         + "\n")
-        trainer.check_start(record)
+    trainer = build_trainer(model, train_loader, eval_loader, cfg, out, save_final=save_final, log=_log,
+                            resume_command=_resume_command(),
+                            checkpoint_files=functools.partial(write_checkpoint_files, tokenizer=tokenizer,
+                                                               base_spec=args.model))
+    trainers.append(trainer)
+    trainer.begin(args.resume, pre)  # a fresh start: step 0, recorded before its guard judges it
     result = trainer.fit()
     summary = _summary(result, out)
     if ctx.is_main:

@@ -13,6 +13,7 @@ Exactness rules (docs/design.md, "Distributed"):
 - the loss-token total of a step is summed over ranks before the backward, and each rank
   backpropagates loss_sum / global_total with gradient reduction set to a plain SUM
   (train/parallel.py), which is the single-process update on the global batch.
+`DistReduce` is the Trainer's view of the job's reductions (the identity in one process).
 """
 
 from __future__ import annotations
@@ -124,6 +125,28 @@ class DistContext:
         if kind == "crash":
             raise RuntimeError(f"rank 0 failed: {value}")
         return value
+
+
+class DistReduce:
+    """The Trainer's reductions (its `reduce`, from the parallel strategy): a number or tensor summed over
+    every rank, returned as the same kind (ints stay ints); the identity in one process."""
+
+    def __init__(self, ctx: DistContext):
+        self.ctx, self.rank, self.world_size = ctx, ctx.rank, ctx.world
+
+    def all_reduce_sum(self, value: Any) -> Any:
+        if not self.ctx.active:
+            return value
+        if isinstance(value, torch.Tensor):
+            t = value.detach().to(self.ctx._comm_device(), copy=True)
+            dist.all_reduce(t, op=dist.ReduceOp.SUM)
+            return t.to(value.device)
+        out = self.ctx.all_reduce([value], "sum")[0]
+        return round(out) if isinstance(value, int) else out
+
+    def gather(self, obj: Any) -> list[Any]:
+        """Every rank's `obj`, in rank order."""
+        return self.ctx.all_gather_object(obj)
 
 
 def _encode_error(e: EntrenarError) -> dict[str, Any]:
@@ -335,5 +358,5 @@ def global_batch(batch_size: int, grad_accum: int, world: int) -> int:
     return int(batch_size) * int(grad_accum) * int(world)
 
 
-__all__ = ["DistContext", "RankSlice", "current", "env_world", "global_batch", "init_from_env",
+__all__ = ["DistContext", "DistReduce", "RankSlice", "current", "env_world", "global_batch", "init_from_env",
            "other_rank", "row_sample_ids", "settle_ranks", "shard_loader", "shutdown", "slice_rows"]

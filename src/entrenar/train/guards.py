@@ -85,7 +85,11 @@ def weights_max_abs(params: Iterable[torch.Tensor]) -> float:
 def weights_problem(params: Iterable[torch.Tensor], reference: float | None) -> str | None:
     """Why these weights are not good to keep (non-finite, or exploded relative to `reference`,
     the largest |w| at the start of the run), or None when they are."""
-    top = weights_max_abs(params)
+    return max_abs_problem(weights_max_abs(params), reference)
+
+
+def max_abs_problem(top: float, reference: float | None) -> str | None:
+    """weights_problem of weights whose largest |w| is `top` (over every rank's shard)."""
     if not math.isfinite(top):
         return f"the weights contain {'NaN' if math.isnan(top) else 'inf'}"
     if reference is not None and reference > 0 and top > EXPLODED_FACTOR * reference:
@@ -119,11 +123,11 @@ def check_eval_finite(eval_loss: float, step: int, kept: str) -> None:
             details={"step": step, "eval_loss": eval_loss})
 
 
-def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, vocab_size: int, step: int) -> None:
-    """Eval loss back at ln(vocab) (uniform prediction) after having been well below it. Further above
-    ln(vocab) than DIVERGED_MIN_RISE the model does not predict uniformly: GUARD-EVAL-DIVERGED (checked
-    next) names that, and always fires there (its limit is below ln(vocab) + DIVERGED_MIN_RISE)."""
-    uniform = math.log(vocab_size)
+def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, uniform: float, step: int) -> None:
+    """Eval loss back at `uniform` (the objective's loss of a uniform guess: ln(vocab) for cross-entropy)
+    after having been well below it. Further above it than DIVERGED_MIN_RISE the model does not predict
+    uniformly: GUARD-EVAL-DIVERGED (checked next) names that, and always fires there (its limit is below
+    uniform + DIVERGED_MIN_RISE)."""
     if best_eval_loss is None or best_eval_loss > WELL_BELOW * uniform or eval_loss < COLLAPSED * uniform:
         return
     if eval_loss > uniform + DIVERGED_MIN_RISE:
@@ -138,9 +142,10 @@ def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, vocab_si
         details={"step": step, "eval_loss": eval_loss, "best_eval_loss": best_eval_loss, "ln_vocab": uniform})
 
 
-def diverged_limit(best_eval_loss: float, vocab_size: int) -> float:
-    """The highest eval loss GUARD-EVAL-DIVERGED lets through after a best eval of `best_eval_loss`."""
-    advantage = math.log(vocab_size) - best_eval_loss  # over a uniform guess (< 0 for a start worse than it)
+def diverged_limit(best_eval_loss: float, uniform: float) -> float:
+    """The highest eval loss GUARD-EVAL-DIVERGED lets through after a best eval of `best_eval_loss`
+    (`uniform`: the objective's loss of a uniform guess, ln(vocab) for cross-entropy)."""
+    advantage = uniform - best_eval_loss  # over a uniform guess (< 0 for a start worse than it)
     return best_eval_loss + max(DIVERGED_MIN_RISE, DIVERGED_GAP_FRACTION * advantage)
 
 
@@ -148,17 +153,16 @@ DIVERGED_REMEDY = ("lower --lr (10x is a good first try; --lr auto picks a fine-
                    "keep --clip on (default 1.0: --clip 0 lets one update wreck the model); ")
 
 
-def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, vocab_size: int, step: int,
+def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, uniform: float, step: int,
                         find_best_checkpoint: Callable[[], tuple[Path, int, float] | None]) -> None:
     """An eval loss far above the run's best (diverged_limit): the model is destroyed, so the run stops
     at this eval. `find_best_checkpoint()` (called only when the guard fires) gives (path, step, eval
     loss) of the kept checkpoint with the lowest eval, named in the message, or None."""
     if best_eval_loss is None:
         return
-    limit = diverged_limit(best_eval_loss, vocab_size)
+    limit = diverged_limit(best_eval_loss, uniform)
     if not eval_loss > limit:  # NaN: GUARD-NONFINITE's (check_eval_finite runs first)
         return
-    uniform = math.log(vocab_size)
     best_checkpoint = find_best_checkpoint()
     if best_checkpoint is None:
         kept = "no checkpoint with an eval was kept (only one written at an eval step is known to be good)"
@@ -181,9 +185,9 @@ def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, vocab_si
                  "checkpoint_step": None if best_checkpoint is None else best_checkpoint[1]})
 
 
-def check_init_loss(eval_loss: float, vocab_size: int, source: str) -> None:
-    """A pretrained model must beat the uniform guess (loss ln V) on its first eval."""
-    uniform = math.log(vocab_size)
+def check_init_loss(eval_loss: float, uniform: float, source: str) -> None:
+    """A pretrained model must beat the uniform guess (`uniform`: the objective's loss of it, ln V for
+    cross-entropy) on its first eval."""
     if not math.isfinite(eval_loss) or eval_loss >= uniform:
         raise GuardError(
             "GUARD-INIT-LOSS",

@@ -1,24 +1,35 @@
-"""The one training loop, behind `entrenar pretrain` and `entrenar finetune` (full, LoRA, QLoRA).
+"""The one training loop, behind `entrenar pretrain` and `entrenar finetune` (full, LoRA, QLoRA), in one
+process or under torchrun.
 
-`Trainer` takes a built model (fp32 master parameters; LoRA already applied) and loader objects
-with the interface `next_batch()`, `iter_epoch()`, `state_dict()`, `load_state_dict()`, `epoch`.
-Batches: {"input_ids" [B,T], "labels" [B,T] (already shifted, -100 ignored), optional
-"doc_ids", "position_ids", "sample_ids"}. Its parts, each replaceable in a subclass:
+`build_trainer` is the one way to make a `Trainer` (the commands, the tests and `train` call it): from a
+built model (fp32 master parameters; LoRA already applied), loader objects with the interface
+`next_batch()`, `iter_epoch()`, `state_dict()`, `load_state_dict()`, `epoch`, and the TrainConfig, it
+composes the Trainer's parts:
 
-  resume(spec)       restore model, optimizer, schedule, data position, guards and RNG
-  step0()            the step-0 record (eval, ln(vocab), sizes); check_start(record): GUARD-INIT-LOSS
-  train_step(step)   fetch micro-batches -> count_loss_tokens -> forward/backward -> clip ->
-                     guard_step -> optimizer
+  precision   train/precision.py: what --dtype means (autocast, bf16 copies, the bf16-pure cast); its
+              prepare_model runs first, before parallelism
+  strategy    train/parallel.py: one process, DDP or FSDP2 applied from outside the model (apply_parallel);
+              the loaders split by global sample index (train/distributed.py)
+  objective   train/objective.py: batch -> (loss sum, loss-token count, metrics); causal-LM cross-entropy
+  checkpointer train/checkpoint.py: local or DCP-sharded checkpoints, written and restored
+
+Batches: {"input_ids" [B,T], "labels" [B,T] (already shifted, -100 ignored), optional "doc_ids",
+"position_ids", "sample_ids"}. The Trainer's steps:
+
+  begin(resume)      resume(spec) (model, optimizer, schedule, data position, guards, RNG), or step0()
+                     (eval, the objective's uniform loss, sizes; recorded in preflight.json) and
+                     check_start (GUARD-INIT-LOSS)
+  train_step(step)   fetch micro-batches -> count_step -> forward_backward (the one forward/backward:
+                     backward_micro_batches, reduce, clip, queue the update, one readback) -> guard_step
+                     -> optimizer
   evaluate(step)     token-weighted eval + its guards
   save(step)         an atomic checkpoint of weights checked finite
-  fit()              the steps, evals, checkpoints, then final/
+  fit()              the steps, evals, checkpoints, then final/ (rank 0 writes files)
 
-Loss normalisation: a step's G micro-batches are fetched first, their loss tokens counted
-(`count_loss_tokens`, the one place a distributed all-reduce goes: `self.reduce`), and each
-micro-batch backpropagates loss_sum / total_tokens. So batch 4 and batch 1 x accumulation 4 give
-the same update on samples of unequal length. Train and eval both call
-`model(input_ids, labels=..., position_ids=..., doc_ids=...)` -> (summed CE, token count).
-The command (train/commands.py), not the loop, writes preflight.json from step0()'s record.
+Loss normalisation: a step's G micro-batches are fetched first, their loss tokens counted over every
+rank (`count_step`), and each micro-batch backpropagates loss_sum / total_tokens; gradients are then
+SUM-reduced over ranks. So batch 4 == batch 1 x accumulation 4 == 2 ranks x batch 2 on samples of
+unequal length. Train and eval both take the loss from the objective, through the same forward.
 """
 
 from __future__ import annotations
@@ -27,6 +38,7 @@ import contextlib
 import gc
 import json
 import math
+import os
 import random
 import sys
 import time
@@ -39,24 +51,26 @@ import torch
 
 from ..errors import GuardError, InputError
 from ..fileio import atomic_write
-from ..tensors import IGNORE_INDEX, JOB_COUNTS, batch_counts
+from ..tensors import JOB_COUNTS, batch_counts
 from . import guards
 from .checkpoint import (
+    Checkpointer,
     complete_checkpoints,
     find_resume,
-    load_resume,
-    restore_model,
     rng_state,
-    save_checkpoint,
     set_rng_state,
     step_dir_name,
 )
 from .config import RESUME_SENSITIVE, TrainConfig
-from .metrics import JsonlLog, Progress, peak_flops, peak_memory_mb
+from .distributed import DistContext, DistReduce, global_batch, shard_loader
+from .distributed import current as job_context
+from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
+from .objective import CausalLMLoss, Objective
 from .optim import Schedule, build_optimizer
-from .precision import BF16Weights, make_precision, step_weights, to_training_dtype, uses_bf16
+from .parallel import Strategy, apply_parallel
+from .precision import Precision, precision_policy
 
-__all__ = ["LocalReduce", "TrainConfig", "Trainer", "TrainingInterrupted", "evaluate", "forward_backward",
+__all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "backward_micro_batches", "build_trainer", "evaluate",
            "train"]
 
 
@@ -64,37 +78,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)
     torch.manual_seed(seed)
-
-
-def autocast(device: torch.device, dtype: str):
-    return torch.autocast(device.type, dtype=torch.bfloat16, enabled=uses_bf16(dtype))
-
-
-def _to_device(batch: dict, device: torch.device) -> dict:
-    # pinned host memory: the copy is truly asynchronous (from pageable memory it may wait for the
-    # stream, i.e. for the previous step's optimizer, before the host can queue the forward)
-    pin = device.type == "cuda"
-    return {k: ((v.pin_memory() if pin and v.device.type == "cpu" else v).to(device, non_blocking=True)
-                if isinstance(v, torch.Tensor) else v)
-            for k, v in batch.items()}
-
-
-class LocalReduce:
-    """The collectives of a single process: identity. A distributed run replaces it with one whose
-    all_reduce_sum / all_reduce_max combine a number or tensor over every rank (and return the same
-    kind), so token totals, loss sums and guard verdicts are global."""
-
-    rank, world_size = 0, 1
-
-    def all_reduce_sum(self, value: Any) -> Any:
-        return value
-
-    def all_reduce_max(self, value: Any) -> Any:
-        return value
-
-    def gather(self, obj: Any) -> list[Any]:
-        """Every rank's `obj`, in rank order."""
-        return [obj]
 
 
 class TrainingInterrupted(KeyboardInterrupt):
@@ -113,25 +96,9 @@ class TrainingInterrupted(KeyboardInterrupt):
         super().__init__(text)
 
 
-# ---- the one loss of train and eval ---------------------------------------------------------------
-def loss_sum_of(model: torch.nn.Module, batch: dict, device: torch.device, dtype: str) -> torch.Tensor:
-    """Summed cross-entropy of one batch through `forward` (a device scalar: no host sync)."""
-    b = _to_device(batch, device)
-    with autocast(device, dtype):
-        loss_sum, _ = model(b["input_ids"], labels=b["labels"], position_ids=b.get("position_ids"),
-                            doc_ids=b.get("doc_ids"))
-    return loss_sum
-
-
-def batch_loss(model: torch.nn.Module, batch: dict, device: torch.device, dtype: str
-               ) -> tuple[torch.Tensor, int]:
-    """(summed loss, loss-token count) of one batch: the one loss of train and eval."""
-    return loss_sum_of(model, batch, device, dtype), loss_token_count(batch)
-
-
-def loss_token_count(batch: dict) -> int:
-    """Loss tokens of one batch, counted on the loader's (CPU) labels: no device sync."""
-    return int((batch["labels"] != IGNORE_INDEX).sum())
+# ---- the one forward of train and eval ------------------------------------------------------------
+def as_precision(dtype: str | Precision) -> Precision:
+    return dtype if isinstance(dtype, Precision) else precision_policy(dtype)
 
 
 def _sample_ids(batches: Iterable[dict]) -> list:
@@ -143,10 +110,12 @@ def _sample_ids(batches: Iterable[dict]) -> list:
 
 @torch.no_grad()
 def evaluate(model: torch.nn.Module, batches: Iterable[dict], device: torch.device | str = "cpu",
-             dtype: str = "fp32", max_batches: int = 0, reduce: LocalReduce | None = None) -> dict[str, float]:
-    """Token-weighted eval: sum of per-token losses / number of loss tokens, and exp of it. The sum
-    stays on the device in float64 (the same additions as a Python float sum) and is read once."""
-    device, reduce = torch.device(device), reduce or LocalReduce()
+             dtype: str | Precision = "fp32", max_batches: int = 0, reduce: DistReduce | None = None,
+             objective: Objective | None = None) -> dict[str, float]:
+    """Token-weighted eval: sum of per-token losses / number of loss tokens, and exp of it, summed over
+    every rank with `reduce`. The sum stays on the device in float64 (the same additions as a Python float
+    sum) and is read once."""
+    device, precision, objective = torch.device(device), as_precision(dtype), objective or CausalLMLoss()
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
@@ -155,12 +124,16 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], device: torch.devi
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
-            total += loss_sum_of(model, batch, device, dtype).double()
-            count += loss_token_count(batch)
+            with precision.autocast(device):
+                loss_sum, n, _ = objective.loss(model, batch, device)
+            total += loss_sum.double()
+            count += n
             n_batches += 1
     finally:
         model.train(was_training)
-    total, count = float(reduce.all_reduce_sum(total)), int(reduce.all_reduce_sum(count))
+    if reduce is not None:
+        total, count = reduce.all_reduce_sum(total), reduce.all_reduce_sum(count)
+    total, count = float(total), int(count)
     if count == 0:
         raise GuardError("GUARD-ZERO-LOSS-TOKENS",
                          f"the eval set ({n_batches} batches) has no loss tokens, so its loss is undefined.",
@@ -170,22 +143,26 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], device: torch.devi
     return {"loss": loss, "ppl": ppl, "tokens": count, "batches": n_batches}
 
 
-def backward_micro_batches(model: torch.nn.Module, micro_batches: list[dict], device: torch.device, dtype: str,
-                           total_tokens: int) -> torch.Tensor:
-    """Backpropagate every micro-batch's loss_sum / total_tokens (of the whole step); return the summed
-    loss of the step as a float64 device scalar (read back once per step by the caller)."""
+def backward_micro_batches(model: torch.nn.Module, micro_batches: list[dict], device: torch.device,
+                           dtype: str | Precision, total_tokens: int, objective: Objective | None = None,
+                           sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
+                           metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
+    """The one forward/backward of training: every micro-batch backpropagates its loss_sum / total_tokens
+    (of the whole step, over every rank), under the precision's autocast and `sync(last_micro_batch)` (the
+    strategy's: DDP reduces only in the last backward). Returns the step's summed loss as a float64 device
+    scalar (read back once per step by the caller); the objective's metrics are summed into `metrics`."""
+    precision, objective = as_precision(dtype), objective or CausalLMLoss()
     acc = torch.zeros((), dtype=torch.float64, device=device)
-    for b in micro_batches:
-        s = loss_sum_of(model, b, device, dtype)
-        (s / total_tokens).backward()
+    for j, b in enumerate(micro_batches):
+        with sync(j == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
+            with precision.autocast(device):
+                s, _, found = objective.loss(model, b, device)
+            (s / total_tokens).backward()
         acc += s.detach().double()
+        if metrics is not None:
+            for k, v in found.items():
+                metrics[k] = metrics[k] + v.detach().double() if k in metrics else v.detach().double()
     return acc
-
-
-def forward_backward(model: torch.nn.Module, micro_batches: list[dict], device: torch.device, dtype: str,
-                     total_tokens: int) -> float:
-    """backward_micro_batches, returning the step's mean loss per token."""
-    return float(backward_micro_batches(model, micro_batches, device, dtype, total_tokens)) / total_tokens
 
 
 # ---- resume checks ------------------------------------------------------------------------------------
@@ -300,35 +277,41 @@ def _stderr_log(text: str) -> None:
 
 # ---- the Trainer ------------------------------------------------------------------------------------
 class Trainer:
-    """One training run of `model` for cfg.steps optimizer steps under run_dir (metrics.jsonl,
-    eval.jsonl, checkpoints/, final/ through save_final). See the module docstring for its parts."""
+    """One training run of `strategy.module` for cfg.steps optimizer steps under run_dir (metrics.jsonl,
+    eval.jsonl, checkpoints/, final/ through save_final), from its parts (see the module docstring).
+    Made by `build_trainer`."""
 
-    def __init__(self, model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig,
-                 run_dir: Path, save_final: Callable[[torch.nn.Module, Path], None] | None = None,
-                 log: Callable[[str], None] | None = None, reduce: LocalReduce | None = None,
-                 resume_command: str | None = None):
+    def __init__(self, strategy: Strategy, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path, *,
+                 precision: Precision, objective: Objective, checkpointer: Checkpointer,
+                 save_final: Callable[[torch.nn.Module, Path], None] | None = None,
+                 log: Callable[[str], None] | None = None, resume_command: str | None = None):
         cfg.validate()
-        self.model, self.train_loader, self.eval_loader, self.cfg = model, train_loader, eval_loader, cfg
+        self.strategy, self.precision, self.objective, self.checkpointer = strategy, precision, objective, checkpointer
+        self.ctx: DistContext = strategy.ctx
+        self.reduce = strategy.reduce
+        self.model = model = strategy.module
+        self.train_loader, self.eval_loader, self.cfg = train_loader, eval_loader, cfg
         self.run_dir = Path(run_dir)
         self.run_dir.mkdir(parents=True, exist_ok=True)
         self.device = torch.device(cfg.device)
         self.log = log or _stderr_log
-        self.save_final, self.reduce = save_final, reduce or LocalReduce()
-        # (model, dir) -> files that make each checkpoint a runnable MODEL (set by the commands)
-        self.checkpoint_files: Callable[[torch.nn.Module, Path], None] | None = None
+        self.save_final = save_final
         self.resume_command = resume_command
         self.run_config = cfg.to_dict()
+        if self.ctx.active:  # recorded in each checkpoint: resuming elsewhere compares global batches
+            self.run_config["world_size"] = self.ctx.world
         self.vocab_size = model.cfg.vocab_size
+        self.uniform_loss = objective.uniform_loss(self.vocab_size)  # ln(vocab) for cross-entropy
         seed_everything(cfg.seed)
         model.train()
-        to_training_dtype(model, cfg.dtype)  # bf16-pure: bf16 weights, so the optimizer's state is bf16 too
         self.params = [p for p in model.parameters() if p.requires_grad]
-        self.optimizer = self.build_optimizer()
+        self.optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, master_dtype=precision.master_dtype)
         self.schedule = Schedule(cfg.lr, cfg.warmup, cfg.steps, cfg.schedule, cfg.min_lr_ratio)
         self.spikes = guards.SpikeGuard(cfg.on_spike, cfg.spike_window, cfg.spike_sigma)
-        self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl")
-        self.eval_log = JsonlLog(self.run_dir / "eval.jsonl")
-        self.ckpt_root = self.run_dir / "checkpoints"
+        # only rank 0 writes the logs
+        self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl") if self.ctx.is_main else NullLog()
+        self.eval_log = JsonlLog(self.run_dir / "eval.jsonl") if self.ctx.is_main else NullLog()
+        self.ckpt_root = checkpointer.root
         self.counters = {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0}
         self.start_step, self.tokens = 0, 0
         self.recent_losses: list[float] = []
@@ -341,22 +324,25 @@ class Trainer:
         self.weights_ref = self.weights_max_abs()
         self.step_seconds = 0.0
         self.progress: Progress | None = None
-        # --dtype bf16-weights: bf16 compute copies of the fp32 masters (train/precision.py), built on
-        # the first step (a subclass that steps differently, e.g. under FSDP, never builds them)
-        self.precision: BF16Weights | None = None
         # ((step, evals so far, last checkpoint), wall time) of the last step's readback: see step_time
         self._timing: tuple[tuple, float] | None = None
         self.update_queued = False  # this step's update already queued on the device (queue_update)
-
-    def build_optimizer(self) -> torch.optim.Optimizer:
-        pure = {"master_dtype": torch.bfloat16} if self.cfg.dtype == "bf16-pure" else {}  # else: fp32 masters
-        return build_optimizer(self.model, self.cfg.lr, self.cfg.weight_decay, **pure)
+        self._local_loss = 0.0  # this rank's own loss sum of the last step (names a rank that went non-finite)
 
     # ---- resume / step 0 -------------------------------------------------------------------------
+    def begin(self, resume: str | None, preflight: dict | None = None) -> None:
+        """Continue from `resume` (auto or a PATH), or start: the step-0 record (written into preflight.json
+        with the command's checks in `preflight`, by rank 0, before its guard judges it), then check_start."""
+        if self.resume(resume) is not None:
+            return
+        record = self.step0()
+        if preflight is not None and self.ctx.is_main:
+            write_preflight(self.run_dir, preflight, record)
+        self.check_start(record)
+
     def resume(self, spec: str | None) -> Path | None:
         """Continue from a checkpoint (`auto` or a PATH); None (logs reset) when starting at step 0."""
-        share = (self.reduce.rank, self.reduce.world_size, self.reduce.gather)  # ranks hash a share each
-        path, ckpt = load_resume(self.run_dir, spec, self.log, share) if spec else (None, None)
+        path, ckpt = self.checkpointer.load(spec, self.log) if spec else (None, None)
         if path is None:
             self.metrics_log.reset()
             self.eval_log.reset()
@@ -367,7 +353,7 @@ class Trainer:
         self.check_resume_config(ckpt["run_config"])
         for change in changed_settings(ckpt["run_config"], self.run_config):
             self.log(f"resume: {change}")
-        self.restore_state(ckpt)
+        self.checkpointer.restore(ckpt, self.model, self.optimizer)
         self.load_trainer_state(st)
         self.metrics_log.truncate_after(self.start_step)
         self.eval_log.truncate_after(self.start_step)
@@ -378,21 +364,34 @@ class Trainer:
         return path
 
     def check_resume_config(self, saved: dict[str, Any]) -> None:
-        """Refuse (InputError) a checkpoint trained with other batch settings (see RESUME_SENSITIVE)."""
+        """Refuse (InputError) a checkpoint trained with other batch settings (see RESUME_SENSITIVE). At
+        another world size the global batch (world x batch x accumulation) and the sequence length must
+        stay: the loader position is in samples, so the same steps then see the same samples; per-rank
+        batch and accumulation may change."""
+        was, now = int(saved.get("world_size") or 1), self.ctx.world
+        if was != now:
+            g_was = global_batch(saved.get("batch_size") or 0, saved.get("grad_accum") or 0, was)
+            g_now = global_batch(self.cfg.batch_size, self.cfg.grad_accum, now)
+            if (g_was != g_now or saved.get("seq_len") != self.cfg.seq_len) and not self.cfg.allow_config_change:
+                raise InputError(
+                    f"--resume: the checkpoint was written by {was} process(es) with a global batch of {g_was} "
+                    f"(world {was} x batch {saved.get('batch_size')} x accumulation {saved.get('grad_accum')}, "
+                    f"seq_len {saved.get('seq_len')}); now {now} x {self.cfg.batch_size} x {self.cfg.grad_accum} = "
+                    f"{g_now} (seq_len {self.cfg.seq_len}). Keep world x --batch-size x --grad-accum and "
+                    f"--seq-len the same to continue the same run (e.g. --batch-size "
+                    f"{max(1, g_was // max(1, now * self.cfg.grad_accum))}), or pass --allow-config-change")
+            self.log(f"resume: world size {was} -> {now}, global batch {g_was} -> {g_now}; resharding model and "
+                     f"optimizer")
+            saved = {**saved, "batch_size": self.cfg.batch_size, "grad_accum": self.cfg.grad_accum}
         _check_resume_config(saved, self.run_config, self.cfg.allow_config_change, self.log)
-
-    def restore_state(self, ckpt: dict[str, Any]) -> None:
-        """Weights and optimizer state from a loaded checkpoint (the distributed trainer reshards)."""
-        restore_model(self.model, ckpt["model"])
-        self.optimizer.load_state_dict(ckpt["optimizer"])
 
     def weights_max_abs(self) -> float:
         """Largest |w| of the trainable weights (over every rank's shard in a distributed run)."""
-        return guards.weights_max_abs(self.params)
+        return self.strategy.weights_max_abs(self.params)
 
     def weights_problem(self) -> str | None:
         """Why the trainable weights are not good to keep (non-finite, exploded), or None."""
-        return guards.weights_problem(self.params, self.weights_ref)
+        return guards.max_abs_problem(self.weights_max_abs(), self.weights_ref)
 
     def trainer_state(self, step: int, data_state: dict, rng: dict) -> dict[str, Any]:
         """Everything but weights and optimizer that a bit-exact resume needs (JSON apart from rng)."""
@@ -404,6 +403,9 @@ class Trainer:
                 "eval_losses": [[s, v] for s, v in sorted(self.eval_losses.items()) if s <= step]}
 
     def load_trainer_state(self, st: dict[str, Any]) -> None:
+        ranks = st.get("rng_ranks")
+        if ranks and len(ranks) == self.ctx.world:  # a sharded checkpoint of this world size: each rank its own RNG
+            st = {**st, "rng": ranks[self.ctx.rank]}
         self.schedule.load_state_dict(st["schedule"])
         self.train_loader.load_state_dict(st["data"])
         self.spikes.load_state_dict(st["spike"])
@@ -416,9 +418,9 @@ class Trainer:
         set_rng_state(st["rng"])
 
     def step0(self) -> dict[str, Any]:
-        """The step-0 record (eval or first-train-batch loss, ln(vocab), sizes); logs the step-0 eval.
-        The caller writes it into preflight.json, then calls check_start."""
-        record: dict[str, Any] = {"ln_vocab": math.log(self.vocab_size), "vocab_size": self.vocab_size,
+        """The step-0 record (eval or first-train-batch loss, the objective's uniform loss, sizes); logs the
+        step-0 eval. begin() writes it into preflight.json, then calls check_start."""
+        record: dict[str, Any] = {"ln_vocab": self.uniform_loss, "vocab_size": self.vocab_size,
                                   "parameters": sum(p.numel() for p in self.model.parameters()),
                                   "trainable_parameters": sum(p.numel() for p in self.params)}
         if self.eval_loader is not None:
@@ -430,20 +432,17 @@ class Trainer:
         elif self.cfg.check_init_loss:  # no eval set: judge the start on the first train batch, unconsumed
             state = self.train_loader.state_dict()
             first = [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
-            record["first_train_batch"] = evaluate(self.model, first, self.device, self.cfg.dtype,
-                                                   reduce=self.reduce)
+            record["first_train_batch"] = evaluate(self.model, first, self.device, self.precision,
+                                                   reduce=self.reduce, objective=self.objective)
             self.train_loader.load_state_dict(state)
         return record
 
     def check_start(self, record: dict[str, Any]) -> None:
-        """GUARD-INIT-LOSS on a pretrained start (cfg.check_init_loss)."""
+        """GUARD-INIT-LOSS on a pretrained start (cfg.check_init_loss), against the objective's uniform loss."""
         if not self.cfg.check_init_loss:
             return
         ev0 = record.get("eval") or record.get("first_train_batch")
-        extra = getattr(self.cfg, "extra", None) or {}  # the untyped dict that TrainConfig.init/model replace
-        source = str(getattr(self.cfg, "init", None) or getattr(self.cfg, "model", None)
-                     or extra.get("init") or extra.get("model"))
-        guards.check_init_loss(ev0["loss"], self.vocab_size, source)
+        guards.check_init_loss(ev0["loss"], self.uniform_loss, str(self.cfg.init or self.cfg.model))
         self.log(f"GUARD-INIT-LOSS ok: step-0 loss {ev0['loss']:.4f} < ln(vocab) {record['ln_vocab']:.4f}")
 
     # ---- one step --------------------------------------------------------------------------------
@@ -470,20 +469,28 @@ class Trainer:
                          f"they add nothing and are not averaged in (total so far "
                          f"{self.counters['zero_loss_samples']})")
 
-    def forward_backward(self, micro: list[dict], total_tokens: int) -> tuple[float, float]:
-        """Backward of every micro-batch, gradient clipping; (mean loss per token, grad norm before
-        clipping), read from the device together: the step's one host sync."""
-        if self.precision is None and self.cfg.dtype == "bf16-weights":
-            self.precision = make_precision(self.model, self.cfg.dtype)
-        with step_weights(self.precision):  # forward AND backward on the same (bf16 copy) weights
-            loss_sum = self.reduce.all_reduce_sum(
-                backward_micro_batches(self.model, micro, self.device, self.cfg.dtype, total_tokens))
+    def forward_backward(self, micro: list[dict], total_tokens: int) -> tuple[float, float, dict[str, Any]]:
+        """The step on the device: every micro-batch's backward (backward_micro_batches, on the weights the
+        precision computes with, through the strategy's forward module), the loss sum reduced over the
+        ranks, the gradients clipped by their global norm (the strategy's), the update queued; then (mean
+        loss per token, grad norm before clipping, the objective's metrics) read from the device together:
+        the step's one host sync. Each rank backpropagates its loss sums / the global token total and the
+        gradients are SUM-reduced (apply_parallel), so the update is one process's on the global batch."""
+        sums: dict[str, torch.Tensor] = {}
+        with self.precision.step_weights(self.model):  # forward AND backward on the same (bf16 copy) weights
+            local = backward_micro_batches(self.strategy.forward_module, micro, self.device, self.precision,
+                                           total_tokens, self.objective, self.strategy.sync_context, sums)
+        loss_sum = self.reduce.all_reduce_sum(local)
         max_norm = self.cfg.clip if self.cfg.clip > 0 else float("inf")
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm, foreach=True)
-        read = read_later(torch.stack([loss_sum, grad_norm.to(loss_sum.device, torch.float64)]))
+        grad_norm = self.strategy.clip_grad_norm(self.params, max_norm)
+        names = sorted(sums)
+        read = read_later(torch.stack([local, loss_sum, grad_norm.to(local.device, torch.float64),
+                                       *(self.reduce.all_reduce_sum(sums[k]) for k in names)]))
         self.update_queued = self.queue_update(loss_sum, grad_norm)  # runs on the device after the copy
-        loss_sum, grad_norm = read()
-        return loss_sum / total_tokens, grad_norm
+        local, loss_sum, grad_norm, *values = read()
+        self._local_loss = local
+        return loss_sum / total_tokens, grad_norm, self.objective.step_metrics(dict(zip(names, values, strict=True)),
+                                                                                total_tokens)
 
     def queue_update(self, loss_sum: torch.Tensor, grad_norm: torch.Tensor) -> bool:
         """Queue the optimizer update BEFORE the step's readback, so the device does not idle while the
@@ -505,6 +512,12 @@ class Trainer:
     def guard_step(self, loss: float, grad_norm: float, step: int, sample_ids: list,
                    pre_step: tuple[dict, dict]) -> str:
         """'ok' (apply the update) or 'skip'. GUARD-NONFINITE 'stop' keeps the last good state, then raises."""
+        if self.ctx.active and not (math.isfinite(loss) and math.isfinite(grad_norm)):
+            # every rank sees the same reduced NaN; say where it came from: the ranks whose own loss
+            # was non-finite (all ranks when only the gradient norm was), with their samples
+            reports = self.reduce.gather((self.ctx.rank, math.isfinite(self._local_loss), sample_ids))
+            bad = [(r, ids) for r, ok, ids in reports if not ok] or [(r, ids) for r, _, ids in reports]
+            sample_ids = {f"rank {r}": ids for r, ids in bad}
         verdict = guards.check_nonfinite(loss, grad_norm, self.cfg.on_nonfinite)
         if verdict == "stop":
             kept = self.keep_last_good(step - 1, *pre_step)
@@ -534,7 +547,7 @@ class Trainer:
         self.count_empty_samples(empty, step)
         lr = self.schedule.apply(self.optimizer)
         self.update_queued = False  # forward_backward may queue the update (queue_update)
-        loss, grad_norm = self.forward_backward(micro, total_tokens)
+        loss, grad_norm, objective_metrics = self.forward_backward(micro, total_tokens)
         t_read = time.perf_counter()  # the device has finished this step's backward
         skip = self.guard_step(loss, grad_norm, step, sample_ids, pre_step) != "ok"
         if not skip and not self.update_queued:
@@ -555,7 +568,7 @@ class Trainer:
                 "mfu": (self.model.cfg.flops_per_token(self.cfg.seq_len) * tok_s / self.reduce.world_size / peak)
                 if peak else None,
                 "mem_mb": peak_memory_mb(self.device), "epoch": getattr(self.train_loader, "epoch", None),
-                "skipped": skip}
+                "skipped": skip, **objective_metrics}
 
     def step_time(self, step: int, t0: float, t_read: float) -> float:
         """Seconds of step `step` without a device sync of its own where possible. A step that directly
@@ -579,8 +592,8 @@ class Trainer:
     # ---- eval / save -------------------------------------------------------------------------------
     def run_eval(self, step: int) -> dict[str, Any]:
         """Evaluate on the eval set and log it (eval.jsonl); no guards."""
-        ev = evaluate(self.model, self.eval_loader.iter_epoch(), self.device, self.cfg.dtype,
-                      self.cfg.eval_batches, reduce=self.reduce)
+        ev = evaluate(self.model, self.eval_loader.iter_epoch(), self.device, self.precision,
+                      self.cfg.eval_batches, reduce=self.reduce, objective=self.objective)
         self.eval_log.write({"step": step, **ev})
         self.eval_history.append({"step": step, **ev})
         if math.isfinite(ev["loss"]):
@@ -589,15 +602,15 @@ class Trainer:
         return ev
 
     def evaluate(self, step: int) -> dict[str, Any]:
-        """A scheduled eval and its guards: non-finite, collapse to ln(vocab), diverged far above the best
-        eval, anomaly (leak; after the others: a destroyed model's train loss can be 10x its eval loss).
-        Each decides on the eval loss reduced over every rank, so all ranks stop at the same eval."""
+        """A scheduled eval and its guards: non-finite, collapse to the objective's uniform loss, diverged far
+        above the best eval, anomaly (leak; after the others: a destroyed model's train loss can be 10x its eval
+        loss). Each decides on the eval loss reduced over every rank, so all ranks stop at the same eval."""
         best_before = self.best_eval
         ev = self.run_eval(step)
         self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
         guards.check_eval_finite(ev["loss"], step, self.kept_text(self.last_saved))
-        guards.check_eval_collapse(ev["loss"], best_before, self.vocab_size, step)
-        guards.check_eval_diverged(ev["loss"], best_before, self.vocab_size, step, self.best_checkpoint)
+        guards.check_eval_collapse(ev["loss"], best_before, self.uniform_loss, step)
+        guards.check_eval_diverged(ev["loss"], best_before, self.uniform_loss, step, self.best_checkpoint)
         window = self.recent_losses[-20:]
         guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
         return ev
@@ -631,21 +644,17 @@ class Trainer:
         return self.save(step, data_state, rng)
 
     def save(self, step: int, data_state: dict | None = None, rng: dict | None = None) -> Path:
-        """An atomic checkpoint of step `step`; its weights are checked first (GUARD-NONFINITE if they
-        are non-finite or exploded: a checkpoint is only ever a good one)."""
+        """An atomic checkpoint of step `step` (the checkpointer's: local, or DCP shards under torchrun); its
+        weights are checked first (GUARD-NONFINITE if they are non-finite or exploded: a checkpoint is only
+        ever a good one)."""
         problem = self.weights_problem()
         if problem is not None:
             raise guards.weights_error(f"checkpoint {step_dir_name(step)}", problem,
                                        self.kept_text(self.last_saved), step)
         state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
                                    rng if rng is not None else rng_state())
-        self.last_saved = self.write_checkpoint(step, state)
+        self.last_saved = self.checkpointer.save(step, self.model, self.optimizer, state, self.run_config)
         return self.last_saved
-
-    def write_checkpoint(self, step: int, state: dict[str, Any]) -> Path:
-        """Write one complete checkpoint directory (the distributed trainer writes DCP shards instead)."""
-        return save_checkpoint(self.ckpt_root, step, self.model, self.optimizer, state, self.run_config,
-                               self.cfg.keep, extra_files=self.checkpoint_files)
 
     # ---- the run ---------------------------------------------------------------------------------
     def message(self, text: str) -> None:
@@ -663,16 +672,24 @@ class Trainer:
             self.save(step)
 
     def finish(self) -> None:
-        """final/ through save_final, only from weights checked finite (GUARD-NONFINITE otherwise)."""
+        """final/ through save_final: one consolidated directory written by rank 0 whatever the world size,
+        only from weights checked finite (GUARD-NONFINITE otherwise)."""
         if self.save_final is None:
             return
         problem = self.weights_problem()
         if problem is not None:
             raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
-        self.save_final(self.model, self.run_dir / "final")
+        model = self.strategy.final_model()  # a collective under FSDP: the tensors land on rank 0
+        self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
 
     def fit(self) -> dict[str, Any]:
         """Steps start_step+1 .. cfg.steps with their evals and checkpoints, then final/. Returns a summary."""
+        if self.ctx.is_main:
+            return self._fit()
+        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):  # one progress bar per job
+            return self._fit()
+
+    def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         self.progress = Progress(cfg.steps, self.start_step, sys.stderr, cfg.log_every)
         t_train, tokens_at_start, step = time.perf_counter(), self.tokens, self.start_step
@@ -705,17 +722,38 @@ def write_preflight(run_dir: Path, preflight: dict, step0: dict) -> None:
                  json.dumps({**preflight, "step0": step0}, indent=2, default=str) + "\n")
 
 
+def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path, *,
+                  objective: Objective | None = None, ctx: DistContext | None = None,
+                  checkpoint_files: Callable[[torch.nn.Module, Path], None] | None = None,
+                  save_final: Callable[[torch.nn.Module, Path], None] | None = None,
+                  log: Callable[[str], None] | None = None, resume_command: str | None = None) -> Trainer:
+    """The one construction of a Trainer (the commands, the tests, `train`): the precision prepares the model
+    (bf16-pure's cast; before the optimizer exists, its state follows the weights), the memory options reach
+    the blocks, parallelism is applied from outside (apply_parallel: nothing in one process), the loaders are
+    split by global sample index, and only rank 0 logs. `checkpoint_files(model, dir)` makes each local
+    checkpoint a runnable MODEL."""
+    from ..long_context import apply_memory_options
+
+    ctx = ctx or job_context()
+    precision = precision_policy(cfg.dtype)
+    assert not (precision.one_process_only and ctx.active), f"--dtype {cfg.dtype} is refused under torchrun (commands)"
+    model = precision.prepare_model(model)
+    # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
+    apply_memory_options(model, cfg)
+    strategy = apply_parallel(model, ctx, cfg.parallel, precision, cfg.mode in ("lora", "qlora"), cfg.grad_accum)
+    checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files)
+    return Trainer(strategy, shard_loader(train_loader, ctx), shard_loader(eval_loader, ctx), cfg, run_dir,
+                   precision=precision, objective=objective or CausalLMLoss(), checkpointer=checkpointer,
+                   save_final=save_final, log=log if ctx.is_main else (lambda text: None),
+                   resume_command=resume_command)
+
+
 def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path,
           resume: str | None = None, preflight: dict | None = None,
           save_final: Callable[[torch.nn.Module, Path], None] | None = None,
           log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Resume or run step 0 (writing preflight.json when `preflight` is given), then fit: the whole
-    run as the commands drive it, for library callers and tests."""
-    trainer = Trainer(model, train_loader, eval_loader, cfg, run_dir, save_final=save_final, log=log)
-    if trainer.resume(resume) is None:
-        record = trainer.step0()
-        if preflight is not None:
-            write_preflight(run_dir, preflight, record)
-        trainer.check_start(record)
+    """build_trainer, begin (resume or step 0; preflight.json written when `preflight` is given), fit: the
+    whole run as the commands drive it, for library callers and tests."""
+    trainer = build_trainer(model, train_loader, eval_loader, cfg, run_dir, save_final=save_final, log=log)
+    trainer.begin(resume, preflight)
     return trainer.fit()
-

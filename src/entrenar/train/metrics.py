@@ -102,6 +102,19 @@ class JsonlLog:
             f.flush()
 
 
+class NullLog:
+    """metrics.jsonl / eval.jsonl of the ranks other than 0 under torchrun: they write nothing."""
+
+    def truncate_after(self, step: int) -> None:
+        pass
+
+    def reset(self) -> None:
+        pass
+
+    def write(self, record: dict[str, Any]) -> None:
+        pass
+
+
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
     """Every record of a metrics/eval log ([] when it does not exist yet)."""
     if not Path(path).exists():

@@ -15,17 +15,24 @@
   bf16-pure     (--mode full) the model itself is bf16: weights, gradients and AdamW state, 8 bytes per
                 parameter instead of 16; numerics of bf16-weights' step, but the update is rounded to
                 bf16 too (a change below ~2^-8 of a weight is lost). Cast after the step-0 preflight
-                (`to_training_dtype`), which checks the fp32 weights as bf16.
+                (`BF16Pure.prepare_model`, in build_trainer), which checks the fp32 weights as bf16.
 
-Only the single-process Trainer swaps weights (`Trainer.forward_backward`). Under torchrun the
-FSDP2 MixedPrecisionPolicy / DDP + autocast path casts instead (train/parallel.py overrides
-forward_backward), so nothing is cast twice there.
+Each --dtype is one `Precision` object (`precision_policy`), used identically by every parallel strategy:
+  prepare_model(model)  before parallelization and before the optimizer exists (bf16-pure: the cast; a
+                        later fp8 policy: the float8 swap of the decoder's linears)
+  autocast(device)      the compute dtype of every forward, train and eval
+  step_weights(model)   the weights one training step's forward AND backward run on (bf16-weights: the copies)
+  fsdp_policy()         FSDP2's MixedPrecisionPolicy (bf16 all-gathers of the fp32 masters under bf16)
+  master_dtype          what the optimizer's parameters and state are
+bf16-weights' copies stand in the modules' place, where DDP's and FSDP2's hooks do not see them: it is
+refused under torchrun (`one_process_only`; train/commands.py says so before anything is built).
 """
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -103,26 +110,87 @@ class BF16Weights:
             self.active = False
 
 
-def to_training_dtype(model: nn.Module, dtype: str) -> nn.Module:
-    """bf16-pure: the model's floating parameters and buffers become bf16 (in place), so the optimizer
-    built on them keeps bf16 state; every other dtype trains the fp32 parameters as they are."""
-    if dtype == "bf16-pure" and any(p.is_floating_point() and p.dtype != torch.bfloat16 for p in model.parameters()):
-        model.to(torch.bfloat16)  # only when needed: a second .to on FSDP2-wrapped (already bf16) params is avoided
-    return model
+class Precision:
+    """--dtype fp32: everything fp32 (and the base of the other policies)."""
+
+    name = "fp32"
+    compute_bf16 = False  # matmuls under bf16 autocast
+    master_dtype = torch.float32  # the optimizer's parameters and state
+    one_process_only = False  # True: its step cannot run under DDP/FSDP2
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        """The model as this precision trains it, before any parallel wrapping and before the optimizer."""
+        return model
+
+    def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.compute_bf16)
+
+    def weight_copies(self, model: nn.Module) -> BF16Weights | None:
+        """The compute copies a step swaps in, or None where the step computes on the parameters."""
+        return None
+
+    def step_weights(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        """The weights one step's forward and backward compute with (the model's own here)."""
+        return contextlib.nullcontext()
+
+    def fsdp_policy(self) -> Any:
+        """FSDP2's MixedPrecisionPolicy: forward inputs are never cast (the RoPE tables stay fp32)."""
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        if self.compute_bf16:  # bf16 copies of the fp32 masters are all-gathered; gradients reduced in fp32
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                        cast_forward_inputs=False)
+        return MixedPrecisionPolicy(cast_forward_inputs=False)
 
 
-def make_precision(model: nn.Module, dtype: str) -> BF16Weights | None:
-    """The weight-swapping helper for `dtype`, or None where the step needs none (fp32, bf16 autocast)."""
-    if dtype not in DTYPES:
+class BF16(Precision):
+    """--dtype bf16: fp32 masters, bf16 autocast."""
+
+    name = "bf16"
+    compute_bf16 = True
+
+
+class BF16WeightsPrecision(BF16):
+    """--dtype bf16-weights: the step on bf16 copies of the fp32 masters (BF16Weights), built at the first
+    step (never for a run that only evaluates)."""
+
+    name = "bf16-weights"
+    one_process_only = True
+
+    def __init__(self) -> None:
+        self.copies: BF16Weights | None = None
+
+    def weight_copies(self, model: nn.Module) -> BF16Weights:
+        if self.copies is None:
+            self.copies = BF16Weights(model)
+        assert self.copies.model is model, "one bf16-weights policy per trained model"
+        return self.copies
+
+    def step_weights(self, model: nn.Module) -> contextlib.AbstractContextManager:
+        return self.weight_copies(model).compute()
+
+
+class BF16Pure(BF16):
+    """--dtype bf16-pure: the model itself is bf16, so the optimizer built on it keeps bf16 state."""
+
+    name = "bf16-pure"
+    master_dtype = torch.bfloat16
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        if any(p.is_floating_point() and p.dtype != torch.bfloat16 for p in model.parameters()):
+            model.to(torch.bfloat16)  # only when needed: a second .to on FSDP2-wrapped (already bf16) params is avoided
+        return model
+
+
+POLICIES: dict[str, type[Precision]] = {p.name: p for p in (Precision, BF16, BF16WeightsPrecision, BF16Pure)}
+assert tuple(POLICIES) == DTYPES, "one policy per --dtype"
+
+
+def precision_policy(dtype: str) -> Precision:
+    """A fresh policy object for --dtype `dtype` (each holds its own state, e.g. bf16-weights' copies)."""
+    if dtype not in POLICIES:
         raise ValueError(f"dtype {dtype!r} not in {DTYPES}")
-    return BF16Weights(model) if dtype == "bf16-weights" else None
+    return POLICIES[dtype]()
 
 
-@contextlib.contextmanager
-def step_weights(precision: BF16Weights | None) -> Iterator[None]:
-    """The weights one step computes with: the bf16 copies under `precision`, else the model's own."""
-    if precision is None:
-        yield
-        return
-    with precision.compute():
-        yield
+__all__ = ["BF16_DTYPES", "POLICIES", "BF16Weights", "Precision", "precision_policy", "uses_bf16", "verify_dtype"]
