@@ -55,6 +55,9 @@ class _Recorder(TorchDispatchMode):
             raise RuntimeError(f"host sync inside the captured step: {func}")
         if torch.Tag.dynamic_output_shape in func.tags:
             raise RuntimeError(f"data-dependent output shape inside the captured step: {func}")
+        # a graph would freeze the generator's offset (attention is tagged for its dropout, 0 here)
+        if torch.Tag.nondeterministic_seeded in func.tags and "scaled_dot_product" not in func.name():
+            raise RuntimeError(f"random draw inside the captured step: {func}")
         written = _written(func, args, kwargs)
         self.before += [(t, t.clone()) for t in written]
         out = func(*args, **kwargs)
@@ -113,6 +116,8 @@ def test_replayed_step_freezes_python_values_and_refuses_host_syncs():
         ReplayedStep(lambda: buf.add_(1.0) if bool(buf.sum() > 0) else buf)
     with pytest.raises(RuntimeError, match="data-dependent"):
         ReplayedStep(lambda: buf.nonzero())
+    with pytest.raises(RuntimeError, match="random draw"):
+        ReplayedStep(lambda: buf.exponential_(generator=torch.Generator().manual_seed(0)))
 
 
 # ---- static == dynamic == transformers -------------------------------------------------------------------

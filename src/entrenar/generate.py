@@ -301,7 +301,7 @@ def _decode_dynamic(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | Non
     device = ids.device
     cache = KVCache() if use_cache else None
     logits = last_logits(model, ids, cache, mask)
-    batch = list(rows.going)  # the prompt index of each row in the batch
+    batch = rows.going  # the prompt index of each row in the batch
     for generated in range(rows.max_new_tokens):
         check_logits_finite(model, logits, generated)
         if step_logits is not None:
@@ -317,7 +317,7 @@ def _decode_dynamic(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | Non
             keep_rows(cache, keep)
             ids = ids.index_select(0, keep)
             mask = None if mask is None else mask.index_select(0, keep)
-            batch = [batch[r] for r in going]
+            batch = rows.going = [batch[r] for r in going]
         if mask is not None:
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
         if use_cache:
