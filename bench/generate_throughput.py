@@ -22,8 +22,8 @@ LlamaForCausalLM (our tensor names are HF's).
    --repeats after one warm-up call per batch size. tokens/s = batch x new tokens / time.
 
 Prints one JSON object per check and per (shape, batch), a markdown table (the goal: ratio >= 1.5 at batch 16),
-and, last, one summary JSON object {"ok", "card", "identical_fp32", "ratio_batch16", "rows", "checks",
-"errors"}. A failing stage is printed with its traceback and the run goes on (ok: false, exit 1); past
+and, last, one summary JSON object {"ok", "card", "identical_fp32", "graph_eq_eager_bf16", "ratio_batch16",
+"rows", "checks", "errors"}; ok = no stage failed and every fp32 identity held. A failing stage is printed with its traceback and the run goes on (ok: false, exit 1); past
 --timeout-s the process prints a JSON line {"ok": false, "error": "timeout ..."} and exits 1 (no hang).
 """
 
@@ -232,6 +232,10 @@ def main() -> int:
     args = ap.parse_args()
     watchdog(args.timeout_s)
     device = args.device or ("cuda" if torch.cuda.is_available() and not args.tiny else "cpu")
+    if device == "cpu" and not args.tiny:
+        print(json.dumps({"ok": False, "error": "no CUDA device: the real shapes need a GPU; --tiny checks the "
+                                                "script on the CPU"}), flush=True)
+        return 2
     dtype = torch.bfloat16 if device.startswith("cuda") else torch.float32
     batches = [int(b) for b in (args.batches or ("1,4" if args.tiny else "1,16,64")).split(",")]
     prompt_len = args.prompt_len or (16 if args.tiny else 128)
@@ -284,7 +288,7 @@ def main() -> int:
                                                               if k not in ("check", "shape")))
     fp32 = [c for c in checks if c["check"] == "identity_fp32"]
     bf16 = [c for c in checks if c["check"] == "identity_bf16"]
-    summary = {"ok": not errors and all(c["identical"] for c in fp32) and all(c["graph_eq_eager"] for c in bf16),
+    summary = {"ok": not errors and all(c["identical"] for c in fp32),
                "card": card, "torch": torch.__version__, "seconds": round(time.perf_counter() - t_start, 1),
                "identical_fp32": all(c["identical"] for c in fp32) if fp32 else None,
                "graph_eq_eager_bf16": all(c["graph_eq_eager"] for c in bf16) if bf16 else None,

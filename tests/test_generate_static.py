@@ -270,18 +270,23 @@ def test_all_rows_stopped_ends_decoding_at_the_next_host_read(tok, cpu_graphs):
     assert len(calls) <= 4 - sd.WARMUP_STEPS  # picks 1..4 (2 warm-up steps, then replays), then stop
 
 
-@pytest.mark.parametrize("max_new", [1, 2, 3, 7])
-def test_short_runs_and_the_last_cache_column(tok, max_new, cpu_graphs):
-    """max_new_tokens of 1 (prefill only) up to past the warm-up; and prompt + max_new_tokens filling
-    the model's whole context: the last pick's input lands in the cache's last column."""
+@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 7])
+def test_short_runs(tok, max_new, cpu_graphs):
+    """max_new_tokens of 1 (the prefill's pick only), through the warm-up steps (no graph yet), to replays."""
     model = tiny_model(len(tok))
     dynamic, static = _both(model, tok, PROMPTS, max_new, stop_ids=[])
     _same(dynamic, static)
-    context = model.cfg.max_position_embeddings
+    assert static[0].decoder == ("cuda_graph" if max_new > 1 + sd.WARMUP_STEPS else "static")
+
+
+def test_the_last_cache_column(tok, cpu_graphs):
+    """prompt + max_new_tokens filling the model's whole context: the last fed token lands in the cache's
+    last column, and the picks equal the dynamic decoder's."""
+    model = tiny_model(len(tok))
     longest = max(len(tok.encode(p)) for p in PROMPTS)
-    fill = context - longest
+    fill = model.cfg.max_position_embeddings - longest
     dynamic, static = _both(model, tok, PROMPTS, fill, stop_ids=[])
-    assert len(static[0].token_ids) == fill
+    assert len(static[0].token_ids) == fill and static[0].decoder == "cuda_graph"
     _same(dynamic, static)
 
 

@@ -99,7 +99,7 @@ def decode_static(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None,
     host sync); `take(first, tokens [B, m], bad [B, m])` gets the picks first..first+m-1 on the host every
     `sync_every` steps and returns whether any row goes on. `cuda_graph`: replay the step as a CUDA graph
     (with the pick when `pick_in_graph`). `kept_logits` receives each pick's logits [B, V] (fp32, on the
-    device). Returns the decoder that ran: "cuda_graph" or "static"."""
+    device). Returns the decoder that ran: "cuda_graph" (a graph was captured and replayed) or "static"."""
     B, W = ids.shape
     device = ids.device
     max_len = W + max_new_tokens - 1  # the last pick is never fed back
@@ -135,7 +135,6 @@ def decode_static(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None,
 
     graph: GraphStep | None = None
     use_graph = cuda_graph and can_capture(device)
-    decoder = "cuda_graph" if use_graph else "static"
     picked, seen = 1, 0  # picks made on the device, picks handed to `take`
     while True:
         if picked - seen >= sync_every or picked == max_new_tokens:
@@ -149,7 +148,7 @@ def decode_static(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None,
             except RuntimeError as e:  # an op that cannot be captured (a host sync): the same step, eagerly
                 warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}",
                               RuntimeWarning, stacklevel=2)
-                use_graph, decoder = False, "static"
+                use_graph = False
         if graph is not None:
             logits = graph.replay()
             if not pick_in_graph:
@@ -161,7 +160,7 @@ def decode_static(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None,
         picked += 1
         if kept_logits is not None:
             kept_logits.append(logits.float().clone())
-    return decoder
+    return "cuda_graph" if graph is not None else "static"
 
 
 def warmup_step(step: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
