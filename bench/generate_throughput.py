@@ -1,6 +1,7 @@
 """Generation speed (issue 24, part 2): generated tokens/s of entrenar's generate_batch vs transformers'
 generate(do_sample=False), in the same process on the same weights, at batch 1, 16 and 64, for two real
-shapes, and whether the greedy tokens are the same. One GPU call does all of it (~3 minutes on an H100/H200):
+shapes, and whether the greedy tokens are the same. One GPU call does all of it (estimated 2-4 minutes on an
+H100/H200; --timeout-s bounds it):
 
     PYTHONPATH=src python bench/generate_throughput.py                # GPU: both shapes, bf16 timing
     PYTHONPATH=src python bench/generate_throughput.py --tiny         # CPU: tiny models, checks the script

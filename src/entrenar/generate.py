@@ -9,7 +9,8 @@ stopping on its own); `generate` is its batch of one.
 
 Two decoders, the same tokens: "static" (static_decode.py: a preallocated cache, fixed shapes, on CUDA one
 decode step replayed as a CUDA graph; the default on CUDA) and "dynamic" (a cache grown by concatenation,
-finished rows leave the batch; the default on the CPU, where it is as fast and skips finished rows' work).
+finished rows leave the batch; the default on the CPU, where the static one measured no faster at batch 1
+and would keep computing finished rows).
 
 `entrenar generate` (model_commands.py) is the command-line face.
 """
