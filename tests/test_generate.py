@@ -172,8 +172,8 @@ def test_sampling_is_reproducible_with_a_seed(tok):
 def test_unseeded_sampling_mutation_is_caught(tok, monkeypatch):
     """Mutation: draw from the global RNG instead of the seeded generator -> runs differ."""
     model = tiny_model(len(tok))
-    original = torch.multinomial
-    monkeypatch.setattr(torch, "multinomial", lambda probs, n, generator=None: original(probs, n))
+    original = torch.Tensor.exponential_  # the sampling noise (generate.pick_rows)
+    monkeypatch.setattr(torch.Tensor, "exponential_", lambda self, generator=None: original(self))
     runs = [generate(model, tok, tok.encode(PROMPT), 20, temperature=1.0, seed=1234, stop_ids=[]).token_ids
             for _ in range(2)]
     assert runs[0] != runs[1]

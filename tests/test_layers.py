@@ -28,7 +28,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("entrenar.data", "entrenar.tokenizer_train")),
     ("peft", ("entrenar.peft",)),
     ("merge", ("entrenar.merge", "entrenar.export")),
-    ("verify", ("entrenar.generate", "entrenar.verify")),
+    ("verify", ("entrenar.static_decode", "entrenar.generate", "entrenar.verify")),
     ("train", ("entrenar.train", "entrenar.plot")),
     ("evaluate", ("entrenar.evaluate",)),
     ("cli", ("entrenar.cli", "entrenar.__main__")),

@@ -65,6 +65,12 @@ def rope_tables(cfg: ModelConfig, positions: torch.Tensor, dtype: torch.dtype = 
     return angles.cos().to(out_dtype), angles.sin().to(out_dtype)
 
 
+def padded_positions(attention_mask: torch.Tensor) -> torch.Tensor:
+    """RoPE positions [B, Tk] under left padding: each token's count of real tokens before it (as
+    transformers'); padding sits at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
 def padding_mask(attention_mask: torch.Tensor, T: int) -> torch.Tensor:
     """SDPA mask [B, 1, T, Tk] of the last T queries over Tk = attention_mask.shape[1] keys: causal, and
     no padding key. A padding query also sees itself: a row with no key at all would softmax to NaN,
@@ -112,6 +118,32 @@ class KVCache:
         return self.keys[layer], self.values[layer]
 
 
+class StaticKVCache:
+    """Preallocated per-layer keys/values [B, K, max_len, D]: decoding with the same shapes at every step
+    (what a CUDA graph replays). A forward writes its keys/values in place at cache columns ``at`` (a
+    device tensor [T], so a captured step reads its column from memory) and attends to columns
+    0..``attend``-1 under ``mask`` ([B, 1, T, attend] bool, or None = causal), both set by the caller
+    (generate.py): left padding and the columns not yet written are the caller's to mask. Each layer's
+    buffers are allocated at the first write (the prefill), in the dtype of its keys."""
+
+    def __init__(self, num_layers: int, max_len: int):
+        self.max_len = max_len
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+        self.at: torch.Tensor | None = None
+        self.attend = max_len
+        self.mask: torch.Tensor | None = None
+
+    def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        if self.keys[layer] is None:
+            B, K, _, D = k.shape
+            self.keys[layer] = k.new_zeros(B, K, self.max_len, D)
+            self.values[layer] = v.new_zeros(B, K, self.max_len, D)
+        self.keys[layer].index_copy_(2, self.at, k)
+        self.values[layer].index_copy_(2, self.at, v)
+        return self.keys[layer][:, :, :self.attend], self.values[layer][:, :, :self.attend]
+
+
 class Attention(nn.Module):
     # Where q/k after RoPE and the attention probabilities go while CausalLM.record_internals is on.
     internals: dict | None
@@ -129,7 +161,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(d, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(d, cfg.rms_norm_eps)
 
-    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | StaticKVCache | None = None):
         cfg, B, T = self.cfg, x.shape[0], x.shape[1]
         q = self.q_proj(x).view(B, T, cfg.num_heads, cfg.head_dim)
         k = self.k_proj(x).view(B, T, cfg.num_kv_heads, cfg.head_dim)
@@ -146,6 +178,13 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)
         if internals is not None:
             internals[f"layers.{self.layer}.attn_probs"] = self.attention_probs(q, k, mask)
+        if T == 1 and isinstance(cache, StaticKVCache) and cfg.num_heads != cfg.num_kv_heads:
+            # one query per head: the G heads sharing a kv head become G queries of it, so no kernel
+            # repeats the whole cache per head (SDPA's GQA with a mask otherwise takes the math path)
+            G = cfg.num_heads // cfg.num_kv_heads
+            y = F.scaled_dot_product_attention(q.reshape(B, cfg.num_kv_heads, G, cfg.head_dim), k, v,
+                                               attn_mask=mask)
+            return self.o_proj(y.reshape(B, T, cfg.num_heads * cfg.head_dim))
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
                                            enable_gqa=cfg.num_heads != cfg.num_kv_heads)
         y = y.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
@@ -189,7 +228,7 @@ class Block(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | None = None):
+    def forward(self, x, cos, sin, mask, ops: Ops, cache: KVCache | StaticKVCache | None = None):
         attn = self.self_attn(self.input_layernorm(x, ops), cos, sin, mask, ops, cache)
         h, x = self.post_attention_layernorm(x, ops, add=attn)  # x = x + attn; h = its norm (one kernel)
         return x + self.mlp(h, ops)
@@ -292,17 +331,20 @@ class CausalLM(nn.Module):
         attention_mask [B, past + T] (1/True = a real token, 0 = padding; generation's left padding):
         no query attends to a padding key, and positions count real tokens only, as transformers'.
         """
-        if not input_ids.is_cuda:
-            self._check_ids(input_ids)
         B, T = input_ids.shape
-        past = cache.length if cache is not None else 0
+        static = isinstance(cache, StaticKVCache)  # brings its own columns and mask (generate.py)
+        if not input_ids.is_cuda and not static:  # a host read; generate checked its prompts and picks
+            self._check_ids(input_ids)
+        assert not static or (position_ids is not None and attention_mask is None and doc_ids is None), \
+            "a StaticKVCache forward takes position_ids, and no attention_mask or doc_ids"
+        past = cache.length if cache is not None and not static else 0
         assert attention_mask is None or (doc_ids is None and tuple(attention_mask.shape) == (B, past + T)), \
             f"attention_mask {tuple(attention_mask.shape)} must cover past + new tokens {(B, past + T)}, no doc_ids"
         if position_ids is None:
             if doc_ids is not None:
                 position_ids = positions_from_doc_ids(doc_ids)
             elif attention_mask is not None:
-                position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)[:, past:]
+                position_ids = padded_positions(attention_mask)[:, past:]
             else:
                 position_ids = torch.arange(past, past + T, device=input_ids.device).expand(B, T)
         dtype = self.model.embed_tokens.weight.dtype
@@ -310,7 +352,9 @@ class CausalLM(nn.Module):
             dtype = torch.get_autocast_dtype(input_ids.device.type)
         cos, sin = rope_tables(self.cfg, position_ids, dtype, self._inv_freq_on(position_ids.device))
         mask = None
-        if doc_ids is not None:
+        if static:
+            mask = cache.mask
+        elif doc_ids is not None:
             same = doc_ids[:, :, None] == doc_ids[:, None, :]
             causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
             mask = (same & causal)[:, None]  # [B, 1, T, T]
