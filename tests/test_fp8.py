@@ -4,6 +4,7 @@ emulation on the CPU: the same casts and scales, the matmul in torch)."""
 from __future__ import annotations
 
 import functools
+import json
 import math
 
 import pytest
@@ -13,7 +14,9 @@ from entrenar.errors import GuardError, InputError
 from entrenar.train import fp8
 from entrenar.verify import preflight, rel_l2
 from entrenar.verify.bisect import BLOCK_ROUNDING, bounds_for
+from tests import test_train_cli
 from tests.helpers.models import tiny_causal_lm, tiny_config
+from tests.test_train_cli import main, pretrain_args
 from tests.test_verify import byte_tokenizer as byte_tok
 
 
@@ -101,3 +104,60 @@ def test_a_broken_float8_path_stops_the_preflight_at_its_op(monkeypatch):
     e = err.value
     assert e.guard_id == "GUARD-PARITY" and "fp8" in str(e)
     assert e.details["first_divergent"]["name"] in ("layers.0.q_proj", "layers.0.k_proj", "layers.0.v_proj")
+
+byte_model_dir, byte_shards = test_train_cli.byte_model_dir, test_train_cli.byte_shards  # the CLI tests' fixtures
+
+
+def _float8_on_this_cpu(monkeypatch) -> list:
+    """What the GPU path does, on the CPU: the device rule passes, the swap runs torchao in emulation, and each
+    block's compile is recorded instead of run (inductor on the CPU is a C++ build)."""
+    from entrenar.model import Block
+
+    compiled: list = []
+    monkeypatch.setattr(fp8, "fp8_unsupported_reason", lambda device: None)
+    monkeypatch.setattr(fp8, "to_float8", functools.partial(fp8.to_float8, emulate=True))
+    monkeypatch.setattr(Block, "compile", lambda self, *a, **k: compiled.append(self.layer))
+    return compiled
+
+
+def test_fp8_policy_casts_swaps_once_and_compiles_each_block(monkeypatch):
+    from entrenar.train.precision import precision_policy
+
+    compiled = _float8_on_this_cpu(monkeypatch)
+    policy = precision_policy("fp8")
+    assert policy.master_dtype == torch.bfloat16 and policy.compute_bf16
+    model = policy.prepare_model(tiny())
+    assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    assert len(fp8.float8_linear_names(model)) == 14 and compiled == [0, 1]
+    swaps: list = []
+    monkeypatch.setattr(fp8, "to_float8", lambda m, **k: swaps.append(m))
+    policy.prepare_model(model)  # converted already (by the preflight's last pass): not swapped again
+    assert swaps == []
+
+
+def test_cli_fp8_runs_the_converted_preflight_trains_and_saves(tmp_path, byte_model_dir, byte_shards, capsys,
+                                                              monkeypatch):
+    """`pretrain --dtype fp8` end to end (float8 emulated): the preflight's last pass is fp8, the run trains with
+    Float8Linear blocks, run.json says fp8, checkpoints and final/ are bf16 tensors under the usual names."""
+    from safetensors.torch import load_file
+
+    compiled = _float8_on_this_cpu(monkeypatch)
+    out = tmp_path / "run"
+    code, summary, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=3, extra=("--dtype", "fp8")),
+                              capsys)
+    assert code == 0, err
+    pre = json.loads((out / "preflight.json").read_text())["verify"]
+    assert pre["dtype"] == "fp8" and pre["unconverted"]["ok"] and pre["fp32_twin"]["ok"]
+    assert json.loads((out / "run.json").read_text())["config"]["dtype"] == "fp8"
+    assert compiled == [0, 1]
+    final = load_file(str(out / "final" / "model.safetensors"))
+    assert {t.dtype for t in final.values()} == {torch.bfloat16}
+    assert "model.layers.0.self_attn.q_proj.weight" in final
+    assert math.isfinite(summary["final_train_loss"])
+
+
+def test_cli_fp8_is_exit_2_on_the_cpu(tmp_path, byte_model_dir, byte_shards, capsys):
+    out = tmp_path / "run"
+    code, result, _ = main(pretrain_args(byte_model_dir, byte_shards, out, steps=3, extra=("--dtype", "fp8")),
+                           capsys)
+    assert code == 2 and "compute capability >= 8.9" in result["error"] and not out.exists()

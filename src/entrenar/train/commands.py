@@ -177,8 +177,13 @@ def _run_preflight(args: Any, model: torch.nn.Module, tokenizer: Any, seq_len: i
                                 "module named above; --no-preflight skips the check (logged), at your own risk.") from e
     t0 = time.perf_counter()
     # bf16-weights is checked on the kernels' bf16 path
+    convert = None
+    if dtype == "fp8":  # the float8 swap happens here, checked last against the same float64 reference
+        from .fp8 import to_float8
+
+        convert = to_float8
     result = preflight(model, tokenizer, args.device, verify_dtype(dtype), getattr(model, "kernels", "torch"),
-                       seq_len=min(64, seq_len))
+                       seq_len=min(64, seq_len), convert=convert)
     worst = max((s["logits_rel_l2"] for s in result.get("sequences", []) if s.get("logits_rel_l2") is not None),
                 default=None)
     _log(f"preflight: parity vs float64 reference ok ({len(result.get('sequences', []))} probe sequences, "

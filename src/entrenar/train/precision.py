@@ -39,7 +39,7 @@ from torch import nn
 
 from .config import DTYPES
 
-BF16_DTYPES = ("bf16", "bf16-weights", "bf16-pure")
+BF16_DTYPES = ("bf16", "bf16-weights", "bf16-pure", "fp8")  # fp8: what is not float8 runs in bf16
 
 
 def uses_bf16(dtype: str) -> bool:
@@ -182,7 +182,26 @@ class BF16Pure(BF16):
         return model
 
 
-POLICIES: dict[str, type[Precision]] = {p.name: p for p in (Precision, BF16, BF16WeightsPrecision, BF16Pure)}
+class FP8(BF16Pure):
+    """--dtype fp8 (train/fp8.py): bf16-pure, the blocks' linears swapped for torchao's Float8Linear (unless the
+    preflight's last pass already did), then each block compiled: eager, float8's per-tensor scale and cast are
+    separate kernels that cost more than the fp8 matmul saves (0.22-0.60x bf16-pure on an H200); compiled they
+    fuse (bench/results/session7-h200-fp8-probe)."""
+
+    name = "fp8"
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        from .fp8 import float8_linear_names, to_float8
+
+        model = super().prepare_model(model)
+        if not float8_linear_names(model):
+            to_float8(model)
+        for block in model.model.layers:
+            block.compile()
+        return model
+
+
+POLICIES: dict[str, type[Precision]] = {p.name: p for p in (Precision, BF16, BF16WeightsPrecision, BF16Pure, FP8)}
 assert tuple(POLICIES) == DTYPES, "one policy per --dtype"
 
 
@@ -193,4 +212,4 @@ def precision_policy(dtype: str) -> Precision:
     return POLICIES[dtype]()
 
 
-__all__ = ["BF16_DTYPES", "POLICIES", "BF16Weights", "Precision", "precision_policy", "uses_bf16", "verify_dtype"]
+__all__ = ["BF16_DTYPES", "FP8", "POLICIES", "BF16Weights", "Precision", "precision_policy", "uses_bf16", "verify_dtype"]
