@@ -110,10 +110,12 @@ def write_shards(out: Path, vocab: int, tokens: int, seed: int = 0) -> Path:
     return out
 
 
-def arch_dir(out: Path, preset_name: str, max_position_embeddings: int) -> Path:
+def arch_dir(out: Path, preset_name: str, max_position_embeddings: int | None = None,
+             num_layers: int | None = None) -> Path:
     """An HF directory of `preset_name`'s architecture with a longer max_position_embeddings (the preset's
-    32k would make `pretrain --seq-len 131072` exit 2): `pretrain --model DIR` takes its architecture and
-    draws random weights as for the preset; the stored weights (zeros, bf16) are never trained."""
+    32k would make `pretrain --seq-len 131072` exit 2) and/or fewer blocks (the 7B widths on one GPU):
+    `pretrain --model DIR` takes its architecture and draws random weights as for the preset; the stored
+    weights (zeros, bf16) are never trained."""
     import dataclasses
 
     import torch
@@ -123,7 +125,9 @@ def arch_dir(out: Path, preset_name: str, max_position_embeddings: int) -> Path:
 
     if (out / "config.json").is_file():
         return out
-    cfg = dataclasses.replace(preset(preset_name), max_position_embeddings=max_position_embeddings)
+    cfg = preset(preset_name)
+    cfg = dataclasses.replace(cfg, max_position_embeddings=max_position_embeddings or cfg.max_position_embeddings,
+                              num_layers=num_layers or cfg.num_layers)
     state = {name: torch.zeros(shape, dtype=torch.bfloat16) for name, shape in expected_shapes(cfg).items()}
     save_hf(cfg, state, out)
     return out
@@ -185,9 +189,9 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     tokens = int(1.25 * (sc.steps * sc.batch * sc.gpus * sc.seq)) + sc.seq + 1
     data = write_shards(ctx.work / f"shards-{vocab}-{tokens}", vocab, tokens)
     model = sc.model
-    if "max_position_embeddings" in sc.params:
-        model = str(arch_dir(ctx.work / f"arch-{sc.model}-{sc.params['max_position_embeddings']}", sc.model,
-                             sc.params["max_position_embeddings"]))
+    if "max_position_embeddings" in sc.params or "num_layers" in sc.params:
+        mpe, layers = sc.params.get("max_position_embeddings"), sc.params.get("num_layers")
+        model = str(arch_dir(ctx.work / f"arch-{sc.model}-{mpe}-{layers}", sc.model, mpe, layers))
     run = ctx.work / f"run-{sc.name}"
     cmd = cli_command(sc, data, run, ctx.device, model)
     t0 = time.perf_counter()
