@@ -51,6 +51,7 @@ test-other-isa: setup
 # contracts/*.yaml: ids unique, tests defined, every mutate: edit applies exactly once (also in tests/test_contracts.py)
 contracts-lint: setup
 	$(BIN)/python tools/mutants.py --lint
+	$(BIN)/python tools/anchor_contracts.py --check
 
 # every contract mutation applied to a scratch copy; its named tests must fail (tools/mutants.py --help)
 mutants: setup
