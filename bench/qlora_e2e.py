@@ -116,11 +116,11 @@ def compare_gguf(name: str, run: Path, gguf: Path, out: Path, env: dict[str, str
         ids = tok.encode_chat([{"role": "user", "content": prompt}], add_generation_prompt=True).ids
         theirs = llama_greedy(gguf, ids, n_new, set(tok.stop_ids))
         ours = gen.get("token_ids") or []
-        # generate stops at a stop id without returning it; llama_greedy keeps the stop token it chose
-        theirs_cmp = theirs[:-1] if theirs and theirs[-1] in tok.stop_ids else theirs
+        # both keep the stop token that ended generation (GenerationResult.token_ids includes it)
         rows.append({"prompt": prompt, "prompt_tokens": len(ids), "generate_tokens": len(ours),
-                     "identical": ours == theirs_cmp, "generate_text": gen.get("text"),
-                     "llama_text": tok.decode(theirs_cmp), "stop_reason": gen.get("stop_reason")})
+                     "identical": ours == theirs, "generate_text": gen.get("text"),
+                     "llama_text": tok.decode([t for t in theirs if t not in tok.stop_ids]),
+                     "stop_reason": gen.get("stop_reason")})
         print(f"[compare {name} {i}] identical={rows[-1]['identical']} ({len(ours)} tokens)", flush=True)
     return {"gguf": str(gguf), "gguf_bytes": gguf.stat().st_size, "max_new_tokens": n_new, "prompts": rows,
             "all_identical": all(r["identical"] for r in rows)}
