@@ -130,7 +130,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--source", default=None, help="Python source directory for sft-from-code (packaging's)")
-    ap.add_argument("--steps", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--ranks", default="16,256")
     ap.add_argument("--limit", type=int, default=16, help="HumanEval problems (the first N)")
     ap.add_argument("--max-new-tokens", type=int, default=384)
@@ -167,8 +167,15 @@ def main() -> int:
                                         "generate_seconds", "_seconds", "_command")}
 
     summary["humaneval"] = {"base": humaneval("base", MODEL)}
-    summary["runs"] = {}
-    for r in [int(x) for x in a.ranks.split(",")]:
+    ranks = [int(x) for x in a.ranks.split(",")]
+    summary["runs"], summary["gguf"] = {}, {}
+
+    def save() -> None:
+        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+
+    # both trainings first, then the GGUF checks, then the (slow) HumanEval evals, largest rank first: on a
+    # loaded 2-core machine the cheap, decisive results come before the long ones
+    for r in ranks:
         run = out / f"r{r}"
         ft = run_cli(f"finetune-r{r}", ["finetune", "--model", MODEL, "--mode", "qlora", "--rank", str(r),
                                         "--lr", "auto", "--data", str(data), "--max-seq-len", "2048",
@@ -180,23 +187,22 @@ def main() -> int:
         if (run / "metrics.jsonl").is_file():
             info.update(loss_summary(run))
         summary["runs"][f"r{r}"] = info
-        if ft.get("ok"):
-            summary["humaneval"][f"r{r}"] = humaneval(f"r{r}", str(run))
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
-
-    summary["gguf"] = {}
-    for r in [int(x) for x in a.ranks.split(",")]:
+        save()
+    trained = [r for r in ranks if summary["runs"][f"r{r}"].get("ok")]
+    for r in sorted(trained, reverse=True):
         run = out / f"r{r}"
-        if not summary["runs"][f"r{r}"].get("ok"):
-            continue
         gguf = out / f"r{r}-f32.gguf"
         ex = run_cli(f"export-r{r}", ["export", "gguf", str(run), str(gguf), "--type", "f32"], out, env)
         if ex.get("ok"):
             summary["gguf"][f"r{r}"] = {"export_seconds": ex.get("_seconds"), "export_command": ex.get("_command"),
+                                        "adapters_merged": ex.get("adapters_merged"),
                                         **compare_gguf(f"r{r}", run, gguf, out, env, a.compare_tokens)}
         else:
             summary["gguf"][f"r{r}"] = {"export": ex}
-        (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
+        save()
+    for r in sorted(trained, reverse=True):
+        summary["humaneval"][f"r{r}"] = humaneval(f"r{r}", str(out / f"r{r}"))
+        save()
 
     base = (summary["humaneval"]["base"].get("pass@k") or {}).get("pass@1")
     checks = {}
