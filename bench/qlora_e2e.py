@@ -136,6 +136,10 @@ def main() -> int:
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--eval-batches", type=int, default=4)
     ap.add_argument("--compare-tokens", type=int, default=48)
+    # without it rank 256 peaked at 10 GB (2048 tokens of activations + 141M adapter parameters with AdamW) and
+    # was OOM-killed on the shared 23 GB machine
+    ap.add_argument("--no-checkpointing", dest="checkpointing", action="store_false",
+                    help="train without --activation-checkpointing")
     # OMP threads of each command: 1 on a shared, loaded machine (2 threads on 2 busy cores wait on each other)
     ap.add_argument("--threads", default=os.environ.get("OMP_NUM_THREADS", "1"))
     a = ap.parse_args()
@@ -180,7 +184,8 @@ def main() -> int:
         ft = run_cli(f"finetune-r{r}", ["finetune", "--model", MODEL, "--mode", "qlora", "--rank", str(r),
                                         "--lr", "auto", "--data", str(data), "--max-seq-len", "2048",
                                         "--batch-size", "1", "--steps", str(a.steps),
-                                        "--eval-batches", str(a.eval_batches), "--seed", "0", "--out", str(run)],
+                                        "--eval-batches", str(a.eval_batches), "--seed", "0", "--out", str(run),
+                                        *(["--activation-checkpointing"] if a.checkpointing else [])],
                      out, env)
         info: dict[str, Any] = {"command": ft.get("_command"), "seconds": ft.get("_seconds"), "exit": ft.get("_exit"),
                                 "ok": ft.get("ok")}
