@@ -85,7 +85,9 @@ def loss_summary(run: Path) -> dict[str, Any]:
             "loss_first_quarter_mean": first_q, "loss_last_quarter_mean": last_q, "all_finite": finite,
             "fell": finite and last_q < first_q and (not evals or evals[-1]["loss"] < evals[0]["loss"]),
             "tok_s_median": float(np.median([r["tok_s"] for r in m[1:] or m])),
-            "tokens": int(sum(r["tokens"] for r in m)), "loss_tokens": int(sum(r["loss_tokens"] for r in m)),
+            # metrics' "tokens" counts the run so far, "loss_tokens" the step's
+            "tokens": int(m[-1]["tokens"]), "loss_tokens": int(sum(r["loss_tokens"] for r in m)),
+            "peak_mem_mb": max(r.get("mem_mb") or 0 for r in m),
             "evals": [{"step": e["step"], "loss": e["loss"]} for e in evals],
             "lr": cfg.get("config", cfg).get("lr") if isinstance(cfg.get("config", cfg), dict) else None,
             "losses": losses}
