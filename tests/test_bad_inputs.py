@@ -264,6 +264,23 @@ def test_finetune_header_names_the_model_as_given(world, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
+def test_lora_rank_over_some_layers_width_trains_with_a_warning(tmp_path, capsys):
+    """Issue 24 part 4: `--rank 256` on Qwen2.5-0.5B was exit 2 because k_proj/v_proj are 896 -> 128 (seen red),
+    although q/o_proj (896) and the MLP (896 x 4864) use all 256. Here the same shape at small size: k/v_proj
+    are 32 -> 16, the others 32 wide; --rank 24 trains, and the warning names the layers capped at 16."""
+    # the world's model is no better than uniform (GUARD-INIT-LOSS); this base is
+    from test_peft_seed import tiny_base_and_data
+
+    base, data = tiny_base_and_data(tmp_path)
+    argv = ["finetune", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1",
+            "--batch-size", "2", "--max-seq-len", "64", "--no-preflight", "--json", "--mode", "lora", "--rank", "24"]
+    code, result, err = run_cli(argv, capsys)
+    assert code == 0, err[-3000:]
+    assert result["ok"] is True and (tmp_path / "run" / "final" / "adapter_config.json").is_file()
+    warning = next(ln for ln in err.splitlines() if "--rank 24" in ln and "warning" in ln)
+    assert "k_proj" in warning and "v_proj" in warning and "16" in warning and "q_proj" not in warning
+
+
 def test_check_creatable(tmp_path, monkeypatch):
     from entrenar.errors import InputError
     from entrenar.outpaths import check_creatable

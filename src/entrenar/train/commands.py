@@ -484,8 +484,10 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
 
 
 def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:
-    """Refuse a rank above a target layer's smaller dimension (it adds parameters, not capacity;
-    --rank 100000 was OOM-killed with no message); warn when the adapters outgrow the model."""
+    """Refuse a rank above every target layer's smaller dimension (it adds parameters, not capacity;
+    --rank 100000 was OOM-killed with no message); warn, naming them, when it exceeds only some layers'
+    (Qwen2.5-0.5B's k/v_proj are 896 -> 128, its other targets 896+ wide: --rank 256 is a real recipe there,
+    those two adapters simply reach rank 128); warn when the adapters outgrow the model."""
     from ..peft import parse_targets
 
     wanted = set(parse_targets(lora.targets))
@@ -493,12 +495,18 @@ def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:
                and ".layers." in f".{p}" and p.rsplit(".", 1)[-1] in wanted]
     if not linears:
         return  # unknown targets: apply_lora names the model's linears
-    path, narrow = min(linears, key=lambda pm: min(pm[1].in_features, pm[1].out_features))
-    width = min(narrow.in_features, narrow.out_features)
+    path, widest = max(linears, key=lambda pm: min(pm[1].in_features, pm[1].out_features))
+    width = min(widest.in_features, widest.out_features)
     if lora.rank > width:
-        raise InputError(f"--rank {lora.rank} is larger than {path}'s smaller dimension {width} (in "
-                         f"{narrow.in_features}, out {narrow.out_features}): a rank above min(in, out) adds "
-                         f"parameters but no capacity. Use --rank {width} or less")
+        raise InputError(f"--rank {lora.rank} is larger than every target layer's smaller dimension (the widest, "
+                         f"{path}: in {widest.in_features}, out {widest.out_features}): a rank above min(in, out) "
+                         f"adds parameters but no capacity. Use --rank {width} or less")
+    capped = sorted({(p.rsplit(".", 1)[-1], min(m.in_features, m.out_features)) for p, m in linears
+                     if lora.rank > min(m.in_features, m.out_features)})
+    if capped:
+        _log(f"warning: --rank {lora.rank} is above the smaller dimension of "
+             + ", ".join(f"{name} ({w})" for name, w in capped)
+             + ": those adapters train at most that rank (the extra columns add parameters, not capacity)")
     added = sum(lora.rank * (m.in_features + m.out_features) for _, m in linears)
     total = sum(p.numel() for p in model.parameters())
     if added > total:
