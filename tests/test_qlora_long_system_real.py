@@ -14,10 +14,10 @@ import math
 from pathlib import Path
 
 import pytest
-from test_export_gguf import llama_cpp, llama_cpp_greedy
-from test_peft_real import run_cli
 
 from entrenar.tokenizer import load_tokenizer
+from tests.test_export_gguf import llama_cpp, llama_cpp_greedy
+from tests.test_peft_real import run_json as run_cli
 
 pytestmark = pytest.mark.real_model
 
