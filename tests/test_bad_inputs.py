@@ -269,7 +269,7 @@ def test_lora_rank_over_some_layers_width_trains_with_a_warning(tmp_path, capsys
     although q/o_proj (896) and the MLP (896 x 4864) use all 256. Here the same shape at small size: k/v_proj
     are 32 -> 16, the others 32 wide; --rank 24 trains, and the warning names the layers capped at 16."""
     # the world's model is no better than uniform (GUARD-INIT-LOSS); this base is
-    from test_peft_seed import tiny_base_and_data
+    from tests.test_peft_seed import tiny_base_and_data
 
     base, data = tiny_base_and_data(tmp_path)
     argv = ["finetune", "--model", str(base), "--data", str(data), "--out", str(tmp_path / "run"), "--steps", "1",
