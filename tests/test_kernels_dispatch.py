@@ -7,7 +7,6 @@ import math
 import pytest
 import torch
 
-from entrenar import cli
 from entrenar.kernels import get_ops, resolve_kernels
 from entrenar.kernels import rope as rope_mod
 
@@ -23,16 +22,19 @@ def test_auto_kernels_are_triton_on_cuda_and_torch_elsewhere():
 
 
 def test_cli_resolves_auto_before_the_command_runs(monkeypatch):
+    import importlib
+
+    cli_main = importlib.import_module("entrenar.cli.main")  # the module (entrenar.cli.main is also the function)
     seen = {}
-    parser = cli.build_parser()
+    parser = cli_main.build_parser()
     args = parser.parse_args(["eval", "--model", "m", "--data", "d", "--device", "cuda"])
     assert args.kernels == "auto"
     monkeypatch.setattr(args, "func", lambda a: seen.setdefault("kernels", a.kernels) and {})
-    monkeypatch.setattr(cli, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: args})())
+    monkeypatch.setattr(cli_main, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: args})())
     from entrenar import devices
 
     monkeypatch.setattr(devices, "resolve_device", lambda name: name)  # this host may have no CUDA
-    cli.main([])
+    cli_main.main([])
     assert seen["kernels"] == "triton"
 
 

@@ -115,7 +115,7 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
     import torch
 
     from ..generate import generate_batch
-    from ..train.loop import autocast
+    from ..train.precision import precision_policy
 
     stop = functools.partial(completion_done, chat=chat)
     context = model.cfg.max_position_embeddings
@@ -124,7 +124,7 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
         room = context - max(len(ids) for ids in batch_ids)
         if room < 1:
             raise InputError(f"a prompt of {context - room} tokens fills the model's context of {context}")
-        with autocast(torch.device(device), dtype):
+        with precision_policy(dtype).autocast(torch.device(device)):
             results = generate_batch(model, tokenizer, batch_ids, min(max_new_tokens, room), temperature, top_p,
                                      seed + sample if temperature > 0 else None, stop_text=stop)
         if token_ids is not None:
