@@ -105,10 +105,12 @@ def liger(p: dict[str, Any]) -> dict[str, Any]:
     tt.apply_liger(cfg)
     model = tt.build_hf(cfg, tt.reference_state(cfg), torch.bfloat16, device)
     r = tt.run_training("liger", model, lambda: model(input_ids=input_ids, labels=hf_labels, use_cache=False).loss,
-                        cfg, p["batch"], p["seq"], p["steps"] - p["warmup"], p["warmup"], device, False)
+                        cfg, p["batch"], p["seq"], p["steps"] - p["warmup"], p["warmup"], device, False,
+                        profile_steps=p.get("profile_steps", 0))
     return {"tokens_per_s": r["tok_s"], "tokens_per_s_per_gpu": r["tok_s"], "seconds_per_step": r["step_s"],
             "peak_gib": r["peak_gib"], "mfu": r["mfu"],
-            "extra": {"loss_first": r["loss0"], "loss_last": r["loss_last"], "mfu_peak_tflops": tt.PEAK_BF16_TFLOPS}}
+            "extra": {"loss_first": r["loss0"], "loss_last": r["loss_last"], "mfu_peak_tflops": tt.PEAK_BF16_TFLOPS,
+                      **({"profile": r["profile"]} if r["profile"] else {})}}
 
 
 def long_liger(p: dict[str, Any]) -> dict[str, Any]:
