@@ -228,3 +228,26 @@ def test_cli_profile_outside_the_run_or_malformed_exits_2(spec, message, tmp_pat
     code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=4, extra=("--profile", spec)), capsys)
     assert code == 2 and message in err, err
     assert not (out / "profile.json").exists()
+
+
+def test_profile_summary_on_cuda_counts_kernels_once():
+    """On a GPU the profiler's table holds CPU operators whose device total repeats their kernels' time
+    (aten::mm 10 ms over its gemm kernel's 10 ms): only kernel rows count, else ms/step is inflated several-fold
+    (seen on an H200: 5,248 'kernel ms' in a 179 ms step)."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    from entrenar.train.profiling import summarize
+
+    events = [E(key="aten::mm", device_type=DeviceType.CPU, device_time_total=10_000.0, self_cpu_time_total=50.0),
+              E(key="nvjet_sm90_tst_256x128", device_type=DeviceType.CUDA, device_time_total=10_000.0,
+                self_cpu_time_total=0.0),
+              E(key="Optimizer.step#AdamW.step", device_type=DeviceType.CPU, device_time_total=4_000.0,
+                self_cpu_time_total=900.0),
+              E(key="void multi_tensor_apply_kernel<FusedAdam>", device_type=DeviceType.CUDA,
+                device_time_total=4_000.0, self_cpu_time_total=0.0)]
+    s = summarize(events, steps=2, wall_s=0.016, on_cuda=True)
+    assert s["kernel_ms_per_step"] == 7.0 and s["by_class_ms"] == {"matmul": 5.0, "optimizer": 2.0}
+    assert s["idle_ms_per_step"] == 1.0 and [k for k, _ in s["top_kernels_ms"]] == [
+        "nvjet_sm90_tst_256x128", "void multi_tensor_apply_kernel<FusedAdam>"]

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 
 from ..fileio import atomic_write
 
@@ -67,7 +68,9 @@ def summarize(events: Any, steps: int, wall_s: float, on_cuda: bool) -> dict[str
     by_class: dict[str, float] = {}
     by_kernel: dict[str, float] = {}
     for evt in events:
-        if on_cuda:
+        if on_cuda:  # kernels (and memcpy/memset) only: a CPU operator's device total repeats its kernels'
+            if getattr(evt, "device_type", None) != DeviceType.CUDA:
+                continue
             us = getattr(evt, "device_time_total", 0.0)
         else:  # CPU: operators' own time (self), so nested ops are not counted twice
             us = getattr(evt, "self_cpu_time_total", 0.0)
@@ -106,7 +109,9 @@ class StepProfiler:
             return
         from torch.profiler import ProfilerActivity, profile
 
-        acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.on_cuda else [])
+        # on a GPU only the kernels: the host's share is wall - kernels (idle), and CPU-side tracing would
+        # slow the launch-bound steps it is meant to explain
+        acts = [ProfilerActivity.CUDA] if self.on_cuda else [ProfilerActivity.CPU]
         if self.on_cuda:
             torch.cuda.synchronize()
         self._prof = profile(activities=acts)
