@@ -210,7 +210,7 @@ def test_cli_profile_writes_the_profiled_steps_and_marks_them(tmp_path, byte_mod
     """--profile 2:2 profiles steps 2 and 3 of the real CLI run: RUN/profile.json has per-step wall time and
     operator time by class (matmuls among them), metrics.jsonl marks exactly those steps profiled."""
     out = tmp_path / "run"
-    code, summary, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=4, extra=("--profile", "2:2")),
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=4, extra=("--profile", "2:2")),
                               capsys)
     assert code == 0, err
     prof = json.loads((out / "profile.json").read_text())
