@@ -180,7 +180,10 @@ def call_format(chat_template: str | None) -> str | None:
 
 
 def parse_tool_calls(text: str, fmt: str | None) -> ParsedCalls:
-    """The calls in a model's text. No known format, or no call in the text: the text alone."""
+    """The calls in a model's text. No known format, or no call in the text: the text alone.
+
+    hermes: each <tool_call>{"name", "arguments"}</tool_call> block (the last may be unclosed when generation
+    stopped); a reply that is nothing but one such JSON object, without the tags, is a call too."""
     if fmt is None:
         return ParsedCalls(text)
     assert fmt == "hermes", f"parse_tool_calls: unknown format {fmt!r}"
@@ -201,6 +204,10 @@ def parse_tool_calls(text: str, fmt: str | None) -> ParsedCalls:
         at = match.end()
     kept.append(text[at:])
     parsed.content = "".join(kept).strip()
+    if not parsed.calls and not parsed.errors:
+        bare, _ = _hermes_call(parsed.content)  # small Qwen models often write the call object without its tags
+        if bare is not None:
+            parsed.calls, parsed.content = [bare], ""
     return parsed
 
 
@@ -249,3 +256,22 @@ def count_row(counts: dict[str, int], messages: list[dict[str, Any]], tools: Any
     counts["rows_with_calls"] += calls > 0
     counts["calls"] += calls
     counts["results"] += sum(m["role"] == "tool" for m in messages)
+
+
+def load_tools_file(path: str) -> list[dict[str, Any]]:
+    """`generate --tools FILE`: a JSON list of function schemas (InputError, exit 2, naming the file)."""
+    from pathlib import Path
+
+    from ..errors import InputError
+
+    file = Path(path)
+    if not file.is_file():
+        raise InputError(f"--tools {file}: no such file (a JSON list of tool schemas)")
+    try:
+        tools = json.loads(file.read_text(encoding="utf-8-sig"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise InputError(f"--tools {file}: not valid JSON ({e})") from e
+    try:
+        return validate_tools(tools, where=f"--tools {file}:")
+    except ToolCallError as e:
+        raise InputError(str(e)) from e
