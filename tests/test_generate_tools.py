@@ -80,7 +80,7 @@ def test_bad_tools_file_is_exit_2(content, flags, message, tmp_path, capsys):
     path = tmp_path / "tools.json"
     if content is not None:
         path.write_text(content)
-    code, result, err = run_cli(["generate", "--model", "no-model-needed", "--prompt", "hi", "--tools", str(path),
+    code, result, _ = run_cli(["generate", "--model", "no-model-needed", "--prompt", "hi", "--tools", str(path),
                                  *flags, "--json"], capsys)
     assert code == 2 and message in result["error"] and "--tools" in result["error"], result
 
