@@ -276,7 +276,8 @@ def test_template_without_tool_support_is_exit_2_naming_it(smol_dir, qwen, tmp_p
     rc = main(["data", "check", "--model", smol_dir, "--data", path, "--max-seq-len", "512"])
     err = capsys.readouterr().err
     assert rc == 2
-    assert f"{path}:2: " in err and f"chat template of {smol_dir}" in err and "--chat-template" in err, err
+    assert f"{path}:2: " in err and f"chat template of {smol_dir} does not support tools" in err, err
+    assert "--chat-template" in err
     # text-only rows still work with that template
     text_only = write_jsonl(tmp_path / "t.jsonl", [ROWS["text-only"]])
     assert main(["data", "check", "--model", smol_dir, "--data", text_only, "--max-seq-len", "512"]) == 0
@@ -358,3 +359,18 @@ def test_finetune_trains_tool_rows_with_a_given_template_and_saves_it(smol, qwen
     report = json.loads((tmp_path / "run" / "data_report.json").read_text())["train"]
     assert report["tools"]["calls"] == 10 and report["eot_trained"] == report["kept"] == 8
     assert load_tokenizer(tmp_path / "run" / "final").chat_template == qwen.chat_template
+
+
+def test_a_tool_turn_mask_off_its_calls_is_guard_data(qwen, tmp_path, monkeypatch):
+    """The report reads each trained tool turn back (content + calls, in the template's call format): a span
+    that starts inside the call block, or stops before it, trains text that is not the call -> GUARD-DATA."""
+    from entrenar.errors import GuardError
+    from entrenar.tokenizer import ChatTokenizer
+
+    real = ChatTokenizer._tool_turn_span
+    path = write_jsonl(tmp_path / "d.jsonl", [ROWS["single-call"], ROWS["call-string-args-with-content"]])
+    assert load_sft(path, qwen, 4096)[1].eot_trained == 2
+    for shift in (lambda s, e: (s + 12, e), lambda s, e: (s, s + 1)):
+        monkeypatch.setattr(ChatTokenizer, "_tool_turn_span", lambda self, *a, f=shift: f(*real(self, *a)))
+        with pytest.raises(GuardError, match="not exactly the assistant turns"):
+            load_sft(path, qwen, 4096)
