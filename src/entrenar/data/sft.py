@@ -42,8 +42,8 @@ logger = logging.getLogger("entrenar.data")
 ROLES = ("system", "user", "assistant")
 TRUNCATION_POLICIES = ("skip", "keep")
 DEFAULT_MAX_SKIP_FRACTION = 0.5
-CHAT_TEMPLATE_HELP = ("a jinja chat template file used instead of the model's (e.g. one that renders tools); "
-                      "a fine-tune saves it with the model")  # --chat-template (tokenizer.use_chat_template_file)
+# --chat-template (tokenizer.use_chat_template_file)
+CHAT_TEMPLATE_HELP = "a jinja chat template file used instead of the model's (e.g. one that renders tools)"
 MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is logged at the end
 
 # Skip reasons (stable keys of DataReport.skipped).

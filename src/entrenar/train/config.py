@@ -250,7 +250,8 @@ class DataConfig:
     skip_invalid: bool = option(False, "skip and count invalid rows instead of exit 2", commands=("finetune",))
     max_skip_fraction: float = option(DEFAULT_MAX_SKIP_FRACTION, "GUARD-DATA (exit 2) above this fraction of "
                                       "skipped rows", commands=("finetune", "eval"))
-    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP, commands=("finetune",), metavar="FILE",
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP + "; saved with the trained model",
+                                       commands=("finetune",), metavar="FILE",
                                        default_help="the model's")
     pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
                                "--batch-size then counts rows, not samples", commands=("finetune",))
