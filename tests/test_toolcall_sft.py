@@ -69,6 +69,12 @@ ROWS = {
         {"role": "assistant", "content": "Searching.", "tool_calls": [call("search_code", {"query": "parse_args"})]},
         {"role": "tool", "content": "src/cli.py:12: def parse_args(argv):"},
         {"role": "assistant", "content": "In src/cli.py, line 12."}]},
+    # the result's text also occurs inside the call's JSON: a search for the next message's content from the
+    # call turn's start would end the turn inside its own arguments
+    "result-repeats-an-argument": {"tools": TOOLS, "messages": [
+        {"role": "user", "content": "Find it."},
+        {"role": "assistant", "tool_calls": [call("search_code", {"query": "def parse_args"})]},
+        {"role": "tool", "content": "def parse_args"}, {"role": "assistant", "content": "Found it."}]},
 }
 TOOL_RESULTS = ["{\"temp\": 21, \"sky\": \"clear\"}", "paris: 21 C", "lyon: 18 C", "src/cli.py:12: def parse_args(argv):"]
 
@@ -264,10 +270,10 @@ def test_data_check_counts_tool_rows(qwen_dir, tmp_path, capsys):
     captured = capsys.readouterr()
     assert rc == 0, captured.err
     report = json.loads(captured.out.strip().splitlines()[-1])["report"]
-    # rows with tools: 6; rows with calls: 5; calls 1+1+3+1+3 = 9; results 1+3 = 4
-    assert report["tools"] == {"rows_with_tools": 6, "rows_with_calls": 5, "calls": 9, "results": 4}
+    # rows with tools: 7; rows with calls: 6; calls 1+1+3+1+3+1 = 10; results 1+3+1 = 5
+    assert report["tools"] == {"rows_with_tools": 7, "rows_with_calls": 6, "calls": 10, "results": 5}
     assert report["eot_trained"] == report["kept"] == len(ROWS)
-    assert "tool calls: 9 in 5 rows" in captured.err
+    assert "tool calls: 10 in 6 rows" in captured.err
 
 
 def test_template_without_tool_support_is_exit_2_naming_it(smol_dir, qwen, tmp_path, capsys):
