@@ -14,6 +14,7 @@ template did not already write it, so there are never two.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -230,15 +231,7 @@ class ChatTokenizer:
     def supports_tools(self) -> bool:
         """Whether the chat template renders tools: it reads the `tools` variable and messages' `tool_calls`
         (a template that does neither would drop schemas and calls from the text without a word)."""
-        import jinja2
-        from jinja2 import meta
-
-        env = _template_env()
-        try:
-            variables = meta.find_undeclared_variables(env.parse(self.chat_template or ""))
-        except jinja2.TemplateError:
-            return False
-        return "tools" in variables and "tool_calls" in (self.chat_template or "")
+        return _template_supports_tools(self.chat_template or "")
 
     def _check_tool_support(self, messages: list[dict[str, Any]], tools: Any) -> None:
         uses_tools = bool(tools) or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
@@ -446,6 +439,18 @@ class ChatTokenizer:
                        if v is not None}
         (out / "special_tokens_map.json").write_text(json.dumps(special_map, indent=2, ensure_ascii=False) + "\n")
         return out
+
+
+@functools.lru_cache(maxsize=8)
+def _template_supports_tools(template: str) -> bool:
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        variables = meta.find_undeclared_variables(_template_env().parse(template))
+    except jinja2.TemplateError:
+        return False
+    return "tools" in variables and "tool_calls" in template
 
 
 def _adds_tokens(tokenizer: Tokenizer) -> bool:
