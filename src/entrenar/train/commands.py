@@ -433,7 +433,7 @@ def _split_val(examples: list, fraction: float, seed: int) -> tuple[list, list]:
 def cmd_finetune(args: Any) -> dict[str, Any]:
     from ..data.sft import SFTLoader, load_sft
     from ..formats import load_model, resolve_model
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import load_tokenizer, use_chat_template_file
 
     out = Path(args.out)
     cfg, lora, data = _configs(args, "finetune")
@@ -446,6 +446,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
     tokenizer.name = args.model  # the data header names the model as given, not its resolved GGUF path
+    use_chat_template_file(tokenizer, args.chat_template)  # saved with the model: generate renders chats as trained
     examples, report = load_sft(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
                                 skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
     for line in report.summary_lines():

@@ -18,7 +18,7 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 from ..config import PRESETS
-from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
+from ..data.sft import CHAT_TEMPLATE_HELP, DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 from ..devices import DEFAULT_DEVICE, DEVICE_CHOICES_HELP, WEIGHT_DTYPES, resolve_device, resolve_dtype
 from ..errors import InputError
 from ..kernels import KERNELS
@@ -260,6 +260,9 @@ class DataConfig:
     skip_invalid: bool = option(False, "skip and count invalid rows instead of exit 2", commands=("finetune",))
     max_skip_fraction: float = option(DEFAULT_MAX_SKIP_FRACTION, "GUARD-DATA (exit 2) above this fraction of "
                                       "skipped rows", commands=("finetune", "eval"))
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP + "; saved with the trained model",
+                                       commands=("finetune",), metavar="FILE",
+                                       default_help="the model's")
     pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
                                "--batch-size then counts rows, not samples", commands=("finetune",))
 
