@@ -247,7 +247,8 @@ def _titan_model_v03(cfg: Any, torch: Any) -> Any:
         lm_head=Linear.Config(in_features=dim, out_features=cfg.vocab_size, param_init=t._output_linear_init(dim)))
     with torch.device("cuda"):
         model = mc.build()
-    model.init_states(buffer_device=torch.device("cuda"))
+    with torch.no_grad():  # as torchtitan's trainer initialises (in-place inits of leaf parameters)
+        model.init_states(buffer_device=torch.device("cuda"))
     return model
 
 
@@ -277,10 +278,11 @@ def _titan_model(cfg: Any, torch: Any) -> Any:
                      norm_eps=cfg.rms_norm_eps, rope_theta=cfg.rope_theta, max_seq_len=cfg.max_position_embeddings)
     with torch.device("cuda"):
         model = transformer(margs)
-    try:
-        model.init_weights(buffer_device=torch.device("cuda"))
-    except TypeError:
-        model.init_weights()
+    with torch.no_grad():  # as torchtitan's trainer initialises (in-place inits of leaf parameters)
+        try:
+            model.init_weights(buffer_device=torch.device("cuda"))
+        except TypeError:
+            model.init_weights()
     return model
 
 
