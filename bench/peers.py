@@ -309,7 +309,7 @@ def titan(p: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, cfg.vocab_size, (p["batch"], p["seq"] + 1), generator=gen).cuda()
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
-    if hasattr(model, "get_attention_masks"):  # torchtitan >= 0.3: positions and block-causal masks per call
+    if type(model).__name__ == "Llama3Model":  # torchtitan >= 0.3: positions and block-causal masks per call
         positions = torch.arange(p["seq"], device="cuda").expand(p["batch"], p["seq"])
         masks = model.get_attention_masks(positions)
 
