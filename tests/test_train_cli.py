@@ -251,3 +251,12 @@ def test_profile_summary_on_cuda_counts_kernels_once():
     assert s["kernel_ms_per_step"] == 7.0 and s["by_class_ms"] == {"matmul": 5.0, "optimizer": 2.0}
     assert s["idle_ms_per_step"] == 1.0 and [k for k, _ in s["top_kernels_ms"]] == [
         "nvjet_sm90_tst_256x128", "void multi_tensor_apply_kernel<FusedAdam>"]
+    # NCCL kernels (another stream, overlapping compute) are their own class, outside the compute total; their
+    # names hold "Gather"/"Reduce", which must not make them embedding or reduction kernels (a 4-GPU FSDP run)
+    nccl = [E(key="ncclDevKernel_AllGather_RING_LL", device_type=DeviceType.CUDA, device_time_total=6_000.0,
+              self_cpu_time_total=0.0),
+            E(key="ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", device_type=DeviceType.CUDA,
+              device_time_total=2_000.0, self_cpu_time_total=0.0)]
+    s = summarize(events + nccl, steps=2, wall_s=0.016, on_cuda=True)
+    assert s["by_class_ms"]["communication (nccl)"] == 4.0 and s["communication_ms_per_step"] == 4.0
+    assert s["kernel_ms_per_step"] == 7.0 and s["idle_ms_per_step"] == 1.0 and "embedding" not in s["by_class_ms"]
