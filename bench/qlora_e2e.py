@@ -95,9 +95,9 @@ def loss_summary(run: Path) -> dict[str, Any]:
 
 def llama_greedy(gguf: Path, prompt_ids: list[int], n: int, stop_ids: set[int]) -> list[int]:
     """llama.cpp's argmax continuation (no sampler), f32 K/V cache, stopping at the tokenizer's stop ids."""
-    sys.path.insert(0, str(BENCH))
-    from e2e_gguf_check import llama_greedy as greedy_from
-    from e2e_gguf_check import load_llama
+    sys.path.insert(0, str(BENCH.parent))  # the checkout's root: bench is a package (python bench/qlora_e2e.py)
+    from bench.e2e_gguf_check import llama_greedy as greedy_from
+    from bench.e2e_gguf_check import load_llama
 
     llm = load_llama(gguf, n_ctx=len(prompt_ids) + n + 8)
     try:
