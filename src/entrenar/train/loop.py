@@ -435,8 +435,8 @@ class Trainer:
             ev = self.run_eval(0)
             record["eval"] = ev
             self.spikes.set_reference(ev["loss"])  # GUARD-SPIKE's early-phase reference (with the first step's)
-            self.log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} tokens); "
-                     f"ln(vocab) = {record['ln_vocab']:.4f}")
+            self.log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} {self.objective.unit}); "
+                     f"{self.objective.uniform_name} = {record['ln_vocab']:.4f}")
         elif self.cfg.check_init_loss:  # no eval set: judge the start on the first train batch, unconsumed
             state = self.train_loader.state_dict()
             first = [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
@@ -614,7 +614,8 @@ class Trainer:
         loss). Each decides on the eval loss reduced over every rank, so all ranks stop at the same eval."""
         best_before = self.best_eval
         ev = self.run_eval(step)
-        self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
+        self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}"
+                     + (f" accuracy {ev['rewards/accuracies']:.3f}" if "rewards/accuracies" in ev else ""))
         guards.check_eval_finite(ev["loss"], step, self.kept_text(self.last_saved))
         name = self.objective.uniform_name
         guards.check_eval_collapse(ev["loss"], best_before, self.uniform_loss, step, name)

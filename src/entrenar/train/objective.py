@@ -51,6 +51,9 @@ class Objective(Protocol):
     """The interface the Trainer and `evaluate` use (see the module docstring)."""
 
     name: str
+    unit: str  # what counts() counts ("tokens", "pairs")
+    uniform_name: str  # how guard messages name uniform_loss ("ln(vocab)")
+    eval_anomaly: bool  # whether GUARD-EVAL-ANOMALY's leak checks apply
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]: ...
@@ -80,6 +83,7 @@ class CausalLMLoss:
 
     name = "causal-lm"
     uniform_name = "ln(vocab)"
+    unit = "tokens"  # what counts() counts: the loss's unit
     eval_anomaly = True  # GUARD-EVAL-ANOMALY applies (a perplexity near 1 is a leak)
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
@@ -147,7 +151,8 @@ class PreferenceLoss:
     rewards/accuracies (chosen reward > rejected reward), logps/chosen, logps/rejected (policy), each the mean
     over the step's pairs."""
 
-    uniform_name = "its value at policy = reference"
+    uniform_name = "the loss at policy = reference"
+    unit = "pairs"
     eval_anomaly = False  # a DPO loss near 0 is a well-separated pair, not a leak: no perplexity to judge
 
     def __init__(self, name: str = "dpo", beta: float = DEFAULT_BETA, reference: str = "adapters-off"):
