@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 
 from entrenar.fileio import read_jsonl
-from tests.helpers.cli import run_cli
-from tests.helpers.cli import run_cli_process
+from tests.helpers.cli import run_cli, run_cli_process
 from tests.test_distributed import _rewind, base_model, close, ok, sft_data, weights, worst_rel  # noqa: F401
 
 WORDS = ("one", "two", "three", "four", "five", "six", "seven", "eight", "nine", "ten", "eleven", "twelve")
@@ -103,7 +102,7 @@ def test_a_reference_that_is_not_the_start_stops_with_guard_init_loss(tmp_path, 
     adapters-off reference is then not the starting policy, and every reward measures that difference."""
     import torch
 
-    import entrenar.peft as peft
+    from entrenar import peft
 
     real = peft.apply_lora
 
@@ -127,7 +126,7 @@ def test_identical_chosen_and_rejected_is_exit_2_naming_the_line(tmp_path, base_
     rows = pref_data.read_text().splitlines()
     same = {"prompt": "Say hi.", "chosen": "hi", "rejected": "hi"}
     data.write_text("\n".join([*rows[:5], json.dumps(same), *rows[5:]]) + "\n")
-    code, result, err = run_cli(dpo_args(base_model, data, tmp_path / "run"), capture=True)
+    code, result, _ = run_cli(dpo_args(base_model, data, tmp_path / "run"), capture=True)
     assert code == 2 and f"{data}:6" in result["error"] and "chosen and rejected are the same" in result["error"]
     assert not (tmp_path / "run").exists()
 
