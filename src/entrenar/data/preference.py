@@ -24,7 +24,6 @@ Batches: {"input_ids" [B, 2, T], "labels" [B, 2, T] (shifted, -100 ignored; [:, 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -40,19 +39,18 @@ from ..tensors import IGNORE_INDEX
 from .sft import (
     DEFAULT_MAX_SKIP_FRACTION,
     MAX_LOGGED_WARNINGS,
-    TRUNCATION_POLICIES,
     ChatEncoder,
     DataReport,
     RowError,
+    RowLog,
     SFTExample,
     SFTLoader,
     _fit_sample,
     assistant_runs,
+    check_load_inputs,
     eot_trained,
     row_to_messages,
 )
-
-logger = logging.getLogger("entrenar.data")
 
 RESPONSES = ("chosen", "rejected")
 
@@ -181,45 +179,16 @@ def load_preference(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, 
     """Read, validate and tokenize a preference JSONL file (SFT's contract: invalid rows exit 2 naming
     file:line unless `skip_invalid`; GUARD-DATA at the end when `max_skip_fraction` is not None)."""
     path = Path(path)
-    if truncation not in TRUNCATION_POLICIES:
-        raise InputError(f"--truncation must be one of {', '.join(TRUNCATION_POLICIES)}, got {truncation!r}")
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise InputError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
-    if not path.is_file():
-        raise InputError(f"{path}: no such file (preference data is a JSONL file)")
-    eot = tokenizer.eot_id if tokenizer.eot_id is not None else getattr(tokenizer, "eos_id", None)
-    if eot is None:
-        raise InputError("the tokenizer has neither an end-of-turn nor an EOS token, so responses cannot end; "
-                         "use the model's own tokenizer")
+    eot = check_load_inputs(path, tokenizer, max_seq_len, truncation, "preference data")
     report = PreferenceReport(str(path), max_seq_len, truncation,
                               tokenizer=str(getattr(tokenizer, "name", None) or type(tokenizer).__name__))
     examples: list[PreferenceExample] = []
-    logged: dict[str, int] = {}
-
-    def warn(reason: str, msg: str) -> None:
-        report.skip(reason)
-        logged[reason] = logged.get(reason, 0) + 1
-        if logged[reason] <= MAX_LOGGED_WARNINGS:
-            logger.warning(msg)
-            report.warnings.append(msg)
-
-    def invalid(where: str, e: RowError) -> None:
-        if not skip_invalid:
-            raise InputError(f"{where}: {e} (fix the row, or pass --skip-invalid to skip and count invalid "
-                             f"rows)") from e
-        warn(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
-
-    def malformed(lineno: int, e: Any) -> None:
-        report.rows_read += 1
-        invalid(f"{path}:{lineno}", RowError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"))
-
-    for lineno, row in read_jsonl(path, on_error=malformed):
-        report.rows_read += 1
-        where = f"{path}:{lineno}"
+    rows = RowLog(path, report, skip_invalid)
+    for lineno, where, row in rows.read():
         try:
             prompt, *responses = row_to_pair(row)
         except RowError as e:
-            invalid(where, e)
+            rows.invalid(where, e)
             continue
         pair, skipped = [], None
         for response in responses:
@@ -233,25 +202,21 @@ def load_preference(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, 
                 break
             pair.append(ex)
         if skipped is not None:
-            warn(*skipped)
+            rows.skip(*skipped)
             continue
         chosen, rejected = pair
         if np.array_equal(chosen.input_ids, rejected.input_ids) and np.array_equal(chosen.labels, rejected.labels):
-            warn("identical_tokens", f"{where}: chosen and rejected are the same {len(chosen)} tokens after "
+            rows.skip("identical_tokens", f"{where}: chosen and rejected are the same {len(chosen)} tokens after "
                                      f"rendering and --max-seq-len {max_seq_len}: the pair carries no preference; "
                                      f"pair SKIPPED. Remedy: raise --max-seq-len so the responses' difference fits")
             continue
         decode = getattr(tokenizer, "decode", None)
-        eot_ok = all(eot_trained(ex, int(eot), [m["content"] for m in resp], decode)
+        eot_ok = all(eot_trained(ex, eot, [m["content"] for m in resp], decode)
                      for ex, resp in zip(pair, responses, strict=True))
         examples.append(PreferenceExample(chosen, rejected, lineno))
         report.add_pair(chosen, rejected, eot_ok, lineno)
 
-    for reason, n in logged.items():
-        if n > MAX_LOGGED_WARNINGS:
-            logger.warning(f"{path}: {n - MAX_LOGGED_WARNINGS} more rows skipped for {reason} (not shown)")
-    if report.rows_read == 0:
-        raise InputError(f"{path}: no rows (the file is empty); preference data needs one JSON object per line")
+    rows.finish("preference data")
     if max_skip_fraction is not None:
         report.check(max_skip_fraction)
     return examples, report
