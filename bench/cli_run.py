@@ -148,6 +148,7 @@ def cli_command(sc: Any, data: Path, run: Path, device: str, model: str) -> list
 def summarize_metrics(records: list[dict[str, Any]], warmup: int, tokens_per_step: int, gpus: int) -> dict[str, Any]:
     """The row's numbers from metrics.jsonl: median tok_s of the steps after `warmup` (all steps when the
     run had no more), MFU's median where the CLI reports it, peak = the largest mem_mb."""
+    records = [r for r in records if not r.get("profiled")] or records  # --profile's steps run slower
     later = [r for r in records if r["step"] > warmup] or records
     tok = [r["tok_s"] for r in later if r.get("tok_s")]
     mfu = [r["mfu"] for r in later if r.get("mfu") is not None]
@@ -208,6 +209,8 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
         config = json.loads(run_json.read_text()).get("config", {})
         values.setdefault("extra", {}).update({"dtype_run": config.get("dtype"),
                                                "dtype_reason": config.get("dtype_reason")})
+    if (run / "profile.json").is_file():  # --profile in the scenario's flags: where the step goes
+        values.setdefault("extra", {})["profile"] = json.loads((run / "profile.json").read_text())
     if code == 0 and records:
         values["status"] = "ok"
     else:

@@ -105,10 +105,12 @@ def liger(p: dict[str, Any]) -> dict[str, Any]:
     tt.apply_liger(cfg)
     model = tt.build_hf(cfg, tt.reference_state(cfg), torch.bfloat16, device)
     r = tt.run_training("liger", model, lambda: model(input_ids=input_ids, labels=hf_labels, use_cache=False).loss,
-                        cfg, p["batch"], p["seq"], p["steps"] - p["warmup"], p["warmup"], device, False)
+                        cfg, p["batch"], p["seq"], p["steps"] - p["warmup"], p["warmup"], device, False,
+                        profile_steps=p.get("profile_steps", 0))
     return {"tokens_per_s": r["tok_s"], "tokens_per_s_per_gpu": r["tok_s"], "seconds_per_step": r["step_s"],
             "peak_gib": r["peak_gib"], "mfu": r["mfu"],
-            "extra": {"loss_first": r["loss0"], "loss_last": r["loss_last"], "mfu_peak_tflops": tt.PEAK_BF16_TFLOPS}}
+            "extra": {"loss_first": r["loss0"], "loss_last": r["loss_last"], "mfu_peak_tflops": tt.PEAK_BF16_TFLOPS,
+                      **({"profile": r["profile"]} if r["profile"] else {})}}
 
 
 def long_liger(p: dict[str, Any]) -> dict[str, Any]:
@@ -226,8 +228,33 @@ def qlora_unsloth(p: dict[str, Any]) -> dict[str, Any]:
     return _qlora_values(r)
 
 
+def _titan_model_v03(cfg: Any, torch: Any) -> Any:
+    """torchtitan >= 0.3: the model is built from a Config tree (llama3's own layer builder, its inits), its
+    default attention backend (FlexAttention, block-causal over positions), fused QKV as its flavors use."""
+    from torchtitan.models import llama3 as t
+    from torchtitan.models.common import ComplexRoPE, Embedding, Linear, RMSNorm
+
+    dim = cfg.hidden_size
+    layers = t._build_llama3_layers(
+        fuse_qkv=True, n_layers=cfg.num_layers, dim=dim, n_heads=cfg.num_heads, n_kv_heads=cfg.num_kv_heads,
+        hidden_dim=cfg.intermediate_size, attn_backend="flex",
+        rope=ComplexRoPE.Config(dim=dim // cfg.num_heads, max_seq_len=cfg.max_position_embeddings,
+                                theta=cfg.rope_theta, scaling="none"))
+    mc = t.Llama3Model.Config(
+        dim=dim, vocab_size=cfg.vocab_size, enable_weight_tying=cfg.tie_word_embeddings, layers=layers,
+        tok_embeddings=Embedding.Config(num_embeddings=cfg.vocab_size, embedding_dim=dim, param_init=t._EMBEDDING_INIT),
+        norm=RMSNorm.Config(normalized_shape=dim, param_init=t._NORM_INIT),
+        lm_head=Linear.Config(in_features=dim, out_features=cfg.vocab_size, param_init=t._output_linear_init(dim)))
+    with torch.device("cuda"):
+        model = mc.build()
+    model.init_states(buffer_device=torch.device("cuda"))
+    return model
+
+
 def _titan_model(cfg: Any, torch: Any) -> Any:
     """torchtitan's Llama-3 Transformer with the preset's widths (the import path moved between releases)."""
+    if hasattr(importlib.import_module("torchtitan.models.llama3"), "Llama3Model"):
+        return _titan_model_v03(cfg, torch)
     errors = []
     for mod, cls, args in (("torchtitan.models.llama3", "Transformer", "TransformerModelArgs"),
                            ("torchtitan.models.llama3.model.model", "Transformer", None),
@@ -272,7 +299,7 @@ def titan(p: dict[str, Any]) -> dict[str, Any]:
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
         convert_to_float8_training(model, config=Float8LinearConfig.from_recipe_name("tensorwise"),
-                                   module_filter_fn=lambda mod, fqn: fqn != "output")
+                                   module_filter_fn=lambda mod, fqn: fqn not in ("output", "lm_head"))
     layers = model.layers
     for name, block in list(layers.named_children()):
         layers.register_module(name, torch.compile(block, fullgraph=True))
@@ -280,8 +307,18 @@ def titan(p: dict[str, Any]) -> dict[str, Any]:
     ids = torch.randint(0, cfg.vocab_size, (p["batch"], p["seq"] + 1), generator=gen).cuda()
     inputs, labels = ids[:, :-1], ids[:, 1:]
 
+    if hasattr(model, "get_attention_masks"):  # torchtitan >= 0.3: positions and block-causal masks per call
+        positions = torch.arange(p["seq"], device="cuda").expand(p["batch"], p["seq"])
+        masks = model.get_attention_masks(positions)
+
+        def forward() -> Any:
+            return model(inputs, positions, masks)
+    else:
+        def forward() -> Any:
+            return model(inputs)
+
     def loss() -> Any:  # run under bf16 autocast by run_training; the loss over fp32 logits as torchtitan's
-        return F.cross_entropy(model(inputs).flatten(0, 1).float(), labels.flatten())
+        return F.cross_entropy(forward().flatten(0, 1).float(), labels.flatten())
 
     from importlib.metadata import version
 

@@ -23,7 +23,8 @@ UNSLOTH = "unsloth"
 TITAN = "torchtitan"
 GENERATE = "generate (entrenar vs transformers)"
 
-STEPS, WARMUP = 12, 5  # speed rows: 12 steps, median tokens/s of steps 6..12
+STEPS, WARMUP = 14, 5  # speed rows: 14 steps, median tokens/s of steps 6..12 (13-14 are profiled)
+PROFILE = ("--profile", "13:2")  # the CLI's own profile of its steps 13-14 (RUN/profile.json -> row extra)
 
 
 @dataclass(frozen=True)
@@ -47,7 +48,8 @@ class Scenario:
     def smoke(self) -> Scenario:
         """Tiny shapes on the CPU, 3 steps: the same code path, seconds instead of minutes."""
         seq = min(self.seq, 64) if self.kind != "cli" or "--offload-activations" not in self.flags else 128
-        flags = tuple(f if not f.isdigit() else "32" for f in self.flags)  # --mlp-chunk N -> 32 tokens
+        flags = tuple("3:1" if i and self.flags[i - 1] == "--profile" else "32" if f.isdigit() else f
+                      for i, f in enumerate(self.flags))  # --mlp-chunk N -> 32 tokens; profile step 3
         return dataclasses.replace(self, model="tiny", batch=min(self.batch, 2), seq=seq, steps=3, warmup=1,
                                    flags=flags, timeout_s=180.0,
                                    params={**self.params, "smoke": True})
@@ -150,8 +152,21 @@ def _generate() -> list[Scenario]:
                      baseline=None) for b in (1, 16, 64)]
 
 
+def _profiled(scenarios: list[Scenario]) -> list[Scenario]:
+    """The speed rows also say where their step goes: the CLI's --profile of two steps after the measured
+    ones, the Liger peer's two profiled steps after its timing (bench/train_throughput.run_training)."""
+    out = []
+    for sc in scenarios:
+        if sc.kind == "cli" and sc.steps == STEPS:
+            sc = dataclasses.replace(sc, flags=(*sc.flags, *PROFILE))
+        elif sc.kind == "liger":
+            sc = dataclasses.replace(sc, params={**sc.params, "profile_steps": 2})
+        out.append(sc)
+    return out
+
+
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in
-                                  _speed() + _mfu() + _fp8() + _qlora() + _long() + _multi() + _generate()}
+                                  _profiled(_speed() + _mfu() + _fp8()) + _qlora() + _long() + _multi() + _generate()}
 
 GROUPS: dict[str, list[str]] = {
     "issue25-speed": [s.name for s in _speed()],

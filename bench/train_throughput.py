@@ -75,20 +75,27 @@ def build_hf(cfg, state, dtype, device):
 
 
 # ---- training-step timing ------------------------------------------------------------------
-def run_training(name, model, step_fn, cfg, batch, seq, steps, warmup, device, autocast_bf16):
+def run_training(name, model, step_fn, cfg, batch, seq, steps, warmup, device, autocast_bf16, profile_steps=0):
+    """Median step time of `steps` steps after `warmup`; with profile_steps, that many more steps under
+    torch.profiler, summarized as the CLI's --profile does (entrenar.train.profiling)."""
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-5, weight_decay=0.0, fused=True)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     losses, times = [], []
-    for i in range(warmup + steps):
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
+
+    def one_step():
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast_bf16):
             loss = step_fn()
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        return loss
+
+    for i in range(warmup + steps):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        loss = one_step()
         torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(float(loss))
@@ -97,9 +104,19 @@ def run_training(name, model, step_fn, cfg, batch, seq, steps, warmup, device, a
     tok_s = tokens / step_s
     mfu = tok_s * cfg.flops_per_token(seq) / (PEAK_BF16_TFLOPS * 1e12)
     peak = torch.cuda.max_memory_allocated() / 2**30
-    del opt
+    profile = None
+    if profile_steps:
+        from entrenar.train.profiling import StepProfiler
+
+        prof = StepProfiler((1, profile_steps), Path("."), device, write=False)
+        for i in range(1, profile_steps + 1):
+            prof.before(i)
+            one_step()
+            prof.after(i)
+        profile = prof.result
+    opt.state.clear()  # the AdamW moments go now, not when the caller drops the model
     return {"name": name, "step_s": step_s, "tok_s": tok_s, "mfu": mfu, "peak_gib": peak,
-            "loss0": losses[0], "loss_last": losses[-1], "first_step_s": times[0]}
+            "loss0": losses[0], "loss_last": losses[-1], "first_step_s": times[0], "profile": profile}
 
 
 def bench_model(cfg_name, cfg, args, device, results, liger_state):

@@ -43,8 +43,10 @@ def test_smoke_cli_row_and_skipped_peer_row(tmp_path):
     assert "--dtype" not in cli["command"]  # the default path: no flag
     assert cli["tokens_per_s"] > 0 and cli["seconds_per_step"] > 0
     assert cli["batch"] == 2 and cli["seq"] == 64 and cli["steps"] == 3 and cli["warmup"] == 1
-    # tokens/s is the median over the steps after the warm-up, read from the run's metrics.jsonl
-    assert cli["extra"]["steps_measured"] == 2
+    # tokens/s is the median over the steps after the warm-up, read from the run's metrics.jsonl, without the
+    # step the CLI's --profile slowed (step 3 in --smoke); its profile.json rides along in the row
+    assert cli["extra"]["steps_measured"] == 1
+    assert "--profile 3:1" in cli["command"] and cli["extra"]["profile"]["steps"] == [3, 3]
     assert cli["extra"]["dtype_run"] == "fp32"  # --dtype auto on a CPU
 
     peer = rows["q05-liger-bf16"]

@@ -413,3 +413,37 @@ def test_lora_update_makes_no_extra_pass_over_the_output():
             y.float().sum().backward()
         # autocast casts x once for the base matmul (a copy of the input's size, not the output's)
         assert [n for n in ops.big if n != "_to_copy"] == [], (autocast, ops.big)
+
+
+def test_dequantize_once_gives_the_same_logits_and_only_without_grad():
+    """Inference of a QLoRA model on the CPU keeps the dequantized weights (20x faster decoding): the logits
+    must be bit-identical to dequantizing per matmul, and a forward with gradients on must not keep them."""
+    m = tiny_model(qwen=True)
+    ep.apply_lora(m, rank=4, alpha=8, quantize_nf4=True)
+    randomize_adapters(m)
+    ids = torch.randint(0, tiny_cfg().vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = m(ids)
+    assert nf4_linear.enable_dequantize_once(m, budget_bytes=1 << 40) > 0
+    m(ids).float().sum().backward()  # training-style forward: nothing kept
+    layers = [x for x in m.modules() if isinstance(x, ep.NF4Linear)]
+    assert layers and all(x._dequantized is None for x in layers)
+    with torch.no_grad():
+        assert torch.equal(m(ids), ref)
+        assert torch.equal(m(ids), ref)  # the kept weights, second use
+    assert all(x._dequantized is not None for x in layers)
+
+
+def test_dequantize_once_keeps_one_weight_per_dtype_and_respects_the_budget():
+    torch.manual_seed(0)
+    lin = nn.Linear(64, 32, bias=True)
+    q = ep.NF4Linear(lin)
+    assert nf4_linear.enable_dequantize_once(q, budget_bytes=64 * 32 * 4 - 1) == 0
+    assert not q.dequantize_once  # over the budget: unchanged (slower, no out-of-memory)
+    assert nf4_linear.enable_dequantize_once(q, budget_bytes=64 * 32 * 4) == 64 * 32 * 4
+    x = torch.randn(3, 64)
+    with torch.no_grad():
+        for dtype in (torch.float32, torch.bfloat16, torch.float32):
+            y = q(x.to(dtype))
+            want = torch.nn.functional.linear(x.to(dtype), nf4.dequantize(q.nf4_weight, dtype), lin.bias.to(dtype))
+            assert y.dtype == dtype and torch.equal(y, want)

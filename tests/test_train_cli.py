@@ -204,3 +204,50 @@ def test_cli_bf16_pure_checks_fp32_then_trains_and_saves_bf16(tmp_path, byte_mod
     assert {t.dtype for t in ckpt.values()} == {torch.bfloat16}
     hf = transformers.AutoModelForCausalLM.from_pretrained(str(out / "final"))
     assert next(hf.parameters()).dtype == torch.bfloat16 and summary["final_train_loss"] is not None
+
+
+def test_cli_profile_writes_the_profiled_steps_and_marks_them(tmp_path, byte_model_dir, byte_shards, capsys):
+    """--profile 2:2 profiles steps 2 and 3 of the real CLI run: RUN/profile.json has per-step wall time and
+    operator time by class (matmuls among them), metrics.jsonl marks exactly those steps profiled."""
+    out = tmp_path / "run"
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=4, extra=("--profile", "2:2")),
+                              capsys)
+    assert code == 0, err
+    prof = json.loads((out / "profile.json").read_text())
+    assert prof["steps"] == [2, 3] and prof["device"] == "cpu"
+    assert prof["wall_ms_per_step"] > 0 and prof["kernel_ms_per_step"] > 0
+    assert prof["by_class_ms"].get("matmul", 0) > 0 and prof["top_kernels_ms"]
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r.get("profiled")] == [2, 3]
+    assert "profile of steps 2-3" in err
+
+
+@pytest.mark.parametrize("spec, message", [("3:4", "past --steps 4"), ("0", "must be >= 1"), ("a:b", "START")])
+def test_cli_profile_outside_the_run_or_malformed_exits_2(spec, message, tmp_path, byte_model_dir, byte_shards,
+                                                           capsys):
+    out = tmp_path / "run"
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=4, extra=("--profile", spec)), capsys)
+    assert code == 2 and message in err, err
+    assert not (out / "profile.json").exists()
+
+
+def test_profile_summary_on_cuda_counts_kernels_once():
+    """On a GPU the profiler's table holds CPU operators whose device total repeats their kernels' time
+    (aten::mm 10 ms over its gemm kernel's 10 ms): only kernel rows count, else ms/step is inflated several-fold
+    (seen on an H200: 5,248 'kernel ms' in a 179 ms step)."""
+    from types import SimpleNamespace as E
+
+    from torch.autograd import DeviceType
+
+    from entrenar.train.profiling import summarize
+
+    events = [E(key="aten::mm", device_type=DeviceType.CPU, device_time_total=10_000.0, self_cpu_time_total=50.0),
+              E(key="nvjet_sm90_tst_256x128", device_type=DeviceType.CUDA, device_time_total=10_000.0,
+                self_cpu_time_total=0.0),
+              E(key="Optimizer.step#AdamW.step", device_type=DeviceType.CPU, device_time_total=4_000.0,
+                self_cpu_time_total=900.0),
+              E(key="void multi_tensor_apply_kernel<FusedAdam>", device_type=DeviceType.CUDA,
+                device_time_total=4_000.0, self_cpu_time_total=0.0)]
+    s = summarize(events, steps=2, wall_s=0.016, on_cuda=True)
+    assert s["kernel_ms_per_step"] == 7.0 and s["by_class_ms"] == {"matmul": 5.0, "optimizer": 2.0}
+    assert s["idle_ms_per_step"] == 1.0 and [k for k, _ in s["top_kernels_ms"]] == [
+        "nvjet_sm90_tst_256x128", "void multi_tensor_apply_kernel<FusedAdam>"]

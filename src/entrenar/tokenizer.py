@@ -14,6 +14,7 @@ template did not already write it, so there are never two.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -173,6 +174,7 @@ class ChatTokenizer:
         self._offsets_tokenizer = Tokenizer.from_str(self.tokenizer.to_str())
         self._offsets_tokenizer.post_processor = None
         self._template = None
+        self.chat_template_source = source  # where the template came from: the model, or --chat-template FILE
 
     @staticmethod
     def _id_in(tokenizer: Tokenizer, token: str | None) -> int | None:
@@ -216,6 +218,30 @@ class ChatTokenizer:
                              f"use the tokenizer that belongs to this model")
 
     # -- chat
+    def set_chat_template(self, template: str, source: str) -> None:
+        """Use ``template`` (e.g. `--chat-template FILE`) instead of the model's; it must compile."""
+        import jinja2
+
+        try:
+            compiled = _template_env().from_string(template)
+        except jinja2.TemplateError as e:
+            raise InputError(f"{source}: the chat template does not compile: {e}") from e
+        self.chat_template, self._template, self.chat_template_source = template, compiled, source
+
+    def supports_tools(self) -> bool:
+        """Whether the chat template renders tools: it reads the `tools` variable and messages' `tool_calls`
+        (a template that does neither would drop schemas and calls from the text without a word)."""
+        return _template_supports_tools(self.chat_template or "")
+
+    def _check_tool_support(self, messages: list[dict[str, Any]], tools: Any) -> None:
+        uses_tools = bool(tools) or any(isinstance(m, dict) and (m.get("tool_calls") or m.get("role") == "tool")
+                                        for m in messages)
+        if uses_tools and not self.supports_tools():
+            raise InputError(f"the chat template of {self.chat_template_source} does not support tools (it never "
+                             f"uses the `tools` variable and `tool_calls`), so tool schemas, calls and results "
+                             f"would be left out of the text; pass a template that renders them with "
+                             f"--chat-template FILE (e.g. Qwen2.5's), or remove the tools from the data")
+
     def _compiled_template(self):
         if self.chat_template is None:
             raise InputError(f"{self.source}: the model has no chat template (no tokenizer.chat_template in "
@@ -229,32 +255,41 @@ class ChatTokenizer:
                 raise InputError(f"{self.source}: the chat template does not compile: {e}") from e
         return self._template
 
-    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> RenderedChat:
-        """The chat as the model's template writes it, with each assistant message's char span."""
+    def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> RenderedChat:
+        """The chat as the model's template writes it (``tools``: function schemas, passed to the template as
+        transformers does), with each assistant message's char span."""
         import jinja2
 
         _check_messages(messages, self.source)
         template = self._compiled_template()
+        self._check_tool_support(messages, tools)
         try:
-            text = self._render(template, messages, add_generation_prompt)
+            text = self._render(template, messages, add_generation_prompt, tools)
         except jinja2.TemplateError as e:  # includes raise_exception(...) from the template
             raise InputError(f"{self.source}: the chat template failed on these messages: {e}") from e
-        return RenderedChat(text, self._assistant_spans(text, messages, template))
+        return RenderedChat(text, self._assistant_spans(text, messages, template, tools))
 
-    def _assistant_spans(self, text: str, messages: list[dict[str, Any]], template: Any) -> list[tuple[int, int]]:
+    def _assistant_spans(self, text: str, messages: list[dict[str, Any]], template: Any,
+                         tools: list[dict[str, Any]] | None = None) -> list[tuple[int, int]]:
         """Find each message's content in order; an assistant span runs through the next end-of-turn.
 
         An assistant answer is searched for only after the rendering of the conversation before it
         plus the generation prompt (its own header): a plain search from the previous message would
         find a short answer ("b", "a") inside the template's default system prompt or a header.
+        A turn with tool calls is located by rendering (``_tool_turn_span``).
         """
         spans, cursor = [], 0
         for i, msg in enumerate(messages):
             content = msg.get("content") or ""
             if not isinstance(content, str):
                 continue  # structured content: the template decides; no span can be located
+            if msg.get("role") == "assistant" and msg.get("tool_calls"):
+                spans.append(self._tool_turn_span(text, messages, i, template, tools))
+                cursor = spans[-1][1]
+                continue
             if msg.get("role") == "assistant":
-                prefix = self._render_prefix(template, messages[:i])
+                prefix = self._render_prefix(template, messages[:i], tools)
                 if prefix is not None and text.startswith(prefix):
                     cursor = max(cursor, len(prefix))
             start = text.find(content, cursor)
@@ -262,6 +297,10 @@ class ChatTokenizer:
                 content = content.strip()  # templates that `| trim` the content
                 start = text.find(content, cursor)
             if start < 0:
+                if msg.get("role") == "tool" and content.strip():
+                    raise InputError(f"the chat template of {self.chat_template_source} does not write tool result "
+                                     f"message {i} (its content is not in the rendered chat); pass a template that "
+                                     f"renders `tool` messages with --chat-template FILE")
                 if msg.get("role") != "assistant":
                     continue  # a template may drop or rewrite other messages; only answers need a span
                 raise InputError(f"{self.source}: assistant message {i} does not appear verbatim in the "
@@ -279,21 +318,63 @@ class ChatTokenizer:
                 spans.append((start, end))
         return spans
 
-    def _render(self, template: Any, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+    def _tool_turn_span(self, text: str, messages: list[dict[str, Any]], i: int, template: Any,
+                        tools: list[dict[str, Any]] | None) -> tuple[int, int]:
+        """An assistant turn with tool calls: from its content (or, without content, from the end of the
+        generation prompt) through the last end-of-turn the turn writes. Found by rendering the history with
+        the generation prompt and the history with this turn, so call text (JSON, names) is never searched
+        for in the rest of the chat."""
+        import jinja2
+
+        prefix = self._render_prefix(template, messages[:i], tools)
+        try:
+            upto = self._render(template, messages[:i + 1], False, tools)
+        except jinja2.TemplateError:
+            upto = None
+        where = f"the chat template of {self.chat_template_source}"
+        if prefix is None or upto is None or not (text.startswith(upto) and upto.startswith(prefix)):
+            raise InputError(f"{where} renders the chat before assistant message {i} differently once the "
+                             f"message is added, so its tool calls (the loss mask) cannot be located; pass a "
+                             f"template whose rendering of a conversation starts with that of its history "
+                             f"(--chat-template FILE)")
+        content = messages[i].get("content") or ""
+        start = upto.find(content, len(prefix)) if content else len(prefix)
+        end = upto.rfind(self.eot_token) if self.eot_token else -1
+        if start < 0 or end < start:
+            raise InputError(f"{where} does not write assistant message {i}'s content and an end-of-turn "
+                             f"{self.eot_token!r} after it; its loss mask cannot be located")
+        end += len(self.eot_token)
+        at = start
+        for call in messages[i]["tool_calls"]:
+            name = (call.get("function") or call).get("name", "")
+            at = text.find(name, at, end)
+            if not name or at < 0:
+                raise InputError(f"{where} does not write the tool call {name!r} of assistant message {i}; "
+                                 f"pass a template that renders `tool_calls` (--chat-template FILE)")
+            at += len(name)
+        return start, end
+
+    def _render(self, template: Any, messages: list[dict[str, Any]], add_generation_prompt: bool,
+                tools: list[dict[str, Any]] | None = None) -> str:
         from .chat_limits import bounded_render
 
         context = {"messages": messages, "add_generation_prompt": add_generation_prompt,
                    "bos_token": self.bos_token or "", "eos_token": self.eos_token or "",
                    "pad_token": self.pad_token or "", "unk_token": self.unk_token or ""}
         chars = sum(len(m.get("content") or "") for m in messages if isinstance(m.get("content"), str))
+        if tools is not None:
+            context["tools"] = tools  # as transformers' apply_chat_template(tools=...) passes them
+        if tools or any(m.get("tool_calls") for m in messages):  # their JSON is text the template writes too
+            chars += len(json.dumps(tools)) + len(json.dumps([m.get("tool_calls") for m in messages]))
         return bounded_render(template, context, self.source, chars)  # time and size bounded (exit 2)
 
-    def _render_prefix(self, template: Any, messages: list[dict[str, Any]]) -> str | None:
+    def _render_prefix(self, template: Any, messages: list[dict[str, Any]],
+                       tools: list[dict[str, Any]] | None = None) -> str | None:
         """The text a template writes before an assistant turn: the history plus the generation prompt."""
         import jinja2
 
         try:
-            return self._render(template, messages, True)
+            return self._render(template, messages, True, tools)
         except jinja2.TemplateError:
             return None  # e.g. a template that refuses a history not ending with a user turn
 
@@ -313,9 +394,10 @@ class ChatTokenizer:
         """Ids of an already-rendered chat: one BOS at most (the template's or the add-BOS rule's)."""
         return self._ids_and_offsets(text)[0]
 
-    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False) -> EncodedChat:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
+                    tools: list[dict[str, Any]] | None = None) -> EncodedChat:
         """Render once, tokenize once; mask True on tokens overlapping an assistant span."""
-        rendered = self.render_chat(messages, add_generation_prompt)
+        rendered = self.render_chat(messages, add_generation_prompt, tools)
         ids, offsets = self._ids_and_offsets(rendered.text)
         mask = [False] * len(ids)
         spans = rendered.assistant_spans
@@ -359,6 +441,18 @@ class ChatTokenizer:
         return out
 
 
+@functools.lru_cache(maxsize=8)
+def _template_supports_tools(template: str) -> bool:
+    import jinja2
+    from jinja2 import meta
+
+    try:
+        variables = meta.find_undeclared_variables(_template_env().parse(template))
+    except jinja2.TemplateError:
+        return False
+    return "tools" in variables and "tool_calls" in template
+
+
 def _adds_tokens(tokenizer: Tokenizer) -> bool:
     return tokenizer.post_processor is not None and len(tokenizer.encode("a", add_special_tokens=True).ids) != len(
         tokenizer.encode("a", add_special_tokens=False).ids)
@@ -382,6 +476,19 @@ def _check_messages(messages: Any, source: str) -> None:
 
 
 # ---- loading ----------------------------------------------------------------------------------
+def use_chat_template_file(tokenizer: ChatTokenizer, path: str | os.PathLike | None) -> None:
+    """`--chat-template FILE`: render chats with that template instead of the model's (exit 2 if unreadable)."""
+    if path is None:
+        return
+    file = Path(path)
+    try:
+        text = file.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise InputError(f"--chat-template {file}: cannot read the template ({e}); give a jinja chat template "
+                         f"file") from e
+    tokenizer.set_chat_template(text, f"--chat-template {file}")
+
+
 def load_tokenizer(spec: str | os.PathLike | ChatTokenizer) -> ChatTokenizer:
     """ChatTokenizer for a MODEL spec: packaged name, .gguf file, HF dir (tokenizer.json), run dir."""
     if isinstance(spec, ChatTokenizer):

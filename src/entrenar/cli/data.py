@@ -8,14 +8,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
+from ..data.sft import CHAT_TEMPLATE_HELP, DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 from ..errors import InputError
 
 
-def _load_tokenizer(spec: str) -> Any:
-    from ..tokenizer import load_tokenizer
+def _load_tokenizer(spec: str, chat_template: str | None = None) -> Any:
+    from ..tokenizer import load_tokenizer, use_chat_template_file
 
     tok = load_tokenizer(spec)
+    use_chat_template_file(tok, chat_template)
     if getattr(tok, "name", None) is None:
         try:
             tok.name = spec  # the report names the tokenizer as the user gave it
@@ -86,7 +87,7 @@ def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
 
     if not 0.0 <= args.max_skip_fraction <= 1.0:
         raise InputError(f"--max-skip-fraction must be in [0, 1], got {args.max_skip_fraction}")
-    tok = _load_tokenizer(args.model)
+    tok = _load_tokenizer(args.model, args.chat_template)
     load = load_preference if Path(args.data).is_file() and is_preference_file(args.data) else load_sft  # DPO rows
     _, report = load(args.data, tok, args.max_seq_len, truncation=args.truncation,
                          skip_invalid=args.skip_invalid, max_skip_fraction=None)
@@ -140,6 +141,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) JSONL against a model's chat template; report loss tokens")
     q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")
     q.add_argument("--data", required=True, help="SFT JSONL file")
+    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
     q.add_argument("--max-seq-len", type=int, required=True, help="the training sequence length")
     q.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="skip",
                    help="a response cut by --max-seq-len: skip the sample or keep it cut (skip)")

@@ -9,6 +9,7 @@ import argparse
 import sys
 from typing import Any
 
+from ..data.sft import CHAT_TEMPLATE_HELP
 from ..devices import DTYPES, WEIGHT_DTYPES
 from ..errors import InputError
 from ..generate import DEFAULT_MAX_NEW_TOKENS
@@ -46,8 +47,10 @@ def load_generation_model(args: argparse.Namespace, device: str) -> Any:
                                    force_base=getattr(args, "force_base", False))
 
 
-def prompt_ids_for(tokenizer: Any, prompt: str, chat: bool, system: str | None) -> list[int]:
-    """Token ids of the prompt: raw text (BOS per the model), or a chat with the generation prompt."""
+def prompt_ids_for(tokenizer: Any, prompt: str, chat: bool, system: str | None,
+                   tools: list[dict[str, Any]] | None = None) -> list[int]:
+    """Token ids of the prompt: raw text (BOS per the model), or a chat (with its tool schemas, rendered by the
+    template) with the generation prompt."""
     if not prompt.strip():
         raise InputError("--prompt is empty; give some prompt text")
     if system is not None and not chat:
@@ -56,20 +59,55 @@ def prompt_ids_for(tokenizer: Any, prompt: str, chat: bool, system: str | None) 
         return tokenizer.encode(prompt)
     messages = ([{"role": "system", "content": system}] if system is not None else [])
     messages.append({"role": "user", "content": prompt})
+    if tools:
+        return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=tools).ids
     return tokenizer.encode_chat(messages, add_generation_prompt=True).ids
+
+
+def tool_calls_result(tokenizer: Any, text: str, tools: list[dict[str, Any]], show: bool) -> dict[str, Any]:
+    """The calls the model wrote, read back in its template's format (`--tools`); printed as JSON with `show`."""
+    import json
+
+    from ..data.tool_calls import call_format, parse_tool_calls, tool_names
+
+    fmt = call_format(tokenizer.chat_template)
+    parsed = parse_tool_calls(text, fmt)
+    known = tool_names(tools)
+    errors = parsed.errors + [f"call of unknown tool {c['name']!r} (not in --tools)" for c in parsed.calls
+                              if c["name"] not in known]
+    if show:
+        for c in parsed.calls:
+            print("tool call: " + json.dumps(c, ensure_ascii=False))
+        if fmt is None:
+            print("note: the chat template's tool-call format is not one entrenar reads back; the text is shown "
+                  "as it is", file=sys.stderr)
+        for e in errors:
+            print(f"warning: {e}", file=sys.stderr)
+    return {"tool_calls": parsed.calls, "content": parsed.content, "tool_call_format": fmt,
+            "tool_call_errors": errors}
 
 
 def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
     from ..devices import resolve_device
     from ..generate import generate
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import load_tokenizer, use_chat_template_file
 
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens is {args.max_new_tokens}; it must be at least 1")
     if not args.prompt.strip():
         raise InputError("--prompt is empty; give some prompt text")
+    tools = None
+    if args.tools is not None:
+        from ..data.tool_calls import load_tools_file
+
+        if not args.chat:
+            raise InputError("--tools needs --chat (the chat template renders the tool schemas)")
+        tools = load_tools_file(args.tools)
+    if args.chat_template is not None and not args.chat:
+        raise InputError("--chat-template needs --chat")
     tokenizer = load_tokenizer(args.model)
-    prompt_ids = prompt_ids_for(tokenizer, args.prompt, args.chat, args.system)
+    use_chat_template_file(tokenizer, args.chat_template)
+    prompt_ids = prompt_ids_for(tokenizer, args.prompt, args.chat, args.system, tools)
     model = load_generation_model(args, resolve_device(args.device))
     tokenizer.check_ids(prompt_ids, model.cfg.vocab_size)
     max_new = args.max_new_tokens
@@ -86,9 +124,12 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
         sys.stdout.write("\n")
         print(f"[{result.prompt_tokens} prompt tokens, {result.completion_tokens} generated, "
               f"stop: {result.stop_reason}, {result.tokens_per_s:.1f} tok/s]", file=sys.stderr)
-    return {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-            "text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
-            "tokens_per_s": round(result.tokens_per_s, 3), "seed": result.seed}
+    out = {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
+           "text": result.text, "token_ids": result.token_ids, "stop_reason": result.stop_reason,
+           "tokens_per_s": round(result.tokens_per_s, 3), "seed": result.seed}
+    if tools is not None:
+        out.update(tool_calls_result(tokenizer, result.text, tools, show=not args.json))
+    return out
 
 
 # ---- merge ---------------------------------------------------------------------------------------
@@ -123,6 +164,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
     p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--tools", metavar="FILE", default=None,
+                   help="JSON list of tool schemas ({\"type\": \"function\", \"function\": {name, description, "
+                        "parameters}}) rendered by the chat template (with --chat); the calls the model writes are "
+                        "printed as JSON (--json: tool_calls)")
+    p.add_argument("--chat-template", metavar="FILE", default=None, help=CHAT_TEMPLATE_HELP)
     p.add_argument("--max-new-tokens", type=int, default=None,
                    help=f"default {DEFAULT_MAX_NEW_TOKENS}, or what is left of the model's context if less")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")

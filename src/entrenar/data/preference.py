@@ -211,7 +211,7 @@ def load_preference(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, 
                                      f"pair SKIPPED. Remedy: raise --max-seq-len so the responses' difference fits")
             continue
         decode = getattr(tokenizer, "decode", None)
-        eot_ok = all(eot_trained(ex, eot, [m["content"] for m in resp], decode)
+        eot_ok = all(eot_trained(ex, eot, [m if m.get("tool_calls") else m["content"] for m in resp], decode)
                      for ex, resp in zip(pair, responses, strict=True))
         examples.append(PreferenceExample(chosen, rejected, lineno))
         report.add_pair(chosen, rejected, eot_ok, lineno)

@@ -2,6 +2,7 @@
 
 Row forms (one JSON object per line; blank lines are ignored):
   {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
+  {"tools": [...], "messages": [..., assistant "tool_calls", "tool" results]}   (data/tool_calls.py)
   {"prompt": "...", "completion": "..."}
   {"instruction": "...", "input": "...", "output": "..."}     ("input" optional)
 
@@ -33,6 +34,7 @@ import torch
 from ..errors import GuardError, InputError
 from ..fileio import read_jsonl
 from ..tensors import IGNORE_INDEX
+from . import tool_calls
 from .epochs import EpochCursor
 
 logger = logging.getLogger("entrenar.data")
@@ -40,11 +42,13 @@ logger = logging.getLogger("entrenar.data")
 ROLES = ("system", "user", "assistant")
 TRUNCATION_POLICIES = ("skip", "keep")
 DEFAULT_MAX_SKIP_FRACTION = 0.5
+# --chat-template (tokenizer.use_chat_template_file)
+CHAT_TEMPLATE_HELP = "a jinja chat template file used instead of the model's (e.g. one that renders tools)"
 MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is logged at the end
 
 # Skip reasons (stable keys of DataReport.skipped).
 INVALID_REASONS = ("malformed_json", "not_an_object", "unknown_format", "unknown_role", "empty_content",
-                   "no_assistant_message", "not_ending_with_assistant")
+                   "no_assistant_message", "not_ending_with_assistant") + tool_calls.TOOL_REASONS
 # and prompt_too_long, response_truncated (--max-seq-len), no_assistant_tokens (the chat template)
 
 
@@ -52,7 +56,7 @@ class ChatEncoder(Protocol):
     eot_id: int
     pad_id: int | None
 
-    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False) -> Any: ...
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = False, **tools: Any) -> Any: ...
 
 
 @dataclass
@@ -82,22 +86,44 @@ class RowError(Exception):
 
 
 # ---- validation ---------------------------------------------------------------------------------
-def row_to_messages(row: Any) -> list[dict[str, str]]:
+def row_to_messages(row: Any) -> list[dict[str, Any]]:
     """A parsed JSONL row -> validated chat messages, or RowError naming the problem."""
+    return row_to_chat(row)[0]
+
+
+def row_to_chat(row: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
+    """A parsed JSONL row -> (validated chat messages, its tool schemas or None), or RowError."""
+    try:
+        return _row_to_chat(row)
+    except tool_calls.ToolCallError as e:
+        raise RowError(e.reason, str(e)) from e
+
+
+def _row_to_chat(row: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] | None]:
     if not isinstance(row, dict):
         raise RowError("not_an_object", f"row is a JSON {type(row).__name__}, not an object")
+    tools = row.get("tools")
+    if tools is not None and "messages" not in row:
+        raise RowError("unknown_format", '"tools" needs the "messages" form (a tool call is an assistant '
+                                         'message\'s "tool_calls")')
+    if tools is not None:
+        tools = tool_calls.validate_tools(tools)
     if "messages" in row:
         messages = row["messages"]
         if not isinstance(messages, list) or not messages:
             raise RowError("unknown_format", '"messages" must be a non-empty list of {"role", "content"} objects')
         out = []
+        known = tool_calls.tool_names(tools)
         for i, m in enumerate(messages):
             if not isinstance(m, dict):
                 raise RowError("unknown_format", f"messages[{i}] is not an object")
             role = m.get("role")
+            if role == "tool" or (role == "assistant" and "tool_calls" in m):
+                out.append(tool_calls.normalize_message(m, i, known))
+                continue
             if role not in ROLES:
                 raise RowError("unknown_role", f"messages[{i}] has unknown role {role!r}; "
-                                               f"roles are {', '.join(ROLES)}")
+                                               f"roles are {', '.join(ROLES)}, tool")
             content = m.get("content")
             if not isinstance(content, str):
                 raise RowError("empty_content" if content is None else "unknown_format",
@@ -112,9 +138,10 @@ def row_to_messages(row: Any) -> list[dict[str, str]]:
         if out[-1]["role"] != "assistant":
             raise RowError("not_ending_with_assistant",
                            f"conversation ends with a {out[-1]['role']} message, not an assistant turn")
-        return out
+        tool_calls.check_sequence(out)
+        return out, tools
     if "prompt" in row or "completion" in row:
-        return [_field_message(row, "prompt", "user"), _field_message(row, "completion", "assistant")]
+        return [_field_message(row, "prompt", "user"), _field_message(row, "completion", "assistant")], None
     if "instruction" in row or "output" in row:
         user = _field_message(row, "instruction", "user")
         extra = row.get("input")
@@ -122,7 +149,7 @@ def row_to_messages(row: Any) -> list[dict[str, str]]:
             raise RowError("unknown_format", f'"input" must be a string, got {type(extra).__name__}')
         if extra and extra.strip():
             user["content"] = user["content"] + "\n\n" + extra
-        return [user, _field_message(row, "output", "assistant")]
+        return [user, _field_message(row, "output", "assistant")], None
     raise RowError("unknown_format", f"row has keys {sorted(row)[:8]}; expected \"messages\", "
                                      f"\"prompt\"+\"completion\" or \"instruction\"+\"output\"")
 
@@ -160,21 +187,28 @@ def shifted_labels(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
     return labels
 
 
-def eot_trained(example: SFTExample, eot_id: int, assistant_contents: Sequence[str],
-                decode: Any = None) -> bool:
+def eot_trained(example: SFTExample, eot_id: int, assistant_contents: Sequence[str | dict[str, Any]],
+                decode: Any = None, call_format: str | None = None) -> bool:
     """True when the labels are exactly the assistant turns, each one run ending with end-of-turn.
 
     With ``decode`` each run's text must also be its turn's content, which catches an assistant
     mask on the wrong tokens (e.g. a span located inside the system prompt) that would train the
-    model on text it should only read while its own answer goes untrained.
+    model on text it should only read while its own answer goes untrained. A turn given as a message
+    with ``tool_calls`` must read back as its content and calls (``tool_calls.turn_matches``).
     """
     runs = assistant_runs(example.labels != IGNORE_INDEX)
     if len(runs) != len(assistant_contents):
         return False
-    for (start, end), content in zip(runs, assistant_contents):
+    for (start, end), turn in zip(runs, assistant_contents):
         if int(example.labels[end - 1]) != eot_id:
             return False
-        if decode is not None and decode(example.labels[start:end - 1].tolist()).strip() != content.strip():
+        if decode is None:
+            continue
+        text = decode(example.labels[start:end - 1].tolist())
+        if isinstance(turn, dict):
+            if not tool_calls.turn_matches(text, turn, call_format):
+                return False
+        elif text.strip() != turn.strip():
             return False
     return True
 
@@ -204,6 +238,8 @@ class DataReport:
     longest_sample_tokens: int = 0
     tokenizer: str | None = None
     warnings: list[str] = field(default_factory=list)
+    tools: dict[str, int] = field(default_factory=lambda: {"rows_with_tools": 0, "rows_with_calls": 0, "calls": 0,
+                                                           "results": 0})
 
     @property
     def skipped_total(self) -> int:
@@ -251,6 +287,7 @@ class DataReport:
             "tokens_total": self.tokens_total,
             "longest_prompt": {"tokens": self.longest_prompt_tokens, "line": self.longest_prompt_line},
             "longest_sample_tokens": self.longest_sample_tokens,
+            "tools": dict(self.tools),
             "warnings": self.warnings,
         }
 
@@ -302,6 +339,10 @@ class DataReport:
             (f"  longest prompt {self.longest_prompt_tokens} tokens (line {self.longest_prompt_line}); "
             f"longest kept sample {self.longest_sample_tokens} tokens"),
         ]
+        t = self.tools
+        if t["rows_with_tools"] or t["calls"]:
+            lines.append(f"  tool calls: {t['calls']} in {t['rows_with_calls']} rows, {t['results']} tool results; "
+                         f"{t['rows_with_tools']} rows with tools")
         return lines
 
 
@@ -425,15 +466,17 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
                                       or type(tokenizer).__name__))
     examples: list[SFTExample] = []
     rows = RowLog(path, report, skip_invalid)
+    call_format = tool_calls.call_format(getattr(tokenizer, "chat_template", None))
     for lineno, where, row in rows.read():
         try:
-            messages = row_to_messages(row)
+            messages, tools = row_to_chat(row)
         except RowError as e:
             rows.invalid(where, e)
             continue
 
-        try:
-            enc = tokenizer.encode_chat(messages)
+        with_tools = tool_calls.has_tool_parts(messages, tools)
+        try:  # tools= only for rows that have them: a text row renders as it always did
+            enc = tokenizer.encode_chat(messages, tools=tools) if with_tools else tokenizer.encode_chat(messages)
         except InputError as e:  # the chat template rejected this conversation
             raise InputError(f"{where}: {e}") from e
         ex, skipped = _fit_sample(enc, where, lineno, max_seq_len, truncation, report,
@@ -443,8 +486,11 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
             continue
         assert ex.loss_tokens > 0, f"{where}: a kept sample has no loss tokens"
         examples.append(ex)
-        contents = [m["content"] for m in messages if m["role"] == "assistant"]
-        report.add(ex, not ex.truncated and eot_trained(ex, eot_id, contents, getattr(tokenizer, "decode", None)))
+        if with_tools:
+            tool_calls.count_row(report.tools, messages, tools)
+        turns = [m if m.get("tool_calls") else m["content"] for m in messages if m["role"] == "assistant"]
+        report.add(ex, not ex.truncated and eot_trained(ex, eot_id, turns, getattr(tokenizer, "decode", None),
+                                                        call_format))
 
     rows.finish("SFT data")
     if max_skip_fraction is not None:

@@ -15,6 +15,7 @@ from ..errors import InputError
 from ..formats import load_model, resolve_model
 from .base_location import locate_base, located_base_mismatch
 from .io import is_adapter_dir, load_adapter
+from .nf4_linear import enable_dequantize_once
 
 
 def load_model_with_adapter(spec: str | os.PathLike, adapter: str | os.PathLike | None = None, *,
@@ -43,6 +44,8 @@ def load_model_with_adapter(spec: str | os.PathLike, adapter: str | os.PathLike 
             if found_note is None:
                 raise
             raise located_base_mismatch(e, found_note, run) from e
+        if torch.device(device).type == "cpu":  # there dequantizing per token is ~20x the matmuls
+            enable_dequantize_once(model)
     return model.eval()
 
 

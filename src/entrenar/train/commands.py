@@ -446,7 +446,7 @@ def _rows_kind(objective: str, pack: bool) -> tuple[Any, Any, str]:
 
 def cmd_finetune(args: Any) -> dict[str, Any]:
     from ..formats import load_model, resolve_model
-    from ..tokenizer import load_tokenizer
+    from ..tokenizer import load_tokenizer, use_chat_template_file
     from .objective import objective_for
 
     out = Path(args.out)
@@ -461,6 +461,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
     tokenizer.name = args.model  # the data header names the model as given, not its resolved GGUF path
+    use_chat_template_file(tokenizer, args.chat_template)  # saved with the model: generate renders chats as trained
     examples, report = load_rows(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
                                  skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
     for line in report.summary_lines():

@@ -18,13 +18,14 @@ from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, TypeVar
 
 from ..config import PRESETS
-from ..data.sft import DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
+from ..data.sft import CHAT_TEMPLATE_HELP, DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 from ..devices import DEFAULT_DEVICE, DEVICE_CHOICES_HELP, WEIGHT_DTYPES, resolve_device, resolve_dtype
 from ..errors import InputError
 from ..kernels import KERNELS
 from . import guards
 from .objective import DEFAULT_BETA, OBJECTIVES
 from .optim import SCHEDULES
+from .profiling import parse_profile
 
 DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")  # --dtype; what each means: train/precision.py
 
@@ -144,6 +145,11 @@ class TrainConfig:
                                               "changed")
     no_preflight: bool = option(False, "skip the step-0 parity check (logged)")
     log_every: int | None = None  # plain-line progress period (None: steps/20)
+    profile: tuple[int, int] | None = option(
+        None, "profile steps START .. START+COUNT-1 (COUNT default 2) with torch.profiler: per step wall ms, "
+              "kernel (CUDA) or operator (CPU) ms by class and the top kernels, host idle, in RUN/profile.json; "
+              "those steps run slower (metrics.jsonl marks them profiled)", parse=parse_profile,
+        metavar="START[:COUNT]", default_help="off")
     # several processes (torchrun; train/parallel.py)
     parallel: str = option("auto", "data parallelism under torchrun: auto = DDP for LoRA/QLoRA and for full "
                                    "training when weights + gradients + AdamW state (20 B per parameter) fit "
@@ -205,6 +211,10 @@ class TrainConfig:
         if self.dtype == "bf16-pure" and self.mode != "full":
             raise InputError(f"{name('dtype')} bf16-pure trains every weight in bf16 (--mode full); with "
                              f"--mode {self.mode} the adapters are a few MB: use {name('dtype')} bf16")
+        if self.profile is not None and self.profile[0] + self.profile[1] - 1 > self.steps:
+            raise InputError(f"{name('profile')} {self.profile[0]}:{self.profile[1]} profiles steps "
+                             f"{self.profile[0]}..{self.profile[0] + self.profile[1] - 1}, past {name('steps')} "
+                             f"{self.steps}: profile later steps or train more")
         self.device = resolve_device(self.device)  # the one --device rule (entrenar.devices)
         if self.dtype == "fp8":
             from .fp8 import require_fp8
@@ -267,6 +277,9 @@ class DataConfig:
     skip_invalid: bool = option(False, "skip and count invalid rows instead of exit 2", commands=("finetune",))
     max_skip_fraction: float = option(DEFAULT_MAX_SKIP_FRACTION, "GUARD-DATA (exit 2) above this fraction of "
                                       "skipped rows", commands=("finetune", "eval"))
+    chat_template: str | None = option(None, CHAT_TEMPLATE_HELP + "; saved with the trained model",
+                                       commands=("finetune",), metavar="FILE",
+                                       default_help="the model's")
     pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
                                "--batch-size then counts rows, not samples", commands=("finetune",))
 

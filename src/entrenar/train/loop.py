@@ -69,6 +69,7 @@ from .objective import CausalLMLoss, Objective
 from .optim import Schedule, build_optimizer
 from .parallel import Strategy, apply_parallel
 from .precision import Precision, precision_policy
+from .profiling import StepProfiler
 
 __all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "backward_micro_batches", "build_trainer", "evaluate",
            "train"]
@@ -703,11 +704,27 @@ class Trainer:
         cfg = self.cfg
         self.progress = Progress(cfg.steps, self.start_step, sys.stderr, cfg.log_every)
         t_train, tokens_at_start, step = time.perf_counter(), self.tokens, self.start_step
+        profiler = None if cfg.profile is None else StepProfiler(cfg.profile, self.run_dir, self.device,
+                                                                   write=self.ctx.is_main)
+        if profiler is not None and profiler.stop <= self.start_step:
+            self.log(f"note: --profile {profiler.start}:{profiler.count} is before the resumed step "
+                     f"{self.start_step}: nothing is profiled")
         try:
             with scheduled_gc(GC_EVERY, GC_FULL_EVERY) as before_step:
                 for step in range(self.start_step + 1, cfg.steps + 1):
                     before_step(step)
+                    if profiler is not None:
+                        profiler.before(step)
                     record = self.train_step(step)
+                    if profiler is not None and profiler.active(step):
+                        record["profiled"] = True
+                        profiler.after(step)
+                        if profiler.result is not None:
+                            r = profiler.result
+                            self.log(f"profile of steps {r['steps'][0]}-{r['steps'][1]}: {r['wall_ms_per_step']:.1f}"
+                                     f" ms/step, top: " + ", ".join(f"{k} {v:.1f} ms" for k, v in
+                                                                    list(r["by_class_ms"].items())[:4])
+                                     + f" -> {self.run_dir / 'profile.json'}")
                     self.metrics_log.write(record)
                     for warning in self.objective.watch(record):  # the objective's step warnings
                         self.message(warning)
@@ -717,6 +734,8 @@ class Trainer:
         except KeyboardInterrupt as e:
             raise TrainingInterrupted(step, self.last_saved, self.resume_command) from e
         finally:
+            if profiler is not None:
+                profiler.close()
             self.progress.close()
             self.progress = None
         self.finish()
