@@ -54,7 +54,8 @@ def test_the_three_row_forms_train_the_response_only(tmp_path, tok):
     ({"prompt": "", "chosen": "a", "rejected": "b"}, "\"prompt\" is empty"),
     ({"prompt": "x", "chosen": [{"role": "user", "content": "a"}], "rejected": "b"}, "assistant messages only"),
     ({"chosen": "a", "rejected": "b"}, "needs \"prompt\""),
-], ids=["identical", "no-rejected", "empty-prompt", "user-response", "no-prompt"])
+    ({"prompt": "x", "chosen": "a", "rejected": "b", "tools": []}, "\"tools\" in a preference row"),
+], ids=["identical", "no-rejected", "empty-prompt", "user-response", "no-prompt", "tools"])
 def test_invalid_rows_exit_2_naming_file_and_line(tmp_path, tok, row, reason):
     path = write(tmp_path / "p.jsonl", [{"prompt": "ok", "chosen": "a", "rejected": "b"}, row])
     with pytest.raises(InputError, match=f"{path}:2: .*{reason}".replace("(", r"\(")):

@@ -5,7 +5,8 @@ Row forms (one JSON object per line; blank lines are ignored), TRL's preference 
   {"prompt": "...", "chosen": "...", "rejected": "..."}                       text prompt (one user turn)
   {"prompt": [chat messages], "chosen": [assistant message(s)], "rejected": [...]}   conversational
   {"messages": [chat messages], "chosen": "..." | [...], "rejected": "..." | [...]}  (same, SFT's key)
-A response given as a string is one assistant message. The prompt messages and each response are validated by
+A response given as a string is one assistant message. Rows with "tools" are refused (tool-call pairs are not
+supported yet: exit 2 naming the row). The prompt messages and each response are validated by
 SFT's rules (data/sft.py: roles, non-empty content, the conversation ends with an assistant turn) and rendered
 with the model's chat template; the labels are the response's assistant turns only (each through its
 end-of-turn token), never the prompt, even where the prompt holds earlier assistant turns.
@@ -108,6 +109,9 @@ def row_to_pair(row: Any) -> tuple[list[dict], list[dict], list[dict]]:
     if not is_preference_row(row):
         raise RowError("unknown_format", f"row has keys {sorted(row)[:8]}; a preference row has \"prompt\" (or "
                                          f"\"messages\"), \"chosen\" and \"rejected\"")
+    if row.get("tools") is not None:  # the tool-call rendering of SFT rows is not wired into pairs (yet): say so
+        raise RowError("unknown_format", '"tools" in a preference row is not supported; train tool calls with '
+                                         "--objective sft rows")
     prompt = row.get("prompt", row.get("messages"))
     if isinstance(prompt, str):
         if not prompt.strip():
