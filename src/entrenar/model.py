@@ -374,17 +374,24 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None):
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None, per_token: bool = False):
         """The one entry point (train, eval, generation, torch.compile, FSDP hooks).
 
         Without labels: logits [B, T, V]. With labels (already shifted, IGNORE_INDEX ignored):
         (summed cross-entropy over non-ignored labels, number of such labels), computed by the
         fused linear cross-entropy, which never builds the logits on GPU. Callers divide by the
         token count of the whole step (all micro-batches), never per micro-batch.
+        With labels and per_token: each token's cross-entropy [B, T] in fp32 (0 where ignored), from fp32
+        logits (a preference objective sums them per sequence: train/objective.py). Inside forward, so
+        FSDP's hooks have the head gathered.
         """
         h = self.hidden_states(input_ids, position_ids, doc_ids, cache, attention_mask)
         if labels is None:
             return F.linear(h, self.head_weight)
+        if per_token:
+            logits = F.linear(h, self.head_weight).float()
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1),
+                                   ignore_index=IGNORE_INDEX, reduction="none").view(labels.shape)
         flat_labels = labels.reshape(-1)
         n = (flat_labels != IGNORE_INDEX).sum()
         loss = self.ops.linear_cross_entropy(h.reshape(-1, h.shape[-1]), self.head_weight,

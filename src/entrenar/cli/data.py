@@ -82,12 +82,14 @@ def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
+    from ..data.preference import is_preference_file, load_preference
     from ..data.sft import load_sft
 
     if not 0.0 <= args.max_skip_fraction <= 1.0:
         raise InputError(f"--max-skip-fraction must be in [0, 1], got {args.max_skip_fraction}")
     tok = _load_tokenizer(args.model, args.chat_template)
-    _, report = load_sft(args.data, tok, args.max_seq_len, truncation=args.truncation,
+    load = load_preference if Path(args.data).is_file() and is_preference_file(args.data) else load_sft  # DPO rows
+    _, report = load(args.data, tok, args.max_seq_len, truncation=args.truncation,
                          skip_invalid=args.skip_invalid, max_skip_fraction=None)
     # The report is shown before the guard decides, so a failing data set still shows its numbers.
     print("\n".join(report.summary_lines()), file=sys.stderr if args.json else sys.stdout, flush=True)
@@ -136,7 +138,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     q.add_argument("dirs", nargs="+", metavar="SOURCE", help="directories of Python source or single .py files")
 
-    q = add("check", cmd_check, "validate SFT JSONL against a model's chat template; report loss tokens")
+    q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) JSONL against a model's chat template; report loss tokens")
     q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")
     q.add_argument("--data", required=True, help="SFT JSONL file")
     q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)

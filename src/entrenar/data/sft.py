@@ -394,6 +394,62 @@ def _fit_sample(enc: Any, where: str, lineno: int, max_seq_len: int, truncation:
     return SFTExample(ids.astype(np.int32), shifted_labels(ids, mask), lineno, prompt_len, truncated), None
 
 
+def check_load_inputs(path: Path, tokenizer: ChatEncoder, max_seq_len: int, truncation: str, what: str) -> int:
+    """The arguments of a JSONL loader (SFT, preference) checked; returns the end-of-turn id (EOS without one)."""
+    if truncation not in TRUNCATION_POLICIES:
+        raise InputError(f"--truncation must be one of {', '.join(TRUNCATION_POLICIES)}, got {truncation!r}")
+    if not isinstance(max_seq_len, int) or max_seq_len < 2:
+        raise InputError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
+    if not path.is_file():
+        raise InputError(f"{path}: no such file ({what} is a JSONL file)")
+    eot = tokenizer.eot_id if tokenizer.eot_id is not None else getattr(tokenizer, "eos_id", None)
+    if eot is None:
+        raise InputError("the tokenizer has neither an end-of-turn nor an EOS token, so assistant turns "
+                         "cannot end; use the model's own tokenizer")
+    return int(eot)
+
+
+class RowLog:
+    """A loader's skipped and invalid rows: each reason's first MAX_LOGGED_WARNINGS warnings logged and kept in
+    the report, the rest counted (`finish`); an invalid row is InputError naming FILE:LINE unless skip_invalid."""
+
+    def __init__(self, path: Path, report: DataReport, skip_invalid: bool):
+        self.path, self.report, self.skip_invalid = path, report, skip_invalid
+        self.logged: dict[str, int] = {}
+
+    def skip(self, reason: str, msg: str) -> None:
+        self.report.skip(reason)
+        self.logged[reason] = self.logged.get(reason, 0) + 1
+        if self.logged[reason] <= MAX_LOGGED_WARNINGS:
+            logger.warning(msg)
+            self.report.warnings.append(msg)
+
+    def invalid(self, where: str, e: RowError) -> None:
+        if not self.skip_invalid:
+            raise InputError(f"{where}: {e} (fix the row, or pass --skip-invalid to skip and count "
+                             f"invalid rows)") from e
+        self.skip(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
+
+    def read(self) -> Iterator[tuple[int, str, Any]]:
+        """(line number, "FILE:LINE", row) of each row, counted as read; malformed lines go to `malformed`.
+        fileio.read_jsonl: the one JSONL reader (a UTF-8 BOM is accepted, issue 18 item 11)."""
+        for lineno, row in read_jsonl(self.path, on_error=self.malformed):
+            self.report.rows_read += 1
+            yield lineno, f"{self.path}:{lineno}", row
+
+    def malformed(self, lineno: int, e: json.JSONDecodeError) -> None:
+        self.report.rows_read += 1
+        self.invalid(f"{self.path}:{lineno}", RowError("malformed_json",
+                                                       f"malformed JSON ({e.msg} at column {e.colno})"))
+
+    def finish(self, what: str) -> None:
+        for reason, n in self.logged.items():
+            if n > MAX_LOGGED_WARNINGS:
+                logger.warning(f"{self.path}: {n - MAX_LOGGED_WARNINGS} more rows skipped for {reason} (not shown)")
+        if self.report.rows_read == 0:
+            raise InputError(f"{self.path}: no rows (the file is empty); {what} needs one JSON object per line")
+
+
 def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncation: str = "skip",
              skip_invalid: bool = False,
              max_skip_fraction: float | None = DEFAULT_MAX_SKIP_FRACTION) -> tuple[list[SFTExample], DataReport]:
@@ -404,49 +460,18 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
     the error's ``details`` hold the report.
     """
     path = Path(path)
-    if truncation not in TRUNCATION_POLICIES:
-        raise InputError(f"--truncation must be one of {', '.join(TRUNCATION_POLICIES)}, got {truncation!r}")
-    if not isinstance(max_seq_len, int) or max_seq_len < 2:
-        raise InputError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
-    if not path.is_file():
-        raise InputError(f"{path}: no such file (SFT data is a JSONL file)")
-    eot = tokenizer.eot_id if tokenizer.eot_id is not None else getattr(tokenizer, "eos_id", None)
-    if eot is None:
-        raise InputError("the tokenizer has neither an end-of-turn nor an EOS token, so assistant turns "
-                         "cannot end; use the model's own tokenizer")
-    eot_id = int(eot)
+    eot_id = check_load_inputs(path, tokenizer, max_seq_len, truncation, "SFT data")
     report = DataReport(str(path), max_seq_len, truncation,
                         tokenizer=str(getattr(tokenizer, "name", None) or getattr(tokenizer, "source", None)
                                       or type(tokenizer).__name__))
     examples: list[SFTExample] = []
-    logged: dict[str, int] = {}
+    rows = RowLog(path, report, skip_invalid)
     call_format = tool_calls.call_format(getattr(tokenizer, "chat_template", None))
-
-    def warn(reason: str, msg: str) -> None:
-        logged[reason] = logged.get(reason, 0) + 1
-        if logged[reason] <= MAX_LOGGED_WARNINGS:
-            logger.warning(msg)
-            report.warnings.append(msg)
-
-    def invalid(where: str, e: RowError) -> None:
-        if not skip_invalid:
-            raise InputError(f"{where}: {e} (fix the row, or pass --skip-invalid to skip and count "
-                             f"invalid rows)") from e
-        report.skip(e.reason)
-        warn(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
-
-    def malformed(lineno: int, e: json.JSONDecodeError) -> None:
-        report.rows_read += 1
-        invalid(f"{path}:{lineno}", RowError("malformed_json", f"malformed JSON ({e.msg} at column {e.colno})"))
-
-    # fileio.read_jsonl: the one JSONL reader (a UTF-8 BOM is accepted, issue 18 item 11)
-    for lineno, row in read_jsonl(path, on_error=malformed):
-        report.rows_read += 1
-        where = f"{path}:{lineno}"
+    for lineno, where, row in rows.read():
         try:
             messages, tools = row_to_chat(row)
         except RowError as e:
-            invalid(where, e)
+            rows.invalid(where, e)
             continue
 
         with_tools = tool_calls.has_tool_parts(messages, tools)
@@ -457,8 +482,7 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         ex, skipped = _fit_sample(enc, where, lineno, max_seq_len, truncation, report,
                                   getattr(tokenizer, "bos_id", None))
         if ex is None:
-            report.skip(skipped[0])
-            warn(*skipped)
+            rows.skip(*skipped)
             continue
         assert ex.loss_tokens > 0, f"{where}: a kept sample has no loss tokens"
         examples.append(ex)
@@ -468,11 +492,7 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         report.add(ex, not ex.truncated and eot_trained(ex, eot_id, turns, getattr(tokenizer, "decode", None),
                                                         call_format))
 
-    for reason, n in logged.items():
-        if n > MAX_LOGGED_WARNINGS:
-            logger.warning(f"{path}: {n - MAX_LOGGED_WARNINGS} more rows skipped for {reason} (not shown)")
-    if report.rows_read == 0:
-        raise InputError(f"{path}: no rows (the file is empty); SFT data needs one JSON object per line")
+    rows.finish("SFT data")
     if max_skip_fraction is not None:
         report.check(max_skip_fraction)
     return examples, report

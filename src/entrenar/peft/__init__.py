@@ -27,6 +27,7 @@ from .lora import (
     DEFAULT_TARGETS,
     ONTO,
     LoRALinear,
+    adapters_disabled,
     apply_lora,
     base_weight,
     count_parameters,
@@ -42,7 +43,7 @@ from .nf4_linear import NF4Linear
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_NOTE", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "ONTO", "PEFT_PREFIX",
-    "LoRALinear", "NF4Linear", "adapter_path", "adapter_state_dict", "apply_lora", "auto_lr",
+    "LoRALinear", "NF4Linear", "adapter_path", "adapter_state_dict", "adapters_disabled", "apply_lora", "auto_lr",
     "base_fingerprint", "base_weight", "check_base_identity", "count_parameters", "describe_parameters",
     "is_adapter_dir", "linear_layer_names", "load_adapter", "load_adapter_weights", "lora_modules",
     "merge_in_place", "parse_targets", "read_adapter_config", "save_adapter", "set_module",

@@ -15,9 +15,10 @@ full precision.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 
 import torch
 from torch import nn
@@ -49,6 +50,7 @@ class LoRALinear(nn.Module):
         self.lora_B = nn.utils.skip_init(nn.Linear, rank, self.out_features, bias=False, device="cpu",
                                          dtype=torch.float32)
         self.lora_dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        self.disabled = False  # adapters_disabled(): the base layer alone (DPO's reference forward)
         nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5), generator=generator)
         nn.init.zeros_(self.lora_B.weight)
         self.lora_A.to(device)
@@ -56,6 +58,8 @@ class LoRALinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.base_layer(x)
+        if self.disabled:
+            return y
         a = self.lora_A.weight
         h = self.lora_dropout(x)
         autocast = torch.is_autocast_enabled(x.device.type)
@@ -175,6 +179,22 @@ def apply_lora(model: nn.Module, rank: int, alpha: float, dropout: float = 0.0, 
 
 def lora_modules(model: nn.Module) -> dict[str, LoRALinear]:
     return {p: m for p, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+@contextlib.contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[int]:
+    """Inside, every LoRALinear of ``model`` (found through wrappers: DDP, FSDP2) computes its frozen base
+    layer alone: the model is its base, with no second copy of the weights (DPO's reference forward; PEFT's
+    ``disable_adapter``). Yields the number of adapters switched off; restored on exit, also on error."""
+    mods = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    before = [m.disabled for m in mods]
+    for m in mods:
+        m.disabled = True
+    try:
+        yield len(mods)
+    finally:
+        for m, was in zip(mods, before, strict=True):
+            m.disabled = was
 
 
 def count_parameters(model: nn.Module) -> dict[str, int]:

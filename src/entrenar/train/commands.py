@@ -366,7 +366,8 @@ def _resume_command() -> str | None:
     return shlex.join([*launch, *rest, "--resume", "auto"])
 
 
-def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final) -> dict:
+def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
+         objective=None) -> dict:
     """Everything validated: create the run directory, preflight, train, summarise. Under torchrun
     rank 0 writes the run directory's files and runs the preflight once (its verdict reaches every
     rank); the trainer applies FSDP/DDP and splits the data (train/parallel.py)."""
@@ -378,7 +379,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
             check_resume_has_work(out, args.resume, cfg.steps)
         with holding(out, ctx.run_on_main):  # one writer per run directory (runlock.py), from here to the end
             return _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
-                               save_final, trainers)
+                               save_final, trainers, objective)
     except BaseException as e:  # under torchrun a dead peer is named (exit 4), not "Connection reset by peer"
         judged = judge_failure(e, getattr(e, "last_checkpoint", trainers[0].last_saved if trainers else None),
                                _resume_command())
@@ -388,7 +389,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
 
 
 def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
-                trainers: list) -> dict:
+                trainers: list, objective=None) -> dict:
     ctx = current()
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
@@ -405,7 +406,7 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     from .model_files import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
 
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, save_final=save_final, log=_log,
-                            resume_command=_resume_command(),
+                            resume_command=_resume_command(), objective=objective,
                             checkpoint_files=functools.partial(write_checkpoint_files, tokenizer=tokenizer,
                                                                base_spec=args.model))
     trainers.append(trainer)
@@ -430,13 +431,27 @@ def _split_val(examples: list, fraction: float, seed: int) -> tuple[list, list]:
             [e for i, e in enumerate(examples) if i in val_idx])
 
 
-def cmd_finetune(args: Any) -> dict[str, Any]:
+def _rows_kind(objective: str, pack: bool) -> tuple[Any, Any, str]:
+    """(load function, loader class, kind) of --objective's rows: SFT rows, or preference pairs."""
+    from ..data.preference import PreferenceLoader, load_preference
     from ..data.sft import SFTLoader, load_sft
+
+    if objective == "sft":
+        return load_sft, SFTLoader, "sft"
+    if pack:
+        raise InputError(f"--pack packs SFT samples; --objective {objective} batches pairs (one pair per row, "
+                         f"chosen and rejected in one forward): drop --pack")
+    return load_preference, PreferenceLoader, "preference"
+
+
+def cmd_finetune(args: Any) -> dict[str, Any]:
     from ..formats import load_model, resolve_model
     from ..tokenizer import load_tokenizer, use_chat_template_file
+    from .objective import objective_for
 
     out = Path(args.out)
     cfg, lora, data = _configs(args, "finetune")
+    load_rows, Loader, kind = _rows_kind(cfg.objective, args.pack)
     join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)
     if not Path(args.data).is_file():
@@ -447,14 +462,14 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     tokenizer = load_tokenizer(args.model)
     tokenizer.name = args.model  # the data header names the model as given, not its resolved GGUF path
     use_chat_template_file(tokenizer, args.chat_template)  # saved with the model: generate renders chats as trained
-    examples, report = load_sft(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
-                                skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
+    examples, report = load_rows(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
+                                 skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
     for line in report.summary_lines():
         _log(line)
-    data_report: dict[str, Any] = {"kind": "sft", "train": report.to_dict()}
+    data_report: dict[str, Any] = {"kind": kind, "train": report.to_dict()}
     if args.val:
-        val_examples, val_report = load_sft(args.val, tokenizer, args.max_seq_len, truncation=args.truncation,
-                                            skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
+        val_examples, val_report = load_rows(args.val, tokenizer, args.max_seq_len, truncation=args.truncation,
+                                             skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
         data_report["val"] = val_report.to_dict()
     else:
         examples, val_examples = _split_val(examples, args.val_fraction, cfg.seed)
@@ -463,10 +478,10 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     data_report["train_examples"], data_report["val_examples"] = len(examples), len(val_examples)
     _check_batch(cfg.batch_size, len(examples), f"training samples left in {args.data}")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-    train_loader = SFTLoader(examples, cfg.batch_size, seed=cfg.seed, pack=args.pack,
-                             max_seq_len=args.max_seq_len, pad_id=pad_id)
-    eval_loader = SFTLoader(val_examples, cfg.batch_size, seed=cfg.seed, pack=False,
-                            max_seq_len=args.max_seq_len, pad_id=pad_id) if val_examples else None
+    train_loader = Loader(examples, cfg.batch_size, seed=cfg.seed, pack=args.pack, max_seq_len=args.max_seq_len,
+                          pad_id=pad_id)
+    eval_loader = Loader(val_examples, cfg.batch_size, seed=cfg.seed, pack=False, max_seq_len=args.max_seq_len,
+                         pad_id=pad_id) if val_examples else None
 
     model = load_model(args.model, dtype=torch.float32, kernels=args.kernels)
     if args.mode in ("lora", "qlora"):  # the adapter wraps the model before the optimizer is built
@@ -481,7 +496,9 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     else:
         save_final = _hf_saver(tokenizer)
     model = model.to(cfg.device).train()
-    return _run(args, "finetune", cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final)
+    objective = objective_for(cfg.objective, cfg.beta, args.mode)  # preference: its reference made in build_trainer
+    return _run(args, "finetune", cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
+                objective)
 
 
 def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:

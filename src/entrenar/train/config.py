@@ -23,6 +23,7 @@ from ..devices import DEFAULT_DEVICE, DEVICE_CHOICES_HELP, WEIGHT_DTYPES, resolv
 from ..errors import InputError
 from ..kernels import KERNELS
 from . import guards
+from .objective import DEFAULT_BETA, OBJECTIVES
 from .optim import SCHEDULES
 from .profiling import parse_profile
 
@@ -82,6 +83,13 @@ class TrainConfig:
                               metavar="MODEL", default_help="random init")
     mode: str = option("full", "what is trained: all weights, or LoRA / QLoRA adapters", commands=("finetune",),
                        choices=MODES)
+    objective: str = option("sft", "what a step minimises: sft (cross-entropy on the responses of SFT rows), or a "
+                                   "preference objective on prompt/chosen/rejected rows: dpo (the sigmoid DPO loss), ipo "
+                                   "(IPO, per-token averaged log-ratios), dpo-norm (length-normalised DPO). The reference "
+                                   "is the starting model: adapters switched off (lora/qlora) or a frozen copy (full)",
+                            commands=("finetune",), choices=OBJECTIVES)
+    beta: float = option(DEFAULT_BETA, "preference objectives: the KL strength (DPO's beta; IPO's tau)",
+                         commands=("finetune",))
     # the optimisation
     steps: int = option(1000, "optimizer steps")
     batch_size: int = option(8, "samples per micro-batch", commands=_EVERY,
@@ -191,6 +199,15 @@ class TrainConfig:
                            ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
                 raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 0):
+            raise InputError(f"--beta must be a finite number > 0, got {self.beta}")
+        if self.objective not in OBJECTIVES:
+            raise InputError(f"--objective {self.objective!r} not in {'|'.join(OBJECTIVES)}")
+        if self.objective != "sft" and self.mode == "full" and self.dtype in ("bf16-weights", "fp8"):
+            # the frozen reference copy would not compute as the policy does (bf16 step copies, float8 swap)
+            raise InputError(f"--objective {self.objective} --mode full: {name('dtype')} {self.dtype} is not supported "
+                             f"(the reference copy must compute exactly as the policy at step 0); use "
+                             f"{name('dtype')} bf16 or fp32, or --mode lora")
         if self.dtype == "bf16-pure" and self.mode != "full":
             raise InputError(f"{name('dtype')} bf16-pure trains every weight in bf16 (--mode full); with "
                              f"--mode {self.mode} the adapters are a few MB: use {name('dtype')} bf16")

@@ -293,8 +293,9 @@ class RankSlice:
     Eval (`iter_epoch`) splits each global batch the same way.
     """
 
-    def __init__(self, loader: Any, ctx: DistContext):
-        self.inner, self.rank, self.world = loader, ctx.rank, ctx.world
+    def __init__(self, loader: Any, ctx: DistContext,
+                 counts: Callable[[dict[str, Any]], tuple[int, int, int]] = batch_counts):
+        self.inner, self.rank, self.world, self.counts = loader, ctx.rank, ctx.world, counts
         self.per_rank = int(loader.batch_size)
         loader.batch_size = self.per_rank * self.world
 
@@ -307,10 +308,11 @@ class RankSlice:
     def _job_counts(self, batch: dict[str, Any]) -> tuple[int, int, int]:
         """batch_counts summed over every rank's share: the shares with rows split the global batch, and
         a rank left without rows runs one dummy row without loss tokens (slice_rows)."""
-        loss_tokens, empty, tokens = batch_counts(batch)
-        rows, width = batch["input_ids"].shape
-        idle = sum(1 for r in range(self.world) if self._bounds(int(rows), r)[0] == int(rows))
-        return loss_tokens, empty + idle, tokens + idle * int(width)
+        loss_tokens, empty, tokens = self.counts(batch)  # the objective's (tokens, or pairs)
+        rows = int(batch["input_ids"].shape[0])
+        row_tokens = batch["input_ids"][0].numel()
+        idle = sum(1 for r in range(self.world) if self._bounds(rows, r)[0] == rows)
+        return loss_tokens, empty + idle, tokens + idle * int(row_tokens)
 
     def next_batch(self) -> dict[str, Any]:
         """This rank's rows, carrying (JOB_COUNTS) the counts of every rank's rows: each rank holds the
@@ -345,12 +347,13 @@ class RankSlice:
         return getattr(self.inner, name)
 
 
-def shard_loader(loader: Any, ctx: DistContext | None = None) -> Any:
-    """`loader` itself in a single process, else its `RankSlice` for this rank."""
+def shard_loader(loader: Any, ctx: DistContext | None = None,
+                 counts: Callable[[dict[str, Any]], tuple[int, int, int]] = batch_counts) -> Any:
+    """`loader` itself in a single process, else its `RankSlice` for this rank (`counts`: the objective's)."""
     ctx = ctx or current()
     if loader is None or not ctx.active:
         return loader
-    return RankSlice(loader, ctx)
+    return RankSlice(loader, ctx, counts)
 
 
 def global_batch(batch_size: int, grad_accum: int, world: int) -> int:

@@ -8,6 +8,9 @@
 - GUARD-EVAL-ANOMALY     eval loss implausibly far below train loss, or perplexity ~1
 - GUARD-EVAL-COLLAPSE    eval loss back at ln(vocab) after having been well below it
 - GUARD-EVAL-DIVERGED    eval loss far above the run's best eval: training destroyed the model
+- GUARD-INIT-LOSS of a preference objective: the step-0 loss is not its value at policy = reference (ln 2)
+- GUARD-PREF-MARGINS     (warning) preference reward margins running away past where the loss has a gradient
+- GUARD-PREF-ACCURACY    (warning) preference accuracy stuck at 0.5 while the loss falls
 """
 
 from __future__ import annotations
@@ -123,7 +126,8 @@ def check_eval_finite(eval_loss: float, step: int, kept: str) -> None:
             details={"step": step, "eval_loss": eval_loss})
 
 
-def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, uniform: float, step: int) -> None:
+def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, uniform: float, step: int,
+                        uniform_name: str = "ln(vocab)") -> None:
     """Eval loss back at `uniform` (the objective's loss of a uniform guess: ln(vocab) for cross-entropy)
     after having been well below it. Further above it than DIVERGED_MIN_RISE the model does not predict
     uniformly: GUARD-EVAL-DIVERGED (checked next) names that, and always fires there (its limit is below
@@ -134,7 +138,7 @@ def check_eval_collapse(eval_loss: float, best_eval_loss: float | None, uniform:
         return
     raise GuardError(
         "GUARD-EVAL-COLLAPSE",
-        f"at step {step}: eval loss {eval_loss:.4f} is back at ln(vocab) = {uniform:.4f} after having been "
+        f"at step {step}: eval loss {eval_loss:.4f} is back at {uniform_name} = {uniform:.4f} after having been "
         f"{best_eval_loss:.4f}: the model now predicts (almost) uniformly, so training destroyed it "
         f"(typically a learning rate far too large for this model and mode).",
         "lower --lr (or use --lr auto for LoRA/QLoRA), raise --warmup; resume from a checkpoint "
@@ -154,7 +158,8 @@ DIVERGED_REMEDY = ("lower --lr (10x is a good first try; --lr auto picks a fine-
 
 
 def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, uniform: float, step: int,
-                        find_best_checkpoint: Callable[[], tuple[Path, int, float] | None]) -> None:
+                        find_best_checkpoint: Callable[[], tuple[Path, int, float] | None],
+                        uniform_name: str = "ln(vocab)") -> None:
     """An eval loss far above the run's best (diverged_limit): the model is destroyed, so the run stops
     at this eval. `find_best_checkpoint()` (called only when the guard fires) gives (path, step, eval
     loss) of the kept checkpoint with the lowest eval, named in the message, or None."""
@@ -176,7 +181,7 @@ def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, uniform:
         "GUARD-EVAL-DIVERGED",
         f"at step {step}: eval loss {eval_loss:.4f} is {eval_loss - best_eval_loss:.2f} nats above the run's best "
         f"eval {best_eval_loss:.4f}, past the limit {limit:.4f} (best + max({DIVERGED_MIN_RISE:g}, "
-        f"{DIVERGED_GAP_FRACTION:g} x (ln(vocab) {uniform:.4f} - best))): training destroyed the model "
+        f"{DIVERGED_GAP_FRACTION:g} x ({uniform_name} {uniform:.4f} - best))): training destroyed the model "
         f"(typically a learning rate far too large for this model and mode, or --clip 0). Training stopped "
         f"at this eval and final/ was not written; {kept}.",
         DIVERGED_REMEDY + then,
@@ -197,6 +202,89 @@ def check_init_loss(eval_loss: float, uniform: float, source: str) -> None:
             "and theta, RMSNorm eps, and that the tokenizer matches the model; `entrenar verify "
             "--model MODEL` bisects against transformers",
             details={"eval_loss": eval_loss, "ln_vocab": uniform})
+
+
+# A preference objective's step 0: the policy is its reference, so every log-ratio is 0 and the loss is its
+# start value exactly (the same forward twice; LoRA's B = 0 adds an exact 0). Rounding alone moves it by ~1e-7
+# (a frozen copy under another parallel layout, bf16); a reference that is another model moves it by ~beta x the
+# log-prob difference of a response (tens of nats): far above this.
+PREFERENCE_START_TOLERANCE = 1e-3
+
+
+def check_preference_start(loss: float, start: float, metrics: dict, objective: str, source: str) -> None:
+    """GUARD-INIT-LOSS of a preference objective: step-0 loss == its value at policy = reference, rewards 0."""
+    rewards = [abs(float(metrics.get(k) or 0.0)) for k in ("rewards/chosen", "rewards/rejected")]
+    off = abs(loss - start) if math.isfinite(loss) else math.inf
+    if off <= PREFERENCE_START_TOLERANCE * max(1.0, start) and max(rewards) <= PREFERENCE_START_TOLERANCE:
+        return
+    raise GuardError(
+        "GUARD-INIT-LOSS",
+        f"step-0 {objective} loss of {source} is {loss:.6f}, not {start:.6f} (the loss when the policy equals its "
+        f"reference; mean rewards chosen {metrics.get('rewards/chosen')}, rejected {metrics.get('rewards/rejected')}, "
+        f"both must be 0): the reference is not the starting policy, so every reward measures a difference that "
+        f"was there before training.",
+        "the reference must be the model training starts from: LoRA/QLoRA adapters zero at the start (B = 0; not a "
+        "trained adapter continued as a new run), no dropout or other randomness in the forward that differs "
+        "between the policy and reference passes, the same weights and dtype for both (--mode full copies the "
+        "model after --dtype's cast)",
+        details={"eval_loss": loss, "start": start, "rewards": rewards})
+
+
+# GUARD-PREF-MARGINS: -log sigmoid(20) = 2e-9, so a sigmoid loss past a mean margin of 20 has no gradient left:
+# the margins grow from the learning rate and momentum alone, the policy runs away from its reference (the KL
+# term no longer holds it), usually by pushing the rejected log-probs (and with them the chosen ones) down.
+MARGIN_LIMIT = 20.0
+# GUARD-PREF-ACCURACY: over the last ACCURACY_WINDOW steps, accuracy within 0.5 +- ACCURACY_BAND while the loss
+# is below STUCK_LOSS_FRACTION x its start: some pairs separate ever more while as many stay wrong.
+ACCURACY_WINDOW = 16
+ACCURACY_BAND = 0.1
+STUCK_LOSS_FRACTION = 0.9
+
+
+class PreferenceWatch:
+    """The preference objectives' step warnings (each said once per run; their state is checkpointed)."""
+
+    def __init__(self, start_loss: float, margin_guard: bool = True):
+        self.start_loss, self.margin_guard = start_loss, margin_guard
+        self.window: deque[tuple[float, float]] = deque(maxlen=ACCURACY_WINDOW)
+        self.fired: list[str] = []
+
+    def update(self, record: dict) -> list[str]:
+        """Messages for this step's record (loss, rewards/margins, rewards/accuracies)."""
+        if record.get("skipped") or not math.isfinite(record.get("loss", math.nan)):
+            return []
+        out = []
+        margin, step = record.get("rewards/margins"), record.get("step")
+        if self.margin_guard and margin is not None and margin > MARGIN_LIMIT and "margins" not in self.fired:
+            self.fired.append("margins")
+            out.append(f"GUARD-PREF-MARGINS (warning) at step {step}: mean reward margin {margin:.1f} > {MARGIN_LIMIT:g}, "
+                       f"where the loss has no gradient left: the policy is running away from its reference "
+                       f"(rewards chosen {record.get('rewards/chosen', 0):.1f}, rejected "
+                       f"{record.get('rewards/rejected', 0):.1f}; chosen falling too is likelihood displacement). "
+                       f"Usually the learning rate is too high or --beta too small, or the rejected responses are "
+                       f"trivially told apart (another format or length); lower --lr, raise --beta, check the pairs")
+        self.window.append((float(record["loss"]), float(record.get("rewards/accuracies", 0.5))))
+        if len(self.window) == ACCURACY_WINDOW and "accuracy" not in self.fired:
+            loss = sum(v[0] for v in self.window) / len(self.window)
+            acc = sum(v[1] for v in self.window) / len(self.window)
+            if abs(acc - 0.5) <= ACCURACY_BAND and loss < STUCK_LOSS_FRACTION * self.start_loss:
+                self.fired.append("accuracy")
+                out.append(f"GUARD-PREF-ACCURACY (warning) at step {step}: accuracy {acc:.2f} over the last "
+                           f"{ACCURACY_WINDOW} steps while the loss fell to {loss:.4f} (start {self.start_loss:.4f}): "
+                           f"half of the pairs separate ever more while the other half stay wrong. That usually "
+                           f"means half of the data carries no learnable preference: chosen and rejected swapped in "
+                           f"part of the data (two sources with opposite conventions), pairs that differ only after "
+                           f"the --max-seq-len cut or in formatting, or batches of 2 pairs (accuracy takes 0, 0.5, 1 "
+                           f"only); check the pairs, a larger --batch-size, --beta")
+        return out
+
+    def state_dict(self) -> dict:
+        return {"window": [list(v) for v in self.window], "fired": list(self.fired)}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.window.clear()
+        self.window.extend(tuple(v) for v in sd.get("window", []))
+        self.fired = list(sd.get("fired", []))
 
 
 def check_loss_tokens(total_tokens: int, step: int, sample_ids: list) -> None:

@@ -51,7 +51,7 @@ import torch
 
 from ..errors import GuardError, InputError
 from ..fileio import atomic_write
-from ..tensors import JOB_COUNTS, batch_counts
+from ..tensors import JOB_COUNTS
 from . import guards
 from .checkpoint import (
     Checkpointer,
@@ -114,34 +114,41 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], device: torch.devi
              dtype: str | Precision = "fp32", max_batches: int = 0, reduce: DistReduce | None = None,
              objective: Objective | None = None) -> dict[str, float]:
     """Token-weighted eval: sum of per-token losses / number of loss tokens, and exp of it, summed over
-    every rank with `reduce`. The sum stays on the device in float64 (the same additions as a Python float
-    sum) and is read once."""
+    every rank with `reduce` (the objective's loss units: pairs for a preference objective, whose metrics,
+    e.g. rewards/accuracies, are added as their means over the eval set). The sums stay on the device in
+    float64 (the same additions as a Python float sum) and are read once."""
     device, precision, objective = torch.device(device), as_precision(dtype), objective or CausalLMLoss()
     was_training = model.training
     model.eval()
     total = torch.zeros((), dtype=torch.float64, device=device)
     count, n_batches = 0, 0
+    sums: dict[str, torch.Tensor] = {}
     try:
         for i, batch in enumerate(batches):
             if max_batches and i >= max_batches:
                 break
             with precision.autocast(device):
-                loss_sum, n, _ = objective.loss(model, batch, device)
+                loss_sum, n, found = objective.loss(model, batch, device)
             total += loss_sum.double()
+            for k, v in found.items():
+                sums[k] = sums[k] + v.double() if k in sums else v.double()
             count += n
             n_batches += 1
     finally:
         model.train(was_training)
+    names = sorted(sums)
     if reduce is not None:
         total, count = reduce.all_reduce_sum(total), reduce.all_reduce_sum(count)
+        sums = {k: reduce.all_reduce_sum(sums[k]) for k in names}
     total, count = float(total), int(count)
+    extra = objective.step_metrics({k: float(sums[k]) for k in names}, count) if count else {}
     if count == 0:
         raise GuardError("GUARD-ZERO-LOSS-TOKENS",
                          f"the eval set ({n_batches} batches) has no loss tokens, so its loss is undefined.",
                          "check the eval data: responses truncated away by --max-seq-len, or an empty split")
     loss = total / count
     ppl = math.exp(min(loss, 50.0)) if math.isfinite(loss) else float("nan")
-    return {"loss": loss, "ppl": ppl, "tokens": count, "batches": n_batches}
+    return {"loss": loss, "ppl": ppl, "tokens": count, "batches": n_batches, **extra}
 
 
 def backward_micro_batches(model: torch.nn.Module, micro_batches: list[dict], device: torch.device,
@@ -400,7 +407,7 @@ class Trainer:
                 "spike": self.spikes.state_dict(), "counters": dict(self.counters),
                 "recent_losses": self.recent_losses[-64:], "rng": rng,
                 "epoch": getattr(self.train_loader, "epoch", None), "weights_ref": self.weights_ref,
-                "best_eval": self.best_eval,
+                "best_eval": self.best_eval, "objective": self.objective.state_dict(),
                 "eval_losses": [[s, v] for s, v in sorted(self.eval_losses.items()) if s <= step]}
 
     def load_trainer_state(self, st: dict[str, Any]) -> None:
@@ -416,6 +423,7 @@ class Trainer:
         self.weights_ref = st.get("weights_ref", self.weights_ref)
         self.best_eval = st.get("best_eval")
         self.eval_losses = {int(s): float(v) for s, v in st.get("eval_losses", [])}
+        self.objective.load_state_dict(st.get("objective") or {})
         set_rng_state(st["rng"])
 
     def step0(self) -> dict[str, Any]:
@@ -428,8 +436,8 @@ class Trainer:
             ev = self.run_eval(0)
             record["eval"] = ev
             self.spikes.set_reference(ev["loss"])  # GUARD-SPIKE's early-phase reference (with the first step's)
-            self.log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} tokens); "
-                     f"ln(vocab) = {record['ln_vocab']:.4f}")
+            self.log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} {self.objective.unit}); "
+                     f"{self.objective.uniform_name} = {record['ln_vocab']:.4f}")
         elif self.cfg.check_init_loss:  # no eval set: judge the start on the first train batch, unconsumed
             state = self.train_loader.state_dict()
             first = [self.train_loader.next_batch() for _ in range(self.cfg.grad_accum)]
@@ -443,8 +451,7 @@ class Trainer:
         if not self.cfg.check_init_loss:
             return
         ev0 = record.get("eval") or record.get("first_train_batch")
-        guards.check_init_loss(ev0["loss"], self.uniform_loss, str(self.cfg.init or self.cfg.model))
-        self.log(f"GUARD-INIT-LOSS ok: step-0 loss {ev0['loss']:.4f} < ln(vocab) {record['ln_vocab']:.4f}")
+        self.log(self.objective.check_start(ev0["loss"], self.uniform_loss, ev0, str(self.cfg.init or self.cfg.model)))
 
     # ---- one step --------------------------------------------------------------------------------
     def fetch_micro_batches(self) -> list[dict]:
@@ -459,7 +466,7 @@ class Trainer:
         counts are all-reduced (self.reduce; the identity in one process)."""
         if all(JOB_COUNTS in b for b in micro):
             return tuple(sum(c) for c in zip(*(b[JOB_COUNTS] for b in micro), strict=True))
-        local = torch.tensor([sum(c) for c in zip(*(batch_counts(b) for b in micro), strict=True)],
+        local = torch.tensor([sum(c) for c in zip(*(self.objective.counts(b) for b in micro), strict=True)],
                              dtype=torch.float64)
         return tuple(round(x) for x in self.reduce.all_reduce_sum(local).tolist())
 
@@ -608,12 +615,15 @@ class Trainer:
         loss). Each decides on the eval loss reduced over every rank, so all ranks stop at the same eval."""
         best_before = self.best_eval
         ev = self.run_eval(step)
-        self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}")
+        self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}"
+                     + (f" accuracy {ev['rewards/accuracies']:.3f}" if "rewards/accuracies" in ev else ""))
         guards.check_eval_finite(ev["loss"], step, self.kept_text(self.last_saved))
-        guards.check_eval_collapse(ev["loss"], best_before, self.uniform_loss, step)
-        guards.check_eval_diverged(ev["loss"], best_before, self.uniform_loss, step, self.best_checkpoint)
+        name = self.objective.uniform_name
+        guards.check_eval_collapse(ev["loss"], best_before, self.uniform_loss, step, name)
+        guards.check_eval_diverged(ev["loss"], best_before, self.uniform_loss, step, self.best_checkpoint, name)
         window = self.recent_losses[-20:]
-        guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
+        if self.objective.eval_anomaly:
+            guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
         return ev
 
     def best_checkpoint(self) -> tuple[Path, int, float] | None:
@@ -716,6 +726,8 @@ class Trainer:
                                                                     list(r["by_class_ms"].items())[:4])
                                      + f" -> {self.run_dir / 'profile.json'}")
                     self.metrics_log.write(record)
+                    for warning in self.objective.watch(record):  # the objective's step warnings
+                        self.message(warning)
                     self.progress.update(step, record["loss"], record["tok_s"],
                                          f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f}")
                     self.after_step(step)
@@ -757,12 +769,15 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     precision = precision_policy(cfg.dtype)
     assert not (precision.one_process_only and ctx.active), f"--dtype {cfg.dtype} is refused under torchrun (commands)"
     model = precision.prepare_model(model)
+    objective = objective or CausalLMLoss()
+    objective.bind(model)  # a frozen reference copy (preference objectives, --mode full) of what training starts from
     # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
     apply_memory_options(model, cfg)
     strategy = apply_parallel(model, ctx, cfg.parallel, precision, cfg.mode in ("lora", "qlora"), cfg.grad_accum)
     checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files)
-    return Trainer(strategy, shard_loader(train_loader, ctx), shard_loader(eval_loader, ctx), cfg, run_dir,
-                   precision=precision, objective=objective or CausalLMLoss(), checkpointer=checkpointer,
+    return Trainer(strategy, shard_loader(train_loader, ctx, objective.counts),
+                   shard_loader(eval_loader, ctx, objective.counts), cfg, run_dir,
+                   precision=precision, objective=objective, checkpointer=checkpointer,
                    save_final=save_final, log=log if ctx.is_main else (lambda text: None),
                    resume_command=resume_command)
 
