@@ -108,8 +108,8 @@ def test_loss_gradients_and_metrics_equal_trl(objective, models, tmp_path):
     (loss_sum / pairs).backward()
     metrics = obj.step_metrics({k: float(v) for k, v in sums.items()}, pairs)
 
-    ours_loss = float(loss_sum.detach()) / pairs
-    assert abs(ours_loss - float(trl_loss)) <= LOSS_BOUND * abs(float(trl_loss)), (ours_loss, float(trl_loss))
+    ours_loss, trl_value = float(loss_sum.detach()) / pairs, float(trl_loss.detach())
+    assert abs(ours_loss - trl_value) <= LOSS_BOUND * abs(trl_value), (ours_loss, trl_value)
     assert not math.isclose(ours_loss, obj.uniform_loss(0), rel_tol=1e-3)  # the perturbation shows in the loss
     for k in ("rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies", "logps/chosen",
               "logps/rejected"):
