@@ -94,8 +94,9 @@ def test_workers_2_shards_are_byte_identical_to_workers_1(tmp_path, tok_dir, mon
     tree = messy_tree(tmp_path)
     (tree / "latin1.py").unlink()
     (tree / "locked.txt").unlink()
-    # a large first file: its task finishes last, so results written in completion order would differ
-    (tree / "a_big.py").write_text("".join(TEXTS) * 200)
+    # a large first file: its task finishes last (also when the second spawned worker starts late on a loaded
+    # machine: the mutation below was missed once at 200 copies), so completion order would differ
+    (tree / "a_big.py").write_text("".join(TEXTS) * 1000)
     monkeypatch.setattr(corpus, "TASK_BYTES", 200)  # many tasks, so both workers get some
     tok = load_tokenizer(tok_dir)
     one = pack([str(tree)], tok, tmp_path / "w1", val_fraction=0.2, shard_tokens=97, workers=1)
