@@ -229,36 +229,13 @@ def apply_liger(cfg):
     fn(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=True)
 
 
-# ---- profiler split of one step --------------------------------------------------------------
-def classify(kernel: str) -> str:
-    k = kernel.lower()
-    if "flash" in k or "fmha" in k or "attention" in k or "sdpa" in k:
-        return "attention (sdpa)"
-    if any(s in k for s in ("gemm", "cutlass", "sm90_xmma", "cublas", "nvjet", "matmul", "wgmma")):
-        return "matmul (cuBLAS)"
-    if "dequant" in k or "nf4" in k:
-        return "nf4 dequantize"
-    if "_rms_norm" in k:
-        return "triton rmsnorm"
-    if "_rope" in k:
-        return "triton rope"
-    if "_swiglu" in k:
-        return "triton swiglu"
-    if "_ce_rows" in k:
-        return "triton cross-entropy"
-    if "adam" in k or "multi_tensor" in k:
-        return "optimizer"
-    if "embedding" in k or "index" in k or "scatter" in k or "gather" in k:
-        return "embedding"
-    if "reduce" in k:
-        return "reductions"
-    return "elementwise/other"
-
-
+# ---- profiler split of one step (the CLI's --profile summary: entrenar.train.profiling) ----------------
 def timed_profile(run_steps, steps: int) -> dict:
     """Profile `run_steps()` (which runs `steps` steps): device ms per kernel class and step, against the
-    wall time per step; idle = wall - kernels (host work the device waited for)."""
+    wall time per step; idle = wall - compute kernels (host work the device waited for)."""
     from torch.profiler import ProfilerActivity, profile
+
+    from entrenar.train.profiling import summarize
 
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -266,16 +243,7 @@ def timed_profile(run_steps, steps: int) -> dict:
         run_steps()
         torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    by_class: dict[str, float] = {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", 0.0)
-        if t > 0 and not evt.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
-            c = classify(evt.key)
-            by_class[c] = by_class.get(c, 0.0) + t / 1e3 / steps
-    busy = sum(by_class.values())
-    return {"wall_ms_per_step": 1e3 * wall / steps, "kernel_ms_per_step": busy,
-            "idle_ms_per_step": 1e3 * wall / steps - busy,
-            "by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1]))}
+    return summarize(prof.key_averages(), steps, wall, on_cuda=True)
 
 
 def profile_step(cfg, args, device, dtype, autocast):
@@ -295,26 +263,7 @@ def profile_step(cfg, args, device, dtype, autocast):
 
     for _ in range(2):
         step()
-    torch.cuda.synchronize()
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        step()
-        torch.cuda.synchronize()
-    by_class: dict[str, float] = {}
-    by_kernel: dict[str, float] = {}
-    for evt in prof.key_averages():
-        t = getattr(evt, "device_time_total", None)
-        if t is None:
-            t = evt.cuda_time_total
-        if t <= 0 or evt.key.startswith(("ProfilerStep", "cudaDeviceSynchronize")):
-            continue
-        by_kernel[evt.key] = by_kernel.get(evt.key, 0.0) + t / 1e3
-        c = classify(evt.key)
-        by_class[c] = by_class.get(c, 0.0) + t / 1e3
-    top = sorted(by_kernel.items(), key=lambda kv: -kv[1])[:30]
-    return {"by_class_ms": dict(sorted(by_class.items(), key=lambda kv: -kv[1])),
-            "top_kernels_ms": [[k[:110], v] for k, v in top]}
+    return timed_profile(step, 1)
 
 
 # ---- micro-benchmark ------------------------------------------------------------------------
