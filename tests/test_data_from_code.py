@@ -137,3 +137,96 @@ def test_a_single_py_file_is_accepted(tmp_path):
     rows = read_rows(tmp_path / "one.jsonl")
     assert stats["files"] == 1 and len(rows) == 1 and rows[0]["source"] == "sub/a.py:1"
     assert "def first():" in rows[0]["messages"][-1]["content"]
+
+
+FILTERS = textwrap.dedent('''
+    import re
+    from os import path as osp
+
+    LIMIT = 3
+
+
+    def _helper(x):
+        """A private helper."""
+        return x
+
+
+    def uses_helper(x):
+        """Calls a module helper the prompt never shows."""
+        y = x + 1
+        y = y * 2
+        return _helper(y)
+
+
+    def uses_constant(x):
+        """Reads a module constant."""
+        y = x * 2
+        y = y - 1
+        return min(y, LIMIT)
+
+
+    def self_contained(text, sep=","):
+        """Splits, strips and drops empty pieces."""
+        parts = re.split(sep, text)
+        out = [p.strip() for p in parts]
+        for i, p in enumerate(out):
+            if not p:
+                out[i] = osp.sep
+        try:
+            return [p for p in out if p]
+        except ValueError as err:
+            raise RuntimeError(err) from None
+
+
+    def short(x):
+        """One line."""
+        return abs(x)
+
+
+    class K:
+        def method(self, x):
+            """A method: needs its class."""
+            y = x
+            z = y
+            return z
+''')
+
+
+def test_answer_fenced_self_contained_and_min_body_lines(tmp_path, capsys):
+    src = tmp_path / "m.py"
+    src.write_text(FILTERS)
+    out = tmp_path / "o.jsonl"
+    assert main(["data", "sft-from-code", "--out", str(out), "--answer", "fenced", "--self-contained",
+                 "--min-body-lines", "3", str(src), "--json"]) == 0
+    stats = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["source"].split(":")[0] for r in rows] == [f"{tmp_path.name}/m.py"]
+    answer = rows[0]["messages"][-1]["content"]
+    assert answer.startswith("```python\ndef self_contained(text, sep=\",\"):\n") and answer.endswith("\n```")
+    # _helper and short are under 3 body lines; uses_helper, uses_constant and the method are not self-contained
+    assert stats["short_skipped"] == 2 and stats["not_self_contained_skipped"] == 3 and stats["rows"] == 1
+    # the defaults keep every documented function with its plain source
+    plain = tmp_path / "p.jsonl"
+    sft_from_code([str(src)], plain)
+    names = [json.loads(line)["messages"][-1]["content"].split("(")[0] for line in plain.read_text().splitlines()]
+    assert names == ["def _helper", "def uses_helper", "def uses_constant", "def self_contained", "def short",
+                     "def method"]
+
+
+def test_free_names():
+    import ast
+
+    from entrenar.data.from_code import free_names
+
+    fns = {n.name: n for n in ast.walk(ast.parse(FILTERS)) if isinstance(n, ast.FunctionDef)}
+    assert free_names(fns["uses_helper"]) == {"_helper"}
+    assert free_names(fns["uses_constant"]) == {"LIMIT"}
+    assert free_names(fns["self_contained"]) == {"re", "osp"}  # module imports: allowed by --self-contained
+
+
+def test_bad_filter_values_exit_2(tmp_path, capsys):
+    src = tmp_path / "m.py"
+    src.write_text(FILTERS)
+    assert main(["data", "sft-from-code", "--out", str(tmp_path / "o.jsonl"), "--min-body-lines", "0",
+                 str(src)]) == 2
+    assert "--min-body-lines 0" in capsys.readouterr().err

@@ -8,6 +8,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..data.from_code import ANSWER_FORMATS
 from ..data.sft import CHAT_TEMPLATE_HELP, DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
 from ..errors import InputError
 
@@ -73,11 +74,14 @@ def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
             raise InputError(f"{path}: no such file (--system-prompt-file)")
         system_prompt = path.read_text(encoding="utf-8")
     stats = sft_from_code(args.dirs, args.out, system_prompt=system_prompt, excludes=args.exclude,
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, answer=args.answer, min_body_lines=args.min_body_lines,
+                          self_contained=args.self_contained)
     if not args.json:
         print(f"wrote {stats['rows']} rows to {stats['out']} from {stats['files']} files "
               f"({stats['files_unparsable']} unparsable, skipped); {stats['functions']} functions, "
-              f"{stats['functions_with_docstring']} with docstrings, {stats['stubs_skipped']} stubs skipped")
+              f"{stats['functions_with_docstring']} with docstrings, {stats['stubs_skipped']} stubs skipped, "
+              f"{stats['short_skipped']} shorter than --min-body-lines, {stats['not_self_contained_skipped']} not "
+              "self-contained")
     return stats
 
 
@@ -135,6 +139,14 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
     q.add_argument("--exclude", action="append", default=[], metavar="GLOB",
                    help="skip .py files whose path relative to DIR matches (repeatable)")
+    q.add_argument("--answer", choices=ANSWER_FORMATS, default="plain",
+                   help="the assistant's answer: the function's source (plain), or inside a ```python block as "
+                        "chat models answer (fenced) (plain)")
+    q.add_argument("--min-body-lines", type=int, default=1, metavar="N",
+                   help="skip functions whose body after the docstring spans fewer than N lines (1)")
+    q.add_argument("--self-contained", action="store_true",
+                   help="skip methods and functions that read module-level names other than imports "
+                        "(helpers, constants)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     q.add_argument("dirs", nargs="+", metavar="SOURCE", help="directories of Python source or single .py files")
 

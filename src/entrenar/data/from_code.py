@@ -9,6 +9,7 @@ output is identical on every run. Files that do not parse are skipped and counte
 from __future__ import annotations
 
 import ast
+import builtins
 import fnmatch
 import json
 import os
@@ -25,6 +26,7 @@ from ..outpaths import check_replaceable_file, looks_like_jsonl
 # (the standard library's directory holds site-packages, which is not the standard library).
 DEFAULT_EXCLUDED_DIRS = ("__pycache__", "site-packages", "dist-packages", "node_modules")
 MAX_UNPARSABLE_LISTED = 20
+ANSWER_FORMATS = ("plain", "fenced")
 
 
 def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
@@ -73,6 +75,42 @@ def _user_message(node: ast.FunctionDef | ast.AsyncFunctionDef, docstring: str, 
             f"function only.\n\n```python\n{_signature(node)}\n{quoted}\n```")
 
 
+def _module_imports(tree: ast.AST) -> set[str]:
+    """Names bound by the module's top-level imports (``import a.b`` binds ``a``)."""
+    names: set[str] = set()
+    for stmt in getattr(tree, "body", []):
+        if isinstance(stmt, (ast.Import, ast.ImportFrom)):
+            for alias in stmt.names:
+                names.add(alias.asname or alias.name.split(".")[0])
+    return names
+
+
+def free_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+    """Names the function reads that it does not bind itself (parameters, assignments, loop and
+    comprehension targets, imports, nested definitions) and that are not builtins: what it needs from
+    the module around it."""
+    bound: set[str] = set()
+    loaded: set[str] = set()
+    for sub in ast.walk(node):
+        if isinstance(sub, ast.Name):
+            (loaded if isinstance(sub.ctx, ast.Load) else bound).add(sub.id)
+        elif isinstance(sub, ast.arg):
+            bound.add(sub.arg)
+        elif isinstance(sub, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) and sub is not node:
+            bound.add(sub.name)
+        elif isinstance(sub, (ast.Import, ast.ImportFrom)):
+            bound.update(a.asname or a.name.split(".")[0] for a in sub.names)
+        elif isinstance(sub, (ast.ExceptHandler, ast.MatchAs, ast.MatchStar)) and sub.name:
+            bound.add(sub.name)
+    return loaded - bound - set(dir(builtins))
+
+
+def _body_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
+    """Source lines of the body after the docstring (blank lines and comments inside it included)."""
+    body = node.body[1:] if ast.get_docstring(node, clean=False) is not None else node.body
+    return 0 if not body else body[-1].end_lineno - body[0].lineno + 1
+
+
 def _functions(tree: ast.AST) -> list[tuple[ast.FunctionDef | ast.AsyncFunctionDef, str | None]]:
     """Every function and method (nested ones too) in source order, with its enclosing class."""
     found: list[tuple[Any, str | None]] = []
@@ -106,7 +144,8 @@ def python_files(root: Path, excludes: list[str]) -> list[Path]:
 
 
 def _file_rows(path: Path, rel: str, system_prompt: str | None, skip_stubs: bool,
-               stats: dict[str, Any]) -> Iterator[dict[str, Any]]:
+               stats: dict[str, Any], answer: str = "plain", min_body_lines: int = 1,
+               self_contained: bool = False) -> Iterator[dict[str, Any]]:
     """The rows of one source file (counted into ``stats``); an unparsable file gives none."""
     try:
         with tokenize.open(path) as src:  # honours PEP 263 encoding declarations
@@ -118,6 +157,7 @@ def _file_rows(path: Path, rel: str, system_prompt: str | None, skip_stubs: bool
             stats["unparsable"].append(f"{rel}: {type(e).__name__}: {e}")
         return
     lines = text.splitlines(keepends=True)
+    imports = _module_imports(tree)
     for node, owner in _functions(tree):
         stats["functions"] += 1
         doc = ast.get_docstring(node, clean=True)
@@ -127,8 +167,17 @@ def _file_rows(path: Path, rel: str, system_prompt: str | None, skip_stubs: bool
         if skip_stubs and _is_stub(node):
             stats["stubs_skipped"] += 1
             continue
+        if _body_lines(node) < min_body_lines:
+            stats["short_skipped"] += 1
+            continue
+        if self_contained and (owner is not None or free_names(node) - imports):
+            stats["not_self_contained_skipped"] += 1
+            continue
+        code = _source(lines, node)
+        if answer == "fenced":  # a markdown block, as chat models answer (and `eval --task humaneval` extracts)
+            code = f"```python\n{code}```"
         messages = [{"role": "user", "content": _user_message(node, doc, owner)},
-                    {"role": "assistant", "content": _source(lines, node)}]
+                    {"role": "assistant", "content": code}]
         if system_prompt is not None:
             messages.insert(0, {"role": "system", "content": system_prompt})
         yield {"messages": messages, "source": f"{rel}:{node.lineno}"}
@@ -136,8 +185,18 @@ def _file_rows(path: Path, rel: str, system_prompt: str | None, skip_stubs: bool
 
 def sft_from_code(dirs: list[str], out: str | Path, system_prompt: str | None = None,
                   excludes: list[str] | None = None, skip_stubs: bool = True,
-                  overwrite: bool = False) -> dict[str, Any]:
-    """Write the JSONL; returns counts (files, unparsable files, functions, rows)."""
+                  overwrite: bool = False, answer: str = "plain", min_body_lines: int = 1,
+                  self_contained: bool = False) -> dict[str, Any]:
+    """Write the JSONL; returns counts (files, unparsable files, functions, rows, what each filter skipped).
+
+    ``answer``: "plain" (the function's source) or "fenced" (inside a python markdown block).
+    ``min_body_lines``: skip functions whose body after the docstring spans fewer lines.
+    ``self_contained``: skip methods and functions that read module names other than imports (helpers,
+    constants, globals): an answer that calls code the prompt never shows teaches guessing."""
+    if answer not in ANSWER_FORMATS:
+        raise InputError(f"--answer {answer}: choose one of {', '.join(ANSWER_FORMATS)}")
+    if min_body_lines < 1:
+        raise InputError(f"--min-body-lines {min_body_lines}: must be at least 1")
     excludes = list(excludes or [])
     sources: list[tuple[Path, list[Path]]] = []  # (root the rows name paths from, its .py files)
     for d in dirs:
@@ -159,7 +218,8 @@ def sft_from_code(dirs: list[str], out: str | Path, system_prompt: str | None = 
         check_replaceable_file(out, "a JSONL file (a previous output)", looks_like_jsonl)
     out.parent.mkdir(parents=True, exist_ok=True)
     stats = {"files": 0, "files_unparsable": 0, "unparsable": [], "functions": 0,
-             "functions_with_docstring": 0, "stubs_skipped": 0, "rows": 0}
+             "functions_with_docstring": 0, "stubs_skipped": 0, "short_skipped": 0,
+             "not_self_contained_skipped": 0, "rows": 0}
 
     def write(tmp: Path) -> None:
         with open(tmp, "w", encoding="utf-8") as f:
@@ -167,7 +227,8 @@ def sft_from_code(dirs: list[str], out: str | Path, system_prompt: str | None = 
                 for path in files:
                     stats["files"] += 1
                     rel = f"{root.name}/{path.relative_to(root).as_posix()}"
-                    for row in _file_rows(path, rel, system_prompt, skip_stubs, stats):
+                    for row in _file_rows(path, rel, system_prompt, skip_stubs, stats, answer, min_body_lines,
+                                          self_contained):
                         f.write(json.dumps(row, ensure_ascii=False) + "\n")
                         stats["rows"] += 1
         if stats["rows"] == 0:
