@@ -299,3 +299,67 @@ def test_bf16_weights_precision_offload_exact_and_chunks_close():
     got = master_grads(True, 16)
     for name, a, b in [("loss", got[0], ref[0]), *((n, got[1][n], g) for n, g in ref[1].items())]:
         assert rel_l2(a, b) <= 1e-2, (name, rel_l2(a, b))
+
+
+class _AttentionCalls(torch.utils._python_dispatch.TorchDispatchMode):
+    """Counts the fused attention kernels SDPA dispatches to (forward ones)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in long_context_ops():
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def long_context_ops():
+    from entrenar.long_context import _ATTENTION_OPS
+
+    return _ATTENTION_OPS
+
+
+@pytest.mark.parametrize("offload,chunk", [(False, 0), (True, 16)])
+def test_save_attention_is_exact_and_skips_the_recomputed_attention(offload, chunk):
+    """--save-attention: loss and every gradient bit-identical to plain checkpointing (the kept output is
+    the very tensor the recompute would make), and the attention kernel runs once per block a step
+    instead of twice (forward + recompute). With the offload and MLP chunks (nested checkpoints) too."""
+    base = _model("qwen2")
+    ids, labels = _batch(base.cfg.vocab_size)
+    runs = {}
+    for keep in (False, True):
+        m = copy.deepcopy(base)
+        m.activation_checkpointing, m.activation_offload, m.save_attention = True, offload, keep
+        set_mlp_chunk(m, chunk)
+        with _AttentionCalls() as counter:
+            loss_sum, _ = m(ids, labels=labels)
+            loss_sum.backward()
+        runs[keep] = (loss_sum.detach(), {n: p.grad for n, p in m.named_parameters()}), counter.calls
+    layers = base.cfg.num_layers
+    assert runs[False][1] == 2 * layers and runs[True][1] == layers
+    _check_same(runs[True][0], runs[False][0], torch.float32, exact=True)
+
+
+def test_save_attention_cli_flag(tmp_path, byte_model_dir, byte_shards, capsys, monkeypatch):
+    """The flag reaches run.json and every checkpointed block; without checkpointing it is exit 2 naming
+    the remedy."""
+    seen = []
+    real = model_module.checkpoint_block
+
+    def spy(*a, **k):
+        seen.append(k.get("save_attention"))
+        return real(*a, **k)
+
+    monkeypatch.setattr(model_module, "checkpoint_block", spy)
+    out = tmp_path / "keep"
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=1,
+                                      extra=("--no-preflight", "--device", "cpu", "--activation-checkpointing",
+                                             "--save-attention")), capsys)
+    assert code == 0, err
+    assert json.loads((out / "run.json").read_text())["config"]["save_attention"] is True
+    assert seen and all(v is True for v in seen)
+    code, result, _ = main(pretrain_args(byte_model_dir, byte_shards, tmp_path / "bad", steps=1,
+                                         extra=("--save-attention",)), capsys)
+    assert code == 2 and "--activation-checkpointing" in result["error"]
+    assert not (tmp_path / "bad").exists()

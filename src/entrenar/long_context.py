@@ -23,6 +23,7 @@ gradients over the pieces (tests/test_long_context.py states the bounds).
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -125,14 +126,41 @@ def _key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
 
 
+# the fused attention kernels SDPA dispatches to: what --save-attention keeps from the forward
+_ATTENTION_OP_NAMES = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def _attention_ops() -> frozenset:
+    return frozenset(getattr(torch.ops.aten, n).default for n in _ATTENTION_OP_NAMES if hasattr(torch.ops.aten, n))
+
+
+def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
+    """Selective-checkpoint policy: the attention kernel's outputs (output and softmax statistics) are
+    kept from the forward, everything else is recomputed. At long context the attention is most of a
+    block's work and its output only tokens x hidden x 2 bytes."""
+    from torch.utils.checkpoint import CheckpointPolicy
+
+    return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
+
+
+_ATTENTION_OPS = _attention_ops()
+
+
 def checkpoint_block(block: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any,
-                     offload: ActivationOffload | None = None) -> torch.Tensor:
+                     offload: ActivationOffload | None = None, save_attention: bool = False) -> torch.Tensor:
     """``block(x, *args)`` recomputed in the backward (non-reentrant checkpoint); with ``offload``, the
-    saved input ``x`` waits in host memory until then."""
+    saved input ``x`` waits in host memory until then; with ``save_attention`` the recompute reuses the
+    forward's attention output instead of running the attention kernel again (it stays on the device)."""
+    kwargs: dict[str, Any] = {"use_reentrant": False}
+    if save_attention:
+        from torch.utils.checkpoint import create_selective_checkpoint_contexts
+
+        kwargs["context_fn"] = functools.partial(create_selective_checkpoint_contexts, _keep_attention)
     if offload is None:
-        return torch.utils.checkpoint.checkpoint(block, x, *args, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(block, x, *args, **kwargs)
     with offload.saving(x):
-        return torch.utils.checkpoint.checkpoint(block, x, *args, use_reentrant=False)
+        return torch.utils.checkpoint.checkpoint(block, x, *args, **kwargs)
 
 
 # ---- position-wise work in token chunks ------------------------------------------------------------
@@ -171,3 +199,5 @@ def apply_memory_options(model: torch.nn.Module, cfg: Any) -> None:
         model.activation_offload = True
     if getattr(cfg, "mlp_chunk", 0):
         set_mlp_chunk(model, cfg.mlp_chunk)
+    if getattr(cfg, "save_attention", False):
+        model.save_attention = True

@@ -251,6 +251,7 @@ class CausalLM(nn.Module):
     peft_config: dict | None  # LoRA hyper-parameters while adapters are injected (peft), else None
     activation_checkpointing: bool  # recompute each block in backward (training only)
     activation_offload: bool  # with it, the blocks' saved inputs wait in host memory (long_context.py)
+    save_attention: bool  # with checkpointing, the attention kernel's outputs are kept, not recomputed
 
     def __init__(self, cfg: ModelConfig, kernels: str = "torch"):
         super().__init__()
@@ -261,6 +262,7 @@ class CausalLM(nn.Module):
         self.peft_config = None
         self.activation_checkpointing = False
         self.activation_offload = False
+        self.save_attention = False  # with checkpointing: the backward reuses the forward's attention output
         self._inv_freq_cache: dict[tuple, torch.Tensor] = {}  # see _inv_freq_on
         self.model = Backbone(cfg)
         # A tied head has no tensor of its own (as in HF safetensors): it reads embed_tokens.
@@ -367,7 +369,8 @@ class CausalLM(nn.Module):
         offload = ActivationOffload() if self.activation_offload else None  # this forward's block inputs
         for block in self.model.layers:
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
-                x = checkpoint_block(block, x, cos, sin, mask, ops, cache, offload=offload)
+                x = checkpoint_block(block, x, cos, sin, mask, ops, cache, offload=offload,
+                                     save_attention=self.save_attention)
             else:
                 x = block(x, cos, sin, mask, ops, cache)
         return self.model.norm(x, ops)

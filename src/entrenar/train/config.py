@@ -156,6 +156,12 @@ class TrainConfig:
                                    "a quarter of one GPU's memory, else FSDP2 (sharded); one process: ignored", choices=PARALLEL_MODES)
     activation_checkpointing: bool = option(False, "recompute each decoder block in the backward: activation "
                                                    "memory of one block instead of all, ~1/3 more compute")
+    save_attention: bool = option(False, "with --activation-checkpointing (or --offload-activations): keep each "
+                                         "block's attention output and softmax statistics on the GPU (tokens x "
+                                         "hidden x 2 bytes + tokens x heads x 4 bytes per layer: 5.6 GiB for "
+                                         "Qwen2.5-0.5B at 131k tokens) so the backward does not run the attention "
+                                         "forward again: at long context, where attention is most of the step, "
+                                         "about a fifth less time")
     # long sequences (entrenar/long_context.py; docs/design.md)
     offload_activations: bool = option(False, "implies --activation-checkpointing; each block's saved input "
                                               "(tokens x hidden x 2 bytes per layer: 5.3 GiB for Qwen2.5-0.5B at "
@@ -190,6 +196,9 @@ class TrainConfig:
                 raise InputError(f"{name(f)} must be >= 0, got {getattr(self, f)}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise InputError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.save_attention and not (self.activation_checkpointing or self.offload_activations):
+            raise InputError("--save-attention keeps the attention outputs of checkpointed blocks; without "
+                             "--activation-checkpointing nothing is recomputed: add it, or drop --save-attention")
         if not (math.isfinite(self.clip) and self.clip >= 0):
             raise InputError(f"--clip must be a finite number >= 0 (0 = off), got {self.clip}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
