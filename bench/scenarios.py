@@ -118,12 +118,18 @@ def _qlora() -> list[Scenario]:
 
 def _long() -> list[Scenario]:
     out = []
-    for tokens, label, steps, warmup, timeout in ((131072, "131k", 3, 1, 150), (262144, "262k", 3, 1, 240),
-                                                  (524288, "524k", 2, 1, 420), (1048576, "1m", 1, 0, 590)):
+    # one step at 524k is ~2 minutes, at 1M ~7-9: those run one step without warm-up (the first step's
+    # kernel compilation is seconds of it)
+    for tokens, label, steps, warmup, timeout in ((131072, "131k", 3, 1, 150), (262144, "262k", 2, 1, 200),
+                                                  (524288, "524k", 1, 0, 300), (1048576, "1m", 1, 0, 560)):
         out.append(Scenario(f"long-{label}-cli", f"CLI pretrain, batch 1 x {tokens:,}, bf16-pure, offload + MLP "
                             f"chunks", "cli", CLI, "qwen2.5-0.5b", "bf16-pure", 1, tokens, steps=steps,
                             warmup=warmup, flags=LONG_FLAGS, timeout_s=timeout, baseline=f"long-{label}-liger",
                             params={"max_position_embeddings": 1 << 20}))
+        out.append(Scenario(f"long-{label}-cli-save", f"CLI pretrain, batch 1 x {tokens:,}, bf16-pure, offload + MLP "
+                            f"chunks + --save-attention", "cli", CLI, "qwen2.5-0.5b", "bf16-pure", 1, tokens,
+                            steps=steps, warmup=warmup, flags=(*LONG_FLAGS, "--save-attention"), timeout_s=timeout,
+                            baseline=f"long-{label}-liger", params={"max_position_embeddings": 1 << 20}))
         out.append(Scenario(f"long-{label}-liger", f"transformers + Liger, batch 1 x {tokens:,}, bf16, gradient "
                             f"checkpointing", "long-liger", LIGER, "qwen2.5-0.5b", "bf16", 1, tokens, steps=steps,
                             warmup=warmup, timeout_s=timeout))
@@ -173,9 +179,11 @@ GROUPS: dict[str, list[str]] = {
                     "q7b8-cli-fp8"],
     "issue25-mfu": [s.name for s in _mfu()],
     "issue25-qlora": [s.name for s in _qlora()],
-    "issue25-long": ["long-131k-cli", "long-131k-liger", "long-262k-cli", "long-262k-liger"],
-    "issue25-long-524k": ["long-524k-cli", "long-524k-liger"],
-    "issue25-long-1m": ["long-1m-cli"],
+    "issue25-long": ["long-131k-cli", "long-131k-cli-save", "long-131k-liger", "long-262k-cli-save",
+                     "long-262k-liger", "long-262k-cli"],
+    "issue25-long-524k": ["long-524k-cli-save", "long-524k-liger", "long-524k-cli"],
+    "issue25-long-1m": ["long-1m-cli-save"],
+    "issue25-long-1m-min": ["long-1m-cli"],
     "issue25-long-1m-liger": ["long-1m-liger"],
     "issue25-multi": [s.name for s in _multi() if s.name != "fsdp7b-4gpu"],
     "issue25-7b-fsdp": ["fsdp7b-4gpu"],
