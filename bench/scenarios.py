@@ -121,7 +121,7 @@ def _long() -> list[Scenario]:
     # one step at 524k is ~2 minutes, at 1M ~7-9: those run one step without warm-up (the first step's
     # kernel compilation is seconds of it)
     for tokens, label, steps, warmup, timeout in ((131072, "131k", 3, 1, 150), (262144, "262k", 2, 1, 200),
-                                                  (524288, "524k", 1, 0, 300), (1048576, "1m", 1, 0, 560)):
+                                                  (524288, "524k", 1, 0, 300), (1048576, "1m", 1, 0, 585)):
         out.append(Scenario(f"long-{label}-cli", f"CLI pretrain, batch 1 x {tokens:,}, bf16-pure, offload + MLP "
                             f"chunks", "cli", CLI, "qwen2.5-0.5b", "bf16-pure", 1, tokens, steps=steps,
                             warmup=warmup, flags=LONG_FLAGS, timeout_s=timeout, baseline=f"long-{label}-liger",

