@@ -8,7 +8,8 @@ through the real CLI with --json, each skipped when its result file already exis
 
   data      `data sft-from-code` over the standard library's sources (SFT_FLAGS: fenced, self-contained) with the system
             prompt, then `data check` at --max-seq-len 2048 (kept samples, loss tokens, end of turn trained)
-  eval-base `eval --task humaneval --limit N --max-new-tokens M` (greedy) of the base model
+  eval-base `eval --task humaneval --limit N --max-new-tokens M` (greedy) of the base model, with the template's
+            default system prompt and with --system-prompt-file (the training's: the pass@1 criterion)
   r16/r256  `finetune --mode qlora --rank R --lr auto --batch-size 1 --steps S --max-seq-len 2048`
             then the same HumanEval eval of the run
   export    `export gguf RUN RUN.gguf --type f32` of each run (the adapter merged onto the NF4 weights it was
@@ -145,6 +146,8 @@ def main() -> int:
     ap.add_argument("--limit", type=int, default=16, help="HumanEval problems (the first N)")
     ap.add_argument("--max-new-tokens", type=int, default=384)
     ap.add_argument("--eval-batches", type=int, default=4)
+    ap.add_argument("--no-base", dest="base", action="store_false",
+                    help="skip the base model's HumanEval (another invocation on the same --out runs it)")
     ap.add_argument("--compare-tokens", type=int, default=48)
     # without it rank 256 peaked at 10 GB (2048 tokens of activations + 141M adapter parameters with AdamW) and
     # was OOM-killed on the shared 23 GB machine
@@ -175,11 +178,17 @@ def main() -> int:
                                                      "loss_tokens", "tokens_total", "longest_sample_tokens")}
 
     def humaneval(name: str, model: str) -> dict[str, Any]:
-        res = run_cli(f"humaneval-{name}", ["eval", "--model", model, "--task", "humaneval", "--limit", str(a.limit),
-                                            "--max-new-tokens", str(a.max_new_tokens), "--out",
-                                            str(out / f"humaneval-{name}.jsonl"), "--overwrite"], out, env)
-        return {k: res.get(k) for k in ("ok", "problems", "pass@1", "passed_problems", "format", "seconds",
+        """pass@1 without a system prompt (the template's default) and under the training's system prompt."""
+        found = {}
+        for tag, extra in (("", []), ("-system", ["--system-prompt-file", str(SYSTEM_PROMPT)])):
+            res = run_cli(f"humaneval-{name}{tag}", ["eval", "--model", model, "--task", "humaneval", "--limit",
+                                                     str(a.limit), "--max-new-tokens", str(a.max_new_tokens), "--out",
+                                                     str(out / f"humaneval-{name}{tag}.jsonl"), "--overwrite", *extra],
+                          out, env)
+            found[tag.strip("-") or "default_system"] = {
+                k: res.get(k) for k in ("ok", "problems", "pass@1", "passed_problems", "format", "seconds",
                                         "generate_seconds", "_seconds", "_command")}
+        return found
 
     ranks = [int(x) for x in a.ranks.split(",")]
     summary["runs"], summary["gguf"], summary["humaneval"] = {}, {}, {}
@@ -216,15 +225,20 @@ def main() -> int:
         save()
         summary["humaneval"][f"r{r}"] = humaneval(f"r{r}", str(run))
         save()
-    summary["humaneval"]["base"] = humaneval("base", MODEL)
-    save()
+    if a.base:
+        summary["humaneval"]["base"] = humaneval("base", MODEL)
+        save()
 
-    base = summary["humaneval"].get("base", {}).get("pass@1")
+    def pass1(name: str, prompt: str) -> float | None:
+        return summary["humaneval"].get(name, {}).get(prompt, {}).get("pass@1")
+
     checks = {}
     for r in [int(x) for x in a.ranks.split(",")]:
         info = summary["runs"].get(f"r{r}", {})
-        he = summary["humaneval"].get(f"r{r}", {}).get("pass@1")
         checks[f"r{r}_loss_fell_finite"] = bool(info.get("fell"))
+        # the criterion: under the system prompt the model was trained with (as it is deployed); the default
+        # system prompt's numbers are reported beside it (session 9: the adapters do not carry over to it)
+        base, he = pass1("base", "system"), pass1(f"r{r}", "system")
         checks[f"r{r}_pass1_within_drop"] = base is not None and he is not None and he >= base - ACCEPTED_DROP
         checks[f"r{r}_llama_cpp_equals_generate"] = bool(summary["gguf"].get(f"r{r}", {}).get("all_identical"))
     summary["checks"] = checks
