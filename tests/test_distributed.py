@@ -442,3 +442,44 @@ def test_bf16_weights_under_torchrun_is_refused_naming_the_flag(tmp_path, base_m
     assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # torchrun: 1; ranks: 2
     assert "--dtype bf16-weights" in proc.stderr and "--dtype bf16" in proc.stderr
     assert not out.exists()
+
+
+GRAD_REDUCE = """
+import os, sys
+from pathlib import Path
+from entrenar.train import parallel, precision
+
+seen = []
+bf16_hook = parallel._bf16_sum_hook
+def spy_hook(process_group, bucket):
+    seen.append("ddp-bf16:" + str(bucket.buffer().dtype))
+    return bf16_hook(process_group, bucket)
+parallel._bf16_sum_hook = spy_hook
+policy = precision.Precision.fsdp_policy
+def spy_policy(self, reduce_bf16=False):
+    mp = policy(self, reduce_bf16=reduce_bf16)
+    seen.append("fsdp-reduce:" + str(mp.reduce_dtype))
+    return mp
+precision.Precision.fsdp_policy = spy_policy
+from entrenar import cli
+code = cli.main(sys.argv[1:])
+Path(__file__).with_name(f"reduce-rank{os.environ.get('RANK', '0')}").write_text(" ".join(sorted(set(seen))))
+sys.exit(code)
+"""
+
+
+@pytest.mark.parametrize("parallel, expect", [("ddp", "ddp-bf16:torch.float32"),
+                                              ("fsdp", "fsdp-reduce:torch.bfloat16")])
+def test_grad_reduce_bf16_reaches_the_reduction(tmp_path, base_model, sft_data, parallel, expect):
+    """`finetune --grad-reduce bf16` on two gloo ranks: DDP's buckets (fp32 gradients, --dtype bf16) go through
+    the bf16 hook, FSDP2's policy reduces in bf16, on each rank; run.json records the flag."""
+    script = tmp_path / "record.py"
+    script.write_text(GRAD_REDUCE)
+    out = tmp_path / "run"
+    args = finetune_args(base_model, sft_data, out, 2, ("--dtype", "bf16", "--parallel", parallel,
+                                                        "--grad-reduce", "bf16"))
+    args[args.index("--steps") + 1] = "2"
+    ok(run_cli(args, nproc=2, script=str(script)))
+    assert json.loads((out / "run.json").read_text())["config"]["grad_reduce"] == "bf16"
+    for rank in (0, 1):
+        assert (tmp_path / f"reduce-rank{rank}").read_text() == expect, (parallel, rank)

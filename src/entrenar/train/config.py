@@ -33,6 +33,7 @@ DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")  # --dtype; what e
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
 
 TRAIN_COMMANDS = ("pretrain", "finetune")
+GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the data-parallel gradient reduction's precision (train/parallel.py)
 PARALLEL_MODES = ("auto", "fsdp", "ddp")  # train/parallel.py (not imported here: it loads torch.distributed)
 MODES = ("full", "lora", "qlora")
 _EVERY = ("pretrain", "finetune", "eval")
@@ -154,6 +155,11 @@ class TrainConfig:
     parallel: str = option("auto", "data parallelism under torchrun: auto = DDP for LoRA/QLoRA and for full "
                                    "training when weights + gradients + AdamW state (20 B per parameter) fit "
                                    "a quarter of one GPU's memory, else FSDP2 (sharded); one process: ignored", choices=PARALLEL_MODES)
+    grad_reduce: str = option("fp32", "precision of the gradient all-reduce (DDP) / reduce-scatter (FSDP2) under "
+                                      "torchrun: fp32 (exact sums of the ranks' fp32 gradients) or bf16 (half the "
+                                      "bytes on the wire; each rank's gradient rounded to bf16, 8 mantissa bits, "
+                                      "before the sum). Gradients already bf16 (--dtype bf16-pure) are reduced "
+                                      "in bf16 either way; one process: ignored", choices=GRAD_REDUCE_DTYPES)
     activation_checkpointing: bool = option(False, "recompute each decoder block in the backward: activation "
                                                    "memory of one block instead of all, ~1/3 more compute")
     save_attention: bool = option(False, "with --activation-checkpointing (or --offload-activations): keep each "

@@ -773,7 +773,8 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     objective.bind(model)  # a frozen reference copy (preference objectives, --mode full) of what training starts from
     # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
     apply_memory_options(model, cfg)
-    strategy = apply_parallel(model, ctx, cfg.parallel, precision, cfg.mode in ("lora", "qlora"), cfg.grad_accum)
+    strategy = apply_parallel(model, ctx, cfg.parallel, precision, cfg.mode in ("lora", "qlora"), cfg.grad_accum,
+                              cfg.grad_reduce)
     checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files)
     return Trainer(strategy, shard_loader(train_loader, ctx, objective.counts),
                    shard_loader(eval_loader, ctx, objective.counts), cfg, run_dir,

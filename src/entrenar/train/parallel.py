@@ -112,12 +112,12 @@ def fsdp_units(blocks: Iterable[torch.nn.Module], unit_params: int | None = None
 
 
 def apply_fsdp(model: torch.nn.Module, ctx: DistContext, precision: Precision,
-               unit_params: int | None = None) -> torch.nn.Module:
+               unit_params: int | None = None, grad_reduce: str = "fp32") -> torch.nn.Module:
     """fully_shard the decoder blocks in units (`fsdp_units`), the untied embedding, then the root
-    (in place), with the precision's MixedPrecisionPolicy."""
+    (in place), with the precision's MixedPrecisionPolicy (gradients reduced in `grad_reduce`)."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    mp = precision.fsdp_policy()
+    mp = precision.fsdp_policy(reduce_bf16=grad_reduce == "bf16")
     units = fsdp_units(model.model.layers, unit_params)
     for i, unit in enumerate(units):
         # the last unit's weights are needed again first thing in the backward: keep them gathered
@@ -142,6 +142,17 @@ def _sum_hook(process_group, bucket):  # no annotations: DDP rejects any but Gra
     return fut.then(lambda f: f.value()[0])
 
 
+def _bf16_sum_hook(process_group, bucket):  # no annotations: DDP rejects any but GradBucket
+    """DDP comm hook for --grad-reduce bf16: an fp32 bucket is all-reduced (SUM) as a bf16 copy, half the
+    bytes on the wire, then written back into the bucket; a bucket already in bf16 goes as it is."""
+    buffer = bucket.buffer()
+    if buffer.dtype == torch.bfloat16:
+        return _sum_hook(process_group, bucket)
+    wire = buffer.to(torch.bfloat16)
+    fut = dist.all_reduce(wire, group=process_group, async_op=True).get_future()
+    return fut.then(lambda f: buffer.copy_(f.value()[0]))
+
+
 # DDP's options (measured on 4x H200, llama-370m, bench/RESULTS.md issue 17 session 4): 100 MB buckets (15
 # all-reduces per step instead of 38 at 25 MB: fewer NCCL launches, each past the LL protocol's size) and
 # gradients as views into the buckets (no copy of each gradient into its bucket). Without accumulation
@@ -152,7 +163,8 @@ def _sum_hook(process_group, bucket):  # no annotations: DDP rejects any but Gra
 DDP_OPTIONS: dict[str, Any] = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
 
 
-def apply_ddp(model: torch.nn.Module, ctx: DistContext, static_graph: bool = False) -> torch.nn.Module:
+def apply_ddp(model: torch.nn.Module, ctx: DistContext, static_graph: bool = False,
+              grad_reduce: str = "fp32") -> torch.nn.Module:
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -168,7 +180,7 @@ def apply_ddp(model: torch.nn.Module, ctx: DistContext, static_graph: bool = Fal
         ddp = DDP(model, init_sync=False, **kwargs)
     except TypeError:  # torch without init_sync: the initial broadcast is redundant but harmless
         ddp = DDP(model, **kwargs)
-    ddp.register_comm_hook(None, _sum_hook)
+    ddp.register_comm_hook(None, _bf16_sum_hook if grad_reduce == "bf16" else _sum_hook)
     return ddp
 
 
@@ -244,16 +256,17 @@ class FSDPStrategy(Strategy):
 
 
 def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto", precision: Precision | None = None,
-                   adapters: bool = False, grad_accum: int = 1) -> Strategy:
+                   adapters: bool = False, grad_accum: int = 1, grad_reduce: str = "fp32") -> Strategy:
     """The one place parallelism is applied: wrap `model` for data parallelism over ctx's mesh (nothing in
     one process). `precision` (its prepare_model already applied) gives FSDP2 its MixedPrecisionPolicy;
     `grad_accum` micro-batches per step: DDP declares its graph static only without accumulation (see
-    DDP_OPTIONS)."""
+    DDP_OPTIONS); `grad_reduce` (fp32 | bf16) is the precision of the gradient reduction."""
+    assert grad_reduce in ("fp32", "bf16"), grad_reduce
     if not ctx.active:
         return Strategy(model, ctx)
     if parallel_for(model, ctx.device, mode, adapters) == "fsdp":
-        return FSDPStrategy(apply_fsdp(model, ctx, precision or Precision()), ctx)
-    return DDPStrategy(model, ctx, apply_ddp(model, ctx, static_graph=grad_accum == 1))
+        return FSDPStrategy(apply_fsdp(model, ctx, precision or Precision(), grad_reduce=grad_reduce), ctx)
+    return DDPStrategy(model, ctx, apply_ddp(model, ctx, static_graph=grad_accum == 1, grad_reduce=grad_reduce))
 
 
 def clip_grad_norm_tensor(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:

@@ -133,14 +133,16 @@ class Precision:
         """The weights one step's forward and backward compute with (the model's own here)."""
         return contextlib.nullcontext()
 
-    def fsdp_policy(self) -> Any:
-        """FSDP2's MixedPrecisionPolicy: forward inputs are never cast (the RoPE tables stay fp32)."""
+    def fsdp_policy(self, reduce_bf16: bool = False) -> Any:
+        """FSDP2's MixedPrecisionPolicy: forward inputs are never cast (the RoPE tables stay fp32);
+        gradients reduce-scattered in fp32, or in bf16 with ``reduce_bf16`` (--grad-reduce bf16)."""
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        if self.compute_bf16:  # bf16 copies of the fp32 masters are all-gathered; gradients reduced in fp32
-            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+        reduce_dtype = torch.bfloat16 if reduce_bf16 else None
+        if self.compute_bf16:  # bf16 copies of the fp32 masters are all-gathered
+            return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=reduce_dtype or torch.float32,
                                         cast_forward_inputs=False)
-        return MixedPrecisionPolicy(cast_forward_inputs=False)
+        return MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
 class BF16(Precision):
