@@ -143,6 +143,9 @@ def _multi() -> list[Scenario]:
             out.append(Scenario(f"{short}-ddp-{gpus}gpu", f"torchrun CLI pretrain --dtype bf16 on {gpus} GPU(s), "
                                 f"--parallel auto", "cli", CLI, model, "bf16", 8, 2048, gpus=gpus, timeout_s=200,
                                 baseline=f"{short}-ddp-1gpu" if gpus > 1 else None))
+        out.append(Scenario(f"{short}-ddp-4gpu-bf16reduce", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, DDP with "
+                            "--grad-reduce bf16 (the all-reduce in bf16)", "cli", CLI, model, "bf16", 8, 2048, gpus=4,
+                            timeout_s=200, flags=("--grad-reduce", "bf16"), baseline=f"{short}-ddp-1gpu"))
     out.append(Scenario("fsdp7b-4gpu", "torchrun CLI pretrain qwen2.5-coder-7b shapes, 4 GPUs FSDP2, bf16, "
                         "activation checkpointing (the CLI's end-of-run checkpoint and final/ are written after the "
                         "measured steps)", "cli", CLI, "qwen2.5-coder-7b", "bf16", 2, 2048, gpus=4,
@@ -185,7 +188,9 @@ GROUPS: dict[str, list[str]] = {
     "issue25-long-1m": ["long-1m-cli-save"],
     "issue25-long-1m-min": ["long-1m-cli"],
     "issue25-long-1m-liger": ["long-1m-liger"],
-    "issue25-multi": [s.name for s in _multi() if s.name != "fsdp7b-4gpu"],
+    "issue25-multi": [s.name for s in _multi() if not s.name.startswith("fsdp7b") and "bf16reduce" not in s.name],
+    "issue25-multi-bf16reduce": ["q05-ddp-1gpu", "q05-ddp-4gpu", "q05-ddp-4gpu-bf16reduce", "l370-ddp-1gpu",
+                                 "l370-ddp-4gpu", "l370-ddp-4gpu-bf16reduce"],
     "issue25-7b-fsdp": ["fsdp7b-4gpu"],
     "issue25-generate": [s.name for s in _generate()],
 }
