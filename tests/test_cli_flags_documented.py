@@ -784,6 +784,43 @@ def test_a_lora_run_is_a_model_and_an_adapter(tmp_path, sft_base, capsys):
     assert gen("--model", str(run)) == gen("--model", str(base), "--adapter", str(run))
 
 
+def test_an_adapter_brings_the_chat_template_it_was_trained_with(tmp_path, sft_base, capsys):
+    """finetune --mode lora --chat-template FILE saves that template with the adapter; `generate --model BASE
+    --adapter RUN` and `eval --task humaneval --model BASE --adapter RUN` render chats with it (as `--model RUN`
+    does), not with the base's own."""
+    from entrenar.tokenizer import load_tokenizer
+
+    base, data = sft_base
+    template = tmp_path / "marked.jinja"
+    template.write_text("{{ 'Trained template. ' }}" + load_tokenizer(base).chat_template)
+    run = tmp_path / "lora"
+    code, _, err = finetune(base, data, run, "--mode", "lora", "--rank", "4", "--steps", "1", "--chat-template",
+                            str(template), capsys=capsys)
+    assert code == 0, err
+
+    def prompt_tokens(*spec: str) -> int:
+        code, result, err = main(["generate", *spec, "--prompt", "Say one.", "--chat", "--max-new-tokens", "1",
+                                  "--json"], capsys)
+        assert code == 0, err
+        return result["prompt_tokens"]
+
+    trained = prompt_tokens("--model", str(run))
+    assert prompt_tokens("--model", str(base), "--adapter", str(run)) == trained
+    assert prompt_tokens("--model", str(base)) < trained  # the base's own template has no marker
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "def f():\n", "test": "def check(c):\n    assert c() == 1\n",
+                                 "entry_point": "f"}) + "\n")
+    out = tmp_path / "he.jsonl"
+    code, _, err = main(["eval", "--task", "humaneval", "--model", str(base), "--adapter", str(run), "--data",
+                         str(tasks), "--max-new-tokens", "1", "--out", str(out), "--json"], capsys)
+    assert code == 0, err
+    he_tokens = json.loads(out.read_text().splitlines()[0])["prompt_tokens"]
+    code, _, err = main(["eval", "--task", "humaneval", "--model", str(base), "--data", str(tasks),
+                         "--max-new-tokens", "1", "--out", str(out), "--overwrite", "--json"], capsys)
+    assert code == 0, err
+    assert json.loads(out.read_text().splitlines()[0])["prompt_tokens"] < he_tokens
+
+
 def test_convert_dtype_keep_fp32_bf16(tmp_path, capsys):
     """convert --dtype: keep = the stored float dtype (float32 for a quantized GGUF), fp32 / bf16 cast."""
     from safetensors.torch import load_file

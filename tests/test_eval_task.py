@@ -220,6 +220,24 @@ def test_cli_task_eval_system_prompt_file(tmp_path, tasks_file, capsys):
     assert code == 2 and "--system-prompt-file applies to --task humaneval" in js["error"]
 
 
+def test_cli_task_eval_overwrite_replaces_only_a_results_file(tmp_path, tasks_file, capsys):
+    """--out FILE --overwrite replaces an earlier results JSONL (it was exit 2: 'cannot be created: FILE is a
+    file'); a file that is not a results JSONL (a source file given by mistake) is exit 2, left byte-identical."""
+    d = _tiny_dir(tmp_path, "m")
+    out = tmp_path / "results.jsonl"
+    argv = ["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--limit", "1",
+            "--max-new-tokens", "2", "--out", str(out), "--json"]
+    for _ in range(2):
+        code, _, err = main(argv + ["--overwrite"], capsys)
+        assert code == 0, err
+        assert len(out.read_text().splitlines()) == 1
+    source = tmp_path / "solution.py"
+    source.write_text("def f():\n    return 1\n")
+    code, js, _ = main([*argv[:-3], "--out", str(source), "--overwrite", "--json"], capsys)
+    assert code == 2 and "not a results JSONL file" in js["error"]
+    assert source.read_text() == "def f():\n    return 1\n"
+
+
 @pytest.mark.parametrize("case", ["loss-without-data", "task-flag-with-loss", "greedy-samples", "bad-task-file",
                                   "out-exists", "limit-negative"])
 def test_cli_task_eval_bad_input_exits_2(tmp_path, tasks_file, capsys, case):

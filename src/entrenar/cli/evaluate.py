@@ -12,7 +12,7 @@ from typing import Any
 
 from ..devices import resolve_dtype
 from ..errors import InputError
-from ..outpaths import check_creatable
+from ..outpaths import check_creatable, check_replaceable_file, looks_like_jsonl
 
 TASKS = ("loss", "humaneval")
 PROMPT_FORMATS = ("auto", "chat", "completion")
@@ -84,7 +84,10 @@ def _validate(args: argparse.Namespace) -> None:
             raise InputError(f"--out {out} exists; choose another path or pass --overwrite")
         if out.is_dir():
             raise InputError(f"--out {out} is a directory; give a file path (results.jsonl)")
-        check_creatable(out)
+        if out.exists():  # --overwrite replaces an earlier results file only, never a source file or a model
+            check_replaceable_file(out, "a results JSONL file", looks_like_jsonl)
+        else:
+            check_creatable(out)
 
 
 def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:

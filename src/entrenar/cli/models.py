@@ -105,7 +105,9 @@ def cmd_generate(args: argparse.Namespace) -> dict[str, Any]:
         tools = load_tools_file(args.tools)
     if args.chat_template is not None and not args.chat:
         raise InputError("--chat-template needs --chat")
-    tokenizer = load_tokenizer(args.model)
+    from ..peft.load import tokenizer_spec
+
+    tokenizer = load_tokenizer(tokenizer_spec(args.model, getattr(args, "adapter", None)))
     use_chat_template_file(tokenizer, args.chat_template)
     prompt_ids = prompt_ids_for(tokenizer, args.prompt, args.chat, args.system, tools)
     model = load_generation_model(args, resolve_device(args.device))

@@ -14,7 +14,7 @@ import torch
 from ..errors import InputError
 from ..formats import load_model, resolve_model
 from .base_location import locate_base, located_base_mismatch
-from .io import is_adapter_dir, load_adapter
+from .io import adapter_path, is_adapter_dir, load_adapter
 from .nf4_linear import enable_dequantize_once
 
 
@@ -49,6 +49,17 @@ def load_model_with_adapter(spec: str | os.PathLike, adapter: str | os.PathLike 
     return model.eval()
 
 
+def tokenizer_spec(spec: str, adapter: str | os.PathLike | None) -> str:
+    """Where the tokenizer of MODEL `spec` plus `adapter` comes from: the adapter's own tokenizer files when
+    it has them (a fine-tune saves its tokenizer and any --chat-template into final/, so chats render as they
+    were trained), else the model's."""
+    if adapter:
+        d = adapter_path(adapter)
+        if (d / "tokenizer.json").is_file():
+            return str(d)
+    return str(spec)
+
+
 def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
                    adapter: str | None = None, force_base: bool = False) -> tuple[torch.nn.Module, Any, Path]:
     """A full model (plus `adapter`, unmerged) or a LoRA adapter directory (loaded onto its recorded
@@ -58,6 +69,8 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
                                     force_base=force_base)
     if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's (wherever it is now)
         tok = tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else locate_base(path, spec)[0])
+    elif adapter:
+        tok = tokenizer_or_none(tokenizer_spec(str(path) if path.is_dir() else spec, adapter))
     else:
         tok = tokenizer_or_none(str(path) if path.is_dir() else spec)
     return model, tok, path
