@@ -821,6 +821,40 @@ def test_an_adapter_brings_the_chat_template_it_was_trained_with(tmp_path, sft_b
     assert json.loads(out.read_text().splitlines()[0])["prompt_tokens"] < he_tokens
 
 
+def test_eval_chat_template_renders_sft_rows_and_task_prompts(tmp_path, sft_base, capsys):
+    """eval --chat-template FILE: SFT rows (--task loss) and --task humaneval's chat prompts are rendered by FILE
+    (another loss, longer prompts with a marker template); with token shards it is exit 2 before any loading."""
+    from entrenar.tokenizer import load_tokenizer
+
+    base, data = sft_base
+    template = tmp_path / "marked.jinja"
+    template.write_text("{{ 'Another template, a longer prefix. ' }}" + load_tokenizer(base).chat_template)
+
+    def loss(*extra: str) -> float:
+        code, result, err = main(["eval", "--model", str(base), "--data", str(data), "--max-seq-len", "128", *extra,
+                                  "--json"], capsys)
+        assert code == 0, err
+        return result["loss"]
+
+    assert loss("--chat-template", str(template)) != pytest.approx(loss(), rel=1e-6)
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text(json.dumps({"prompt": "def f():\n", "test": "def check(c):\n    assert c() == 1\n",
+                                 "entry_point": "f"}) + "\n")
+    tokens = []
+    for extra in ([], ["--chat-template", str(template)]):
+        out = tmp_path / f"he{len(extra)}.jsonl"
+        code, _, err = main(["eval", "--task", "humaneval", "--model", str(base), "--data", str(tasks),
+                             "--max-new-tokens", "1", "--out", str(out), *extra, "--json"], capsys)
+        assert code == 0, err
+        tokens.append(json.loads(out.read_text().splitlines()[0])["prompt_tokens"])
+    assert tokens[1] > tokens[0]
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    code, result, _ = main(["eval", "--model", "no-such-model", "--data", str(shards), "--chat-template",
+                            str(template), "--json"], capsys)
+    assert code == 2 and "token shards" in result["error"]
+
+
 def test_convert_dtype_keep_fp32_bf16(tmp_path, capsys):
     """convert --dtype: keep = the stored float dtype (float32 for a quantized GGUF), fp32 / bf16 cast."""
     from safetensors.torch import load_file

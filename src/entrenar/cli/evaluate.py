@@ -95,6 +95,7 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     from ..evaluate.sandbox import SandboxLimits
     from ..evaluate.tasks import humaneval_problems, load_problems
     from ..peft.load import load_any_model
+    from ..tokenizer import use_chat_template_file
     from .data import read_system_prompt
 
     _validate(args)
@@ -105,6 +106,7 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
                                       getattr(args, "force_base", False))
     if tok is None:
         raise InputError(f"{args.model}: no tokenizer found, needed to write prompts and read completions")
+    use_chat_template_file(tok, args.chat_template)
     has_template = tok.chat_template is not None
     if args.prompt_format == "chat" and not has_template:
         raise InputError(f"--prompt-format chat: {args.model} has no chat template; use --prompt-format completion")

@@ -88,6 +88,9 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     data = Path(args.data)
     if not data.exists():
         raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
+    if data.is_dir() and args.chat_template is not None:
+        raise InputError(f"--chat-template renders chats: {data} holds token shards (no chats); drop it, or give "
+                         f"an SFT .jsonl")
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
     if data.is_dir():
@@ -110,9 +113,11 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         what = f"{data} split {split}, seq_len {args.seq_len}"
     else:
         from ..data.sft import SFTLoader, load_sft
+        from ..tokenizer import use_chat_template_file
 
         if tok is None:
             raise InputError(f"{args.model}: no tokenizer found, needed to encode {data}")
+        use_chat_template_file(tok, args.chat_template)
         examples, report = load_sft(data, tok, args.max_seq_len, truncation=args.truncation,
                                     max_skip_fraction=dcfg.max_skip_fraction)
         pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id

@@ -293,8 +293,10 @@ class DataConfig:
     max_skip_fraction: float = option(DEFAULT_MAX_SKIP_FRACTION, "GUARD-DATA (exit 2) above this fraction of "
                                       "skipped rows", commands=("finetune", "eval"))
     chat_template: str | None = option(None, CHAT_TEMPLATE_HELP + "; saved with the trained model",
-                                       commands=("finetune",), metavar="FILE",
-                                       default_help="the model's")
+                                       commands=("finetune", "eval"), metavar="FILE",
+                                       default_help="the model's",
+                                       per_command={"eval": {"help": CHAT_TEMPLATE_HELP + ": for SFT .jsonl rows "
+                                                             "(--task loss) and --task humaneval's chat prompts"}})
     pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
                                "--batch-size then counts rows, not samples", commands=("finetune",))
 
