@@ -167,7 +167,7 @@ def _file_rows(path: Path, rel: str, system_prompt: str | None, skip_stubs: bool
         if skip_stubs and _is_stub(node):
             stats["stubs_skipped"] += 1
             continue
-        if _body_lines(node) < min_body_lines:
+        if min_body_lines > 1 and _body_lines(node) < min_body_lines:  # 1: every function, as before the flag
             stats["short_skipped"] += 1
             continue
         if self_contained and (owner is not None or free_names(node) - imports):
