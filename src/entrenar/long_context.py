@@ -126,13 +126,11 @@ def _key(t: torch.Tensor) -> tuple:
     return t.data_ptr(), tuple(t.shape), t.stride(), t.dtype, t.device
 
 
-# the fused attention kernels SDPA dispatches to: what --save-attention keeps from the forward
-_ATTENTION_OP_NAMES = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
-                       "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
-
-
-def _attention_ops() -> frozenset:
-    return frozenset(getattr(torch.ops.aten, n).default for n in _ATTENTION_OP_NAMES if hasattr(torch.ops.aten, n))
+# the fused attention kernels SDPA dispatches to (those this torch has): what --save-attention keeps
+_ATTENTION_OPS = frozenset(getattr(torch.ops.aten, n).default for n in (
+    "_scaled_dot_product_flash_attention", "_scaled_dot_product_cudnn_attention",
+    "_scaled_dot_product_efficient_attention", "_scaled_dot_product_flash_attention_for_cpu")
+    if hasattr(torch.ops.aten, n))
 
 
 def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
@@ -142,9 +140,6 @@ def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     from torch.utils.checkpoint import CheckpointPolicy
 
     return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
-
-
-_ATTENTION_OPS = _attention_ops()
 
 
 def checkpoint_block(block: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any,

@@ -69,10 +69,8 @@ def load_any_model(spec: str, device: str = "cpu", kernels: str = "torch",
                                     force_base=force_base)
     if is_adapter_dir(path):  # an adapter: its tokenizer, else the base's (wherever it is now)
         tok = tokenizer_or_none(str(path) if (path / "tokenizer.json").is_file() else locate_base(path, spec)[0])
-    elif adapter:
+    else:  # the model's, or the --adapter's own when it carries one
         tok = tokenizer_or_none(tokenizer_spec(str(path) if path.is_dir() else spec, adapter))
-    else:
-        tok = tokenizer_or_none(str(path) if path.is_dir() else spec)
     return model, tok, path
 
 

@@ -46,7 +46,7 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from . import guards
-from .config import PARALLEL_MODES
+from .config import GRAD_REDUCE_DTYPES, PARALLEL_MODES
 from .distributed import DistContext, DistReduce
 from .precision import Precision
 
@@ -261,7 +261,7 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
     one process). `precision` (its prepare_model already applied) gives FSDP2 its MixedPrecisionPolicy;
     `grad_accum` micro-batches per step: DDP declares its graph static only without accumulation (see
     DDP_OPTIONS); `grad_reduce` (fp32 | bf16) is the precision of the gradient reduction."""
-    assert grad_reduce in ("fp32", "bf16"), grad_reduce
+    assert grad_reduce in GRAD_REDUCE_DTYPES, grad_reduce
     if not ctx.active:
         return Strategy(model, ctx)
     if parallel_for(model, ctx.device, mode, adapters) == "fsdp":
