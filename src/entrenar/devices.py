@@ -18,6 +18,9 @@ DEFAULT_DEVICE = "cpu"  # reproducible by default; generate (interactive) asks f
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_DTYPES = ("fp32", "bf16")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
+# the training recipes whose matmuls run under bf16 autocast (train/precision.py asserts it is its policies'
+# compute_bf16; read here by code below train, e.g. the task eval's generation)
+BF16_COMPUTE = ("bf16", "bf16-weights", "bf16-pure", "fp8")
 DTYPE_AUTO_HELP = ("auto = bf16 on a CUDA device with native bf16 (compute capability >= 8.0), fp32 on the CPU "
                    "and older GPUs; the choice and its reason are logged")
 

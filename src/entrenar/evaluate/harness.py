@@ -17,6 +17,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..fileio import atomic_write
+from ..devices import BF16_COMPUTE
 from .sandbox import SandboxLimits, isolation_level, run_program
 from .tasks import Problem, completion_done, extract_code, pass_at_k, program, prompt_ids
 
@@ -113,22 +114,23 @@ def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, se
 
 def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str = "fp32",
-                       token_ids: dict | None = None) -> Complete:
-    """Complete on entrenar's generate_batch (bf16 autocast under a bf16 dtype). token_ids, when given,
+                       token_ids: dict | None = None, stop: Callable[[str], bool] | None = None) -> Complete:
+    """Complete on entrenar's generate_batch (bf16 autocast under a bf16 dtype). `stop(text)` ends a row early
+    (default: the HumanEval stop rule of `chat`'s format; end-of-turn / EOS always stop). token_ids, when given,
     receives {tuple(prompt ids): generated ids} (bench/humaneval_parity.py compares them)."""
     import torch
 
     from ..generate import generate_batch
-    from ..train.precision import precision_policy
 
-    stop = functools.partial(completion_done, chat=chat)
+    stop = stop if stop is not None else functools.partial(completion_done, chat=chat)
     context = model.cfg.max_position_embeddings
+    bf16 = dtype in BF16_COMPUTE
 
     def complete(batch_ids: list[list[int]], sample: int) -> list[str]:
         room = context - max(len(ids) for ids in batch_ids)
         if room < 1:
             raise InputError(f"a prompt of {context - room} tokens fills the model's context of {context}")
-        with precision_policy(dtype).autocast(torch.device(device)):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
             results = generate_batch(model, tokenizer, batch_ids, min(max_new_tokens, room), temperature, top_p,
                                      seed + sample if temperature > 0 else None, stop_text=stop)
         if token_ids is not None:

@@ -37,9 +37,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..devices import BF16_COMPUTE
 from .config import DTYPES
 
-BF16_DTYPES = ("bf16", "bf16-weights", "bf16-pure", "fp8")  # fp8: what is not float8 runs in bf16
+BF16_DTYPES = BF16_COMPUTE  # fp8: what is not float8 runs in bf16
 
 
 def uses_bf16(dtype: str) -> bool:
@@ -205,6 +206,7 @@ class FP8(BF16Pure):
 
 POLICIES: dict[str, type[Precision]] = {p.name: p for p in (Precision, BF16, BF16WeightsPrecision, BF16Pure, FP8)}
 assert tuple(POLICIES) == DTYPES, "one policy per --dtype"
+assert BF16_COMPUTE == tuple(n for n, p in POLICIES.items() if p.compute_bf16), "devices.BF16_COMPUTE is stale"
 
 
 def precision_policy(dtype: str) -> Precision:
