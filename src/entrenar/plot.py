@@ -1,4 +1,5 @@
-"""`entrenar plot RUN` -> RUN/curves.png: train and eval loss, learning rate, grad norm, tokens/s vs step.
+"""`entrenar plot RUN` -> RUN/curves.png: train and eval loss, learning rate, grad norm, tokens/s vs step, and
+the --eval-task metric when the run measured one (metrics.jsonl's rows with a "task" key).
 
 Uses matplotlib when importable; otherwise draws the same four panels (no text) with numpy and
 zlib so the command never needs a plotting stack.
@@ -40,7 +41,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
         raise InputError(f"{run_dir}: no metrics.jsonl (not a training run directory, or no step finished yet)")
-    metrics, evals = _read(metrics_path), _read(run_dir / "eval.jsonl")
+    rows, evals = _read(metrics_path), _read(run_dir / "eval.jsonl")
+    metrics = [r for r in rows if "task" not in r]  # a step's row; a task row carries the --eval-task metric
+    tasks = [r for r in rows if "task" in r]
     if not metrics:
         raise InputError(f"{metrics_path}: empty; no step has finished yet")
     out = out or run_dir / "curves.png"
@@ -52,6 +55,9 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
         ("grad norm (global L2, before clipping)", [("grad norm", *_series(metrics, "grad_norm"))], True),
         ("tokens / s", [("tok/s", *_series(metrics, "tok_s"))], False),
     ]
+    if tasks:
+        metric = tasks[0]["metric"]
+        panels.append((f"{tasks[0]['task']} {metric}", [(metric, *_series(tasks, metric))], False))
     try:
         import matplotlib
 
@@ -62,11 +68,15 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
         _draw_png(panels, out)
     else:
         backend = "matplotlib"
-        fig, axes = plt.subplots(2, 2, figsize=(11, 7))
+        rows_of_panels = (len(panels) + 1) // 2
+        fig, axes = plt.subplots(rows_of_panels, 2, figsize=(11, 3.5 * rows_of_panels))
+        for ax in list(axes.flat)[len(panels):]:
+            ax.axis("off")
         for ax, (title, lines, logy) in zip(axes.flat, panels):
             for label, xs, ys in lines:
                 if xs:
-                    ax.plot(xs, ys, marker="o" if label == "eval loss" else None, ms=3, lw=1.2, label=label)
+                    ax.plot(xs, ys, marker="o" if label in ("eval loss", *(t["metric"] for t in tasks[:1])) else None,
+                            ms=3, lw=1.2, label=label)
             ax.set_title(title)
             ax.set_xlabel("step")
             if logy and any(y > 0 for _, _, ys in lines for y in ys):
@@ -79,13 +89,14 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
         atomic_write(out, lambda tmp: fig.savefig(tmp, dpi=100, format="png"))  # never a half-written image
         plt.close(fig)
     last_eval = evals[-1]["loss"] if evals else None
-    return {"out": str(out), "backend": backend, "steps": len(metrics), "evals": len(evals),
+    return {"out": str(out), "backend": backend, "steps": len(metrics), "evals": len(evals), "task_evals": len(tasks),
             "first_loss": metrics[0]["loss"], "last_loss": metrics[-1]["loss"], "last_eval_loss": last_eval}
 
 
 def _draw_png(panels: list, out: Path, w: int = 400, h: int = 250) -> None:
-    """Four panels of polylines on a white canvas, written as an RGB PNG."""
-    img = np.full((2 * h, 2 * w, 3), 255, dtype=np.uint8)
+    """The panels (two per row) of polylines on a white canvas, written as an RGB PNG."""
+    rows = (len(panels) + 1) // 2
+    img = np.full((rows * h, 2 * w, 3), 255, dtype=np.uint8)
     colors = [(31, 119, 180), (255, 127, 14)]
     for k, (_, lines, logy) in enumerate(panels):
         oy, ox = (k // 2) * h, (k % 2) * w
@@ -112,6 +123,6 @@ def _draw_png(panels: list, out: Path, w: int = 400, h: int = 250) -> None:
     def chunk(tag: bytes, data: bytes) -> bytes:
         return struct.pack(">I", len(data)) + tag + data + struct.pack(">I", zlib.crc32(tag + data) & 0xFFFFFFFF)
 
-    png = (PNG_MAGIC + chunk(b"IHDR", struct.pack(">IIBBBBB", 2 * w, 2 * h, 8, 2, 0, 0, 0))
+    png = (PNG_MAGIC + chunk(b"IHDR", struct.pack(">IIBBBBB", 2 * w, rows * h, 8, 2, 0, 0, 0))
            + chunk(b"IDAT", zlib.compress(raw, 6)) + chunk(b"IEND", b""))
     atomic_write(out, png)

