@@ -4,10 +4,16 @@ written (item 2). As root (CI, these machines) and through the not-root fallback
 
 from __future__ import annotations
 
+import os
+import time
+
 import pytest
 
+from entrenar.evaluate import sandbox
+from entrenar.evaluate.harness import TaskEvalSettings, summarize, task_records
 from entrenar.evaluate.sandbox import SandboxLimits, run_program
 from entrenar.evaluate.tasks import Problem, program
+from tests.helpers.tokenizers import tiny_tokenizer
 
 FAST = SandboxLimits(timeout_s=5)
 ADD = Problem("t/add", 'def add(a, b):\n    """Sum of a and b."""\n', "def check(candidate):\n"
@@ -59,3 +65,52 @@ def test_check_returning_is_passed_and_the_token_is_out_of_the_programs_sight():
             "assert not re.search(rb'[0-9a-f]{32}', seen), seen\n")
     result = run_program(look, FAST)
     assert result.passed, result.error
+
+
+# ---- item 1: no program runs before isolation is established ------------------------------------------
+ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the uid layer needs root (CI and these machines run as root)")
+# check() of a program that reports where it runs: not root, and no network interface but loopback (in the
+# caller's network namespace /proc/net/dev lists the machine's interfaces too)
+WHERE_TEST = ("def check(candidate):\n"
+              "    import os\n"
+              "    assert os.getuid() != 0, f'ran as uid {os.getuid()}'\n"
+              "    rows = open('/proc/net/dev').read().splitlines()[2:]\n"
+              "    interfaces = [r.split(':')[0].strip() for r in rows]\n"
+              "    assert interfaces == ['lo'], f'network interfaces {interfaces}'\n")
+
+
+@ROOT_ONLY
+def test_no_program_runs_before_isolation_is_established(monkeypatch):
+    """From a cold start (the probe not run yet, and slow), a batch run by the harness's pool (4 workers):
+    every program waits for the probe, then runs as a sandbox uid in its own network namespace; its record
+    and the summary say so. The second worker's programs ran as root while the first one probed."""
+    if not sandbox._netns_works():
+        pytest.skip("this machine refuses network namespaces")
+    monkeypatch.setattr(sandbox, "_LEVEL", None)
+    probe = sandbox._runs_as
+
+    def slow_probe(*args, **kwargs):
+        time.sleep(1.0)
+        return probe(*args, **kwargs)
+
+    monkeypatch.setattr(sandbox, "_runs_as", slow_probe)
+    problems = [Problem(f"t/{i}", "def f():\n    pass\n", WHERE_TEST, "f") for i in range(6)]
+    settings = TaskEvalSettings(samples=1, batch_size=6, chat=False, limits=FAST, workers=4)
+    records = task_records(problems, tiny_tokenizer(), lambda batch, s: ["    return 1\n"] * len(batch), settings)
+    assert [r["error"] for r in records if not r["passed"]] == []
+    level = sandbox.isolation_level()[0]
+    assert "uid" in level and "netns" in level
+    assert {r["isolation"] for r in records} == {level + "+audit-hook"}
+    assert summarize(records, settings)["sandbox"]["isolation"] == level + "+audit-hook"
+
+
+def test_summary_names_the_weakest_isolation_and_counts_when_mixed():
+    settings = TaskEvalSettings()
+    rows = [{"task_id": "a", "passed": True, "isolation": "uid+netns+audit-hook"},
+            {"task_id": "b", "passed": False, "isolation": "rlimits+audit-hook"},
+            {"task_id": "c", "passed": False, "isolation": "uid+netns+audit-hook"}]
+    box = summarize(rows, settings)["sandbox"]
+    assert box["isolation"] == "rlimits+audit-hook"
+    assert box["isolation_counts"] == {"rlimits+audit-hook": 1, "uid+netns+audit-hook": 2}
+    same = summarize(rows[::2], settings)["sandbox"]
+    assert same["isolation"] == "uid+netns+audit-hook" and "isolation_counts" not in same

@@ -34,7 +34,9 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -117,7 +119,7 @@ class SandboxResult:
     status: str  # "passed" | "failed" | "timeout"
     error: str  # "" when passed; else the tail of stderr, or why it was killed
     seconds: float
-    isolation: str  # "uid+netns", "uid" or "rlimits" (+ the audit hook in every case): layers in force
+    isolation: str  # what this program ran under: "uid+netns", "uid" or "rlimits", + "+audit-hook" always
 
     @property
     def passed(self) -> bool:
@@ -163,6 +165,7 @@ def _netns_works() -> bool:
 
 
 _LEVEL: tuple[str, str] | None = None  # (isolation, interpreter), probed once per process
+_LEVEL_LOCK = threading.Lock()
 PYTHON_CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3")
 PROBE = "import collections, hashlib, itertools, json, math, re, string"
 
@@ -185,17 +188,30 @@ def isolation_level() -> tuple[str, str]:
     """(the kernel-level layers a program gets here, the interpreter that runs it); the audit hook is
     always there. Root: a uid of its own (+ a network namespace when allowed), with this interpreter, or
     the system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another
-    uid: resource limits only."""
+    uid: resource limits only.
+
+    Probed once per process, under a lock: every caller (each worker of the harness's pool) waits until
+    the probe is done, so no program starts under layers that are not established yet (issue 38 item 1:
+    a second worker ran its programs as root while the first one probed)."""
     global _LEVEL
-    if _LEVEL is None:
-        _LEVEL = ("rlimits", sys.executable)
-        if os.geteuid() == 0:
-            probe_uid = secrets.randbelow(1 << 29) + (1 << 30)
-            for python in (sys.executable, *PYTHON_CANDIDATES):
-                if os.path.exists(python) and _runs_as(python, probe_uid):
-                    _LEVEL = ("uid+netns" if _netns_works() else "uid", python)
-                    break
-    return _LEVEL
+    with _LEVEL_LOCK:
+        if _LEVEL is None:
+            _LEVEL = _probe_level()
+        return _LEVEL
+
+
+def _probe_level() -> tuple[str, str]:
+    if os.geteuid() == 0:
+        probe_uid = secrets.randbelow(1 << 29) + (1 << 30)
+        for python in (sys.executable, *PYTHON_CANDIDATES):
+            if os.path.exists(python) and _runs_as(python, probe_uid):
+                return ("uid+netns" if _netns_works() else "uid", python)
+    return ("rlimits", sys.executable)
+
+
+def weakest_isolation(levels: Iterable[str]) -> str:
+    """The level with the fewest kernel layers of `levels` (each "uid+netns+audit-hook"-like)."""
+    return min(levels, key=lambda level: (len(set(level.split("+")) - {"rlimits", "audit-hook"}), level))
 
 
 def processes_of(uid: int) -> list[int]:
@@ -297,6 +313,7 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
     parent_dir = Path(tempfile.mkdtemp(prefix="entrenar-sandbox-"))  # 0700: the program's output lives here
     workdir = parent_dir / "work"
     workdir.mkdir()
+    isolation = level + "+audit-hook"
     try:
         (workdir / "program.py").write_text(program)
         if uid is not None:
@@ -318,7 +335,7 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
                         pass_fds=(done_w,), close_fds=True,
                         # the child's setup is system calls only (unshare, setrlimit, set*id): no import, lock
                         # or allocation another thread could hold at fork
-                        preexec_fn=_preexec(limits, uid, level == "uid+netns"))  # noqa: PLW1509
+                        preexec_fn=_preexec(limits, uid, "netns" in level.split("+")))  # noqa: PLW1509
                 finally:
                     os.close(done_w)  # the child's copy is the only writer left
                 _send_token(proc, token)
@@ -338,12 +355,12 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
         seconds = time.perf_counter() - start
         stderr = _tail(err_path)
         if timed_out:
-            return SandboxResult("timeout", f"timed out after {limits.timeout_s:g} s (wall clock)", seconds, level)
+            return SandboxResult("timeout", f"timed out after {limits.timeout_s:g} s (wall clock)", seconds, isolation)
         if returncode == 0 and finished:
-            return SandboxResult("passed", "", seconds, level)
+            return SandboxResult("passed", "", seconds, isolation)
         if returncode == 0:  # exit status 0, but its last statement (check(...)) never returned
-            return SandboxResult("failed", NOT_FINISHED + (f"\n{stderr}" if stderr else ""), seconds, level)
-        return SandboxResult("failed", _error_of(returncode, stderr, limits), seconds, level)
+            return SandboxResult("failed", NOT_FINISHED + (f"\n{stderr}" if stderr else ""), seconds, isolation)
+        return SandboxResult("failed", _error_of(returncode, stderr, limits), seconds, isolation)
     finally:
         shutil.rmtree(parent_dir, onerror=_force_remove)
 
