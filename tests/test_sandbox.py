@@ -94,7 +94,13 @@ def open_dir():
     shutil.rmtree(d, ignore_errors=True)
 
 
-def test_deleting_files_outside_its_directory_fails_and_they_survive(open_dir):
+@pytest.mark.parametrize("root", ["as-is", "not-root"])
+def test_deleting_files_outside_its_directory_fails_and_they_survive(open_dir, monkeypatch, root):
+    """As the process is (root here: uid, read-only mounts and the audit hook), and through the not-root
+    fallback (the root check patched), where the audit hook alone refuses each attack."""
+    if root == "not-root":
+        monkeypatch.setattr(sandbox, "_LEVEL", None)
+        monkeypatch.setattr(sandbox, "_is_root", lambda: False)
     victim = open_dir / "precious.txt"
     victim.write_text("keep me")
     os.chmod(victim, 0o666)

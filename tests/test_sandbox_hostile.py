@@ -5,7 +5,11 @@ written (item 2). As root (CI, these machines) and through the not-root fallback
 from __future__ import annotations
 
 import os
+import secrets
+import shutil
+import tempfile
 import time
+from pathlib import Path
 
 import pytest
 
@@ -114,3 +118,100 @@ def test_summary_names_the_weakest_isolation_and_counts_when_mixed():
     assert box["isolation_counts"] == {"rlimits+audit-hook": 1, "uid+netns+audit-hook": 2}
     same = summarize(rows[::2], settings)["sandbox"]
     assert same["isolation"] == "uid+netns+audit-hook" and "isolation_counts" not in same
+
+
+# ---- item 2: nothing outside the work directory can be written ---------------------------------------
+# fork_exec's arguments as subprocess passes them (allow_vfork last, where this Python has it): the audit
+# hook sees no event for it
+FORK_EXEC = ("import _posixsubprocess, os\n"
+             "def shell(command):\n"
+             "    err_r, err_w = os.pipe()\n"
+             "    args = [[b'/bin/sh', b'-c', command.encode()], [b'/bin/sh'], True, (err_w,), None, None,\n"
+             "            -1, -1, -1, -1, -1, -1, err_r, err_w, False, False, -1, None, None, None, -1, None]\n"
+             "    try:\n"
+             "        pid = _posixsubprocess.fork_exec(*args, False)\n"
+             "    except TypeError:\n"
+             "        pid = _posixsubprocess.fork_exec(*args)\n"
+             "    os.waitpid(pid, 0)\n")
+# name -> (program template; {A} {B} are its targets), the targets outside, the same attack's targets inside
+ATTACKS = {
+    "fork_exec-sh": (FORK_EXEC + "shell('echo x > {A}; echo x > {B}')\n"
+                     "assert open({A!r}).read() == 'x\\n' and open({B!r}).read() == 'x\\n'\n"),
+    "mkfifo-in-root": "import os, stat\nos.mkfifo({A!r})\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
+    "mknod": "import os, stat\nos.mknod({A!r}, 0o600 | stat.S_IFIFO)\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
+    "O_RDONLY|O_TRUNC": "import os\nos.close(os.open({A!r}, os.O_RDONLY | os.O_TRUNC))\nassert os.path.getsize({A!r}) == 0\n",
+    "read-root-0600": "assert open({A!r}).read() == 's3cret'\n",
+}
+
+
+@pytest.fixture()
+def victims():
+    """Where each attack aims: a world-writable directory under /tmp (file modes do not protect it) holding a
+    world-writable file and a root-only one; unique names in /tmp, /dev/shm and /. All checked, then removed."""
+    d = Path(tempfile.mkdtemp(prefix="entrenar-victim-", dir="/tmp"))
+    os.chmod(d, 0o777)
+    (d / "open.txt").write_text("keep me")
+    os.chmod(d / "open.txt", 0o666)
+    (d / "secret.txt").write_text("s3cret")
+    os.chmod(d / "secret.txt", 0o600)
+    tag = secrets.token_hex(4)
+    paths = {"dir": d, "tmp": Path(f"/tmp/entrenar-x-{tag}"), "shm": Path(f"/dev/shm/entrenar-x-{tag}"),
+             "root": Path(f"/entrenar-fifo-{tag}")}
+    yield paths
+    for key in ("tmp", "shm", "root"):
+        paths[key].unlink(missing_ok=True)
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _targets(case: str, v: dict) -> dict[str, str]:
+    return {"fork_exec-sh": {"A": str(v["tmp"]), "B": str(v["shm"])}, "mkfifo-in-root": {"A": str(v["root"])},
+            "mknod": {"A": str(v["dir"] / "node")}, "O_RDONLY|O_TRUNC": {"A": str(v["dir"] / "open.txt")},
+            "read-root-0600": {"A": str(v["dir"] / "secret.txt")}}[case]
+
+
+def _nothing_left(v: dict) -> None:
+    assert not v["tmp"].exists() and not v["shm"].exists() and not v["root"].exists()
+    assert sorted(p.name for p in v["dir"].iterdir()) == ["open.txt", "secret.txt"]
+    assert (v["dir"] / "open.txt").read_text() == "keep me" and (v["dir"] / "secret.txt").read_text() == "s3cret"
+
+
+def _without_second_line(monkeypatch) -> None:
+    """The kernel layers alone: the bootstrap installs neither the audit hook nor its guards."""
+    for line in ("_guard_unaudited()\n", "sys.addaudithook(_hook)\n"):
+        assert sandbox.BOOTSTRAP.count("\n" + line) == 1
+        monkeypatch.setattr(sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace("\n" + line, "\n"))
+
+
+@ROOT_ONLY
+@pytest.mark.parametrize("layers", ["all", "kernel-only"])
+@pytest.mark.parametrize("case", sorted(ATTACKS))
+def test_hostile_program_writes_nothing_outside_as_root(monkeypatch, victims, case, layers):
+    """As root, each attack scores failed and leaves nothing, with every layer and with the kernel's alone
+    (the read-only mount namespace: the audit hook saw no event for fork_exec, mkfifo, mknod). The same
+    attack aimed inside its work directory passes there: the attack itself works."""
+    level = sandbox.isolation_level()[0]
+    if "mountns" not in level.split("+"):
+        pytest.skip(f"this machine refuses mount namespaces ({level})")
+    if layers == "kernel-only":
+        _without_second_line(monkeypatch)
+    result = run_program(ATTACKS[case].format(**_targets(case, victims)), FAST)
+    assert result.status == "failed", (case, result)
+    _nothing_left(victims)
+    if layers == "kernel-only" and case != "read-root-0600":
+        inside = {"A": "a", "B": "b"}
+        setup = "open('a', 'w').close()\n" if case == "O_RDONLY|O_TRUNC" else ""
+        control = run_program(setup + ATTACKS[case].format(**inside), FAST)
+        assert control.passed, (case, control.error)
+
+
+@pytest.mark.parametrize("case", sorted(set(ATTACKS) - {"read-root-0600"}))
+def test_hostile_program_writes_nothing_outside_without_root(monkeypatch, victims, case):
+    """The fallback when the process is not root (the root check patched; as root here, the program then
+    runs as root with rlimits only): the audit hook and its guards alone stop each attack. (Reading a
+    file of the user's own is no attack there: the program runs as that user.)"""
+    monkeypatch.setattr(sandbox, "_LEVEL", None)
+    monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+    result = run_program(ATTACKS[case].format(**_targets(case, victims)), FAST)
+    assert result.isolation == "rlimits+audit-hook"
+    assert result.status == "failed" and "sandbox:" in result.error, (case, result)
+    _nothing_left(victims)

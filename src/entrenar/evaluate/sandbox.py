@@ -26,7 +26,9 @@ memory). Layers, strongest first (docs/design.md, "Task evaluation"):
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -41,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
 OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr (and of any file written) before SIGXFSZ kills the program
 NPROC_LIMIT = 8  # processes (threads included) of the sandbox uid at once: with memory_mb, 4 GB at worst
 ERROR_CHARS = 2000  # tail of stderr kept as the error text
@@ -55,7 +58,13 @@ _NET = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
         "socket.gethostbyaddr", "socket.sendto", "socket.sendmsg")
 _SPAWN = ("os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "os.startfile", "pty.spawn")
 _PATHS = ("os.remove", "os.rmdir", "os.rename", "os.chmod", "os.chown", "os.truncate", "os.link", "os.symlink",
-          "shutil.rmtree", "shutil.move", "os.mkdir", "os.utime")
+          "shutil.rmtree", "shutil.move", "os.mkdir", "os.utime", "os.setxattr", "os.removexattr", "os.chflags",
+          "os.lchflags")
+# any of these flags changes the file (O_RDONLY | O_TRUNC empties it)
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+# modules whose fresh copy would bring back what _guard_unaudited replaced; gc's walks would find it
+_GUARDED = ("_posixsubprocess", "posix", "_imp")
+_WALKS = ("gc.get_objects", "gc.get_referrers", "gc.get_referents")
 
 def _inside(path):
     try:
@@ -65,8 +74,10 @@ def _inside(path):
     return p == _root or p.startswith(_root + os.sep)
 
 def _hook(event, args):
-    if event in _NET or event.startswith("ctypes.") or event in _SPAWN:
+    if event in _NET or event.startswith("ctypes.") or event in _SPAWN or event in _WALKS:
         raise PermissionError(f"sandbox: {event} is not allowed")
+    if event == "import" and args[0] in _GUARDED:
+        raise PermissionError(f"sandbox: importing {args[0]} again is not allowed")
     if event in _KILL and args[0] not in (os.getpid(), 0):
         raise PermissionError(f"sandbox: {event} of another process is not allowed")
     if event in _PATHS:
@@ -74,10 +85,42 @@ def _hook(event, args):
             raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
     elif event == "open" and args[0] is not None and not isinstance(args[0], int):
         mode, flags = args[1] or "r", args[2] or 0
-        writes = any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        writes = any(c in str(mode) for c in "wax+") or flags & _WRITE_FLAGS
         if writes and not _inside(args[0]):
             raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory is not allowed")
 
+def _refuse(what):
+    def refused(*args, **kwargs):
+        raise PermissionError(f"sandbox: {what} is not allowed")
+    return refused
+
+def _guard_path(name):
+    real = getattr(os, name)
+    def guarded(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is not None or not _inside(path):
+            raise PermissionError(f"sandbox: os.{name} outside the working directory is not allowed")
+        return real(path, *args, **kwargs)
+    return guarded
+
+def _guard_unaudited():
+    # Python 3.11 raises no audit event for these: replaced where every caller looks them up
+    import _imp, _posixsubprocess, posix
+    _posixsubprocess.fork_exec = _refuse("_posixsubprocess.fork_exec (starting a program)")
+    for name in ("mkfifo", "mknod"):
+        guarded = _guard_path(name)
+        setattr(posix, name, guarded)
+        setattr(os, name, guarded)
+    for name in ("create_builtin", "create_dynamic"):
+        setattr(_imp, name, _guard_create(getattr(_imp, name)))
+
+def _guard_create(real):
+    def create(spec, *args):
+        if spec.name in _GUARDED:
+            raise PermissionError(f"sandbox: a fresh {spec.name} module is not allowed")
+        return real(spec, *args)
+    return create
+
+_guard_unaudited()
 sys.addaudithook(_hook)
 
 def _main():
@@ -119,7 +162,7 @@ class SandboxResult:
     status: str  # "passed" | "failed" | "timeout"
     error: str  # "" when passed; else the tail of stderr, or why it was killed
     seconds: float
-    isolation: str  # what this program ran under: "uid+netns", "uid" or "rlimits", + "+audit-hook" always
+    isolation: str  # what this program ran under: "uid+netns+mountns" ... or "rlimits", + "+audit-hook" always
 
     @property
     def passed(self) -> bool:
@@ -133,17 +176,70 @@ _RLIMITS = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, reso
             resource.RLIMIT_NPROC)
 
 
+_MOUNT = _LIBC.mount
+_MOUNT.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+# per-mount options of /proc/self/mountinfo that a bind remount resets unless given again
+_KEEP_FLAGS = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC, b"noatime": 1024,
+               b"nodiratime": 2048, b"relatime": 1 << 21}
+
+
 def _libc_unshare(flags: int) -> bool:
     return _LIBC.unshare(flags) == 0
 
 
-def _preexec(limits: SandboxLimits, uid: int | None, want_netns: bool):
-    """The child's setup between fork and exec (already in its own session: start_new_session)."""
+def _mount(source: bytes | None, target: bytes, flags: int) -> int:
+    return _MOUNT(source, target, None, flags, None)
+
+
+def mount_points() -> list[tuple[bytes, int]]:
+    """(mount point, the per-mount flags a bind remount must keep) of every mount of this process, from
+    /proc/self/mountinfo. Read in the parent: the child between fork and exec only makes system calls."""
+    points = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
+            keep = 0
+            for option in fields[5].split(b","):
+                keep |= _KEEP_FLAGS.get(option, 0)
+            points.append((point, keep))
+    return points
+
+
+def _read_only_view(workdir: bytes, points: list[tuple[bytes, int]]) -> None:
+    """In the child (root, before setuid): a mount namespace of its own where every mount is read-only but
+    the work directory. The namespace dies with its last process, so nothing of it outlives the run."""
+    if not _libc_unshare(CLONE_NEWNS):
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed in the sandbox child")
+    if _mount(None, b"/", MS_REC | MS_PRIVATE) != 0:  # nothing done here propagates to the host
+        raise OSError(ctypes.get_errno(), "making the sandbox's mounts private failed")
+    for point, keep in points:
+        if _mount(None, point, MS_REMOUNT | MS_BIND | MS_RDONLY | keep) != 0:
+            err = ctypes.get_errno()
+            # a mount gone (or covered) since the table was read is fine; any other refusal leaves a
+            # writable mount, and the run must not start under a claim of mountns
+            if point == b"/" or err not in (errno.ENOENT, errno.EINVAL):
+                raise OSError(err, f"read-only remount of {point!r} failed in the sandbox child")
+    # the work directory (the child's cwd: Popen changed to it before this runs), bound over itself and
+    # made writable again: the bind copies the read-only flag of the mount it comes from
+    if (_mount(b".", workdir, MS_BIND) != 0
+            or _mount(None, workdir, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV) != 0):
+        raise OSError(ctypes.get_errno(), "binding the sandbox's work directory failed")
+    os.chdir(workdir)  # onto the writable bind (the old cwd is the read-only mount under it)
+
+
+def _preexec(limits: SandboxLimits, uid: int | None, want_netns: bool, view: tuple[bytes, list] | None = None):
+    """The child's setup between fork and exec (already in its own session: start_new_session). `view`:
+    (work directory, mount_points()) for a read-only file system but the work directory."""
     values = (limits.memory_mb << 20, int(limits.timeout_s) + 2, limits.output_bytes, 0, limits.nproc)
 
     def setup() -> None:
         if want_netns and not _libc_unshare(CLONE_NEWNET):  # probed (isolation_level): this is a bug
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed in the sandbox child")
+        if view is not None:
+            _read_only_view(*view)
         for rlimit, value in zip(_RLIMITS, values):
             resource.setrlimit(rlimit, (value, value))
         if uid is not None:
@@ -153,9 +249,13 @@ def _preexec(limits: SandboxLimits, uid: int | None, want_netns: bool):
     return setup
 
 
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
 def _netns_works() -> bool:
     """Whether this process may create a network namespace (root with CAP_SYS_ADMIN), tried in a child."""
-    if os.geteuid() != 0:
+    if not _is_root():
         return False
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
@@ -170,25 +270,31 @@ PYTHON_CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3")
 PROBE = "import collections, hashlib, itertools, json, math, re, string"
 
 
-def _runs_as(python: str, uid: int) -> bool:
+def _runs_as(python: str, uid: int, netns: bool = False, mountns: bool = False) -> bool:
     """Whether `python` starts and imports the standard library as `uid` (a home directory of mode 0700
-    above the interpreter, as pyenv's under /root, makes it unreachable)."""
+    above the interpreter, as pyenv's under /root, makes it unreachable), in a network namespace and a
+    read-only view of the file system when asked (the setup raises where the machine refuses them)."""
+    workdir = Path(tempfile.mkdtemp(prefix="entrenar-sandbox-probe-"))
     try:
+        os.chmod(workdir, 0o711)
+        view = (os.fsencode(workdir), mount_points()) if mountns else None
         done = subprocess.run([python, "-I", "-c", PROBE], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=30, preexec_fn=_preexec(SandboxLimits(), uid, False),
+                              timeout=30, cwd=workdir, preexec_fn=_preexec(SandboxLimits(), uid, netns, view),
                               check=False)
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
         _kill_uid(uid)
+        shutil.rmtree(workdir, ignore_errors=True)
     return done.returncode == 0
 
 
 def isolation_level() -> tuple[str, str]:
     """(the kernel-level layers a program gets here, the interpreter that runs it); the audit hook is
-    always there. Root: a uid of its own (+ a network namespace when allowed), with this interpreter, or
-    the system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another
-    uid: resource limits only.
+    always there. Root: a uid of its own, a network namespace and a read-only view of the file system but
+    its work directory (a mount namespace) when the machine allows them, with this interpreter, or the
+    system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another uid:
+    resource limits only.
 
     Probed once per process, under a lock: every caller (each worker of the harness's pool) waits until
     the probe is done, so no program starts under layers that are not established yet (issue 38 item 1:
@@ -201,11 +307,17 @@ def isolation_level() -> tuple[str, str]:
 
 
 def _probe_level() -> tuple[str, str]:
-    if os.geteuid() == 0:
+    if _is_root():
         probe_uid = secrets.randbelow(1 << 29) + (1 << 30)
         for python in (sys.executable, *PYTHON_CANDIDATES):
             if os.path.exists(python) and _runs_as(python, probe_uid):
-                return ("uid+netns" if _netns_works() else "uid", python)
+                layers = ["uid"]
+                netns = _netns_works() and _runs_as(python, probe_uid, netns=True)
+                if netns:
+                    layers.append("netns")
+                if _runs_as(python, probe_uid, netns=netns, mountns=True):
+                    layers.append("mountns")
+                return ("+".join(layers), python)
     return ("rlimits", sys.executable)
 
 
@@ -314,6 +426,8 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
     workdir = parent_dir / "work"
     workdir.mkdir()
     isolation = level + "+audit-hook"
+    layers = level.split("+")
+    view = (os.fsencode(workdir), mount_points()) if "mountns" in layers else None
     try:
         (workdir / "program.py").write_text(program)
         if uid is not None:
@@ -335,7 +449,7 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
                         pass_fds=(done_w,), close_fds=True,
                         # the child's setup is system calls only (unshare, setrlimit, set*id): no import, lock
                         # or allocation another thread could hold at fork
-                        preexec_fn=_preexec(limits, uid, "netns" in level.split("+")))  # noqa: PLW1509
+                        preexec_fn=_preexec(limits, uid, "netns" in layers, view))  # noqa: PLW1509
                 finally:
                     os.close(done_w)  # the child's copy is the only writer left
                 _send_token(proc, token)
