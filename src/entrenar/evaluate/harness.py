@@ -18,7 +18,7 @@ from typing import Any
 from ..devices import BF16_COMPUTE
 from ..errors import InputError
 from ..fileio import atomic_write
-from .sandbox import SandboxLimits, isolation_level, run_program
+from .sandbox import SandboxLimits, isolation_level, run_program, weakest_isolation
 from .tasks import Problem, completion_done, extract_code, pass_at_k, program, prompt_ids
 
 # (prompt ids of a batch, index of the sample being drawn) -> one completion text per prompt. Sample s of
@@ -72,7 +72,8 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
                     records[i * settings.samples + s] = {
                         "task_id": problems[i].task_id, "sample": s, "passed": res.passed, "status": res.status,
                         "error": res.error, "completion": text, "code": code, "prompt_tokens": len(ids[i]),
-                        "generate_seconds": round(seconds, 3), "run_seconds": round(res.seconds, 3)}
+                        "generate_seconds": round(seconds, 3), "run_seconds": round(res.seconds, 3),
+                        "isolation": res.isolation}
             done += len(batch)
             if log is not None:
                 passed = sum(1 for r in records if r is not None and r["passed"])
@@ -89,12 +90,20 @@ def summarize(records: Sequence[dict[str, Any]], settings: TaskEvalSettings) -> 
         per_problem[r["task_id"]] = per_problem.get(r["task_id"], 0) + int(r["passed"])
     n_problems = len(per_problem)
     level, python = isolation_level()
+    # what the programs ran under, each record says (records of an older file lack it: this process's level)
+    ran_under: dict[str, int] = {}
+    for r in records:
+        iso = r.get("isolation", level + "+audit-hook")
+        ran_under[iso] = ran_under.get(iso, 0) + 1
+    box: dict[str, Any] = {"isolation": weakest_isolation(ran_under) if ran_under else level + "+audit-hook"}
+    if len(ran_under) > 1:  # mixed: the weakest, and how many programs ran under each
+        box["isolation_counts"] = dict(sorted(ran_under.items()))
     return {"problems": n_problems, "samples": settings.samples,
             **{f"pass@{k}": sum(pass_at_k(settings.samples, c, k) for c in per_problem.values()) / n_problems
                for k in settings.ks()},
             "passed_problems": sum(1 for c in per_problem.values() if c),
             "format": "chat" if settings.chat else "completion",
-            "sandbox": {"isolation": level + "+audit-hook", "python": python, "timeout_s": settings.limits.timeout_s,
+            "sandbox": {**box, "python": python, "timeout_s": settings.limits.timeout_s,
                         "memory_mb": settings.limits.memory_mb, "nproc": settings.limits.nproc}}
 
 

