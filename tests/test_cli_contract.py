@@ -29,8 +29,8 @@ def _device_actions(parser) -> dict[str, str]:
 def test_every_device_option_comes_from_the_shared_helper():
     devices = _device_actions(cli.build_parser())
     assert {"pretrain", "finetune", "eval", "verify", "qa", "generate"} <= set(devices)
-    for path, default in devices.items():
-        assert default in ("cpu", "auto"), (path, default)
+    for path, default in devices.items():  # issue 36 item 1: a GPU host computes on its GPU by default
+        assert default == "auto", (path, default)
     text = "\n".join(p.read_text(encoding="utf-8") for name, p in MODULES.items() if name != "entrenar.cli.registry")
     assert text.count('"--device"') == 0, "a command declares --device itself instead of add_device_option"
 
@@ -52,6 +52,7 @@ def test_resolve_device_rules(monkeypatch):
     from entrenar.devices import resolve_device
     from entrenar.errors import InputError
 
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert resolve_device("auto") == "cpu"
     assert resolve_device("CPU") == "cpu"
@@ -59,7 +60,8 @@ def test_resolve_device_rules(monkeypatch):
         resolve_device("cuda")
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
-    assert resolve_device("auto") == "cuda"
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index=None: "NVIDIA H100")
+    assert resolve_device("auto") == "cuda:0"
     assert resolve_device("cuda:1") == "cuda:1"
     with pytest.raises(InputError, match="2 CUDA device"):
         resolve_device("cuda:2")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import torch
@@ -9,8 +10,11 @@ import torch
 from .errors import InputError
 
 _DEVICE_RE = re.compile(r"^(cpu|cuda|cuda:\d+|auto)$")
-DEVICE_CHOICES_HELP = "cpu | cuda | cuda:N | auto (= cuda when available, else cpu)"
-DEFAULT_DEVICE = "cpu"  # reproducible by default; generate (interactive) asks for "auto"
+DEVICE_CHOICES_HELP = ("cpu | cuda | cuda:N | auto (= this process's GPU when CUDA is available: cuda:LOCAL_RANK "
+                       "under torchrun, else cuda:0; the CPU otherwise; the choice and why are logged)")
+# issue 36 item 1: with "cpu" as the default a user on a GPU host trained on the CPU (53 min of CPU time, still in
+# step 1) unless they also knew --device cuda; every command that computes now uses the GPU it has.
+DEFAULT_DEVICE = "auto"
 
 # The --dtype vocabulary of every command, written once (the CLI reads it): a name -> the torch dtype.
 # Weights are loaded and saved in WEIGHT_DTYPES (generate, convert); verify and qa also compute in fp16;
@@ -26,13 +30,43 @@ DTYPE_AUTO_HELP = ("auto = bf16 on a CUDA device with native bf16 (compute capab
 
 
 def resolve_device(name: str) -> str:
-    """'auto' -> 'cuda' when CUDA is available, else 'cpu'; 'cpu', 'cuda', 'cuda:N' are checked
-    against this machine. Anything else is an InputError (exit 2) naming the accepted values."""
+    """`resolve_device_reason`'s device."""
+    return resolve_device_reason(name)[0]
+
+
+def _local_rank() -> int | None:
+    """LOCAL_RANK as torchrun sets it (one GPU per process on a node), None outside torchrun."""
+    raw = os.environ.get("LOCAL_RANK", "")
+    if raw == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise InputError(f"environment variable LOCAL_RANK={raw!r} is not an integer (torchrun sets it)") from None
+
+
+def _auto_device() -> tuple[str, str]:
+    if not torch.cuda.is_available():
+        return "cpu", "--device auto: no CUDA device"
+    rank = _local_rank()
+    index = rank or 0
+    count = torch.cuda.device_count()
+    if not 0 <= index < count:  # torchrun started more processes on this node than it has GPUs
+        raise InputError(f"--device auto: LOCAL_RANK={index} but this node has {count} CUDA device(s); use "
+                         f"torchrun --nproc-per-node <= the number of GPUs, or --device cpu")
+    where = f", LOCAL_RANK={rank} under torchrun" if rank is not None else ""
+    return f"cuda:{index}", f"--device auto: {torch.cuda.get_device_name(index)}, CUDA available{where}"
+
+
+def resolve_device_reason(name: str) -> tuple[str, str]:
+    """(device, why). 'auto' -> this process's GPU when CUDA is available (cuda:LOCAL_RANK under torchrun, else
+    cuda:0), the CPU otherwise; 'cpu', 'cuda', 'cuda:N' are checked against this machine and kept. Anything else
+    is an InputError (exit 2) naming the accepted values."""
     name = str(name).strip().lower()
     if not _DEVICE_RE.match(name):
         raise InputError(f"--device {name!r}: not a device; use cpu, cuda, cuda:N or auto")
     if name == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return _auto_device()
     if name.startswith("cuda"):
         if not torch.cuda.is_available():
             raise InputError(f"--device {name}: no CUDA device is available (torch.cuda.is_available() is "
@@ -41,7 +75,7 @@ def resolve_device(name: str) -> str:
         if index >= torch.cuda.device_count():
             raise InputError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s) "
                              f"(cuda:0 .. cuda:{torch.cuda.device_count() - 1})")
-    return name
+    return name, f"--device {name} as given"
 
 
 # --dtype auto (issue 23): a user's first GPU run was fp32, 10x slower than the bf16 recipe and peers

@@ -76,6 +76,11 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
     if export_type not in EXPORT_TYPES:
         raise InputError(f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}")
     start = time.perf_counter()
+    if tokenizer is None and adapter is not None:  # the adapter's own tokenizer and chat template, as merge takes
+        from .peft.load import tokenizer_spec
+
+        own = tokenizer_spec(spec, adapter)
+        tokenizer = own if own != str(spec) else None
     chat_tokenizer = _tokenizer_for(spec, tokenizer)  # before the weights: a refusal costs nothing
     model, n_merged = _merged_model(spec, adapter, force_base)
     load_seconds = time.perf_counter() - start

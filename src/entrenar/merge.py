@@ -64,21 +64,28 @@ def _check_out(out_dir: Path) -> None:
         raise InputError(f"--out {out_dir}: {out_dir.parent} is not writable; choose a writable --out")
 
 
-def _save_merged(model: nn.Module, base: str | os.PathLike, out_dir: Path) -> bool:
-    """Write the merged HF directory atomically (a crash leaves no half --out); True if a tokenizer went too."""
+def _save_merged(model: nn.Module, base: str | os.PathLike, adapter_dir: Path, out_dir: Path) -> str | None:
+    """Write the merged HF directory atomically (a crash leaves no half --out); where its tokenizer came from
+    (None: none went).
+    The tokenizer is the adapter's own when it carries one: a fine-tune saves its tokenizer and --chat-template
+    there (issue 38 item 9: the base's template made a tool-call fine-tune's merged model "not support tools")."""
     from .formats import resolve_model, save_hf_dir
+    from .peft.load import tokenizer_spec
+    from .tokenizer import load_tokenizer
 
     tokenizer = None
-    base_path = resolve_model(base)
-    if base_path.is_file() or (base_path / "tokenizer.json").is_file():
-        from .tokenizer import load_tokenizer
-
-        tokenizer = load_tokenizer(base)
+    source = tokenizer_spec(str(base), adapter_dir)
+    if source != str(base):  # the adapter's tokenizer files, as `--model BASE --adapter DIR` reads them
+        tokenizer = load_tokenizer(source)
+    else:
+        base_path = resolve_model(base)
+        if base_path.is_file() or (base_path / "tokenizer.json").is_file():
+            tokenizer = load_tokenizer(base)
     if out_dir.exists():
         out_dir.rmdir()  # empty (checked): atomic_dir renames onto a path that does not exist
     with atomic_dir(out_dir) as tmp:
         save_hf_dir(model, tmp, tokenizer=tokenizer)
-    return tokenizer is not None
+    return None if tokenizer is None else source
 
 
 def merge(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.PathLike,
@@ -110,13 +117,14 @@ def merge(base: str | os.PathLike, adapter: str | os.PathLike, out: str | os.Pat
     n_merged, rel_vs_trained, max_diff = merge_checked(model, onto, original,
                                                        check=onto == "trained" or not trained_nf4)
     model.to(dtype)
-    has_tokenizer = _save_merged(model, base, out_dir)
+    tokenizer_from = _save_merged(model, base, adapter_dir, out_dir)
     result = {
         "out_dir": str(out_dir), "onto": onto, "adapters_merged": n_merged,
         "trained_against": "nf4" if trained_nf4 else "base weights",
         "logit_rel_l2_vs_trained": rel_vs_trained,
         "logit_max_abs_diff_vs_trained": max_diff,
-        "dtype": str(dtype).removeprefix("torch."), "tokenizer": has_tokenizer,
+        "dtype": str(dtype).removeprefix("torch."), "tokenizer": tokenizer_from is not None,
+        "tokenizer_from": tokenizer_from,
         "base_check": base_check["status"],
     }
     if base_check["status"] != "match":

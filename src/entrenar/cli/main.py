@@ -97,9 +97,12 @@ def _failure(command: str, message: str, code: int, want_json: bool, **extra: An
 def _resolve_common(args: argparse.Namespace) -> None:
     """One rule for every command's --device and --kernels (auto = Triton on CUDA)."""
     if getattr(args, "device", None) is not None:
-        from ..devices import resolve_device
+        from ..devices import resolve_device_reason
 
-        args.device = resolve_device(args.device)
+        requested = args.device
+        args.device, args.device_reason = resolve_device_reason(requested)
+        if str(requested).strip().lower() == "auto" and not _other_rank():  # the default: say what it chose
+            print(f"device: {args.device} ({args.device_reason})", file=sys.stderr, flush=True)
     if getattr(args, "kernels", None) in ("auto", "triton"):  # triton: refused off CUDA (exit 2)
         from ..kernels import resolve_kernels
 

@@ -178,7 +178,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="nucleus sampling (with --temperature > 0): draw only from the most likely tokens whose "
                         "probabilities add up to P; 1 = all tokens (1.0)")
     p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
-    add_device_option(p, default="auto")
+    add_device_option(p)
     p.add_argument("--dtype", default="auto", choices=("auto", *WEIGHT_DTYPES),
                    help="weights and compute dtype: auto = bf16 on a CUDA device with native bf16 (compute "
                         "capability >= 8.0), else the weights' stored dtype (a GGUF dequantizes to fp32) (auto)")

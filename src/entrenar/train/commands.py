@@ -136,7 +136,9 @@ def _configs(args: Any, command: str) -> tuple[TrainConfig, LoRAConfig, DataConf
 
         lr, why = auto_lr(args.mode, lora.rank, lora.rslora, lora.alpha)
         _log(f"--lr auto: {lr:g} ({why})")
-    overrides: dict[str, Any] = {"command": command, "lr": lr}
+    # --device auto was resolved (and logged) by the CLI: keep why, for run.json
+    overrides: dict[str, Any] = {"command": command, "lr": lr,
+                                 "device_reason": getattr(args, "device_reason", "")}
     if command == "finetune":  # a window is the longest sample; the start is pretrained
         overrides.update(seq_len=data.max_seq_len, check_init_loss=True)
     cfg = from_args(TrainConfig, args, command, **overrides)

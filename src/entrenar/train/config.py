@@ -19,7 +19,14 @@ from typing import Any, TypeVar
 
 from ..config import PRESETS
 from ..data.sft import CHAT_TEMPLATE_HELP, DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
-from ..devices import DEFAULT_DEVICE, DEVICE_CHOICES_HELP, WEIGHT_DTYPES, resolve_device, resolve_dtype
+from ..devices import (
+    DEFAULT_DEVICE,
+    DEVICE_CHOICES_HELP,
+    WEIGHT_DTYPES,
+    resolve_device,
+    resolve_device_reason,
+    resolve_dtype,
+)
 from ..errors import InputError
 from ..kernels import KERNELS
 from . import guards
@@ -108,6 +115,7 @@ class TrainConfig:
                                  per_command={"finetune": {"default": 0.0}})
     clip: float = option(1.0, "clip the global L2 grad norm; 0 = off (the norm is still logged)")
     device: str = option(DEFAULT_DEVICE, DEVICE_CHOICES_HELP, commands=_EVERY, metavar="DEVICE")
+    device_reason: str = ""  # how --device was chosen ("--device auto: NVIDIA H100 ..."): logged, in run.json
     dtype: str = option("auto", "compute dtype. auto: bf16 on a CUDA device with native bf16 (compute capability "
                                 "8.0+), fp32 on the CPU and older GPUs; the choice and why are logged and "
                                 "recorded in run.json. bf16: autocast; fp32 master weights, AdamW state and residual "
@@ -203,6 +211,10 @@ class TrainConfig:
     def __post_init__(self) -> None:
         if self.warmup is None and isinstance(self.steps, int):
             self.warmup = min(100, self.steps // 10)
+        if self.device == "auto":  # resolved at once (as --dtype below, which reads it): no reader sees "auto"
+            self.device, self.device_reason = resolve_device_reason("auto")
+        elif not self.device_reason:
+            self.device_reason = f"--device {self.device} as given"
         if self.dtype == "auto":  # resolved at once, so every later reader sees a concrete dtype
             self.dtype, self.dtype_reason = resolve_dtype("auto", resolve_device(self.device))
         elif not self.dtype_reason:
