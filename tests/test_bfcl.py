@@ -472,3 +472,26 @@ def test_cli_sft_from_bfcl(tmp_path, capsys):
     code, js, err = main(["data", "sft-from-bfcl", "--out", str(tmp_path / "x.jsonl"), "--categories",
                           "simple_python", "--json"], capsys)
     assert code == 2 and "disjoint from the scored non-live ones" in js["error"]
+
+
+@pytest.mark.real_model
+def test_bfcl_rows_on_smollm2_with_the_packaged_template(tmp_path):
+    """SmolLM2-135M-Instruct's tokenizer with chatml_tools.jinja: BFCL rows (calls, parallel calls, a no-call
+    answer) load with every end-of-turn trained and each trained tool turn read back as the row's calls (the
+    data check of design.md "SFT rows with tool calls"); its own template is refused for them."""
+    from entrenar.data.bfcl_data import sft_rows_from_bfcl
+    from entrenar.data.sft import load_sft
+    from entrenar.tokenizer import load_tokenizer, use_chat_template_file
+
+    rows, _ = sft_rows_from_bfcl(["live_simple", "live_parallel"], system="Call functions.", irrelevance=True)
+    picked = rows[:4] + [r for r in rows if r["id"].startswith("live_parallel")][:3] + rows[-2:]
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    tok = load_tokenizer("smollm2-135m-instruct")
+    with pytest.raises(InputError, match="does not support tools"):
+        load_sft(f, tok, 4096)
+    use_chat_template_file(tok, TEMPLATE)
+    examples, report = load_sft(f, tok, 4096)
+    d = report.to_dict()
+    assert len(examples) == len(picked) and report.eot_trained == len(picked) and not report.eot_not_trained_lines
+    assert d["tools"]["rows_with_calls"] == len(picked) - 2 and d["tools"]["calls"] >= len(picked) - 2 + 3
