@@ -472,6 +472,11 @@ def test_cli_sft_from_bfcl(tmp_path, capsys):
     code, js, err = main(["data", "sft-from-bfcl", "--out", str(tmp_path / "x.jsonl"), "--categories",
                           "simple_python", "--json"], capsys)
     assert code == 2 and "disjoint from the scored non-live ones" in js["error"]
+    source = tmp_path / "keep.py"  # --overwrite replaces an earlier JSONL only (CLI-OVERWRITE-OWN)
+    source.write_text("def f():\n    return 1\n")
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(source), "--categories", "live_parallel",
+                          "--overwrite", "--json"], capsys)
+    assert code == 2 and source.read_text() == "def f():\n    return 1\n"
 
 
 @pytest.mark.real_model
