@@ -24,7 +24,9 @@ from pathlib import Path
 import pytest
 
 from entrenar.data.bfcl_data import (
+    CATEGORIES,
     DEFAULT_CATEGORIES,
+    LIVE_CALL_CATEGORIES,
     NO_ANSWER,
     ground_truth_calls,
     openai_tools,
@@ -382,3 +384,119 @@ def test_cli_bfcl_summary_per_category(tiny_dir, tmp_path, capsys):
 def test_cli_bfcl_bad_input_exits_2(tiny_dir, capsys, extra, expect):
     code, js, err = main(["eval", "--model", str(tiny_dir), *extra, "--json"], capsys)
     assert code == 2 and expect in (js or {}).get("error", "") + err, (js, err)
+
+
+# ---- the ChatML tools template --------------------------------------------------------------------------
+def test_chatml_tools_template_renders_and_masks_tool_rows():
+    """Text rows render as SmolLM2's own template writes them; with tools the schemas are in the system turn,
+    and the trained tokens are exactly each assistant turn (calls as hermes blocks) through <|im_end|>; the
+    calls read back from the trained text are the row's."""
+    from entrenar.data.tool_calls import call_format, parse_tool_calls
+
+    smol = ("{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>"
+            "system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}"
+            "{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}"
+            "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+    ours, theirs = tiny_tokenizer(chat_template=TEMPLATE.read_text()), tiny_tokenizer(chat_template=smol)
+    assert ours.supports_tools() and call_format(ours.chat_template) == "hermes"
+    for chat in ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}],
+                 [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}]):
+        assert ours.render_chat(chat, add_generation_prompt=True).text == \
+            theirs.render_chat(chat, add_generation_prompt=True).text
+    tools = [{"type": "function", "function": {"name": "f", "description": "d", "parameters": {
+        "type": "object", "properties": {"x": {"type": "integer"}}}}}]
+    calls = [{"type": "function", "function": {"name": "f", "arguments": {"x": 1}}},
+             {"type": "function", "function": {"name": "f", "arguments": {"x": 2}}}]
+    messages = [{"role": "user", "content": "f of 1 and 2?"}, {"role": "assistant", "content": "", "tool_calls": calls},
+                {"role": "tool", "content": "one"}, {"role": "tool", "content": "two"},
+                {"role": "assistant", "content": "one, two"}]
+    text = ours.render_chat(messages, tools=tools).text
+    assert '<tools>\n{"type": "function", "function": {"name": "f"' in text
+    assert "<|im_start|>user\n<tool_response>\none\n</tool_response>\n<tool_response>\ntwo\n</tool_response>" \
+           "<|im_end|>" in text
+    enc = ours.encode_chat(messages, tools=tools)
+    trained = ours.decode([t for t, m in zip(enc.ids, enc.assistant_mask) if m])
+    first = ('<tool_call>\n{"name": "f", "arguments": {"x": 1}}\n</tool_call>\n'
+             '<tool_call>\n{"name": "f", "arguments": {"x": 2}}\n</tool_call><|im_end|>')
+    assert trained == first + "one, two<|im_end|>"
+    read = parse_tool_calls(first.removesuffix("<|im_end|>"), "hermes")
+    assert [(c["name"], c["arguments"]) for c in read.calls] == [("f", {"x": 1}), ("f", {"x": 2})]
+
+
+# ---- live_* -> SFT rows ------------------------------------------------------------------------------------
+def test_sft_rows_from_bfcl_live_are_valid_disjoint_and_score_as_passed(tmp_path):
+    """Every row validates as a tool-call row, comes from a live category only (no id of a scored non-live
+    category), and its assistant calls score as passed on its own question: the targets are right answers."""
+    from entrenar.data.bfcl_data import sft_rows_from_bfcl
+    from entrenar.data.sft import load_sft
+
+    rows, counts = sft_rows_from_bfcl()
+    live = {q.task_id: q for q in load_bfcl(list(LIVE_CALL_CATEGORIES))}
+    # the questions left out are exactly those whose ground truth BFCL's rules reject
+    assert counts["unanswerable"] == [i for i, q in live.items() if not score(q, ground_truth_calls(q))[0]]
+    assert len(counts["unanswerable"]) == 5 and len(rows) == len(live) - 5 == counts["rows"]
+    assert counts["per_category"] == {"live_simple": 256, "live_multiple": 1050, "live_parallel": 16,
+                                      "live_parallel_multiple": 24}
+    scored_ids = {q.task_id for q in load_bfcl([c for c in CATEGORIES if not c.startswith("live_")])}
+    assert not scored_ids & {r["id"] for r in rows}
+    for row in rows:
+        calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
+                 for c in row["messages"][-1]["tool_calls"]]
+        assert score(live[row["id"]], calls) == (True, None), row["id"]
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in rows[::60]))
+    tok = tiny_tokenizer(chat_template=TEMPLATE.read_text())
+    examples, report = load_sft(f, tok, 1 << 17)  # byte-level tokens: the longest row is ~10k
+    assert len(examples) == len(rows[::60]) and report.to_dict()["tools"]["rows_with_calls"] == len(examples)
+
+
+def test_cli_sft_from_bfcl(tmp_path, capsys):
+    out = tmp_path / "live.jsonl"
+    sysfile = tmp_path / "sys.txt"
+    sysfile.write_text("You call functions.")
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--categories", "live_parallel",
+                          "--system-prompt-file", str(sysfile), "--json"], capsys)
+    assert code == 0, err
+    assert js["rows"] == 16 and js["per_category"] == {"live_parallel": 16} and js["unanswerable"] == []
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    # the system text first; a question with its own system message keeps it after (one live_parallel does)
+    assert all(r["messages"][0]["role"] == "system" and r["messages"][0]["content"].startswith("You call functions.")
+               for r in rows)
+    assert sum(r["messages"][0]["content"] != "You call functions." for r in rows) == 1
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--categories", "live_parallel", "--json"], capsys)
+    assert code == 2 and "already exists" in js["error"]
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--categories", "live_parallel",
+                          "--irrelevance", "--overwrite", "--json"], capsys)
+    assert code == 0 and js["per_category"]["live_irrelevance"] == 880 and js["rows"] == 16 + 880
+    assert json.loads(out.read_text().splitlines()[-1])["messages"][-1]["content"].startswith("None of the")
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(tmp_path / "x.jsonl"), "--categories",
+                          "simple_python", "--json"], capsys)
+    assert code == 2 and "disjoint from the scored non-live ones" in js["error"]
+    source = tmp_path / "keep.py"  # --overwrite replaces an earlier JSONL only (CLI-OVERWRITE-OWN)
+    source.write_text("def f():\n    return 1\n")
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(source), "--categories", "live_parallel",
+                          "--overwrite", "--json"], capsys)
+    assert code == 2 and source.read_text() == "def f():\n    return 1\n"
+
+
+@pytest.mark.real_model
+def test_bfcl_rows_on_smollm2_with_the_packaged_template(tmp_path):
+    """SmolLM2-135M-Instruct's tokenizer with chatml_tools.jinja: BFCL rows (calls, parallel calls, a no-call
+    answer) load with every end-of-turn trained and each trained tool turn read back as the row's calls (the
+    data check of design.md "SFT rows with tool calls"); its own template is refused for them."""
+    from entrenar.data.bfcl_data import sft_rows_from_bfcl
+    from entrenar.data.sft import load_sft
+    from entrenar.tokenizer import load_tokenizer, use_chat_template_file
+
+    rows, _ = sft_rows_from_bfcl(["live_simple", "live_parallel"], system="Call functions.", irrelevance=True)
+    picked = rows[:4] + [r for r in rows if r["id"].startswith("live_parallel")][:3] + rows[-2:]
+    f = tmp_path / "rows.jsonl"
+    f.write_text("".join(json.dumps(r) + "\n" for r in picked))
+    tok = load_tokenizer("smollm2-135m-instruct")
+    with pytest.raises(InputError, match="does not support tools"):
+        load_sft(f, tok, 4096)
+    use_chat_template_file(tok, TEMPLATE)
+    examples, report = load_sft(f, tok, 4096)
+    d = report.to_dict()
+    assert len(examples) == len(picked) and report.eot_trained == len(picked) and not report.eot_not_trained_lines
+    assert d["tools"]["rows_with_calls"] == len(picked) - 2 and d["tools"]["calls"] >= len(picked) - 2 + 3

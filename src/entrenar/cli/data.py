@@ -1,4 +1,4 @@
-"""`entrenar data pack | sft-from-code | check`."""
+"""`entrenar data pack | sft-from-code | sft-from-bfcl | check`."""
 
 from __future__ import annotations
 
@@ -91,6 +91,19 @@ def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
     return stats
 
 
+def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
+    from ..data.bfcl_data import ALIASES, write_sft_from_bfcl
+
+    categories = [ALIASES.get(c.strip(), c.strip()) for c in args.categories.split(",") if c.strip()]
+    system_prompt = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
+    stats = write_sft_from_bfcl(args.out, categories, system_prompt, args.irrelevance, args.overwrite)
+    if not args.json:
+        per = ", ".join(f"{c} {n}" for c, n in stats["per_category"].items())
+        print(f"wrote {stats['rows']} rows to {stats['out']} ({per}); {len(stats['unanswerable'])} questions "
+              f"skipped whose BFCL answer cannot be met: {', '.join(stats['unanswerable']) or 'none'}")
+    return stats
+
+
 def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
     from ..data.preference import is_preference_file, load_preference
     from ..data.sft import load_sft
@@ -114,7 +127,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         return args.data_func(args)
 
     p = add_command(sub, "data", dispatch, "prepare and check training data")
-    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="{pack,sft-from-code,check}")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="{pack,sft-from-code,sft-from-bfcl,check}")
 
     def add(name: str, func, help: str) -> argparse.ArgumentParser:
         q = data_sub.add_parser(name, help=help, description=help)
@@ -155,6 +168,16 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(helpers, constants)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     q.add_argument("dirs", nargs="+", metavar="SOURCE", help="directories of Python source or single .py files")
+
+    q = add("sft-from-bfcl", cmd_sft_from_bfcl, "BFCL's live_* questions -> tool-call SFT JSONL (ground-truth calls)")
+    q.add_argument("--out", required=True, help="output JSONL file")
+    q.add_argument("--categories", default="live_simple,live_multiple,live_parallel,live_parallel_multiple",
+                   help="BFCL live categories with calls, comma-separated; disjoint from the non-live ones "
+                        "`eval --task bfcl` scores (live_simple,live_multiple,live_parallel,live_parallel_multiple)")
+    q.add_argument("--irrelevance", action="store_true",
+                   help="also live_irrelevance's questions, answered in plain text without a call")
+    q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
     q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) JSONL against a model's chat template; report loss tokens")
     q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")

@@ -211,3 +211,97 @@ def ground_truth_calls(question: BfclQuestion) -> list[dict[str, Any]]:
                 args[param] = _concrete(value, props.get(param, {}))
         calls.append({"name": tool_name(name), "arguments": args})
     return calls
+
+
+def with_system(messages: list[dict[str, Any]], system: str | None) -> list[dict[str, Any]]:
+    """The messages with `system` as the system message: before the question's own system text when it has
+    one (a few live questions do), else as a new first message. A copy; None: unchanged."""
+    messages = [dict(m) for m in messages]
+    if system is None:
+        return messages
+    if messages and messages[0]["role"] == "system":
+        messages[0]["content"] = system + "\n\n" + messages[0]["content"]
+    else:
+        messages.insert(0, {"role": "system", "content": system})
+    return messages
+
+
+# ---- live_* -> SFT rows (`entrenar data sft-from-bfcl`) ------------------------------------------------
+# The answer of an irrelevance row (--irrelevance): plain text, no call.
+NO_CALL_ANSWER = "None of the available functions can answer this request, so I will not call any of them."
+
+
+def answerable(question: BfclQuestion) -> bool:
+    """Whether BFCL's rules can be met at all: each required parameter of a called function has an allowed
+    value other than "", and each answer parameter the doc lacks may be left out. Five live questions fail."""
+    assert question.answer is not None
+    docs = {f["name"]: f for f in question.functions}
+    for entry in question.answer:
+        (name, params), = entry.items()
+        doc = docs[name]["parameters"]
+        for param in doc.get("required", []):
+            if not _first_allowed(params.get(param, []))[0]:
+                return False
+        if any(p not in doc["properties"] and "" not in allowed for p, allowed in params.items()):
+            return False
+    return True
+
+
+def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES, system: str | None = None,
+                       irrelevance: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Tool-call SFT rows (design.md "SFT rows with tool calls") from BFCL's live categories: the question,
+    its functions as `tools`, and an assistant turn whose `tool_calls` are the ground truth's calls
+    (ground_truth_calls). Only live_* categories: BFCL's scored non-live categories are other files, so the
+    rows are disjoint from them by construction. irrelevance: also live_irrelevance's questions answered in
+    plain text (NO_CALL_ANSWER). Returns (rows, counts)."""
+    from .tool_calls import normalize_message, tool_names, validate_tools
+
+    for c in categories:
+        if c not in LIVE_CALL_CATEGORIES:
+            raise InputError(f"--categories: {c!r} is not one of {', '.join(LIVE_CALL_CATEGORIES)} (rows come only "
+                             f"from BFCL's live categories with calls, disjoint from the scored non-live ones)")
+    rows: list[dict[str, Any]] = []
+    counts: dict[str, Any] = {"per_category": {}, "unanswerable": []}
+    for q in load_bfcl(categories):
+        if not answerable(q):
+            counts["unanswerable"].append(q.task_id)
+            continue
+        tools = validate_tools(openai_tools(q.functions))
+        calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
+                 for c in ground_truth_calls(q)]
+        answer = normalize_message({"role": "assistant", "content": "", "tool_calls": calls}, 0, tool_names(tools))
+        rows.append({"id": q.task_id, "tools": tools, "messages": with_system(q.messages, system) + [answer]})
+        counts["per_category"][q.category] = counts["per_category"].get(q.category, 0) + 1
+    if irrelevance:
+        for q in load_bfcl(["live_irrelevance"]):
+            if not q.functions:
+                continue
+            tools = validate_tools(openai_tools(q.functions))
+            rows.append({"id": q.task_id, "tools": tools, "messages": with_system(q.messages, system) +
+                         [{"role": "assistant", "content": NO_CALL_ANSWER}]})
+            counts["per_category"]["live_irrelevance"] = counts["per_category"].get("live_irrelevance", 0) + 1
+    counts["rows"] = len(rows)
+    return rows, counts
+
+
+def write_sft_from_bfcl(out: str | Path, categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES,
+                        system: str | None = None, irrelevance: bool = False,
+                        overwrite: bool = False) -> dict[str, Any]:
+    """`data sft-from-bfcl`: the rows as JSONL at `out` (written atomically); an existing `out` only with
+    overwrite, and only when it is a JSONL file (CLI-OVERWRITE-OWN)."""
+    from ..fileio import atomic_write
+    from ..outpaths import check_creatable, check_replaceable_file, looks_like_jsonl
+
+    out = Path(out)
+    if out.is_dir():
+        raise InputError(f"--out {out}: is a directory; give the path of the JSONL file to write")
+    if out.exists() and not overwrite:
+        raise InputError(f"--out {out}: already exists; choose another --out, or pass --overwrite to replace it")
+    if out.exists():
+        check_replaceable_file(out, "a JSONL file (a previous output)", looks_like_jsonl)
+    else:
+        check_creatable(out)
+    rows, counts = sft_rows_from_bfcl(categories, system, irrelevance)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    return {**counts, "out": str(out), "categories": list(categories), "irrelevance": irrelevance}

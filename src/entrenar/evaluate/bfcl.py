@@ -23,6 +23,7 @@ from ..data.bfcl_data import (
     openai_tools,
     parse_bfcl_spec,
     tool_name,
+    with_system,
 )
 from ..data.tool_calls import parse_tool_calls
 from ..errors import InputError
@@ -49,12 +50,7 @@ def bfcl_prompt_ids(question: BfclQuestion, tokenizer, system: str | None = None
     """The question's messages (after `system`, if given: as the system message, or before the question's own
     system text) rendered by the model's chat template with the functions as `tools=`, plus the generation
     prompt. A template that does not render tools is exit 2 naming --chat-template (tokenizer.encode_chat)."""
-    messages = [dict(m) for m in question.messages]
-    if system is not None:
-        if messages and messages[0]["role"] == "system":
-            messages[0]["content"] = system + "\n\n" + messages[0]["content"]
-        else:
-            messages.insert(0, {"role": "system", "content": system})
+    messages = with_system(question.messages, system)
     if not tokenizer.supports_tools():
         raise InputError(f"--task bfcl: the chat template of {tokenizer.chat_template_source} does not support "
                          f"tools (it never uses the `tools` variable and `tool_calls`), so BFCL's functions cannot "
