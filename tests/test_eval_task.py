@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from entrenar.errors import InputError
-from entrenar.evaluate.harness import TaskEvalSettings, run_task_eval, task_records
+from entrenar.evaluate.harness import TaskEvalSettings, read_results, run_task_eval, task_records
 from entrenar.evaluate.sandbox import SandboxLimits
 from entrenar.evaluate.tasks import (
     CHAT_RESPONSE_PREFIX,
@@ -257,3 +257,88 @@ def test_cli_task_eval_bad_input_exits_2(tmp_path, tasks_file, capsys, case):
     code, js, err = main(["eval", "--model", str(d), *argv, "--json"], capsys)
     assert code == 2 and js["ok"] is False, err
     assert expect in js["error"], js["error"]
+
+
+# ---- results are not lost (issue 38 item 7) -------------------------------------------------------------
+def _add_problems(n: int) -> list[Problem]:
+    return [Problem(f"t{i}", ADD.prompt, ADD.test, "add") for i in range(n)]
+
+
+def _rows(path: Path) -> list[tuple[str, int, bool]]:
+    return [(r["task_id"], r["sample"], r["passed"]) for r in map(json.loads, path.read_text().splitlines())]
+
+
+def test_rows_are_appended_as_problems_finish_and_an_interrupt_keeps_them(tmp_path):
+    """Ctrl-C in the third batch: the rows of the first two are in --out (valid JSONL, each complete);
+    --resume then runs only the rest, and the final file is an uninterrupted run's, in problem order."""
+    problems = _add_problems(4)
+    tok = tiny_tokenizer()
+    settings = TaskEvalSettings(batch_size=1, chat=False, limits=SandboxLimits(timeout_s=5))
+    out = tmp_path / "results.jsonl"
+    made = {"model": "m", "max_new_tokens": 8}
+    seen_in_out: list[int] = []
+    calls: list[int] = []
+
+    def complete(batch, sample):  # problem t1 and t3 answered right, t0 and t2 wrong
+        calls.append(len(calls))
+        seen_in_out.append(len(out.read_text().splitlines()) if out.exists() else 0)
+        if interrupt and len(calls) == 3:
+            raise KeyboardInterrupt
+        return ["    return a + b\n" if len(calls) % 2 == 0 else "    return 0\n" for _ in batch]
+
+    interrupt = True
+    with pytest.raises(KeyboardInterrupt):
+        run_task_eval(problems, tok, complete, settings, out, row_settings=made)
+    assert seen_in_out == [0, 1, 2]  # each row was on disk before the next batch began
+    assert len(_rows(out)) == 2 and all(json.loads(x)["settings"] == made for x in out.read_text().splitlines())
+    first_two = {r[0] for r in _rows(out)}
+    interrupt, calls[:] = False, []
+    summary = run_task_eval(problems, tok, complete, settings, out, resume=True, row_settings=made)
+    assert len(calls) == 2 and summary["resumed"] == 2 and summary["problems"] == 4
+    rows = _rows(out)
+    assert [r[0] for r in rows] == ["t0", "t1", "t2", "t3"]
+    assert {r[0] for r in rows if r[0] in first_two} == first_two
+
+
+def test_resume_drops_a_cut_last_row_and_refuses_other_settings(tmp_path):
+    problems = _add_problems(2)
+    made = {"model": "m", "temperature": 0.0}
+    row = {"task_id": "t0", "sample": 0, "passed": True, "status": "passed", "settings": made}
+    out = tmp_path / "r.jsonl"
+    out.write_text(json.dumps(row) + "\n" + json.dumps({**row, "task_id": "t1"})[:25])  # killed mid-write
+    assert list(read_results(out, problems, 1, made)) == [("t0", 0)]
+    with pytest.raises(InputError, match=r"r.jsonl:1: made with other settings \(temperature: 0.0 there, not 0.8"):
+        read_results(out, problems, 1, {**made, "temperature": 0.8})
+    with pytest.raises(InputError, match="not among this run's 1 problems"):
+        read_results(out, problems[1:], 1, made)
+
+
+def test_cli_task_eval_out_in_a_missing_directory_is_exit_2_before_the_model_loads(tmp_path, tasks_file, capsys):
+    """It passed the check (an ancestor could hold it), ran the whole eval, then failed writing: exit 1."""
+    code, js, _ = main(["eval", "--task", "humaneval", "--model", str(tmp_path / "no-model"), "--data",
+                          str(tasks_file), "--out", str(tmp_path / "missing" / "x.jsonl"), "--json"], capsys)
+    assert code == 2 and "the directory" in js["error"] and "does not exist" in js["error"], js
+    assert not (tmp_path / "missing").exists()
+
+
+def test_cli_task_eval_resume_continues_and_refuses_another_eval(tmp_path, tasks_file, capsys):
+    d = _tiny_dir(tmp_path, "m")
+    out = tmp_path / "results.jsonl"
+    argv = ["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--max-new-tokens", "2",
+            "--batch-size", "1", "--out", str(out), "--json"]
+    code, js, err = main([*argv, "--limit", "1"], capsys)
+    assert code == 0, err
+    first = out.read_text()
+    code, js, err = main([*argv, "--limit", "3"], capsys)  # exists: refused, and the advice names --resume
+    assert code == 2 and "--resume" in js["error"]
+    code, js, err = main([*argv, "--limit", "3", "--resume"], capsys)
+    assert code == 0 and js["resumed"] == 1 and js["problems"] == 3, err
+    assert "problems 1-1 of 3" not in err and out.read_text().startswith(first)
+    assert [r[0] for r in _rows(out)] == ["t0", "t1", "t2"]
+    whole = out.read_text()
+    other = [("3" if a == "2" and argv[i - 1] == "--max-new-tokens" else a) for i, a in enumerate(argv)]
+    code, js, err = main([*other, "--limit", "3", "--resume"], capsys)
+    assert code == 2 and "made with other settings (max_new_tokens: 2 there, not 3)" in js["error"], js
+    assert out.read_text() == whole
+    code, js, _ = main([*argv, "--resume", "--overwrite"], capsys)
+    assert code == 2 and "--resume" in js["error"]

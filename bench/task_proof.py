@@ -1,0 +1,160 @@
+"""Issue 35 parts 3-4: does training make a model better at its task? Everything through the real CLI.
+
+    python -m bench.task_proof toolcall --model MODEL --work DIR [--chat-template FILE] [--mode lora|full] ...
+    python -m bench.task_proof humaneval --model MODEL --work DIR --recipe bad|good ...
+
+toolcall: BFCL before (simple_python, multiple, irrelevance), a tool-call SFT on rows built from BFCL's live_*
+categories (disjoint from the scored ones: `data sft-from-bfcl`), with the in-loop task metric on a slice of
+simple_python, BFCL after, HumanEval before and after; each change paired on the same questions (exact McNemar).
+humaneval: SFT on docstring -> function rows of the standard library with `--eval-task humaneval` in the loop (the
+recipe that lost problems, and one that should not). Writes DIR/summary.json (and prints it); every per-problem
+file stays in DIR.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+import time
+from pathlib import Path
+from typing import Any
+
+from entrenar.evaluate.paired import describe_change, paired_change
+
+
+def cli(*argv: str, log: Path | None = None) -> dict[str, Any]:
+    """`python -m entrenar ARGV --json`; its JSON line (stderr to `log` and to our stderr's tail on failure)."""
+    t0 = time.time()
+    cmd = [sys.executable, "-m", "entrenar", *argv, "--json"]
+    print("$ entrenar " + " ".join(argv), flush=True)
+    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    if log is not None:
+        log.write_text(p.stderr)
+    lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
+    out = json.loads(lines[-1]) if lines else {"ok": False, "error": "no JSON line", "exit_code": p.returncode}
+    out["_seconds"] = round(time.time() - t0, 1)
+    if p.returncode != 0 and not (p.returncode == 3 and out.get("guard")):
+        print(p.stderr[-3000:], file=sys.stderr, flush=True)
+    print(f"  -> exit {p.returncode} in {out['_seconds']} s", flush=True)
+    return out
+
+
+def verdicts(path: Path, category: str | None = None) -> dict[str, bool]:
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x.strip()]
+    return {r["task_id"]: bool(r["passed"]) for r in rows if category is None or r.get("category") == category}
+
+
+def compare(before: Path, after: Path, name: str, category: str | None = None) -> dict[str, Any]:
+    ch = paired_change(verdicts(before, category), verdicts(after, category))
+    line = describe_change(ch, name, 0, 1).replace("at step 0", "before").replace("at step 1", "after")
+    print(line, flush=True)
+    return {**ch, "line": line}
+
+
+def _device_args(a: argparse.Namespace) -> list[str]:
+    return ["--device", a.device, "--batch-size", str(a.eval_batch)]
+
+
+def toolcall(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    template = ["--chat-template", a.chat_template] if a.chat_template else []
+    limit = ["--limit", str(a.limit)] if a.limit else []
+    cats = a.categories
+    res: dict[str, Any] = {"model": a.model, "mode": a.mode, "lr": a.lr, "steps": a.steps, "rank": a.rank}
+    rows = work / "rows.jsonl"
+    res["rows"] = cli("data", "sft-from-bfcl", "--out", str(rows), "--irrelevance", "--overwrite")
+    res["base_bfcl"] = cli("eval", "--task", f"bfcl:{cats}", "--model", a.model, *template, *limit,
+                           *_device_args(a), "--out", str(work / "base_bfcl.jsonl"), "--overwrite",
+                           log=work / "base_bfcl.log")
+    if not a.skip_humaneval:
+        res["base_humaneval"] = cli("eval", "--task", "humaneval", "--model", a.model, *template, *limit,
+                                    *_device_args(a), "--out", str(work / "base_he.jsonl"), "--overwrite",
+                                    log=work / "base_he.log")
+    run = work / "run"
+    lora = ["--rank", str(a.rank)] if a.mode != "full" else []
+    res["finetune"] = cli("finetune", "--model", a.model, "--data", str(rows), "--out", str(run), "--mode", a.mode,
+                          *lora, "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+                          "--max-seq-len", str(a.max_seq_len), "--max-skip-fraction", "0.5", *template,
+                          "--eval-task", a.in_loop_task, "--eval-task-limit", str(a.in_loop_limit),
+                          "--eval-task-every", str(a.in_loop_every), "--keep-best", "task", "--eval-batches", "10",
+                          "--device", a.device, "--seed", "0", *(["--overwrite"] if False else []),
+                          log=work / "finetune.log")
+    if not res["finetune"].get("ok"):
+        return res
+    res["after_bfcl"] = cli("eval", "--task", f"bfcl:{cats}", "--model", str(run), *limit, *_device_args(a),
+                            "--out", str(work / "after_bfcl.jsonl"), "--overwrite", log=work / "after_bfcl.log")
+    res["paired"] = {c: compare(work / "base_bfcl.jsonl", work / "after_bfcl.jsonl", f"bfcl {c}", c)
+                     for c in cats.split(",")}
+    if not a.skip_humaneval:
+        res["after_humaneval"] = cli("eval", "--task", "humaneval", "--model", str(run), *limit, *_device_args(a),
+                                     "--out", str(work / "after_he.jsonl"), "--overwrite", log=work / "after_he.log")
+        res["paired"]["humaneval"] = compare(work / "base_he.jsonl", work / "after_he.jsonl", "humaneval")
+    return res
+
+
+STDLIB_MODULES = ("textwrap.py", "string.py", "shlex.py", "fnmatch.py", "glob.py", "colorsys.py", "bisect.py",
+                  "heapq.py", "statistics.py", "fractions.py", "difflib.py", "base64.py", "quopri.py", "calendar.py",
+                  "ipaddress.py", "html/__init__.py", "json/encoder.py", "urllib/parse.py", "posixpath.py", "random.py")
+
+
+def humaneval_recipe(a: argparse.Namespace) -> dict[str, Any]:
+    work = Path(a.work)
+    work.mkdir(parents=True, exist_ok=True)
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    files = [str(stdlib / m) for m in STDLIB_MODULES if (stdlib / m).is_file()]
+    rows = work / f"code_{a.answer}.jsonl"
+    res: dict[str, Any] = {"model": a.model, "recipe": a.recipe, "mode": a.mode, "lr": a.lr, "steps": a.steps}
+    res["rows"] = cli("data", "sft-from-code", "--out", str(rows), *files, "--answer", a.answer,
+                      *(["--self-contained"] if a.answer == "fenced" else []), "--overwrite")
+    lora = ["--rank", str(a.rank)] if a.mode != "full" else []
+    limit = ["--eval-task-limit", str(a.limit)] if a.limit else []
+    res["finetune"] = cli("finetune", "--model", a.model, "--data", str(rows), "--out", str(work / "run"),
+                          "--mode", a.mode, *lora, "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size",
+                          str(a.batch_size), "--max-seq-len", str(a.max_seq_len), "--eval-task", "humaneval", *limit,
+                          "--eval-task-every", str(a.in_loop_every), "--on-task-regression", a.on_regression,
+                          "--keep-best", a.keep_best, "--device", a.device, "--seed", "0",
+                          log=work / "finetune.log")
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="what", required=True)
+    for name in ("toolcall", "humaneval"):
+        q = sub.add_parser(name)
+        q.add_argument("--model", required=True)
+        q.add_argument("--work", required=True)
+        q.add_argument("--device", default="cuda")
+        q.add_argument("--mode", default="lora", choices=("lora", "qlora", "full"))
+        q.add_argument("--rank", type=int, default=16)
+        q.add_argument("--lr", default="auto")
+        q.add_argument("--steps", type=int, default=100)
+        q.add_argument("--batch-size", type=int, default=16)
+        q.add_argument("--max-seq-len", type=int, default=4096)
+        q.add_argument("--limit", type=int, default=0, help="questions per category / problems (smoke runs)")
+        q.add_argument("--eval-batch", type=int, default=64)
+        q.add_argument("--in-loop-every", type=int, default=0)
+        q.add_argument("--skip-humaneval", action="store_true")
+    t = sub.choices["toolcall"]
+    t.add_argument("--chat-template")
+    t.add_argument("--categories", default="simple_python,multiple,irrelevance")
+    t.add_argument("--in-loop-task", default="bfcl:simple_python")
+    t.add_argument("--in-loop-limit", type=int, default=100)
+    h = sub.choices["humaneval"]
+    h.add_argument("--recipe", default="bad")
+    h.add_argument("--answer", default="plain", choices=("plain", "fenced"))
+    h.add_argument("--on-regression", default="warn", choices=("warn", "stop"))
+    h.add_argument("--keep-best", default="last", choices=("last", "task"))
+    a = p.parse_args()
+    res = toolcall(a) if a.what == "toolcall" else humaneval_recipe(a)
+    (Path(a.work) / "summary.json").write_text(json.dumps(res, indent=1, default=str) + "\n")
+    print(json.dumps({k: v for k, v in res.items() if k in ("paired",)}, default=str)[:4000], flush=True)
+
+
+if __name__ == "__main__":
+    main()
