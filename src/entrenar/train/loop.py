@@ -669,10 +669,10 @@ class Trainer:
         name = self.objective.uniform_name
         guards.check_eval_collapse(ev["loss"], best_before, self.uniform_loss, step, name)
         guards.check_eval_diverged(ev["loss"], best_before, self.uniform_loss, step, self.best_checkpoint, name)
-        self.check_lm_eval(ev, step)
         window = self.recent_losses[-20:]
         if self.objective.eval_anomaly:
             guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
+        self.check_lm_eval(ev, step)
         return ev
 
     def best_checkpoint(self) -> tuple[Path, int, float] | None:
