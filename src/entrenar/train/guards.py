@@ -240,6 +240,7 @@ def check_chosen_diverged(nll: float, best_nll: float | None, ln_vocab: float, s
 # Its limit is GUARD-EVAL-DIVERGED's from the lowest median of the run (the first step's loss, before any
 # update, included): issue 38's full fine-tune at --lr 5 without a val split went 5.48 -> 7611 (exit 0).
 TRAIN_WINDOW = 8
+TRAIN_MIN_STEPS = 3  # judged from the 3rd value on: a median of 2 is their mean, which one spike moves
 
 
 def median(values: Iterable[float]) -> float:
@@ -261,8 +262,9 @@ class TrainWatch:
         self.best: float | None = None
 
     def update(self, value: float) -> tuple[float, float | None]:
-        """(the median after this value, the lowest median before it)."""
-        best_before = self.best
+        """(the median after this value, the lowest median before it; None while fewer than TRAIN_MIN_STEPS values
+        are in the window, so nothing is judged yet)."""
+        best_before = self.best if len(self.recent) + 1 >= min(TRAIN_MIN_STEPS, self.window) else None
         self.recent.append(value)
         if len(self.first) < self.window:
             self.first.append(value)
