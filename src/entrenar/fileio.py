@@ -22,6 +22,68 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
+# What a directory written by entrenar records of its files' sha256: a checkpoint's meta.json (train/checkpoint.py,
+# with its COMPLETE marker) and a run's final/ MANIFEST (written last by the command that saved it).
+CHECKPOINT_META = "meta.json"
+MANIFEST = "sha256.json"
+NOT_READ_AS_MODEL = ("optimizer.pt",)  # a checkpoint file no model load reads (resume verifies it)
+
+
+def write_manifest(directory: str | Path) -> Path:
+    """MANIFEST of `directory`: the sha256 of every file in it (subdirectories included), written last."""
+    d = Path(directory)
+    digests = {str(f.relative_to(d)): sha256_file(f) for f in sorted(d.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    return atomic_write(d / MANIFEST, json.dumps({"written_by": "entrenar", "sha256": digests}, indent=2) + "\n")
+
+
+def recorded_hashes(directory: str | Path) -> tuple[Path, dict[str, str]] | None:
+    """(the record, {file: sha256}) that entrenar wrote for `directory` (a checkpoint's meta.json, a final/'s
+    MANIFEST), or None for a directory without one (an HF model of someone else, an older run's final/)."""
+    from .errors import InputError
+
+    d = Path(directory)
+    record = d / MANIFEST if (d / MANIFEST).is_file() else d / CHECKPOINT_META if (d / "COMPLETE").is_file() and \
+        (d / CHECKPOINT_META).is_file() else None
+    if record is None:
+        return None
+    try:
+        digests = json.loads(record.read_text())["sha256"]
+        if not (isinstance(digests, dict) and all(isinstance(v, str) for v in digests.values())):
+            raise TypeError("sha256 is not a map of file -> digest")
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as e:
+        raise InputError(f"{record}: unreadable ({type(e).__name__}: {e}), so the files of {d} cannot be checked: "
+                         f"the directory is corrupt; use another checkpoint or re-create it") from None
+    return record, digests
+
+
+def verify_recorded(directory: str | Path, skip: tuple[str, ...] = NOT_READ_AS_MODEL) -> int:
+    """InputError naming the first file of `directory` whose sha256 differs from (or is missing from) what entrenar
+    recorded when it wrote it (recorded_hashes); files in `skip` (not read by a model load) are not hashed.
+    Returns how many files were checked (0 when nothing is recorded). Read-only commands run it on a checkpoint or
+    final/ before loading it (issue 38: corrupted weight bytes gave `eval` exit 0 with a null loss)."""
+    from .errors import InputError
+
+    found = recorded_hashes(directory)
+    if found is None:
+        return 0
+    record, digests = found
+    d, checked = Path(directory), 0
+    for name, digest in sorted(digests.items()):
+        if name in skip:
+            continue
+        f = d / name
+        if not f.is_file():
+            raise InputError(f"{f}: missing, though {record.name} records it: {d} is incomplete; use another "
+                             f"checkpoint or re-create it")
+        actual = sha256_file(f)
+        if actual != digest:
+            raise InputError(f"{f}: sha256 {actual[:12]}.. does not match the {digest[:12]}.. recorded in {record.name} "
+                             f"when it was written: the file is corrupt (a disk or copy error); use another checkpoint "
+                             f"(or re-create it)")
+        checked += 1
+    return checked
+
+
 def _tmp_path(path: Path) -> Path:
     # one naming rule for every tmp-then-rename site: hidden, next to the target, unique per process
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")

@@ -17,7 +17,7 @@ import numpy as np
 
 from .errors import InputError
 from .fileio import atomic_write, read_jsonl
-from .outpaths import check_replaceable_file
+from .outpaths import check_creatable, check_replaceable_file
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -49,6 +49,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
     out = out or run_dir / "curves.png"
     if out.exists():  # a previous plot is replaced, never another file given as --out (issue 28 item 1)
         check_replaceable_file(out, "a PNG image", lambda head: head.startswith(PNG_MAGIC))
+    check_creatable(out, "--out")  # under /proc or read-only: exit 2 naming it, not an OSError (issue 38 item 8)
     panels = [
         ("loss", [("train loss", *_series(metrics, "loss")), ("eval loss", *_series(evals, "loss"))], False),
         ("learning rate", [("lr", *_series(metrics, "lr"))], False),

@@ -114,6 +114,9 @@ def train_tokenizer(inputs: list[str], vocab_size: int, out_dir: str | Path, *, 
 
         # only a previous tokenizer directory: a model or run directory also holds a tokenizer.json
         check_replaceable(out, "tokenizer train", TOKENIZER_FILES.__contains__, required="tokenizer.json")
+    from .outpaths import check_creatable
+
+    check_creatable(out, "--out")  # under /proc or read-only: exit 2 before training (issue 38 item 8)
     files = expand_inputs(inputs)
     total = sum(f.stat().st_size for f in files if f.exists())
     tok = build_empty_tokenizer()

@@ -39,7 +39,7 @@ import torch
 
 from ..errors import GuardError, InputError
 from ..fileio import atomic_dir, atomic_write, sha256_file
-from ..outpaths import check_replaceable
+from ..outpaths import check_creatable, check_replaceable
 from ..tensors import IGNORE_INDEX, positions_from_doc_ids
 from .epochs import EpochCursor
 from .sources import ALL_SUFFIXES, SkippedFile, SkipReport, expand_inputs, iter_file_texts
@@ -377,6 +377,7 @@ def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fra
         raise InputError("the tokenizer has no EOS token, so documents cannot be separated")
     out = Path(out_dir)
     _check_out(out, overwrite)
+    check_creatable(out, "--out")  # under /proc or read-only: exit 2 before encoding (issue 38 item 8)
     files = expand_inputs(inputs)
     vocab = len(tokenizer)
     dtype = np.dtype("<u2") if vocab < 65536 else np.dtype("<u4")

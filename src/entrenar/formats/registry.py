@@ -105,9 +105,9 @@ def resolve_model(spec: str | os.PathLike) -> Path:
             raise InputError(f"{s}: a model file must be .gguf (or give an HF directory)")
         return path
     if (path / "config.json").is_file() or is_adapter_dir(path):
-        return _complete_checkpoint(path, s)
+        return verified(_complete_checkpoint(path, s))
     if (path / "final" / "config.json").is_file() or is_adapter_dir(path / "final"):
-        return path / "final"
+        return verified(path / "final")
     done = _complete_checkpoints(path / "checkpoints")
     if done:  # a run still training (or stopped before its end): its checkpoints are MODELs
         raise InputError(f"{s}: a run directory without final/ (still training, or stopped before the end); "
@@ -140,6 +140,25 @@ def _complete_checkpoint(path: Path, spec: str) -> Path:
         raise InputError(f"{spec}: checkpoint {real.name} has no COMPLETE marker (still being written, or its "
                          f"save was interrupted), so it is not read; {use}")
     return real if path.is_symlink() else path
+
+
+def verified(path: Path) -> Path:
+    """`path` once every file entrenar recorded for it (a checkpoint's meta.json, a run's final/ sha256.json) has
+    its recorded sha256 (fileio.verify_recorded; InputError naming the file otherwise). Checked once per directory
+    state and process: a command resolves its MODEL more than once."""
+    real = path.resolve()
+    # the files as they are now (a file rewritten since the last check is hashed again)
+    key = (str(real), tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(real.iterdir())
+                            if f.is_file() and (st := f.stat())))
+    if key not in _VERIFIED:
+        from ..fileio import verify_recorded
+
+        verify_recorded(path)
+        _VERIFIED.add(key)
+    return path
+
+
+_VERIFIED: set[tuple] = set()
 
 
 def is_adapter_dir(path: str | Path) -> bool:

@@ -186,7 +186,9 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool |
     The base's weights must be the ones the adapter recorded (exit 2 otherwise, unless ``force_base``);
     the outcome is ``model.peft_config["base_check"]``, and a warning or note goes to stderr.
     """
-    d = adapter_path(adapter_dir)
+    from ..formats.registry import verified
+
+    d = verified(adapter_path(adapter_dir))  # a run's final/ or checkpoint: the sha256 recorded when written
     cfg, note = read_adapter_config(d)
     weights = d / ADAPTER_WEIGHTS
     if not weights.is_file():
@@ -212,7 +214,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool |
 
 def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> nn.Module:
     """Copy an adapter's tensors into the model's existing LoRA modules (same targets and rank)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError
 
     d = adapter_path(adapter_dir)
     weights = d / ADAPTER_WEIGHTS
@@ -223,6 +225,20 @@ def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> nn.Module
         expected[_peft_key(path, "lora_A")] = m.lora_A.weight
         expected[_peft_key(path, "lora_B")] = m.lora_B.weight
     seen = set()
+    try:
+        _copy_adapter_tensors(weights, expected, seen)
+    except (SafetensorError, OSError) as e:  # a header or data that safetensors cannot read: the file, not a bug
+        raise InputError(f"{weights}: corrupt or truncated safetensors file ({e}); re-create the adapter or use "
+                         f"another checkpoint") from None
+    missing = sorted(set(expected) - seen)
+    if missing:
+        raise InputError(f"{weights}: {len(missing)} adapter tensors missing, e.g. {missing[0]}")
+    return model
+
+
+def _copy_adapter_tensors(weights: Path, expected: dict[str, torch.Tensor], seen: set[str]) -> None:
+    from safetensors import safe_open
+
     with safe_open(str(weights), framework="pt") as f:
         for key in list(f.keys()):
             ours = key.replace(".default.", ".")  # PEFT in-memory names carry the adapter name
@@ -237,7 +253,3 @@ def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> nn.Module
             with torch.no_grad():
                 param.copy_(t.to(param.dtype))
             seen.add(ours)
-    missing = sorted(set(expected) - seen)
-    if missing:
-        raise InputError(f"{weights}: {len(missing)} adapter tensors missing, e.g. {missing[0]}")
-    return model

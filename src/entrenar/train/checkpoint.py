@@ -27,6 +27,7 @@ kind into the model and optimizer as they are now (one process, or DDP/FSDP2 at 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import enum
 import inspect
@@ -38,7 +39,7 @@ import random
 import re
 import shutil
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -148,8 +149,11 @@ def _write_contents(tmp: Path, step: int, model: torch.nn.Module, optimizer: tor
     _fsync_file(tmp / RNG)
     _write_bytes(tmp / STATE, (json.dumps({**state, "rng": rng_json}, indent=1) + "\n").encode())
     _write_bytes(tmp / RUN_CONFIG, (json.dumps(run_config, indent=2, default=str) + "\n").encode())
+    # every file, the MODEL files of extra_files (config or adapter, tokenizer) too: read-only commands verify
+    # what they load (fileio.verify_recorded); resume verifies HASHED
+    names = sorted({*HASHED, *(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())})
     meta = {"step": step, "tokens": trainer_state.get("tokens"),
-            "sha256": {name: sha256_file(tmp / name) for name in HASHED}}
+            "sha256": {name: sha256_file(tmp / name) for name in names}}
     _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
     _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
     _fsync_dir(tmp)
@@ -308,6 +312,54 @@ def save_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, 
 
 
 # ---- find ------------------------------------------------------------------------------------------
+RUN_JSON = "run.json"
+RUN_COMMANDS = ("pretrain", "finetune")  # the commands whose run.json makes a directory a run of ours
+
+
+def run_record_problem(run_dir: Path) -> str | None:
+    """Why `run_dir` is not a run directory written by `entrenar pretrain|finetune` (its run.json missing, not
+    JSON, or not our record: a JSON object with the command and its config), or None when it is one."""
+    path = Path(run_dir) / RUN_JSON
+    if not path.is_file():
+        return f"it has no {RUN_JSON}"
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        return f"its {RUN_JSON} is not JSON ({type(e).__name__}: {str(e)[:120]})"
+    if not (isinstance(record, dict) and record.get("command") in RUN_COMMANDS and isinstance(record.get("config"), dict)):
+        return f"its {RUN_JSON} is not the record of an entrenar {' or '.join(RUN_COMMANDS)} run"
+    return None
+
+
+def _holds_nothing(path: Path, ignore: tuple[str, ...]) -> bool:
+    return not path.exists() or (path.is_dir() and all(p.name in ignore for p in path.iterdir()))
+
+
+def resume_problem(out: Path, spec: str, ignore: tuple[str, ...] = ()) -> str | None:
+    """Why `--resume spec` may not write into `--out out`, or None when it may (issue 38: following the advice
+    "continue it with --resume auto" on a folder that was no run replaced its final/ and its metrics.jsonl).
+    `--resume` writes only where nothing can be lost: a missing or empty --out (names in `ignore` aside: the run
+    lock's file), where it starts at step 0 (a requeued job's first launch; `--resume PATH` continues there), or a
+    run directory of ours (run_record_problem). With `auto`, such a run must have a complete checkpoint to
+    continue from, unless it has no final/ either (stopped before its first checkpoint: it starts again at step 0,
+    its own logs replaced); a finished run whose checkpoints were deleted is never trained over."""
+    out = Path(out)
+    if _holds_nothing(out, ignore):
+        return None
+    if not out.is_dir():
+        return f"--out {out} exists and is not a directory"
+    why = run_record_problem(out)
+    if why is not None:
+        return (f"--out {out} is not a run directory written by entrenar pretrain/finetune ({why}), so --resume "
+                f"{spec} would write over what is there; nothing was changed. Give --out a new or empty directory "
+                f"(or the run directory to continue)")
+    if spec == "auto" and not complete_checkpoints(out / "checkpoints") and (out / "final").exists():
+        return (f"--resume auto: {out} holds a finished run ({out / 'final'}) but no complete checkpoint under "
+                f"{out / 'checkpoints'} to continue from, so a resume would train a new model from step 0 over "
+                f"it; nothing was changed. Choose a new --out, or --resume PATH of a checkpoint kept elsewhere")
+    return None
+
+
 def complete_checkpoints(ckpt_root: Path) -> list[Path]:
     """COMPLETE checkpoints, oldest first."""
     if not ckpt_root.is_dir():
@@ -580,6 +632,25 @@ def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 
 # ---- the Trainer's part -------------------------------------------------------------------------------
+@contextlib.contextmanager
+def write_errors(target: Path, ckpt_root: Path) -> Iterator[None]:
+    """An OSError (ENOSPC, EFBIG under a file-size limit, EROFS, ...) or a SafetensorError (safetensors' own wrapper
+    of one: "File too large") while writing `target` is an InputError (exit 2) naming the path and the cause and
+    the newest complete checkpoint under `ckpt_root`, which the atomic write left as it was (issue 38 item 8: a
+    full disk during a save was exit 1, "please report it")."""
+    from safetensors import SafetensorError
+
+    try:
+        yield
+    except (OSError, SafetensorError) as e:
+        done = complete_checkpoints(ckpt_root)
+        kept = (f"the newest complete checkpoint, {done[-1]}, is intact: after freeing space continue with "
+                f"--resume auto" if done else "no complete checkpoint was written before")
+        cause = getattr(e, "strerror", None) or str(e) or type(e).__name__
+        raise InputError(f"{target}: could not be written ({type(e).__name__}: {cause}; a full disk or a file-size "
+                         f"limit?); nothing of it was kept; {kept}") from None
+
+
 class Checkpointer:
     """The checkpoints of one run under `run_dir`/checkpoints: written as one directory by one process, or
     as DCP shards by every rank together under torchrun; restored from either kind into the model and
@@ -593,7 +664,13 @@ class Checkpointer:
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any], run_config: dict[str, Any]) -> Path:
-        """Write step-N atomically (a collective under torchrun); returns its path."""
+        """Write step-N atomically (a collective under torchrun); returns its path. A write that fails (a full
+        disk, a file-size limit) is exit 2 naming the path and the cause; the previous checkpoints stay."""
+        with write_errors(self.root / step_dir_name(step), self.root):
+            return self._save(step, model, optimizer, trainer_state, run_config)
+
+    def _save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+              trainer_state: dict[str, Any], run_config: dict[str, Any]) -> Path:
         if self.ctx.active:
             return save_sharded_checkpoint(self.root, step, model, optimizer, trainer_state, run_config,
                                            self.keep, self.ctx)

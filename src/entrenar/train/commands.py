@@ -25,9 +25,10 @@ import torch
 
 from ..config import PRESETS, preset
 from ..errors import GuardError, InputError
+from ..fileio import write_manifest
 from ..outpaths import check_creatable
 from ..peft.load import tokenizer_or_none
-from .checkpoint import find_resume
+from .checkpoint import complete_checkpoints, find_resume, resume_problem, run_record_problem, write_errors
 from .config import DataConfig, LoRAConfig, default_of, from_args
 from .distributed import current, env_world, other_rank
 from .jobwatch import join_job, judge_failure
@@ -111,12 +112,28 @@ def _check_out(out: Path, resume: str | None) -> None:
     current().run_on_main(lambda: check_free(out) if out.is_dir() else None)
     if resume is None and out.is_dir() and any(out.iterdir()):
         if not _never_trained(out):
-            raise InputError(f"--out {out}: directory exists and is not empty; continue it with --resume auto "
-                             f"or choose a new --out")
+            raise InputError(f"--out {out}: directory exists and is not empty; {_continue_advice(out)}")
         _log(f"note: --out {out} holds a run that never reached step 1 (no metrics, no checkpoint); "
              f"starting it again there")
+    if resume is not None:  # --resume writes only into a run of ours (or an empty --out): exit 2, nothing touched
+        problem = resume_problem(out, resume, ignore=(LOCK_FILE,))
+        if problem is not None:
+            raise InputError(problem)
     if resume is not None and resume != "auto":
         find_resume(out, resume, _log)  # raises InputError unless the checkpoint is COMPLETE
+
+
+def _continue_advice(out: Path) -> str:
+    """What to do about a non-empty --out: `--resume auto` only where it would continue this run (issue 38)."""
+    if run_record_problem(out) is not None:
+        return ("it is not a run directory of entrenar, so nothing will be written there: choose a new (or empty) "
+                "--out")
+    if complete_checkpoints(out / "checkpoints"):
+        return "continue it with --resume auto or choose a new --out"
+    if (out / "final").exists():
+        return "it holds a finished run with no checkpoint to continue from: choose a new --out"
+    return ("it holds a run stopped before its first checkpoint: --resume auto starts it again from step 0 "
+            "(replacing its logs), or choose a new --out")
 
 
 def _configs(args: Any, command: str) -> tuple[TrainConfig, LoRAConfig, DataConfig]:
@@ -233,6 +250,8 @@ def _summary(result: dict, out: Path) -> dict:
             "eval_loss_start": ev[0]["loss"] if ev and ev[0]["step"] == 0 else None,
             "eval_loss_final": ev[-1]["loss"] if ev else None, "tok_s": result["tok_s"],
             "counters": result["counters"], "final": str(out / "final"),
+            # GUARD-END-WORSE's and GUARD-TASK-REGRESSION's warnings: a worse end is never a silent ok
+            "warnings": result.get("warnings", []) + (result["task"]["warnings"] if "task" in result else []),
             **({"task": result["task"]} if "task" in result else {})}
 
 
@@ -365,11 +384,20 @@ def cmd_pretrain(args: Any) -> dict[str, Any]:
 
 def _hf_saver(tokenizer: Any):
     def save(model: torch.nn.Module, final: Path) -> None:
+        with write_errors(final, final.parent / "checkpoints"):
+            try:
+                _save(model, final)
+            except BaseException:  # a failed write leaves no half final.tmp behind (an earlier final/ stays)
+                shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+                raise
+
+    def _save(model: torch.nn.Module, final: Path) -> None:
         from ..formats import save_hf_dir
 
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save_hf_dir(model, tmp, tokenizer)
+        write_manifest(tmp)  # last: read-only commands verify final/ against it
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     return save
@@ -377,11 +405,20 @@ def _hf_saver(tokenizer: Any):
 
 def _adapter_saver(tokenizer: Any, base_spec: str):
     def save(model: torch.nn.Module, final: Path) -> None:
+        with write_errors(final, final.parent / "checkpoints"):
+            try:
+                _save(model, final)
+            except BaseException:  # a failed write leaves no half final.tmp behind (an earlier final/ stays)
+                shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+                raise
+
+    def _save(model: torch.nn.Module, final: Path) -> None:
         from .model_files import write_checkpoint_files
 
         tmp = final.with_name(final.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         write_checkpoint_files(model, tmp, tokenizer, base_spec)  # adapter + generation_config + tokenizer
+        write_manifest(tmp)  # last: read-only commands verify final/ against it
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
     return save

@@ -12,6 +12,10 @@
 - GUARD-PREF-MARGINS     (warning) preference reward margins running away past where the loss has a gradient
 - GUARD-PREF-ACCURACY    (warning) preference accuracy stuck at 0.5 while the loss falls
 - GUARD-TASK-REGRESSION  the --eval-task metric dropped from step 0, significant by the paired exact McNemar test
+- GUARD-PREF-CHOSEN-DIVERGED  a preference run's eval NLL per token of the chosen responses far above its best:
+                         the pairs separate while the policy forgets the language (issue 38 item 5)
+- GUARD-TRAIN-DIVERGED   a run without an eval set: its smoothed train loss far above its best (issue 38 item 5)
+- GUARD-END-WORSE        (warning, in the summary's "warnings") a run that ends worse than it started
 """
 
 from __future__ import annotations
@@ -190,6 +194,137 @@ def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, uniform:
         details={"step": step, "eval_loss": eval_loss, "best_eval_loss": best_eval_loss, "limit": limit,
                  "ln_vocab": uniform, "checkpoint": None if best_checkpoint is None else str(best_checkpoint[0]),
                  "checkpoint_step": None if best_checkpoint is None else best_checkpoint[1]})
+
+
+def _best_text(best_checkpoint: tuple[Path, int, float] | None, what: str) -> tuple[str, str]:
+    """(what was kept, what to do next) for a divergence message, from the checkpoint to go back to."""
+    if best_checkpoint is None:
+        return (f"no checkpoint {what} was kept",
+                "start again with a new --out; --save-every N keeps checkpoints to go back to")
+    path, ckpt_step, value = best_checkpoint
+    return (f"the checkpoint to go back to is {path} (step {ckpt_step}, {value:.4f})",
+            f"continue from it with --resume {path} --lr ..., or start again with a new --out")
+
+
+def check_chosen_diverged(nll: float, best_nll: float | None, ln_vocab: float, step: int,
+                          find_best_checkpoint: Callable[[], tuple[Path, int, float] | None]) -> None:
+    """GUARD-PREF-CHOSEN-DIVERGED: a preference run's eval NLL per token of the chosen responses (the SFT loss on
+    them, -logps/chosen / tokens) above diverged_limit(best, ln V), best = its lowest eval of the run (step 0, the
+    reference's, included). The preference loss alone cannot see this: a policy that ranks every pair right while
+    it assigns its chosen responses a probability no better than a uniform guess over the vocabulary has a DPO
+    loss near 0 (issue 38: LoRA DPO --lr 0.5, logps/chosen -11.7 -> -113.3, exit 0, answers "MarsMarsMars").
+    The same limit as GUARD-EVAL-DIVERGED's (the eval pairs are the same at every eval, so a rise comes from the
+    weights): likelihood displacement (DPO lowering chosen log-probs a little) stays far below half of the
+    model's advantage over a uniform guess, which is what a destroyed model has lost."""
+    if best_nll is None or not math.isfinite(best_nll):
+        return
+    limit = diverged_limit(best_nll, ln_vocab)
+    if not nll > limit:  # NaN: GUARD-NONFINITE's
+        return
+    best_checkpoint = find_best_checkpoint()
+    kept, then = _best_text(best_checkpoint, "with an eval")
+    raise GuardError(
+        "GUARD-PREF-CHOSEN-DIVERGED",
+        f"at step {step}: the eval NLL per token of the chosen responses is {nll:.4f}, {nll - best_nll:.2f} nats "
+        f"above its best {best_nll:.4f}, past the limit {limit:.4f} (best + max({DIVERGED_MIN_RISE:g}, "
+        f"{DIVERGED_GAP_FRACTION:g} x (ln(vocab) {ln_vocab:.4f} - best))): the policy may still rank the pairs, "
+        f"but it has lost what it knew of the language (its own chosen answers are now nearly as unlikely as a "
+        f"uniform guess). Training stopped at this eval and final/ was not written; {kept}.",
+        DIVERGED_REMEDY + "raise --beta (the KL to the reference holds the policy closer); " + then,
+        details={"step": step, "nll_chosen": nll, "best_nll_chosen": best_nll, "limit": limit, "ln_vocab": ln_vocab,
+                 "checkpoint": None if best_checkpoint is None else str(best_checkpoint[0]),
+                 "checkpoint_step": None if best_checkpoint is None else best_checkpoint[1]})
+
+
+# GUARD-TRAIN-DIVERGED: without an eval set, the train loss is the only view of the weights. One step's loss
+# depends on its batch, so the guard reads the median of the last TRAIN_WINDOW (non-skipped) steps: one odd
+# batch or a single spike (GUARD-SPIKE's) moves a median of 8 little, a destroyed model moves all of them.
+# Its limit is GUARD-EVAL-DIVERGED's from the lowest median of the run (the first step's loss, before any
+# update, included): issue 38's full fine-tune at --lr 5 without a val split went 5.48 -> 7611 (exit 0).
+TRAIN_WINDOW = 8
+TRAIN_MIN_STEPS = 3  # judged from the 3rd value on: a median of 2 is their mean, which one spike moves
+
+
+def median(values: Iterable[float]) -> float:
+    v = sorted(values)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
+
+
+class TrainWatch:
+    """The train series a run without an eval set is judged by (GUARD-TRAIN-DIVERGED, GUARD-END-WORSE): the
+    objective's language-model loss per token (cross-entropy: the loss; preference: the chosen responses' NLL),
+    smoothed as the median of the last TRAIN_WINDOW steps; its lowest median, and its first TRAIN_WINDOW values
+    (the start END-WORSE compares with). Checkpointed with the trainer state."""
+
+    def __init__(self, window: int = TRAIN_WINDOW):
+        self.window = window
+        self.recent: deque[float] = deque(maxlen=window)
+        self.first: list[float] = []
+        self.best: float | None = None
+
+    def update(self, value: float) -> tuple[float, float | None]:
+        """(the median after this value, the lowest median before it; None while fewer than TRAIN_MIN_STEPS values
+        are in the window, so nothing is judged yet)."""
+        best_before = self.best if len(self.recent) + 1 >= min(TRAIN_MIN_STEPS, self.window) else None
+        self.recent.append(value)
+        if len(self.first) < self.window:
+            self.first.append(value)
+        smoothed = median(self.recent)
+        self.best = smoothed if self.best is None else min(self.best, smoothed)
+        return smoothed, best_before
+
+    def start(self) -> float | None:
+        return median(self.first) if self.first else None
+
+    def end(self) -> float | None:
+        return median(self.recent) if self.recent else None
+
+    def state_dict(self) -> dict:
+        return {"recent": list(self.recent), "first": list(self.first), "best": self.best}
+
+    def load_state_dict(self, sd: dict) -> None:
+        self.recent.clear()
+        self.recent.extend(sd.get("recent", []))
+        self.first, self.best = list(sd.get("first", [])), sd.get("best")
+
+
+def check_train_diverged(smoothed: float, best: float | None, ln_vocab: float, step: int, what: str,
+                         last_checkpoint: Path | None) -> None:
+    """GUARD-TRAIN-DIVERGED: the median of the last TRAIN_WINDOW train values (`what`) above diverged_limit(best,
+    ln V). Every checkpoint was written after a step this guard passed, so the last one is named."""
+    if best is None or not math.isfinite(best):
+        return
+    limit = diverged_limit(best, ln_vocab)
+    if not smoothed > limit:
+        return
+    kept = (f"the last checkpoint is {last_checkpoint}" if last_checkpoint is not None else
+            "no checkpoint was written yet (--save-every N writes them)")
+    then = (f"continue from it with --resume {last_checkpoint} --lr ..., or start again with a new --out"
+            if last_checkpoint is not None else "start again with a new --out")
+    raise GuardError(
+        "GUARD-TRAIN-DIVERGED",
+        f"at step {step}: the {what} (median of the last {TRAIN_WINDOW} steps) is {smoothed:.4f}, "
+        f"{smoothed - best:.2f} nats above its lowest {best:.4f}, past the limit {limit:.4f} (lowest + "
+        f"max({DIVERGED_MIN_RISE:g}, {DIVERGED_GAP_FRACTION:g} x (ln(vocab) {ln_vocab:.4f} - lowest))): training "
+        f"destroyed the model (this run has no eval set, so its train loss is what is judged). Training stopped "
+        f"and final/ was not written; {kept}.",
+        DIVERGED_REMEDY + "an eval set (--val-fraction, --val) lets GUARD-EVAL-DIVERGED judge held-out data; "
+        + then,
+        details={"step": step, "train_loss": smoothed, "best_train_loss": best, "limit": limit, "ln_vocab": ln_vocab,
+                 "series": what, "checkpoint": None if last_checkpoint is None else str(last_checkpoint)})
+
+
+def end_worse(start: float | None, end: float | None, what: str, start_text: str, end_text: str) -> dict | None:
+    """GUARD-END-WORSE (a warning): the run ended with `what` above its start. A run that exits 0 on a model
+    worse than it began with says so in its summary (issue 38: LoRA --lr 0.01, eval 3.90 -> 4.82, exit 0)."""
+    if start is None or end is None or not (math.isfinite(start) and math.isfinite(end)) or not end > start:
+        return None
+    return {"guard": "GUARD-END-WORSE", "series": what, "start": start, "end": end,
+            "message": f"GUARD-END-WORSE (warning): the {what} ended at {end:.4f} ({end_text}), above its "
+                       f"{start:.4f} at the start ({start_text}): training made the model worse. The model is in "
+                       f"final/ as asked; usually the learning rate is too high for this model and mode (lower "
+                       f"--lr; --lr auto for LoRA/QLoRA) or the run too short to recover from its warm-up"}
 
 
 def check_init_loss(eval_loss: float, uniform: float, source: str) -> None:

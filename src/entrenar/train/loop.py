@@ -328,6 +328,8 @@ class Trainer:
         self.eval_history: list[dict] = []
         self.best_eval: float | None = None
         self.eval_losses: dict[int, float] = {}  # step -> eval loss, of the whole run (resumes included)
+        self.train_watch = guards.TrainWatch()  # GUARD-TRAIN-DIVERGED / GUARD-END-WORSE without an eval set
+        self.best_lm_eval: float | None = None  # GUARD-PREF-CHOSEN-DIVERGED: lowest eval NLL of the chosen responses
         self.last_loss = float("nan")
         self.last_saved: Path | None = None
         # largest |w| of the trainable weights at the start: what "exploded" is measured against
@@ -423,6 +425,7 @@ class Trainer:
                 "epoch": getattr(self.train_loader, "epoch", None), "weights_ref": self.weights_ref,
                 "best_eval": self.best_eval, "objective": self.objective.state_dict(),
                 "eval_losses": [[s, v] for s, v in sorted(self.eval_losses.items()) if s <= step],
+                "train_watch": self.train_watch.state_dict(), "best_lm_eval": self.best_lm_eval,
                 **({"task": self.task.state_dict(step)} if self.task is not None else {})}
 
     def load_trainer_state(self, st: dict[str, Any]) -> None:
@@ -438,6 +441,8 @@ class Trainer:
         self.weights_ref = st.get("weights_ref", self.weights_ref)
         self.best_eval = st.get("best_eval")
         self.eval_losses = {int(s): float(v) for s, v in st.get("eval_losses", [])}
+        self.train_watch.load_state_dict(st.get("train_watch") or {})
+        self.best_lm_eval = st.get("best_lm_eval")
         self.objective.load_state_dict(st.get("objective") or {})
         if self.task is not None:
             self.task.load_state_dict(st.get("task") or {})
@@ -452,6 +457,7 @@ class Trainer:
         if self.eval_loader is not None:
             ev = self.run_eval(0)
             record["eval"] = ev
+            self.check_lm_eval(ev, 0)  # the reference's NLL of the chosen responses: GUARD-PREF-CHOSEN-DIVERGED's start
             self.spikes.set_reference(ev["loss"])  # GUARD-SPIKE's early-phase reference (with the first step's)
             self.log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} {self.objective.unit}); "
                      f"{self.objective.uniform_name} = {record['ln_vocab']:.4f}")
@@ -626,6 +632,48 @@ class Trainer:
             self.eval_losses[step] = ev["loss"]
         return ev
 
+    def check_lm_eval(self, ev: dict[str, Any], step: int) -> None:
+        """GUARD-PREF-CHOSEN-DIVERGED: an objective whose loss is not the language model's NLL (a preference loss)
+        has that NLL judged too, at every eval, against its lowest eval of the run (step 0's included)."""
+        key = self.objective.lm_key
+        value = ev.get(key)
+        if key == "loss" or value is None or not math.isfinite(value):
+            return
+        if step > 0:
+            guards.check_chosen_diverged(value, self.best_lm_eval, math.log(self.vocab_size), step,
+                                         self.best_checkpoint)
+        self.best_lm_eval = value if self.best_lm_eval is None else min(self.best_lm_eval, value)
+
+    def watch_train(self, record: dict[str, Any]) -> None:
+        """GUARD-TRAIN-DIVERGED after each step of a run without an eval set (before that step is checkpointed):
+        the median of the last steps' language-model loss against its lowest. Every rank holds the same reduced
+        values, so all stop at the same step."""
+        value = record.get(self.objective.lm_key)
+        if record.get("skipped") or value is None or not math.isfinite(value):
+            return
+        smoothed, best = self.train_watch.update(float(value))
+        if self.eval_loader is None:
+            guards.check_train_diverged(smoothed, best, math.log(self.vocab_size), record["step"],
+                                        self.objective.lm_name, self.last_saved)
+
+    def end_warnings(self) -> list[dict[str, Any]]:
+        """GUARD-END-WORSE, said and returned for the summary's "warnings": the last eval above the step-0 eval;
+        without evals, the median of the last steps' loss above that of the first steps."""
+        if self.eval_losses:
+            first, last = min(self.eval_losses), max(self.eval_losses)
+            found = guards.end_worse(self.eval_losses[first], self.eval_losses[last], "eval loss",
+                                     f"eval at step {first}", f"eval at step {last}") if first == 0 and last > 0 \
+                else None
+        else:
+            name = "train loss" if self.objective.lm_key == "loss" else self.objective.lm_name
+            found = guards.end_worse(self.train_watch.start(), self.train_watch.end(),
+                                     f"{name} (median of {guards.TRAIN_WINDOW} steps)", "the first steps",
+                                     "the last steps")
+        if found is None:
+            return []
+        self.log(found["message"])
+        return [found]
+
     def evaluate(self, step: int) -> dict[str, Any]:
         """A scheduled eval and its guards: non-finite, collapse to the objective's uniform loss, diverged far
         above the best eval, anomaly (leak; after the others: a destroyed model's train loss can be 10x its eval
@@ -641,6 +689,7 @@ class Trainer:
         window = self.recent_losses[-20:]
         if self.objective.eval_anomaly:
             guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
+        self.check_lm_eval(ev, step)
         return ev
 
     def task_evaluate(self, step: int) -> dict[str, Any]:
@@ -754,6 +803,7 @@ class Trainer:
                     self.metrics_log.write(record)
                     for warning in self.objective.watch(record):  # the objective's step warnings
                         self.message(warning)
+                    self.watch_train(record)
                     self.progress.update(step, record["loss"], record["tok_s"],
                                          f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f}")
                     self.after_step(step)
@@ -765,7 +815,8 @@ class Trainer:
             self.progress.close()
             self.progress = None
         self.finish()
-        return {"steps": cfg.steps, "start_step": self.start_step, "tokens": self.tokens,
+        warnings = self.end_warnings()
+        return {"warnings": warnings, "steps": cfg.steps, "start_step": self.start_step, "tokens": self.tokens,
                 "final_train_loss": self.last_loss if math.isfinite(self.last_loss) else None,
                 # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
                 "tok_s": (self.tokens - tokens_at_start) / self.step_seconds if self.step_seconds > 0 else None,

@@ -54,6 +54,8 @@ class Objective(Protocol):
     unit: str  # what counts() counts ("tokens", "pairs")
     uniform_name: str  # how guard messages name uniform_loss ("ln(vocab)")
     eval_anomaly: bool  # whether GUARD-EVAL-ANOMALY's leak checks apply
+    lm_key: str  # the record key of the language-model NLL per token (GUARD-TRAIN-DIVERGED, -PREF-CHOSEN-DIVERGED)
+    lm_name: str  # how the guards' messages name it
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]: ...
@@ -85,6 +87,7 @@ class CausalLMLoss:
     uniform_name = "ln(vocab)"
     unit = "tokens"  # what counts() counts: the loss's unit
     eval_anomaly = True  # GUARD-EVAL-ANOMALY applies (a perplexity near 1 is a leak)
+    lm_key, lm_name = "loss", "train loss"  # the loss is the language model's NLL per token
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
@@ -135,6 +138,7 @@ PREFERENCE_LOSSES = {"dpo": "sigmoid", "ipo": "ipo", "dpo-norm": "sigmoid_norm"}
 OBJECTIVES = ("sft", *PREFERENCE_LOSSES)
 DEFAULT_BETA = 0.1  # TRL's default
 REFERENCES = ("adapters-off", "frozen-copy")
+CHOSEN_TOKENS = "_chosen_tokens"  # a metric sum only: the chosen responses' tokens, for nll/chosen
 
 
 def sequence_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -154,6 +158,8 @@ class PreferenceLoss:
     uniform_name = "the loss at policy = reference"
     unit = "pairs"
     eval_anomaly = False  # a DPO loss near 0 is a well-separated pair, not a leak: no perplexity to judge
+    # the policy's NLL per token of the chosen responses (the SFT loss on them): what the pairs' loss cannot see
+    lm_key, lm_name = "nll/chosen", "train NLL per token of the chosen responses"
 
     def __init__(self, name: str = "dpo", beta: float = DEFAULT_BETA, reference: str = "adapters-off"):
         if name not in PREFERENCE_LOSSES:
@@ -223,7 +229,8 @@ class PreferenceLoss:
                        "rewards/margins": torch.where(valid, reward_c - reward_r, zero).sum(),
                        "rewards/accuracies": (valid & (reward_c > reward_r)).sum().float(),
                        "logps/chosen": torch.where(valid, logps[:B], zero).sum(),
-                       "logps/rejected": torch.where(valid, logps[B:], zero).sum()}
+                       "logps/rejected": torch.where(valid, logps[B:], zero).sum(),
+                       CHOSEN_TOKENS: torch.where(valid, lengths[:B], torch.zeros_like(lengths[:B])).sum().float()}
         return torch.where(valid, losses, zero).sum(), int(valid_cpu.sum()), metrics
 
     def count(self, batch: dict) -> int:
@@ -243,7 +250,12 @@ class PreferenceLoss:
     def step_metrics(self, sums: dict[str, float], loss_tokens: int) -> dict[str, Any]:
         """Means over the pairs of the step (or eval set); `loss_tokens` is their count."""
         n = max(int(loss_tokens), 1)
-        return {k: v / n for k, v in sums.items()}
+        sums = dict(sums)
+        tokens = sums.pop(CHOSEN_TOKENS, 0.0)
+        out = {k: v / n for k, v in sums.items()}
+        if tokens and "logps/chosen" in sums:  # per token over the pairs: -logps/chosen summed / their tokens
+            out["nll/chosen"] = -sums["logps/chosen"] / tokens
+        return out
 
     def check_start(self, loss: float, uniform: float, metrics: dict[str, Any], source: str) -> str:
         """GUARD-INIT-LOSS for a preference objective: at step 0 the policy IS the reference, so the loss is
