@@ -31,7 +31,7 @@ def cli(*argv: str, log: Path | None = None) -> dict[str, Any]:
     t0 = time.time()
     cmd = [sys.executable, "-m", "entrenar", *argv, "--json"]
     print("$ entrenar " + " ".join(argv), flush=True)
-    p = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    p = subprocess.run(cmd, capture_output=True, text=True, check=False, env={**os.environ, "PYTHONUNBUFFERED": "1"})
     if log is not None:
         log.write_text(p.stderr)
     lines = [x for x in p.stdout.splitlines() if x.startswith("{")]
@@ -82,7 +82,7 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
                           "--max-seq-len", str(a.max_seq_len), "--max-skip-fraction", "0.5", *template,
                           "--eval-task", a.in_loop_task, "--eval-task-limit", str(a.in_loop_limit),
                           "--eval-task-every", str(a.in_loop_every), "--keep-best", "task", "--eval-batches", "10",
-                          "--device", a.device, "--seed", "0", *(["--overwrite"] if False else []),
+                          "--device", a.device, "--seed", "0",
                           log=work / "finetune.log")
     if not res["finetune"].get("ok"):
         return res

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Issue 35 on the GPU machine, one device call per step (see ../shared/device/README.md for the pieces):
+#   bash bench/issue35_gpu.sh piece NAME          copy .carry/NAME/p* that travelled with this call to /tmp/carry
+#   bash bench/issue35_gpu.sh toolcall NAME ARGS  join NAME's pieces, then bench.task_proof toolcall ARGS on it
+#   bash bench/issue35_gpu.sh humaneval NAME ARGS likewise, bench.task_proof humaneval
+# Results go to $OUT (summary.json, the per-problem files as one tar, the trained adapter as a tar).
+set -euo pipefail
+what=$1; name=$2; shift 2
+export PYTHONPATH=src:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+if [ "$what" = piece ]; then
+  mkdir -p /tmp/carry/$name && cp .carry/$name/p* /tmp/carry/$name/ && ls -la /tmp/carry/$name; exit 0
+fi
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+fi
+export PYTHONPATH=$PYTHONPATH:/tmp/site
+model=/tmp/$name
+if [ ! -f "$model" ]; then
+  cat /tmp/carry/$name/p* > "$model"
+  [ "$(sha256sum "$model" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
+fi
+nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+work=/tmp/work-$what-$name-$(date +%s)
+python3 -m bench.task_proof "$what" --model "$model" --work "$work" "$@" 2>&1 | tee "$OUT/log.txt" | grep -v "^step [0-9]*/" || true
+cp "$work/summary.json" "$OUT/" 2>/dev/null || true
+tar czf "$OUT/results.tgz" -C "$work" --exclude=run --exclude=rows.jsonl --exclude='code_*.jsonl' . || true
+if [ -d "$work/run" ]; then
+  tar czf "$OUT/run.tgz" -C "$work/run" --exclude=checkpoints --exclude='*.safetensors' . || true
+  [ -f "$work/run/final/adapter_model.safetensors" ] && tar czf "$OUT/adapter.tgz" -C "$work/run" final || true
+fi
+ls -la "$OUT"
