@@ -3,7 +3,8 @@
 #   bash bench/issue35_gpu.sh piece NAME          copy .carry/NAME/p* that travelled with this call to /tmp/carry
 #   bash bench/issue35_gpu.sh toolcall NAME ARGS  join NAME's pieces, then bench.task_proof toolcall ARGS on it
 #   bash bench/issue35_gpu.sh humaneval NAME ARGS likewise, bench.task_proof humaneval
-# Results go to $OUT (summary.json, the per-problem files as one tar, the trained adapter as a tar).
+# Results go to $OUT as TAG-summary.json, TAG-results.tgz (per-problem files, logs) and TAG-adapter.tgz (TAG: env, default
+# the step's name), so several steps fit in one call.
 set -euo pipefail
 what=$1; name=$2; shift 2
 export PYTHONPATH=src:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
@@ -20,12 +21,15 @@ if [ ! -f "$model" ]; then
   [ "$(sha256sum "$model" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
-work=/tmp/work-$what-$name-$(date +%s)
-python3 -m bench.task_proof "$what" --model "$model" --work "$work" "$@" 2>&1 | tee "$OUT/log.txt" | grep -v "^step [0-9]*/" || true
-cp "$work/summary.json" "$OUT/" 2>/dev/null || true
-tar czf "$OUT/results.tgz" -C "$work" --exclude=run --exclude=rows.jsonl --exclude='code_*.jsonl' . || true
-if [ -d "$work/run" ]; then
-  tar czf "$OUT/run.tgz" -C "$work/run" --exclude=checkpoints --exclude='*.safetensors' . || true
-  [ -f "$work/run/final/adapter_model.safetensors" ] && tar czf "$OUT/adapter.tgz" -C "$work/run" final || true
+tag=${TAG:-$what}
+work=/tmp/work-$tag-$name
+python3 -m bench.task_proof "$what" --model "$model" --work "$work" "$@" 2>&1 | tee "$work.log" | grep -v "^step [0-9]*/" || true
+cp "$work.log" "$work/log.txt" 2>/dev/null || true
+cp "$work/summary.json" "$OUT/$tag-summary.json" 2>/dev/null || true
+# the per-problem files, logs and the run's small files (no weights); the adapter on its own: 3 files per step
+tar czf "$OUT/$tag-results.tgz" -C "$work" --exclude=rows.jsonl --exclude='code_*.jsonl' --exclude=checkpoints \
+  --exclude='*.safetensors' --exclude='*.bin' . || true
+if [ -f "$work/run/final/adapter_model.safetensors" ]; then  # files come back in pieces of at most 16 MiB
+  tar czf "$work/adapter.tgz" -C "$work/run" final && split -b 15000000 -d "$work/adapter.tgz" "$OUT/$tag-adapter.tgz."
 fi
 ls -la "$OUT"

@@ -68,6 +68,16 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
     res: dict[str, Any] = {"model": a.model, "mode": a.mode, "lr": a.lr, "steps": a.steps, "rank": a.rank}
     rows = work / "rows.jsonl"
     res["rows"] = cli("data", "sft-from-bfcl", "--out", str(rows), "--irrelevance", "--overwrite")
+    # every call row, and the first --irrelevance-rows rows answered without a call (live_irrelevance has 880:
+    # as many as 40% of the rows would teach abstaining more than calling)
+    kept, no_call = [], 0
+    for line in rows.read_text().splitlines():
+        calls = any(m.get("tool_calls") for m in json.loads(line)["messages"])
+        if calls or no_call < a.irrelevance_rows:
+            kept.extend([line] * (1 if calls else a.irrelevance_copies))
+            no_call += not calls
+    rows.write_text("\n".join(kept) + "\n")
+    res["rows"].update(kept=len(kept), kept_without_call=no_call)
     res["base_bfcl"] = cli("eval", "--task", f"bfcl:{cats}", "--model", a.model, *template, *limit,
                            *_device_args(a), "--out", str(work / "base_bfcl.jsonl"), "--overwrite",
                            log=work / "base_bfcl.log")
@@ -106,7 +116,7 @@ def humaneval_recipe(a: argparse.Namespace) -> dict[str, Any]:
     work = Path(a.work)
     work.mkdir(parents=True, exist_ok=True)
     stdlib = Path(sysconfig.get_paths()["stdlib"])
-    files = [str(stdlib / m) for m in STDLIB_MODULES if (stdlib / m).is_file()]
+    files = [str(stdlib / m) for m in STDLIB_MODULES[:a.modules] if (stdlib / m).is_file()]
     rows = work / f"code_{a.answer}.jsonl"
     res: dict[str, Any] = {"model": a.model, "recipe": a.recipe, "mode": a.mode, "lr": a.lr, "steps": a.steps}
     res["rows"] = cli("data", "sft-from-code", "--out", str(rows), *files, "--answer", a.answer,
@@ -143,10 +153,13 @@ def main() -> None:
     t = sub.choices["toolcall"]
     t.add_argument("--chat-template")
     t.add_argument("--categories", default="simple_python,multiple,irrelevance")
-    t.add_argument("--in-loop-task", default="bfcl:simple_python")
+    t.add_argument("--in-loop-task", default="bfcl:simple_python,irrelevance")
     t.add_argument("--in-loop-limit", type=int, default=100)
+    t.add_argument("--irrelevance-rows", type=int, default=300)
+    t.add_argument("--irrelevance-copies", type=int, default=1, help="each kept no-call row this many times")
     h = sub.choices["humaneval"]
     h.add_argument("--recipe", default="bad")
+    h.add_argument("--modules", type=int, default=len(STDLIB_MODULES), help="the first N of STDLIB_MODULES")
     h.add_argument("--answer", default="plain", choices=("plain", "fenced"))
     h.add_argument("--on-regression", default="warn", choices=("warn", "stop"))
     h.add_argument("--keep-best", default="last", choices=("last", "task"))
