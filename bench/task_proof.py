@@ -78,10 +78,17 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
             no_call += not calls
     rows.write_text("\n".join(kept) + "\n")
     res["rows"].update(kept=len(kept), kept_without_call=no_call)
-    res["base_bfcl"] = cli("eval", "--task", f"bfcl:{cats}", "--model", a.model, *template, *limit,
-                           *_device_args(a), "--out", str(work / "base_bfcl.jsonl"), "--overwrite",
-                           log=work / "base_bfcl.log")
-    if not a.skip_humaneval:
+    if a.base_from:  # the base's evals of an earlier step on the same model and settings: not run twice
+        import shutil
+
+        for f in ("base_bfcl.jsonl", "base_he.jsonl"):
+            if (Path(a.base_from) / f).is_file():
+                shutil.copy(Path(a.base_from) / f, work / f)
+    if not (work / "base_bfcl.jsonl").is_file():
+        res["base_bfcl"] = cli("eval", "--task", f"bfcl:{cats}", "--model", a.model, *template, *limit,
+                               *_device_args(a), "--out", str(work / "base_bfcl.jsonl"), "--overwrite",
+                               log=work / "base_bfcl.log")
+    if not a.skip_humaneval and not (work / "base_he.jsonl").is_file():
         res["base_humaneval"] = cli("eval", "--task", "humaneval", "--model", a.model, *template, *limit,
                                     *_device_args(a), "--out", str(work / "base_he.jsonl"), "--overwrite",
                                     log=work / "base_he.log")
@@ -152,6 +159,7 @@ def main() -> None:
         q.add_argument("--skip-humaneval", action="store_true")
     t = sub.choices["toolcall"]
     t.add_argument("--chat-template")
+    t.add_argument("--base-from", help="a work directory whose base_*.jsonl to reuse")
     t.add_argument("--categories", default="simple_python,multiple,irrelevance")
     t.add_argument("--in-loop-task", default="bfcl:simple_python,irrelevance")
     t.add_argument("--in-loop-limit", type=int, default=100)
