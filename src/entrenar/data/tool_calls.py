@@ -205,10 +205,26 @@ def parse_tool_calls(text: str, fmt: str | None) -> ParsedCalls:
     kept.append(text[at:])
     parsed.content = "".join(kept).strip()
     if not parsed.calls and not parsed.errors:
-        bare, _ = _hermes_call(parsed.content)  # small Qwen models often write the call object without its tags
-        if bare is not None:
-            parsed.calls, parsed.content = [bare], ""
+        bare = _bare_calls(parsed.content)  # small Qwen models often write the call object without its tags
+        if bare:
+            parsed.calls, parsed.content = bare, ""
     return parsed
+
+
+_FENCED = re.compile(r"^```[A-Za-z]*\s*\n(.*?)\n?```$", re.DOTALL)
+
+
+def _bare_calls(text: str) -> list[dict[str, Any]]:
+    """A reply that is nothing but a call object, or a JSON list of them, optionally as one ```json block
+    (how Qwen2.5-Coder-0.5B answers, and what templates/qwen2_tools_json.jinja trains); else []."""
+    fenced = _FENCED.match(text.strip())
+    body = fenced.group(1) if fenced else text
+    try:
+        obj = json.loads(body)
+    except json.JSONDecodeError:
+        return []
+    calls = [_hermes_call(json.dumps(o))[0] for o in (obj if isinstance(obj, list) and obj else [obj])]
+    return calls if all(c is not None for c in calls) else []  # type: ignore[return-value]
 
 
 def _hermes_call(body: str) -> tuple[dict[str, Any] | None, str]:
