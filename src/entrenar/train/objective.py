@@ -54,6 +54,8 @@ class Objective(Protocol):
     unit: str  # what counts() counts ("tokens", "pairs")
     uniform_name: str  # how guard messages name uniform_loss ("ln(vocab)")
     eval_anomaly: bool  # whether GUARD-EVAL-ANOMALY's leak checks apply
+    perplexity: bool  # whether exp(loss) means something (a per-token cross-entropy): logged with the eval loss
+    diverged: tuple[str, str]  # GUARD-EVAL-DIVERGED's (usual cause, remedy) for this objective's knobs
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]: ...
@@ -85,6 +87,8 @@ class CausalLMLoss:
     uniform_name = "ln(vocab)"
     unit = "tokens"  # what counts() counts: the loss's unit
     eval_anomaly = True  # GUARD-EVAL-ANOMALY applies (a perplexity near 1 is a leak)
+    perplexity = True
+    diverged = (guards.DIVERGED_CAUSE, guards.DIVERGED_REMEDY)
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
@@ -154,6 +158,7 @@ class PreferenceLoss:
     uniform_name = "the loss at policy = reference"
     unit = "pairs"
     eval_anomaly = False  # a DPO loss near 0 is a well-separated pair, not a leak: no perplexity to judge
+    perplexity = False  # exp of a pair loss is no perplexity (issue 38 item 10: "ppl 5.2e21" was logged)
 
     def __init__(self, name: str = "dpo", beta: float = DEFAULT_BETA, reference: str = "adapters-off"):
         if name not in PREFERENCE_LOSSES:
@@ -162,6 +167,8 @@ class PreferenceLoss:
             raise InputError(f"--beta must be a finite number > 0, got {beta}")
         assert reference in REFERENCES, reference
         self.name, self.beta, self.reference = name, float(beta), reference
+        self.diverged = (guards.PREFERENCE_DIVERGED_CAUSE,
+                         guards.PREFERENCE_DIVERGED_REMEDY.format(beta=self.beta, default=DEFAULT_BETA))
         self.loss_type = PREFERENCE_LOSSES[name]
         self.reference_model: torch.nn.Module | None = None
         self.watcher = guards.PreferenceWatch(self.uniform_loss(0), margin_guard=self.loss_type != "ipo")
