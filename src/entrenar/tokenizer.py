@@ -564,7 +564,7 @@ def load_hf_tokenizer(path: str | os.PathLike) -> ChatTokenizer:
 
 def read_gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
     """The tokenizer.* metadata of a GGUF file as plain Python values (the model loader's header parser)."""
-    from .formats.gguf import open_reader
+    from .formats.gguf_file import open_reader  # the parser, below this module (formats/gguf.py is above)
 
     return {k: v for k, v in open_reader(path).fields.items() if k.startswith("tokenizer.")}
 
