@@ -374,7 +374,7 @@ KINDS = {"liger": liger, "long-liger": long_liger, "qlora-entrenar": qlora_entre
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one peer measurement (the suite's child process)")
+    ap = argparse.ArgumentParser(allow_abbrev=False, description="one peer measurement (the suite's child process)")
     ap.add_argument("kind", choices=sorted(KINDS))
     ap.add_argument("params", help="JSON of the scenario's settings")
     args = ap.parse_args(argv)

@@ -60,6 +60,21 @@ def test_no_parser_accepts_abbreviations():
     assert "entrenar pretrain" in seen and "entrenar data pack" in seen and "entrenar export gguf" in seen
 
 
+def test_bench_scripts_take_no_abbreviations():
+    """bench/'s scripts (the suite and each measurement) build their parsers with allow_abbrev=False too."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "bench"
+    calls = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "ArgumentParser":
+                abbrev = next((k.value for k in node.keywords if k.arg == "allow_abbrev"), None)
+                calls.append((path.relative_to(root).as_posix(), getattr(abbrev, "value", True)))
+    assert len(calls) >= 20 and ("suite.py", False) in calls
+    assert [c for c in calls if c[1] is not False] == []
+
+
 def test_pretrain_mode_is_not_read_as_model(tmp_path, capsys):
     """pretrain has --model and no --mode: `--mode lora` was taken for `--model lora` (then 'lora: no such
     file'); it is an unrecognized argument."""
