@@ -113,7 +113,7 @@ def build(out: Path, max_seq_len: int, heldout: int, train: int, seed: int) -> d
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, required=True)
     p.add_argument("--max-seq-len", type=int, default=256)
     p.add_argument("--heldout", type=int, default=40)

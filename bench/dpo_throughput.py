@@ -177,7 +177,7 @@ def trl_row(model: Path, data: Path, out: Path, mode: str, args) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.split("\n\n")[0])
     p.add_argument("--preset", default="qwen2.5-0.5b")
     p.add_argument("--modes", default="full,lora")
     p.add_argument("--batch", type=int, default=4, help="pairs per step")

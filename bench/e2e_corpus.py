@@ -217,7 +217,7 @@ def build(out: Path, train_mb: float, tok_mb: float, heldout_mb: float, heldout:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, type=Path)
     ap.add_argument("--train-mb", type=float, default=150.0, help="cap on the training files' bytes (MiB)")
     ap.add_argument("--tok-mb", type=float, default=60.0, help="the tokenizer's share of them (MiB)")

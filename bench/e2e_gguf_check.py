@@ -113,7 +113,7 @@ def cell(c: dict[str, Any]) -> str:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", type=Path, help="the files the GPU run returned")
     ap.add_argument("--gguf-f16", type=Path)
     ap.add_argument("--gguf-f32", type=Path)

@@ -217,7 +217,7 @@ def watchdog(seconds: float) -> None:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiny", action="store_true", help="tiny models on the CPU (checks the script)")
     ap.add_argument("--batches", default=None, help="comma-separated batch sizes (1,16,64; --tiny: 1,4)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens per row (128; --tiny: 16)")

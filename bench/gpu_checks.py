@@ -194,7 +194,7 @@ def _add_rms_norm_lines(rows: list[dict]) -> list[str]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--skip-tests", action="store_true")
     ap.add_argument("--add-rms-norm-only", action="store_true",

@@ -31,7 +31,7 @@ MODEL = "qwen2.5-coder-0.5b-instruct"
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", required=True, help="JSONL, appended per chunk")
     ap.add_argument("--limit", type=int, default=0, help="first N problems (0 = all 164)")
     ap.add_argument("--start", type=int, default=0, help="skip the first N problems (continue a run)")

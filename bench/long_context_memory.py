@@ -373,7 +373,7 @@ def markdown(results: dict[str, Any]) -> str:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "bench/out"))
     ap.add_argument("--lengths", default=None, help="comma-separated token counts (default 8k..512k; --quick: "
                                                     "256..2048)")

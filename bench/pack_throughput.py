@@ -60,7 +60,7 @@ def ceiling(tokenizer_dir: str, texts: list[str]) -> tuple[float, int]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__.splitlines()[0])
     ap.add_argument("--tokenizer", required=True)
     ap.add_argument("--workers", default="1,2", help="comma-separated worker counts (1,2)")
     ap.add_argument("inputs", nargs="+")

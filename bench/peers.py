@@ -52,19 +52,53 @@ def run_peer(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     return [ctx.row(sc, **values)]
 
 
+GEN_SMOKE_SHAPE = "qwen2.5-0.5b"  # --tiny builds a tiny model of this shape's family
+
+
+def speed_rows(out: str, shape: str, batch: int) -> list[dict[str, Any]]:
+    """The speed rows of `shape` at `batch` in bench/generate_throughput.py's stdout: JSON lines with
+    entrenar_tok_s at the top level. Its last line, the summary, holds every row again under "rows": the
+    substring match this replaced took that line and failed with KeyError 'entrenar_tok_s' (issue 36 item 6)."""
+    found = []
+    for line in out.splitlines():
+        if not line.startswith("{"):
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError:  # a line of other output that starts with a brace: not a row
+            continue
+        if isinstance(obj, dict) and "entrenar_tok_s" in obj and obj.get("shape") == shape \
+                and obj.get("batch") == batch:
+            found.append(obj)
+    return found
+
+
+def generate_command(sc: Any, smoke: bool) -> tuple[list[str], int]:
+    """The child command of a generation scenario and its batch: the scenario's model shape, prompt and new
+    tokens (seq = 128 + 128), on tiny shapes on the CPU in --smoke (batch as the smoke scenario's)."""
+    b = sc.batch if smoke else sc.params["batch"]
+    half = str(sc.seq // 2)
+    cmd = [sys.executable, "-m", "bench.generate_throughput", "--shapes", sc.model if not smoke else GEN_SMOKE_SHAPE,
+           "--batches", str(b), "--timeout-s", str(max(30.0, sc.timeout_s - 20)),
+           *(["--tiny"] if smoke else ["--prompt-len", half, "--new-tokens", half])]
+    return cmd, b
+
+
+
 def run_generate(sc: Any, ctx: Any) -> list[dict[str, Any]]:
-    """bench/generate_throughput.py as it is (a child process), one batch size: two rows, entrenar's
-    generate_batch (baseline: the transformers row) and transformers' generate."""
-    b = sc.params["batch"]
-    cmd = [sys.executable, "-m", "bench.generate_throughput", "--batches", str(b), *(["--tiny"] if ctx.smoke else [])]
+    """bench/generate_throughput.py as it is (a child process), one shape and batch size: two rows, entrenar's
+    generate_batch (baseline: the transformers row) and transformers' generate. --smoke runs the same parsing."""
+    cmd, b = generate_command(sc, ctx.smoke)
     t0 = time.perf_counter()
     code, out, err = run_command(cmd, sc.timeout_s, child_env())
     common = {"command": shlex.join(cmd), "wall_s": time.perf_counter() - t0}
-    found = [json.loads(ln) for ln in out.splitlines() if ln.startswith("{") and '"entrenar_tok_s"' in ln]
+    shape = cmd[cmd.index("--shapes") + 1]
+    found = speed_rows(out, shape, b)
     ours, theirs = f"{sc.name}", f"{sc.name}-transformers"
     if code != 0 or not found:
         tail = [ln for ln in err.strip().splitlines() if ln.strip()][-6:]
-        reason = f"exit {code}: " + " | ".join(tail)[-900:] if code != 0 else "no JSON row with entrenar_tok_s"
+        reason = (f"exit {code}: " + " | ".join(tail)[-900:] if code != 0 else
+                  f"no speed row of {shape} at batch {b} (a JSON line with entrenar_tok_s) in its output")
         return [ctx.row(sc, row=r, runner=n, status="failed", reason=reason, **common)
                 for r, n in ((ours, "entrenar-generate"), (theirs, "transformers-generate"))]
     g = found[-1]
@@ -340,7 +374,7 @@ KINDS = {"liger": liger, "long-liger": long_liger, "qlora-entrenar": qlora_entre
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description="one peer measurement (the suite's child process)")
+    ap = argparse.ArgumentParser(allow_abbrev=False, description="one peer measurement (the suite's child process)")
     ap.add_argument("kind", choices=sorted(KINDS))
     ap.add_argument("params", help="JSON of the scenario's settings")
     args = ap.parse_args(argv)

@@ -137,7 +137,7 @@ def compare_gguf(name: str, run: Path, gguf: Path, out: Path, env: dict[str, str
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--source", default=None,
                     help="Python source directory for sft-from-code (this interpreter's standard library)")

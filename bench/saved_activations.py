@@ -108,7 +108,7 @@ def count(model, forward, cfg, tokens: int) -> SavedCounter:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(allow_abbrev=False, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="qwen2.5-0.5b")
     ap.add_argument("--seq", type=int, default=64, help="tokens in the measured forward (one sequence)")
     ap.add_argument("--batch", type=int, default=8, help="the step to scale to: batch x --tokens")

@@ -82,7 +82,7 @@ def run(name: str, model_name: str, dtype: str, steps: int, qlora: bool) -> dict
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -115,7 +115,7 @@ def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, a
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    ap = argparse.ArgumentParser(prog="python -m bench", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(allow_abbrev=False, prog="python -m bench", description=__doc__.split("\n\n")[0])
     ap.add_argument("--list", action="store_true", help="print the scenarios and groups")
     sub = ap.add_subparsers(dest="cmd")
     r = sub.add_parser("run", help="run scenarios and/or groups")

@@ -24,7 +24,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("entrenar.families", "entrenar.config")),
     ("kernels", ("entrenar.kernels",)),
     ("model", ("entrenar.long_context", "entrenar.model")),
-    ("formats", ("entrenar.formats", "entrenar.tokenizer")),
+    # issue 38 item 12: tokenizer.py imported formats/ while formats/gguf_write.py imported the tokenizer; what the
+    # tokenizer needs (a model spec's path, the GGUF parser) is below both, the rest of formats/ above it
+    ("files", ("entrenar.formats.registry", "entrenar.formats.gguf_file")),
+    ("tokenizer", ("entrenar.tokenizer",)),
+    ("formats", ("entrenar.formats",)),
     ("data", ("entrenar.data", "entrenar.tokenizer_train")),
     ("peft", ("entrenar.peft",)),
     ("merge", ("entrenar.merge", "entrenar.export")),

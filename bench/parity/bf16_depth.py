@@ -47,7 +47,7 @@ def measure(name: str, layers: int, tokens: int, vocab: int, seed: int = 0, dtyp
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--preset", required=True)
     p.add_argument("--layers", type=int, nargs="+", required=True)
     p.add_argument("--tokens", type=int, default=16)

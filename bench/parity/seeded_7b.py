@@ -58,7 +58,7 @@ def seeded(defect: str) -> tuple[object, object]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(allow_abbrev=False)
     p.add_argument("--layers", type=int, default=28)
     p.add_argument("--tokens", type=int, default=48)
     p.add_argument("--vocab", type=int, default=None, help="a smaller vocabulary (a CPU check of this script)")

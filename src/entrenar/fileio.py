@@ -154,3 +154,22 @@ def read_jsonl(path: str | Path, on_error: Callable[[int, json.JSONDecodeError],
                 yield lineno, obj
         except UnicodeDecodeError as e:
             raise InputError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason}); JSONL must be UTF-8") from None
+
+
+def describe_path(path: str | Path) -> str:
+    """What is at `path`, for a message about an input that is not what a flag expects: "no such file or
+    directory", "a directory of token shards (index.json of `entrenar data pack`)", "a directory (N entries:
+    a, b, ...)" or "a file" (issue 38 item 10: `--data DIR` said "no such file" about a directory that exists)."""
+    p = Path(path)
+    if not p.exists():
+        return "no such file or directory"
+    if p.is_dir():
+        if (p / "index.json").is_file():
+            return "a directory of token shards (index.json of `entrenar data pack`)"
+        try:
+            names = sorted(e.name for e in p.iterdir())
+        except OSError as e:
+            return f"a directory that cannot be listed ({e.strerror})"
+        shown = ", ".join(names[:4]) + (", ..." if len(names) > 4 else "")
+        return f"a directory ({len(names)} entries: {shown})" if names else "an empty directory"
+    return "a file" if p.is_file() else "not a regular file or directory"

@@ -252,7 +252,7 @@ class ChatTokenizer:
             try:
                 self._template = _template_env().from_string(self.chat_template)
             except jinja2.TemplateError as e:
-                raise InputError(f"{self.source}: the chat template does not compile: {e}") from e
+                raise InputError(f"{self.chat_template_source}: the chat template does not compile: {e}") from e
         return self._template
 
     def render_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = False,
@@ -267,7 +267,9 @@ class ChatTokenizer:
         try:
             text = self._render(template, messages, add_generation_prompt, tools)
         except jinja2.TemplateError as e:  # includes raise_exception(...) from the template
-            raise InputError(f"{self.source}: the chat template failed on these messages: {e}") from e
+            # the template's source, not the model's (issue 38 item 10: a --chat-template FILE's failure was
+            # reported against the model's GGUF)
+            raise InputError(f"the chat template of {self.chat_template_source} failed on these messages: {e}") from e
         return RenderedChat(text, self._assistant_spans(text, messages, template, tools))
 
     def _assistant_spans(self, text: str, messages: list[dict[str, Any]], template: Any,
@@ -303,8 +305,8 @@ class ChatTokenizer:
                                      f"renders `tool` messages with --chat-template FILE")
                 if msg.get("role") != "assistant":
                     continue  # a template may drop or rewrite other messages; only answers need a span
-                raise InputError(f"{self.source}: assistant message {i} does not appear verbatim in the "
-                                 f"rendered chat, so its span (the loss mask) cannot be located; the "
+                raise InputError(f"the chat template of {self.chat_template_source} does not write assistant "
+                                 f"message {i} verbatim, so its span (the loss mask) cannot be located; the "
                                  f"template rewrites assistant content")
             end = start + len(content)
             cursor = end
@@ -366,7 +368,7 @@ class ChatTokenizer:
             context["tools"] = tools  # as transformers' apply_chat_template(tools=...) passes them
         if tools or any(m.get("tool_calls") for m in messages):  # their JSON is text the template writes too
             chars += len(json.dumps(tools)) + len(json.dumps([m.get("tool_calls") for m in messages]))
-        return bounded_render(template, context, self.source, chars)  # time and size bounded (exit 2)
+        return bounded_render(template, context, self.chat_template_source, chars)  # time and size bounded (exit 2)
 
     def _render_prefix(self, template: Any, messages: list[dict[str, Any]],
                        tools: list[dict[str, Any]] | None = None) -> str | None:
@@ -562,7 +564,7 @@ def load_hf_tokenizer(path: str | os.PathLike) -> ChatTokenizer:
 
 def read_gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
     """The tokenizer.* metadata of a GGUF file as plain Python values (the model loader's header parser)."""
-    from .formats.gguf import open_reader
+    from .formats.gguf_file import open_reader  # the parser, below this module (formats/gguf.py is above)
 
     return {k: v for k, v in open_reader(path).fields.items() if k.startswith("tokenizer.")}
 

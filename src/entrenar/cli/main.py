@@ -44,7 +44,12 @@ class UsageError(Exception):
 
 
 class Parser(argparse.ArgumentParser):
-    """ArgumentParser whose errors raise UsageError; subparsers inherit the class."""
+    """ArgumentParser whose errors raise UsageError; subparsers inherit the class. No abbreviations (issue 38
+    item 10: `pretrain --mode lora` was read as `--model lora`, a prefix of a flag pretrain has)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs["allow_abbrev"] = False
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
         raise UsageError(self.prog, self.format_usage(), message)

@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from ..errors import GuardError, InputError
-from ..fileio import atomic_dir, atomic_write, sha256_file
+from ..fileio import atomic_dir, atomic_write, describe_path, sha256_file
 from ..outpaths import check_creatable, check_replaceable
 from ..tensors import IGNORE_INDEX, positions_from_doc_ids
 from .epochs import EpochCursor
@@ -429,8 +429,10 @@ def pack(inputs: list[str], tokenizer: TextEncoder, out_dir: str | Path, val_fra
 
 def read_index(shards_dir: str | Path) -> dict[str, Any]:
     path = Path(shards_dir) / "index.json"
-    if not path.is_file():
-        raise InputError(f"{shards_dir}: no index.json; create token shards with `entrenar data pack`")
+    if not path.is_file():  # what it is instead, and what is expected (issue 38 item 10)
+        raise InputError(f"{shards_dir}: {describe_path(shards_dir)}, not a directory of token shards (no "
+                         f"index.json); create them with `entrenar data pack --model MODEL --out SHARDS "
+                         f"{shards_dir}`")
     index = json.loads(path.read_text())
     if index.get("format") != FORMAT:
         raise InputError(f"{path}: format {index.get('format')!r}, expected {FORMAT!r}; re-run `entrenar data pack`")

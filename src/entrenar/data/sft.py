@@ -80,9 +80,10 @@ class SFTExample:
 class RowError(Exception):
     """A row that fails validation: reason key + message (without file:line)."""
 
-    def __init__(self, reason: str, message: str):
+    def __init__(self, reason: str, message: str, remedy: str = ""):
         super().__init__(message)
         self.reason = reason
+        self.remedy = remedy or "fix the row, or pass --skip-invalid to skip and count invalid rows"
 
 
 # ---- validation ---------------------------------------------------------------------------------
@@ -140,6 +141,12 @@ def _row_to_chat(row: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]] |
                            f"conversation ends with a {out[-1]['role']} message, not an assistant turn")
         tool_calls.check_sequence(out)
         return out, tools
+    if "chosen" in row and "rejected" in row:  # data/preference.py's is_preference_row (it imports this module)
+        # issue 38 item 10: this said "row lacks 'completion'", naming a field instead of the file's kind
+        raise RowError("unknown_format", "this is a preference row (prompt/chosen/rejected), not an SFT row "
+                                         "(messages, prompt/completion or instruction/output)",
+                       "preference pairs train with finetune --objective dpo|ipo|dpo-norm; --skip-invalid skips such "
+                       "rows in an SFT file")
     if "prompt" in row or "completion" in row:
         return [_field_message(row, "prompt", "user"), _field_message(row, "completion", "assistant")], None
     if "instruction" in row or "output" in row:
@@ -426,8 +433,7 @@ class RowLog:
 
     def invalid(self, where: str, e: RowError) -> None:
         if not self.skip_invalid:
-            raise InputError(f"{where}: {e} (fix the row, or pass --skip-invalid to skip and count "
-                             f"invalid rows)") from e
+            raise InputError(f"{where}: {e} ({e.remedy})") from e
         self.skip(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
 
     def read(self) -> Iterator[tuple[int, str, Any]]:

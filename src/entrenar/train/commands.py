@@ -25,7 +25,7 @@ import torch
 
 from ..config import PRESETS, preset
 from ..errors import GuardError, InputError
-from ..fileio import write_manifest
+from ..fileio import describe_path, write_manifest
 from ..outpaths import check_creatable
 from ..peft.load import tokenizer_or_none
 from .checkpoint import complete_checkpoints, find_resume, resume_problem, run_record_problem, write_errors
@@ -535,10 +535,11 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     load_rows, Loader, kind = _rows_kind(cfg.objective, args.pack)
     join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)
-    if not Path(args.data).is_file():
-        raise InputError(f"--data {args.data}: no such file (SFT data is a JSONL file)")
-    if args.val and not Path(args.val).is_file():
-        raise InputError(f"--val {args.val}: no such file")
+    expected = ("finetune reads a JSONL file of SFT rows (messages, prompt/completion or instruction/output), or "
+                "of preference rows with --objective dpo|ipo|dpo-norm")
+    for flag, path in (("--data", args.data), ("--val", args.val)):
+        if path and not Path(path).is_file():  # say what is there: a directory is not "no such file"
+            raise InputError(f"{flag} {path}: {describe_path(path)}; {expected}")
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
     tokenizer.name = args.model  # the data header names the model as given, not its resolved GGUF path

@@ -159,16 +159,26 @@ def diverged_limit(best_eval_loss: float, uniform: float) -> float:
     return best_eval_loss + max(DIVERGED_MIN_RISE, DIVERGED_GAP_FRACTION * advantage)
 
 
+DIVERGED_CAUSE = "typically a learning rate far too large for this model and mode, or --clip 0"
 DIVERGED_REMEDY = ("lower --lr (10x is a good first try; --lr auto picks a fine-tuning rate for LoRA/QLoRA) and "
                    "keep --clip on (default 1.0: --clip 0 lets one update wreck the model); ")
+# A preference loss is -log sigmoid(beta x margin) (IPO: (margin - 1/(2 tau))^2): its size and gradients scale
+# with --beta, so a beta far too large diverges at any learning rate (issue 38 item 10: the message named only
+# --lr; --beta 1000 on a tiny LoRA run went 0.69 -> 354 in 6 steps).
+PREFERENCE_DIVERGED_CAUSE = ("typically a --beta too large (the loss and its gradients grow with beta x the "
+                             "policy's log-ratio to its reference) or a learning rate too large, or --clip 0")
+PREFERENCE_DIVERGED_REMEDY = ("lower --beta (this run's: {beta:g}; the default {default:g} is DPO's usual value) or "
+                              "--lr (10x is a good first try), and keep --clip on (default 1.0); ")
 
 
 def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, uniform: float, step: int,
                         find_best_checkpoint: Callable[[], tuple[Path, int, float] | None],
-                        uniform_name: str = "ln(vocab)") -> None:
+                        uniform_name: str = "ln(vocab)", cause: str = DIVERGED_CAUSE,
+                        remedy: str = DIVERGED_REMEDY) -> None:
     """An eval loss far above the run's best (diverged_limit): the model is destroyed, so the run stops
     at this eval. `find_best_checkpoint()` (called only when the guard fires) gives (path, step, eval
-    loss) of the kept checkpoint with the lowest eval, named in the message, or None."""
+    loss) of the kept checkpoint with the lowest eval, named in the message, or None. `cause` / `remedy`: the
+    objective's usual causes and knobs (a preference objective's --beta)."""
     if best_eval_loss is None:
         return
     limit = diverged_limit(best_eval_loss, uniform)
@@ -188,9 +198,8 @@ def check_eval_diverged(eval_loss: float, best_eval_loss: float | None, uniform:
         f"at step {step}: eval loss {eval_loss:.4f} is {eval_loss - best_eval_loss:.2f} nats above the run's best "
         f"eval {best_eval_loss:.4f}, past the limit {limit:.4f} (best + max({DIVERGED_MIN_RISE:g}, "
         f"{DIVERGED_GAP_FRACTION:g} x ({uniform_name} {uniform:.4f} - best))): training destroyed the model "
-        f"(typically a learning rate far too large for this model and mode, or --clip 0). Training stopped "
-        f"at this eval and final/ was not written; {kept}.",
-        DIVERGED_REMEDY + then,
+        f"({cause}). Training stopped at this eval and final/ was not written; {kept}.",
+        remedy + then,
         details={"step": step, "eval_loss": eval_loss, "best_eval_loss": best_eval_loss, "limit": limit,
                  "ln_vocab": uniform, "checkpoint": None if best_checkpoint is None else str(best_checkpoint[0]),
                  "checkpoint_step": None if best_checkpoint is None else best_checkpoint[1]})

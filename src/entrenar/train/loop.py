@@ -459,7 +459,8 @@ class Trainer:
             record["eval"] = ev
             self.check_lm_eval(ev, 0)  # the reference's NLL of the chosen responses: GUARD-PREF-CHOSEN-DIVERGED's start
             self.spikes.set_reference(ev["loss"])  # GUARD-SPIKE's early-phase reference (with the first step's)
-            self.log(f"step 0: eval loss {ev['loss']:.4f} (ppl {ev['ppl']:.2f}, {ev['tokens']} {self.objective.unit}); "
+            ppl = f"ppl {ev['ppl']:.2f}, " if self.objective.perplexity else ""
+            self.log(f"step 0: eval loss {ev['loss']:.4f} ({ppl}{ev['tokens']} {self.objective.unit}); "
                      f"{self.objective.uniform_name} = {record['ln_vocab']:.4f}")
         elif self.cfg.check_init_loss:  # no eval set: judge the start on the first train batch, unconsumed
             state = self.train_loader.state_dict()
@@ -680,12 +681,14 @@ class Trainer:
         loss). Each decides on the eval loss reduced over every rank, so all ranks stop at the same eval."""
         best_before = self.best_eval
         ev = self.run_eval(step)
-        self.message(f"step {step}: eval loss {ev['loss']:.4f} ppl {ev['ppl']:.2f}"
+        self.message(f"step {step}: eval loss {ev['loss']:.4f}"
+                     + (f" ppl {ev['ppl']:.2f}" if self.objective.perplexity else "")
                      + (f" accuracy {ev['rewards/accuracies']:.3f}" if "rewards/accuracies" in ev else ""))
         guards.check_eval_finite(ev["loss"], step, self.kept_text(self.last_saved))
         name = self.objective.uniform_name
         guards.check_eval_collapse(ev["loss"], best_before, self.uniform_loss, step, name)
-        guards.check_eval_diverged(ev["loss"], best_before, self.uniform_loss, step, self.best_checkpoint, name)
+        guards.check_eval_diverged(ev["loss"], best_before, self.uniform_loss, step, self.best_checkpoint, name,
+                                   *self.objective.diverged)
         window = self.recent_losses[-20:]
         if self.objective.eval_anomaly:
             guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)

@@ -56,6 +56,8 @@ class Objective(Protocol):
     eval_anomaly: bool  # whether GUARD-EVAL-ANOMALY's leak checks apply
     lm_key: str  # the record key of the language-model NLL per token (GUARD-TRAIN-DIVERGED, -PREF-CHOSEN-DIVERGED)
     lm_name: str  # how the guards' messages name it
+    perplexity: bool  # whether exp(loss) means something (a per-token cross-entropy): logged with the eval loss
+    diverged: tuple[str, str]  # GUARD-EVAL-DIVERGED's (usual cause, remedy) for this objective's knobs
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]: ...
@@ -88,6 +90,8 @@ class CausalLMLoss:
     unit = "tokens"  # what counts() counts: the loss's unit
     eval_anomaly = True  # GUARD-EVAL-ANOMALY applies (a perplexity near 1 is a leak)
     lm_key, lm_name = "loss", "train loss"  # the loss is the language model's NLL per token
+    perplexity = True
+    diverged = (guards.DIVERGED_CAUSE, guards.DIVERGED_REMEDY)
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
@@ -160,6 +164,7 @@ class PreferenceLoss:
     eval_anomaly = False  # a DPO loss near 0 is a well-separated pair, not a leak: no perplexity to judge
     # the policy's NLL per token of the chosen responses (the SFT loss on them): what the pairs' loss cannot see
     lm_key, lm_name = "nll/chosen", "train NLL per token of the chosen responses"
+    perplexity = False  # exp of a pair loss is no perplexity (issue 38 item 10: "ppl 5.2e21" was logged)
 
     def __init__(self, name: str = "dpo", beta: float = DEFAULT_BETA, reference: str = "adapters-off"):
         if name not in PREFERENCE_LOSSES:
@@ -168,6 +173,8 @@ class PreferenceLoss:
             raise InputError(f"--beta must be a finite number > 0, got {beta}")
         assert reference in REFERENCES, reference
         self.name, self.beta, self.reference = name, float(beta), reference
+        self.diverged = (guards.PREFERENCE_DIVERGED_CAUSE,
+                         guards.PREFERENCE_DIVERGED_REMEDY.format(beta=self.beta, default=DEFAULT_BETA))
         self.loss_type = PREFERENCE_LOSSES[name]
         self.reference_model: torch.nn.Module | None = None
         self.watcher = guards.PreferenceWatch(self.uniform_loss(0), margin_guard=self.loss_type != "ipo")
