@@ -336,8 +336,10 @@ def test_torchruns_node_variables_are_read_and_checked(monkeypatch):
     for k in ("GROUP_RANK", "GROUP_WORLD_SIZE", "LOCAL_WORLD_SIZE"):  # an older launcher: one node of WORLD_SIZE
         monkeypatch.delenv(k)
     assert env_nodes() == (0, 1, 4)
-    uneven = DistContext(rank=4, world=5, local_rank=1, nodes=2, local_world=3)  # 3 + 2 processes
-    with pytest.raises(InputError, match="same number of processes on every node"):
+    # 2 + 3 processes: each rank gathers every rank's (node, processes on it), so every rank decides alike
+    uneven = DistContext(rank=3, world=5, local_rank=1, node=1, nodes=2, local_world=3)
+    uneven.all_gather_object = lambda mine: [(0, 2), (0, 2), mine, mine, mine]
+    with pytest.raises(InputError, match=r"same number of processes on every node, got node 0: 2, node 1: 3 \(5 "):
         uneven.hsdp_mesh()
 
 

@@ -71,10 +71,14 @@ class DistContext:
         built on first use (a collective: every rank calls it). torchrun numbers ranks node by node
         (rank = node * local_world + local_rank), so row n of the mesh is node n's processes."""
         if self._hsdp_mesh is None:
-            if self.world != self.nodes * self.local_world:
-                raise InputError(f"HSDP needs the same number of processes on every node: {self.world} ranks on "
-                                 f"{self.nodes} nodes of {self.local_world} (this node's). Start every node's "
-                                 f"torchrun with the same --nproc-per-node, or use --parallel fsdp")
+            sizes = sorted({tuple(x) for x in self.all_gather_object((self.node, self.local_world))})
+            if len({n for _, n in sizes}) > 1 or self.world != self.nodes * self.local_world:
+                per_node = ", ".join(f"node {node}: {n}" for node, n in sizes)
+                err = InputError(f"HSDP needs the same number of processes on every node, got {per_node} "
+                                 f"({self.world} ranks on {self.nodes} nodes). Start every node's torchrun with "
+                                 f"the same --nproc-per-node, or use --parallel fsdp")
+                err.job_wide = True  # every rank decided it on the same gathered sizes: rank 0 alone prints it
+                raise err
             assert self.rank == self.node * self.local_world + self.local_rank, \
                 (self.rank, self.node, self.local_world, self.local_rank)
             from torch.distributed.device_mesh import init_device_mesh

@@ -178,8 +178,8 @@ def _tell(key: str, value: str, timeout_s: float) -> None:
             store = _store()
             if store is not None:
                 store.set(key, value)
-        except RuntimeError:  # the store went with node 0's launcher: no one is left to tell
-            pass
+        except RuntimeError as e:  # the store went with node 0's launcher: the others find node 0 gone
+            print(f"note: could not record {key} in the job's store ({e})", file=sys.stderr, flush=True)
 
     t = threading.Thread(target=put, name="entrenar-tell", daemon=True)
     t.start()
