@@ -46,7 +46,8 @@ class Layout:
 
 LAYOUTS = (Layout("hsdp-2x2", 2, 2, "hsdp"), Layout("ddp-2x2", 2, 2, "ddp"), Layout("fsdp-1x4", 1, 4, "fsdp"),
            Layout("ddp-1x4", 1, 4, "ddp"))
-# NCCL kernel names (ncclDevKernel_AllReduce_Sum_f32_RING_LL, ...) -> the collective's kind
+# NCCL kernel names (ncclDevKernel_AllReduce_Sum_f32_RING_LL, ...; on the CPU, where profile.json lists
+# operators, gloo's c10d::allreduce_ / _reduce_scatter_base_ / _allgather_base_) -> the collective's kind
 COLLECTIVES = {"all_reduce": "allreduce", "reduce_scatter": "reducescatter", "all_gather": "allgather"}
 
 
@@ -68,12 +69,13 @@ def launcher_commands(layout: Layout, cli: list[str], port: int, device: str,
 
 
 def collectives_ms(profile: dict[str, Any]) -> dict[str, float]:
-    """Milliseconds per step of each collective kind, from profile.json's top kernels (rank 0's view)."""
+    """Milliseconds per step of each collective kind, from profile.json's top kernels (rank 0's view; on the
+    CPU the c10d operators' own time)."""
     out = dict.fromkeys(COLLECTIVES, 0.0)
     for name, ms in profile.get("top_kernels_ms", []):
         key = name.lower().replace("_", "")
         for kind, needle in COLLECTIVES.items():
-            if "nccl" in key and needle in key:
+            if ("nccl" in key or key.startswith("c10d::")) and needle in key:
                 out[kind] += float(ms)
     return {k: round(v, 3) for k, v in out.items()}
 

@@ -403,6 +403,9 @@ def test_the_gpu_measurements_pieces(tmp_path):
                                   ["ncclDevKernel_AllGather_RING_LL", 1.25], ["ncclDevKernel_AllReduce_Sum_bf16", 0.5],
                                   ["sm90_xmma_gemm_bf16", 40.0]], "communication_ms_per_step": 7.25}
     assert collectives_ms(profile) == {"all_reduce": 4.0, "reduce_scatter": 2.0, "all_gather": 1.25}
+    cpu = {"top_kernels_ms": [["c10d::allreduce_", 2.5], ["c10d::_reduce_scatter_base_", 1.0],
+                              ["FSDP::all_gather", 9.0], ["c10d::_allgather_base_", 0.5]]}  # FSDP's span: not a kernel
+    assert collectives_ms(cpu) == {"all_reduce": 2.5, "reduce_scatter": 1.0, "all_gather": 0.5}
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"step": s, "loss": 5.0, "tok_s": 4000.0 if s < 6 else 1000.0, "profiled": s >= 6, "mem_mb": 100}
