@@ -22,8 +22,10 @@ all, so a hang still leaves the rows before it. NCCL's NVLink multicast stays of
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shlex
 import subprocess
 import sys
@@ -97,10 +99,21 @@ def summarize_run(run: Path, warmup: int, tokens_per_step: int, gpus: int) -> di
     return row
 
 
+def nccl_transports(logs: list[Path]) -> dict[str, int]:
+    """How NCCL connected the ranks (NCCL_DEBUG=INFO lines "Channel ... via P2P/CUMEM", "via SHM/direct/direct",
+    "via NET/Socket"): two launchers on one host see disjoint CUDA_VISIBLE_DEVICES, so their link is not the
+    in-launcher one; this says which it was."""
+    found: collections.Counter = collections.Counter()
+    for log in logs:
+        if log.is_file():
+            found.update(m.group(1) for m in re.finditer(r"Channel \S+ : .* via (\S+)", log.read_text(errors="replace")))
+    return dict(found)
+
+
 def run_layout(layout: Layout, cli: list[str], device: str, timeout_s: float, logs: Path) -> list[Any]:
     """Start every launcher of `layout` together; their exit codes ("timeout" for one stopped at timeout_s)."""
     env = {**os.environ, "PYTHONPATH": str(REPO / "src") + os.pathsep + os.environ.get("PYTHONPATH", ""),
-           "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1"}
+           "NCCL_NVLS_ENABLE": "0", "PYTHONUNBUFFERED": "1", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_SUBSYS": "INIT"}
     procs = []
     for i, (cmd, extra) in enumerate(launcher_commands(layout, cli, free_port(), device)):
         with open(f"{logs}-node{i}.out", "w") as out, open(f"{logs}-node{i}.err", "w") as err:
@@ -180,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus = layout.nodes * layout.per_node
             batch = 2 if model.endswith("7b") else a.batch
             row = {"model": model, "layout": layout.name, "exit": codes, "wall_s": round(time.monotonic() - started, 1),
+                   "nccl_transports": nccl_transports(sorted(logs.glob(f"{model}-{layout.name}-node*.err"))),
                    "commands": [shlex.join(c) + (f"  # {e}" if e else "")
                                 for c, e in launcher_commands(layout, cli, 0, device)],
                    **summarize_run(run, a.warmup, batch * a.seq * gpus, gpus)}

@@ -234,41 +234,46 @@ def children(pid: int) -> list[int]:
     return found
 
 
-@pytest.mark.parametrize("how", ["launcher", "host"])
+@pytest.mark.parametrize("how", ["launcher", "host", "node0"])
 def test_a_node_lost_is_named_by_the_survivors_with_exit_4(tmp_path, args, how):
-    """Node 1 (on another 'host': the survivors cannot see its processes) lost after step 3 (checkpoint 2
-    complete). launcher: its torchrun SIGKILLed, its workers record that in the job's store as they stop;
-    host: its launcher and workers SIGKILLed at once (nothing recorded), the survivors' roll call finds them
-    missing. Either way the survivors exit 4 within NODE_LOST_S naming the node, its ranks, the checkpoint
-    and the resume command."""
+    """A node (on another 'host': the survivors cannot see its processes) lost after step 3 (checkpoint 2
+    complete). launcher: node 1's torchrun SIGKILLed, its workers record that in the job's store as they stop;
+    host: node 1's launcher and workers SIGKILLed at once (nothing recorded), the survivors' roll call finds
+    them missing; node0: node 0's torchrun SIGKILLed, and with it the store it served (and the rendezvous).
+    Each time the survivors exit 4 within NODE_LOST_S naming the node, its ranks, the checkpoint and the resume
+    command."""
+    lost = 0 if how == "node0" else 1
     run = tmp_path / "run"
-    nodes = Nodes(tmp_path, args(run, 1, "--parallel", "hsdp"),
-                  envs=({"SLOW_S": "0.5"}, {"SLOW_S": "0.5", "FAKE_HOST": "second-host"}))
+    envs = [{"SLOW_S": "0.5"}, {"SLOW_S": "0.5"}]
+    envs[lost]["FAKE_HOST"] = "lost-host"
+    nodes = Nodes(tmp_path, args(run, 1, "--parallel", "hsdp"), envs=tuple(envs))
     t0 = time.monotonic()
     while "step 3/" not in nodes.stderr():
         assert all(p.poll() is None for p in nodes.procs) and time.monotonic() - t0 < TIMEOUT, nodes.stderr()[-3000:]
         time.sleep(0.05)
-    victim = nodes.procs[1]
-    assert int((tmp_path / "launcher-node1").read_text()) == victim.pid  # the second launcher is node 1
+    victim, survivor = nodes.procs[lost], nodes.procs[1 - lost]
+    assert int((tmp_path / f"launcher-node{lost}").read_text()) == victim.pid  # the first launcher is node 0
     workers = children(victim.pid) if how == "host" else []
     assert len(workers) == (2 if how == "host" else 0)
     for pid in [*workers, victim.pid]:
         os.kill(pid, signal.SIGKILL)
     killed = time.monotonic()
-    nodes.procs[0].wait(timeout=TIMEOUT)
+    survivor.wait(timeout=TIMEOUT)
     took = time.monotonic() - killed
     assert took < NODE_LOST_S, f"the survivors took {took:.0f} s to stop"
     err = nodes.stderr()
     records = nodes.records()
     assert len(records) == 1, (json.dumps(records), err[-4000:])
     result = records[0]
-    assert result["exit_code"] == 4 and result["lost_ranks"] == [2, 3], err[-4000:]
-    assert result["details"] == {"lost_nodes": [1], "hosts": ["second-host"]}
-    assert "node 1 (host second-host, ranks 2, 3) of this 2-node, 4-rank job was lost" in result["error"]
+    ranks, alive = ([0, 1], [2, 3]) if lost == 0 else ([2, 3], [0, 1])
+    assert result["exit_code"] == 4 and result["lost_ranks"] == ranks, err[-4000:]
+    assert result["details"] == {"lost_nodes": [lost], "hosts": ["lost-host"]}
+    assert f"node {lost} (host lost-host, ranks {ranks[0]}, {ranks[1]}) of this 2-node, 4-rank job was lost" \
+        in result["error"]
     assert result["checkpoint"].endswith("step-0000002")
     resume = result["resume_command"]
     assert resume.startswith("torchrun ") and "--nnodes 2" in resume and "--resume auto" in resume, resume
-    assert nodes.exits(4)[:2] == ["4", "4"], err[-4000:]  # node 0's ranks: each its own exit 4
+    assert [nodes.exits(4)[r] for r in alive] == ["4", "4"], err[-4000:]  # each survivor its own exit 4
     assert err.count("job was lost") == 1  # one message: the lowest survivor's
 
 
@@ -387,33 +392,38 @@ def test_the_gpu_measurements_pieces(tmp_path):
     """bench/multinode.py (run on a 4-GPU host by bench/multinode.sh): two launchers of 2 GPUs each on disjoint
     CUDA_VISIBLE_DEVICES with one c10d rendezvous; the NCCL collectives' ms/step by kind from profile.json's
     kernels; per-GPU tok/s from metrics.jsonl without the profiled steps."""
-    from bench.multinode import LAYOUTS, collectives_ms, launcher_commands, summarize_run, table
+    from bench import multinode as mn
 
-    hsdp2x2 = next(x for x in LAYOUTS if x.name == "hsdp-2x2")
-    cmds = launcher_commands(hsdp2x2, ["pretrain", "--parallel", "hsdp"], 29400, "cuda", python="py")
+    hsdp2x2 = next(x for x in mn.LAYOUTS if x.name == "hsdp-2x2")
+    cmds = mn.launcher_commands(hsdp2x2, ["pretrain", "--parallel", "hsdp"], 29400, "cuda", python="py")
     assert [env for _, env in cmds] == [{"CUDA_VISIBLE_DEVICES": "0,1"}, {"CUDA_VISIBLE_DEVICES": "2,3"}]
     assert cmds[0][0] == cmds[1][0]  # the same command on every node
     words = " ".join(cmds[0][0])
     assert ("--nproc-per-node 2 --nnodes 2 --rdzv-backend c10d --rdzv-endpoint 127.0.0.1:29400" in words
             and words.endswith("-m entrenar pretrain --parallel hsdp"))
-    one = launcher_commands(next(x for x in LAYOUTS if x.name == "fsdp-1x4"), ["pretrain"], 29400, "cuda")
+    one = mn.launcher_commands(next(x for x in mn.LAYOUTS if x.name == "fsdp-1x4"), ["pretrain"], 29400, "cuda")
     assert len(one) == 1 and "--nproc-per-node 4" in " ".join(one[0][0]) and one[0][1] == {}
     profile = {"top_kernels_ms": [["ncclDevKernel_AllReduce_Sum_f32_RING_LL(ncclDevKernelArgsStorage<4096ul>)", 3.5],
                                   ["ncclDevKernel_ReduceScatter_Sum_f32_RING_LL", 2.0],
                                   ["ncclDevKernel_AllGather_RING_LL", 1.25], ["ncclDevKernel_AllReduce_Sum_bf16", 0.5],
                                   ["sm90_xmma_gemm_bf16", 40.0]], "communication_ms_per_step": 7.25}
-    assert collectives_ms(profile) == {"all_reduce": 4.0, "reduce_scatter": 2.0, "all_gather": 1.25}
+    assert mn.collectives_ms(profile) == {"all_reduce": 4.0, "reduce_scatter": 2.0, "all_gather": 1.25}
     cpu = {"top_kernels_ms": [["c10d::allreduce_", 2.5], ["c10d::_reduce_scatter_base_", 1.0],
                               ["FSDP::all_gather", 9.0], ["c10d::_allgather_base_", 0.5]]}  # FSDP's span: not a kernel
-    assert collectives_ms(cpu) == {"all_reduce": 2.5, "reduce_scatter": 1.0, "all_gather": 0.5}
+    assert mn.collectives_ms(cpu) == {"all_reduce": 2.5, "reduce_scatter": 1.0, "all_gather": 0.5}
     run = tmp_path / "run"
     run.mkdir()
     rows = [{"step": s, "loss": 5.0, "tok_s": 4000.0 if s < 6 else 1000.0, "profiled": s >= 6, "mem_mb": 100}
             for s in range(1, 8)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (run / "profile.json").write_text(json.dumps(profile))
-    row = summarize_run(run, warmup=2, tokens_per_step=8 * 2048 * 4, gpus=4)
+    row = mn.summarize_run(run, warmup=2, tokens_per_step=8 * 2048 * 4, gpus=4)
     assert row["tokens_per_s_per_gpu"] == 1000.0 and row["steps_logged"] == 7  # 4000 job tok/s over 4 GPUs
     assert row["collectives_ms_per_step"]["all_reduce"] == 4.0
-    md = table([{"model": "qwen2.5-0.5b", "layout": "hsdp-2x2", "exit": [0, 0], **row}])
+    log = tmp_path / "node0.err"
+    log.write_text("h:1:2 [0] NCCL INFO Channel 00/0 : 0[0] -> 1[1] via P2P/CUMEM/read\n"
+                   "h:1:2 [1] NCCL INFO Channel 00/0 : 1[1] -> 2[0] via SHM/direct/direct\n"
+                   "h:1:2 [1] NCCL INFO Channel 01/0 : 1[1] -> 2[0] via SHM/direct/direct\n")
+    assert mn.nccl_transports([log, tmp_path / "absent.err"]) == {"P2P/CUMEM/read": 1, "SHM/direct/direct": 2}
+    md = mn.table([{"model": "qwen2.5-0.5b", "layout": "hsdp-2x2", "exit": [0, 0], **row}])
     assert "| qwen2.5-0.5b | hsdp-2x2 | [0, 0] | 1,000 | 4.0 | 2.0 | 1.25 |" in md
