@@ -458,7 +458,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
         ctx.barrier()  # every rank has checked --out before rank 0 creates it
         if args.resume:  # a resume with nothing left to do is refused before run.json is touched
             check_resume_has_work(out, args.resume, cfg.steps)
-        with holding(out, ctx.run_on_main):  # one writer per run directory (runlock.py), from here to the end
+        with holding(out, ctx.run_on_main, ctx):  # one writer per run directory (runlock.py), from here to the end
             return _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
                                save_final, trainers, objective, task_eval)
     except BaseException as e:  # under torchrun a dead peer is named (exit 4), not "Connection reset by peer"
@@ -477,10 +477,14 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
         if ctx.active:  # the job's shape (resuming on another world size keeps the global batch)
             from .parallel import parallel_for
 
+            kind = parallel_for(model, ctx.device, cfg.parallel, cfg.mode in ("lora", "qlora"), ctx.nodes)
             run_json["distributed"] = {
-                "world_size": ctx.world,
-                "parallel": parallel_for(model, ctx.device, cfg.parallel, cfg.mode in ("lora", "qlora")),
+                "world_size": ctx.world, "parallel": kind,
                 "global_batch": ctx.world * cfg.batch_size * cfg.grad_accum}
+            if ctx.nodes > 1:  # torchrun --nnodes: the job's shape across launchers (and HSDP's mesh)
+                run_json["distributed"]["nodes"] = ctx.nodes
+                if kind == "hsdp":
+                    run_json["distributed"]["mesh"] = {"dp_replicate": ctx.nodes, "dp_shard": ctx.local_world}
         _start_run_dir(out, run_json, data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
         ctx.run_on_main(lambda: _run_preflight(args, model, tokenizer, cfg.seq_len, cfg.dtype))

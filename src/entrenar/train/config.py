@@ -41,7 +41,7 @@ RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
 
 TRAIN_COMMANDS = ("pretrain", "finetune")
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the data-parallel gradient reduction's precision (train/parallel.py)
-PARALLEL_MODES = ("auto", "fsdp", "ddp")  # train/parallel.py (not imported here: it loads torch.distributed)
+PARALLEL_MODES = ("auto", "fsdp", "ddp", "hsdp")  # train/parallel.py (not imported here: it loads torch.distributed)
 MODES = ("full", "lora", "qlora")
 _EVERY = ("pretrain", "finetune", "eval")
 
@@ -181,7 +181,9 @@ class TrainConfig:
     # several processes (torchrun; train/parallel.py)
     parallel: str = option("auto", "data parallelism under torchrun: auto = DDP for LoRA/QLoRA and for full "
                                    "training when weights + gradients + AdamW state (20 B per parameter) fit "
-                                   "a quarter of one GPU's memory, else FSDP2 (sharded); one process: ignored", choices=PARALLEL_MODES)
+                                   "a quarter of one GPU's memory, else FSDP2 (sharded), or HSDP with more than "
+                                   "one node (torchrun --nnodes: sharded inside a node, replicated across nodes); "
+                                   "one process: ignored", choices=PARALLEL_MODES)
     grad_reduce: str = option("fp32", "precision of the gradient all-reduce (DDP) / reduce-scatter (FSDP2) under "
                                       "torchrun: fp32 (exact sums of the ranks' fp32 gradients) or bf16 (half the "
                                       "bytes on the wire; each rank's gradient rounded to bf16, 8 mantissa bits, "

@@ -5,6 +5,9 @@ data split by global sample index.
 WORLD_SIZE and LOCAL_RANK set; `init_from_env` turns that into a process group (NCCL on CUDA,
 gloo on CPU) and a 1-D device mesh. Without torchrun (or with WORLD_SIZE=1) nothing is
 initialised and every helper here is the identity, so a single process behaves as before.
+With `--nnodes N` (several launchers, c10d rendezvous) each rank also learns its node from torchrun's
+GROUP_RANK / GROUP_WORLD_SIZE / LOCAL_WORLD_SIZE (`DistContext.node`, `.nodes`, `.local_world`);
+`hsdp_mesh` is the 2-D (nodes x GPUs per node) mesh HSDP shards over (train/parallel.py).
 
 Exactness rules (docs/design.md, "Distributed"):
 - every rank draws the same *global* micro-batch (world x batch rows, in the loader's seeded
@@ -36,6 +39,9 @@ T = TypeVar("T")
 # A collective that waits longer than this raises instead of hanging forever (seconds).
 TIMEOUT_ENV = "ENTRENAR_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 900
+# The mesh dimensions of HSDP (train/parallel.py): gradients all-reduced across nodes, parameters sharded
+# inside a node (torchtitan's names).
+HSDP_DIMS = ("dp_replicate", "dp_shard")
 
 
 @dataclass
@@ -47,6 +53,10 @@ class DistContext:
     local_rank: int = 0
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     mesh: Any = None  # torch.distributed.device_mesh.DeviceMesh (1-D, "dp") when active
+    node: int = 0  # torchrun's GROUP_RANK: which launcher (node) started this process
+    nodes: int = 1  # GROUP_WORLD_SIZE: launchers (nodes) in the job
+    local_world: int = 1  # LOCAL_WORLD_SIZE: processes this node's launcher started
+    _hsdp_mesh: Any = None
 
     @property
     def active(self) -> bool:
@@ -55,6 +65,27 @@ class DistContext:
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    def hsdp_mesh(self) -> Any:
+        """The 2-D mesh (HSDP_DIMS: replicate over nodes x shard inside a node) over this job's ranks,
+        built on first use (a collective: every rank calls it). torchrun numbers ranks node by node
+        (rank = node * local_world + local_rank), so row n of the mesh is node n's processes."""
+        if self._hsdp_mesh is None:
+            sizes = sorted({tuple(x) for x in self.all_gather_object((self.node, self.local_world))})
+            if len({n for _, n in sizes}) > 1 or self.world != self.nodes * self.local_world:
+                per_node = ", ".join(f"node {node}: {n}" for node, n in sizes)
+                err = InputError(f"HSDP needs the same number of processes on every node, got {per_node} "
+                                 f"({self.world} ranks on {self.nodes} nodes). Start every node's torchrun with "
+                                 f"the same --nproc-per-node, or use --parallel fsdp")
+                err.job_wide = True  # every rank decided it on the same gathered sizes: rank 0 alone prints it
+                raise err
+            assert self.rank == self.node * self.local_world + self.local_rank, \
+                (self.rank, self.node, self.local_world, self.local_rank)
+            from torch.distributed.device_mesh import init_device_mesh
+
+            self._hsdp_mesh = init_device_mesh(self.device.type, (self.nodes, self.local_world),
+                                               mesh_dim_names=HSDP_DIMS)
+        return self._hsdp_mesh
 
     # ---- reductions (identity when not active) --------------------------------------------
     def _comm_device(self) -> torch.device:
@@ -189,6 +220,24 @@ def env_world() -> tuple[int, int, int]:
     return num("RANK", 0), num("WORLD_SIZE", 1), num("LOCAL_RANK", 0)
 
 
+def env_nodes() -> tuple[int, int, int]:
+    """(node, nodes, local_world) from torchrun's environment (GROUP_RANK, GROUP_WORLD_SIZE,
+    LOCAL_WORLD_SIZE); a launcher without them (or one process) is one node of WORLD_SIZE processes."""
+    _, world, _ = env_world()
+    vals = []
+    for name, default in (("GROUP_RANK", 0), ("GROUP_WORLD_SIZE", 1), ("LOCAL_WORLD_SIZE", world)):
+        raw = os.environ.get(name) or ""
+        try:
+            vals.append(int(raw) if raw else default)
+        except ValueError as e:
+            raise InputError(f"environment variable {name}={raw!r} is not an integer (torchrun sets it)") from e
+    node, nodes, local_world = vals
+    if not (0 <= node < nodes and 1 <= local_world <= world):
+        raise InputError(f"GROUP_RANK={node}, GROUP_WORLD_SIZE={nodes}, LOCAL_WORLD_SIZE={local_world} do not "
+                         f"describe a job of WORLD_SIZE={world}; start the job with torchrun")
+    return node, nodes, local_world
+
+
 def init_from_env(device: str = "cpu") -> DistContext:
     """Join the job torchrun started (idempotent). `device` is the user's --device: "cuda" becomes
     cuda:LOCAL_RANK (one GPU per process, NCCL); "cpu" uses gloo."""
@@ -216,7 +265,9 @@ def init_from_env(device: str = "cpu") -> DistContext:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(dev.type, (world,), mesh_dim_names=("dp",))
-    _CURRENT = DistContext(rank=rank, world=world, local_rank=local_rank, device=dev, mesh=mesh)
+    node, nodes, local_world = env_nodes()
+    _CURRENT = DistContext(rank=rank, world=world, local_rank=local_rank, device=dev, mesh=mesh, node=node,
+                           nodes=nodes, local_world=local_world)
     return _CURRENT
 
 
@@ -361,5 +412,6 @@ def global_batch(batch_size: int, grad_accum: int, world: int) -> int:
     return int(batch_size) * int(grad_accum) * int(world)
 
 
-__all__ = ["DistContext", "DistReduce", "RankSlice", "current", "env_world", "global_batch", "init_from_env",
-           "other_rank", "row_sample_ids", "settle_ranks", "shard_loader", "shutdown", "slice_rows"]
+__all__ = ["HSDP_DIMS", "DistContext", "DistReduce", "RankSlice", "current", "env_nodes", "env_world",
+           "global_batch", "init_from_env", "other_rank", "row_sample_ids", "settle_ranks", "shard_loader", "shutdown",
+           "slice_rows"]

@@ -13,6 +13,16 @@
   was killed" (they report it).
 - The resume command of a distributed run is the launcher's own command line (its options as typed,
   read from /proc), not a single-process one that the changed global batch would refuse.
+- Several nodes (torchrun --nnodes, issue 37): a rank on another host cannot be seen in /proc. A worker
+  whose launcher died records that in the job's store (GONE_KEY/NODE) before it kills itself; a survivor
+  whose collective failed, or whom its own launcher SIGTERMed (a launcher that loses the rendezvous
+  store, hosted by the lost node, stops its workers), names the nodes so recorded. Without such a record
+  (the host down at once) the survivors answer a roll call in the store (`roll_call`: its key set, then
+  up to ROLL_CALL_S for the others') and the ranks that did not answer are lost. The message names the
+  node (host, ranks) when a whole node is gone. The workers' store is served by node 0's launcher
+  (torchrun: MASTER_ADDR/PORT of group rank 0's agent), so a store that cannot be reached means node 0 is
+  gone; a node-0 launcher that ended in order keeps it up until every node is done (torchrun's exit
+  barrier), so this is not mistaken for rank 0's orderly end.
 """
 
 from __future__ import annotations
@@ -35,8 +45,13 @@ EXIT_RANK_LOST = 4
 WATCH_INTERVAL_S = 0.5  # a worker outlives its launcher by at most this (plus the SIGKILL)
 PEER_DEATH_WAIT_S = 3.0  # how long a failed collective waits for the peer's death to show in /proc
 END_KEY = "entrenar/rank0-ended"
+ROLL_KEY = "entrenar/roll-call"  # set by the first survivor of a failed collective that calls the roll
+ALIVE_KEY = "entrenar/alive"  # + /RANK: a live process's answer (from its watcher thread)
+ROLL_CALL_S = 5.0  # how long survivors wait for each other's answers (a node's ranks fail within ~a second)
+GONE_KEY = "entrenar/launcher-gone"  # + /NODE: that node's workers saw their launcher die
+GONE_WAIT_S = 2.0  # a signalled survivor waits this long for a lost node's record (its watcher polls at 0.5 s)
 
-_peers: list[tuple[str, int]] = []  # (host, pid) of every rank, in rank order
+_peers: list[tuple[str, int, int]] = []  # (host, pid, node) of every rank, in rank order
 
 
 class RankLost(EntrenarError):
@@ -48,16 +63,39 @@ class RankLost(EntrenarError):
         self.lost_ranks, self.speaks = sorted(lost), speaks
         self.checkpoint = str(checkpoint) if checkpoint is not None else None
         self.resume_command = resume_command or "the same torchrun command with --resume auto"
+        self.lost_nodes = lost_nodes(self.lost_ranks) or None
+        if self.lost_nodes:  # the JSON line's "details" (cli/main.py)
+            self.details = {"lost_nodes": self.lost_nodes, "hosts": sorted({_peers[r][0] for r in self.lost_ranks})}
         ranks = ", ".join(str(r) for r in self.lost_ranks)
         then = (f"the last complete checkpoint is {self.checkpoint}; continue with: {self.resume_command}"
                 if self.checkpoint else "no checkpoint was written yet, so a rerun starts from step 0")
+        if self.lost_nodes:
+            nodes = len({p[2] for p in _peers})
+            which = "; ".join(f"node {n} (host {_peers[rs[0]][0]}, ranks {', '.join(str(r) for r in rs)})"
+                              for n, rs in ((n, _node_ranks(n)) for n in self.lost_nodes))
+            super().__init__(f"{which} of this {nodes}-node, {len(_peers)}-rank job was lost (its launcher killed, "
+                             f"the host down or unreachable), so the job stopped; {then}")
+            return
         super().__init__(f"rank {ranks} of this {len(_peers) or '?'}-rank job died (killed by the OS, e.g. the "
                          f"out-of-memory killer, or crashed: see its own output and the launcher's summary), so "
                          f"the job stopped; {then}")
 
 
+def _node_ranks(node: int) -> list[int]:
+    return [r for r, p in enumerate(_peers) if p[2] == node]
+
+
+def lost_nodes(lost: list[int]) -> list[int]:
+    """The nodes of a job of several nodes all of whose ranks are in `lost` (empty on one node)."""
+    nodes = sorted({p[2] for p in _peers})
+    if len(nodes) < 2:
+        return []
+    return [n for n in nodes if set(_node_ranks(n)) <= set(lost)]
+
+
 class JobEnded(EntrenarError):
-    """On a rank other than 0: rank 0 ended the job in order and reported it; this rank leaves quietly."""
+    """On a rank other than 0: rank 0 ended the job in order and reported it; this rank leaves quietly (with
+    rank 0's exit code)."""
 
     speaks = False
 
@@ -69,17 +107,22 @@ class JobEnded(EntrenarError):
 def start(ctx: Any) -> None:
     """At join time, on every rank (a collective): record the peers and watch the launcher."""
     global _peers
-    _peers = [tuple(p) for p in ctx.all_gather_object((socket.gethostname(), os.getpid()))]
+    _peers = [tuple(p) for p in ctx.all_gather_object((socket.gethostname(), os.getpid(), ctx.node))]
     launcher = os.getppid()
 
     def watch() -> None:
+        answered = ctx.nodes <= 1  # several nodes: this thread answers a roll call (roll_call)
         while os.getppid() == launcher:
             time.sleep(WATCH_INTERVAL_S)
+            if not answered:
+                answered = _answer_roll_call(ctx.rank)
         try:
             print(f"entrenar: rank {ctx.rank}: the launcher (pid {launcher}) is gone; this worker stops",
                   file=sys.stderr, flush=True)
         except OSError:  # the launcher's terminal or pipe may be gone with it: stop regardless
             pass
+        if ctx.nodes > 1:  # tell the other nodes which node is gone (they cannot see this host's processes)
+            _tell(f"{GONE_KEY}/{ctx.node}", socket.gethostname(), timeout_s=1.0)
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="entrenar-launcher-watch", daemon=True).start()
@@ -103,7 +146,7 @@ def lost_ranks(wait_s: float = 0.0) -> list[int]:
     """Ranks on this host whose process has died (waiting up to `wait_s` for one to show). Ranks on
     other hosts cannot be seen from here and are not listed."""
     host, me = socket.gethostname(), os.getpid()
-    local = [(r, pid) for r, (h, pid) in enumerate(_peers) if h == host and pid != me]
+    local = [(r, pid) for r, (h, pid, _) in enumerate(_peers) if h == host and pid != me]
     deadline = time.monotonic() + wait_s
     while True:
         lost = [r for r, pid in local if _dead(pid)]
@@ -128,12 +171,91 @@ def announce_end(code: int) -> None:
         print(f"note: could not record the job's end for the other ranks ({e})", file=sys.stderr, flush=True)
 
 
+def _tell(key: str, value: str, timeout_s: float) -> None:
+    """Set `key` in the job's store, waiting at most timeout_s (a store whose host is gone may not answer)."""
+    def put() -> None:
+        try:
+            store = _store()
+            if store is not None:
+                store.set(key, value)
+        except RuntimeError as e:  # the store went with node 0's launcher: the others find node 0 gone
+            print(f"note: could not record {key} in the job's store ({e})", file=sys.stderr, flush=True)
+
+    t = threading.Thread(target=put, name="entrenar-tell", daemon=True)
+    t.start()
+    t.join(timeout_s)
+
+
 def _rank0_ended() -> bool:
     try:
         store = _store()
         return store is not None and store.check([END_KEY])
-    except RuntimeError:  # the store is gone with the launcher: this worker is being stopped anyway
+    except RuntimeError:  # the store is gone with a launcher
+        # one node: it was this worker's own launcher, which is stopping it anyway. Several nodes: node 0's
+        # launcher serves the store and keeps it until every node is done, unless node 0 was lost
+        return current().nodes <= 1
+
+
+def _rank0_code() -> int:
+    """The exit code rank 0 recorded (announce_end); this rank's signal's, or 1, where it cannot be read."""
+    fallback = stops.exit_code() if stops.received() is not None else 1
+    try:
+        store = _store()
+        code = store.get(END_KEY).decode() if store is not None else ""
+    except RuntimeError:
+        return fallback
+    return int(code) if code.isdigit() else fallback
+
+
+def nodes_gone(ctx: DistContext, wait_s: float = 0.0) -> list[int] | None:
+    """The other nodes whose workers recorded their launcher's death (GONE_KEY), waiting up to `wait_s` for
+    one; None when the store cannot be reached (its host, node 0's launcher, is gone)."""
+    try:
+        store = _store()
+        assert store is not None
+        deadline = time.monotonic() + wait_s
+        while True:
+            gone = [n for n in range(ctx.nodes) if n != ctx.node and store.check([f"{GONE_KEY}/{n}"])]
+            if gone or time.monotonic() >= deadline:
+                return gone
+            time.sleep(0.1)
+    except RuntimeError:
+        return None
+
+
+def _answer_roll_call(rank: int) -> bool:
+    """In a live process's watcher thread: answer a roll call once one is called (True once answered). The
+    thread answers, not the main one, which may be blocked in a collective with a live peer that waits too
+    (a subgroup of the HSDP mesh): alive and answering, not lost."""
+    try:
+        store = _store()
+        if store is None or not store.check([ROLL_KEY]):
+            return False
+        store.set(f"{ALIVE_KEY}/{rank}", "1")
         return True
+    except RuntimeError:  # the store is gone with node 0's launcher: nothing to answer
+        return False
+
+
+def roll_call(ctx: DistContext, wait_s: float = ROLL_CALL_S) -> list[int] | None:
+    """After a failed collective of a job of several nodes: the ranks that are gone. Calls the roll (every
+    live process's watcher thread answers within WATCH_INTERVAL_S) and answers it, then waits up to
+    `wait_s` for every other rank's answer or its process's death on this host (`lost_ranks`). None when
+    the store cannot be reached: its host, node 0's launcher, is gone."""
+    try:
+        store = _store()
+        assert store is not None
+        store.set(ROLL_KEY, "1")
+        store.set(f"{ALIVE_KEY}/{ctx.rank}", "1")
+        deadline = time.monotonic() + wait_s
+        while True:
+            answered = {r for r in range(ctx.world) if store.check([f"{ALIVE_KEY}/{r}"])}
+            dead = set(lost_ranks(0.0))
+            if len(answered | dead) == ctx.world or time.monotonic() >= deadline:
+                return sorted(set(range(ctx.world)) - answered)
+            time.sleep(0.1)
+    except RuntimeError:  # the TCPStore's host is unreachable (a connection error or a timeout)
+        return None
 
 
 def join_job(device: str = "cpu") -> DistContext:
@@ -155,12 +277,33 @@ def judge_failure(e: BaseException, checkpoint: Path | None, resume_command: str
         return e
     stops.reporting()  # torchrun SIGTERMs the survivors of a lost rank: let this report finish
     if ctx.rank != 0 and _rank0_ended():
-        return JobEnded(stops.exit_code() if stops.received() is not None else 1)
-    lost = lost_ranks(0.0 if isinstance(e, KeyboardInterrupt) else PEER_DEATH_WAIT_S)
+        return JobEnded(_rank0_code())
+    if ctx.nodes > 1:
+        lost = _lost_across_nodes(ctx, signalled=isinstance(e, KeyboardInterrupt))
+    else:
+        lost = lost_ranks(0.0 if isinstance(e, KeyboardInterrupt) else PEER_DEATH_WAIT_S)
     if not lost:
         return e
     alive = [r for r in range(ctx.world) if r not in lost]
     return RankLost(lost, checkpoint, resume_command, speaks=bool(alive) and ctx.rank == min(alive))
+
+
+def _lost_across_nodes(ctx: DistContext, signalled: bool) -> list[int]:
+    """The lost ranks of a job of several nodes: the nodes whose launcher death was recorded; else, after a
+    failed collective, those that miss the roll call (after a signal: none, the other nodes may be fine and
+    still inside a collective); all of node 0 when the store it serves cannot be reached."""
+    gone = nodes_gone(ctx, GONE_WAIT_S if signalled else 0.0)
+    if gone is None:
+        lost = _node_ranks(0)
+    elif gone:
+        lost = [r for n in gone for r in _node_ranks(n)]
+    elif signalled:
+        lost = []
+    else:
+        missing = roll_call(ctx)
+        lost = _node_ranks(0) if missing is None else missing
+    # not joined with this host's dead processes: a survivor that already reported and exited is not lost
+    return sorted(lost)
 
 
 def launcher_words() -> list[str]:
@@ -186,4 +329,4 @@ def launcher_words() -> list[str]:
 
 
 __all__ = ["EXIT_RANK_LOST", "JobEnded", "RankLost", "announce_end", "join_job", "judge_failure", "launcher_words",
-           "lost_ranks", "start"]
+           "lost_nodes", "lost_ranks", "nodes_gone", "roll_call", "start"]

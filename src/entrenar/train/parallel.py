@@ -1,12 +1,20 @@
 """The parallel strategy part of the Trainer: data parallelism applied from outside the model, in one
-place (`apply_parallel`, the parallelize function): one process, DDP or FSDP2.
+place (`apply_parallel`, the parallelize function): one process, DDP, FSDP2 or HSDP.
 
 `apply_parallel` takes the built `CausalLM` (its precision already prepared, LoRA already applied) and
 returns a `Strategy`: `.module` is the model (its config, parameter names, saving), `.forward_module` is
 what the trainer calls, `.reduce` the job's reductions; `sync_context`, `clip_grad_norm`,
 `weights_max_abs` and `final_model` are what differ between the three (`Strategy` for one process,
-`DDPStrategy`, `FSDPStrategy`). The mesh is torchrun's named 1-D ("dp") DeviceMesh (train/distributed.py); a second
-dimension (tensor or context parallel) would be applied here too, after the data-parallel one is chosen.
+`DDPStrategy`, `FSDPStrategy`, `HSDPStrategy`). The mesh is torchrun's named 1-D ("dp") DeviceMesh
+(train/distributed.py), or for HSDP the 2-D (dp_replicate x dp_shard = nodes x processes per node) one; a
+further dimension (tensor or context parallel) would be applied here too, after the data-parallel one is chosen.
+
+- HSDP (several nodes, `torchrun --nnodes`): `fully_shard` over the 2-D mesh, the same units and
+  MixedPrecisionPolicy as FSDP2: parameters, gradients and AdamW state are sharded over the GPUs of a
+  node (NVLink) and replicated across nodes, so only one gradient all-reduce (of a node's shard) per
+  step crosses the slower network, where FSDP2 over every rank would all-gather the weights across
+  it twice per step. The gradient norm sums the squared shards over the shard dimension only (a
+  replica holds the same numbers: summing over nodes would count them once per node).
 
 - FSDP2 (`fully_shard`): the decoder blocks in units of consecutive blocks of about
   FSDP_UNIT_PARAMS parameters together (`fsdp_units`: one block per unit once a block is that big,
@@ -61,30 +69,32 @@ DDP_BYTES_PER_PARAM = 20
 
 
 def resolve_parallel(mode: str, adapters: bool, trainable_params: int | None = None,
-                     device_memory: int | None = None) -> str:
+                     device_memory: int | None = None, nodes: int = 1) -> str:
     """auto: DDP for LoRA/QLoRA (see the module docstring) and for full training of a model whose
     unsharded training state fits DDP_STATE_FRACTION of one card (`device_memory` bytes; None, e.g.
-    on the CPU: not known, so FSDP); FSDP2 otherwise: sharded master weights and AdamW state are what
-    lets a 7B model train at all."""
+    on the CPU: not known, so sharded); otherwise sharded: sharded master weights and AdamW state are
+    what lets a 7B model train at all, FSDP2 on one node, HSDP over `nodes` > 1 (shards inside a node,
+    one gradient all-reduce across nodes). hsdp on one node is FSDP2 (one replica)."""
     if mode not in PARALLEL_MODES:
         raise InputError(f"--parallel {mode!r} not in {'|'.join(PARALLEL_MODES)}")
+    sharded = "hsdp" if nodes > 1 else "fsdp"
     if mode == "auto":
         if adapters:
             return "ddp"
         fits = (trainable_params is not None and device_memory is not None
                 and trainable_params * DDP_BYTES_PER_PARAM <= DDP_STATE_FRACTION * device_memory)
-        return "ddp" if fits else "fsdp"
-    if mode == "fsdp" and adapters:
-        raise InputError("--parallel fsdp with --mode lora/qlora: the frozen (NF4) base cannot be sharded "
-                         "by fully_shard here; use --parallel ddp (or auto)")
-    return mode
+        return "ddp" if fits else sharded
+    if mode in ("fsdp", "hsdp") and adapters:
+        raise InputError(f"--parallel {mode} with --mode lora/qlora: the frozen (NF4) base cannot be sharded "
+                         f"by fully_shard here; use --parallel ddp (or auto)")
+    return "fsdp" if mode == "hsdp" and nodes <= 1 else mode
 
 
-def parallel_for(model: torch.nn.Module, device: torch.device, mode: str, adapters: bool) -> str:
-    """resolve_parallel with this model's trainable parameters and the card's memory."""
+def parallel_for(model: torch.nn.Module, device: torch.device, mode: str, adapters: bool, nodes: int = 1) -> str:
+    """resolve_parallel with this model's trainable parameters, the card's memory and the job's nodes."""
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     memory = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
-    return resolve_parallel(mode, adapters, trainable, memory)
+    return resolve_parallel(mode, adapters, trainable, memory, nodes)
 
 
 # Parameters per FSDP unit of decoder blocks. Big enough that FSDP2's per-group host work is paid a
@@ -112,21 +122,24 @@ def fsdp_units(blocks: Iterable[torch.nn.Module], unit_params: int | None = None
 
 
 def apply_fsdp(model: torch.nn.Module, ctx: DistContext, precision: Precision,
-               unit_params: int | None = None, grad_reduce: str = "fp32") -> torch.nn.Module:
+               unit_params: int | None = None, grad_reduce: str = "fp32", mesh: Any = None) -> torch.nn.Module:
     """fully_shard the decoder blocks in units (`fsdp_units`), the untied embedding, then the root
-    (in place), with the precision's MixedPrecisionPolicy (gradients reduced in `grad_reduce`)."""
+    (in place), with the precision's MixedPrecisionPolicy (gradients reduced in `grad_reduce`), over
+    `mesh`: ctx's 1-D mesh (FSDP2) by default, a 2-D (replicate, shard) one for HSDP."""
     from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    mesh = ctx.mesh if mesh is None else mesh
 
     mp = precision.fsdp_policy(reduce_bf16=grad_reduce == "bf16")
     units = fsdp_units(model.model.layers, unit_params)
     for i, unit in enumerate(units):
         # the last unit's weights are needed again first thing in the backward: keep them gathered
-        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=ctx.mesh, mp_policy=mp,
+        fully_shard(unit[0] if len(unit) == 1 else unit, mesh=mesh, mp_policy=mp,
                     reshard_after_forward=i < len(units) - 1)
     if getattr(model, "lm_head", None) is not None:
-        fully_shard(model.model.embed_tokens, mesh=ctx.mesh, mp_policy=mp)
+        fully_shard(model.model.embed_tokens, mesh=mesh, mp_policy=mp)
     # the root's parameters are needed again right at the start of the backward: keep them gathered
-    fully_shard(model, mesh=ctx.mesh, mp_policy=mp, reshard_after_forward=False)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     for m in model.modules():
         if isinstance(m, FSDPModule):
             m.set_gradient_divide_factor(1.0)
@@ -255,6 +268,13 @@ class FSDPStrategy(Strategy):
         return consolidated_copy(self.module, full) if self.ctx.is_main else None
 
 
+class HSDPStrategy(FSDPStrategy):
+    """FSDP2 over the 2-D mesh (apply_fsdp with ctx.hsdp_mesh()): sharded inside a node, replicated across
+    nodes; FSDP reduce-scatters inside the node and all-reduces the shard across nodes (both SUM)."""
+
+    kind = "hsdp"
+
+
 def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto", precision: Precision | None = None,
                    adapters: bool = False, grad_accum: int = 1, grad_reduce: str = "fp32") -> Strategy:
     """The one place parallelism is applied: wrap `model` for data parallelism over ctx's mesh (nothing in
@@ -264,7 +284,11 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
     assert grad_reduce in GRAD_REDUCE_DTYPES, grad_reduce
     if not ctx.active:
         return Strategy(model, ctx)
-    if parallel_for(model, ctx.device, mode, adapters) == "fsdp":
+    kind = parallel_for(model, ctx.device, mode, adapters, ctx.nodes)
+    if kind == "hsdp":
+        return HSDPStrategy(apply_fsdp(model, ctx, precision or Precision(), grad_reduce=grad_reduce,
+                                       mesh=ctx.hsdp_mesh()), ctx)
+    if kind == "fsdp":
         return FSDPStrategy(apply_fsdp(model, ctx, precision or Precision(), grad_reduce=grad_reduce), ctx)
     return DDPStrategy(model, ctx, apply_ddp(model, ctx, static_graph=grad_accum == 1, grad_reduce=grad_reduce))
 
@@ -272,7 +296,8 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
 def clip_grad_norm_tensor(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
     """Clip by the global L2 norm; the norm as a device scalar (no host sync). Under FSDP the
     gradients are DTensor shards: the squared norms of the local shards are summed with ONE
-    all-reduce over the mesh and the local shards are scaled in place. torch's clip_grad_norm_ on
+    all-reduce over the mesh dimension they are sharded on (HSDP: the shard dimension only; the
+    replicas across nodes hold the same numbers) and the local shards are scaled in place. torch's clip_grad_norm_ on
     DTensors gets the same numbers, but through DTensor dispatch of every foreach op (~10 ms of host
     time per step for llama-370m, in a step that is host-bound under FSDP)."""
     from torch.distributed.tensor import DTensor
@@ -286,7 +311,9 @@ def clip_grad_norm_tensor(params: Iterable[torch.nn.Parameter], max_norm: float)
     for g in grads:
         if isinstance(g, DTensor) and any(isinstance(pl, Shard) for pl in g.placements):
             sharded.append(g.to_local())  # a view: scaling it scales the gradient
-            group = g.device_mesh.get_group()
+            dims = [i for i, pl in enumerate(g.placements) if isinstance(pl, Shard)]
+            assert len(dims) == 1, g.placements  # FSDP/HSDP shard a parameter over one mesh dimension
+            group = g.device_mesh.get_group(dims[0])
         else:  # a replicated DTensor or a plain tensor: every rank holds all of it, count it once
             whole.append(g.to_local() if isinstance(g, DTensor) else g)
     local = sharded + whole
@@ -321,6 +348,6 @@ def consolidated_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
     return plain.eval()
 
 
-__all__ = ["DDP_OPTIONS", "FSDP_UNIT_PARAMS", "PARALLEL_MODES", "DDPStrategy", "FSDPStrategy", 
+__all__ = ["DDP_OPTIONS", "FSDP_UNIT_PARAMS", "PARALLEL_MODES", "DDPStrategy", "FSDPStrategy", "HSDPStrategy",
            "Strategy", "apply_ddp", "apply_fsdp", "apply_parallel", "clip_grad_norm_tensor", "consolidated_copy",
            "fsdp_units", "parallel_for", "resolve_parallel"]

@@ -10,6 +10,12 @@ never blocks `--resume auto`. The file's text (pid, host, start time, command) i
 refusal message only: the lock is the flock, never the file's existence, and the file is never deleted
 (unlinking a locked file would let a third process lock a new one beside it).
 Read-only commands (eval, generate, export, verify, qa, plot) take no lock.
+
+Several nodes (torchrun --nnodes, issue 37): rank 0 alone takes the lock, so it holds across nodes only
+when every node sees the same directory (a shared file system mounted at the same path). `check_shared`
+proves it at the start: rank 0 writes a random nonce into RUN/.nodes-check, and the first process of
+every node reads it back; a node that does not see it stops the job with exit 2 naming the node, before
+a step is trained (else node 1 would resume from a checkpoint it cannot read, or not at all).
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import secrets
 import shlex
 import socket
 import sys
@@ -29,6 +36,7 @@ from typing import Any
 from ..errors import InputError
 
 LOCK_FILE = ".lock"
+SHARED_CHECK = ".nodes-check"  # rank 0's nonce, read back by every node (check_shared); removed after
 
 
 class RunLock:
@@ -121,17 +129,59 @@ def check_free(run_dir: Path) -> None:
         os.close(fd)
 
 
+def _write_nonce(run_dir: Path) -> str:
+    nonce = secrets.token_hex(16)
+    with open(run_dir / SHARED_CHECK, "w") as f:
+        f.write(nonce)
+        f.flush()
+        os.fsync(f.fileno())  # on the server before any node looks (NFS: close-to-open)
+    return nonce
+
+
+def _read_nonce(run_dir: Path) -> str:
+    try:
+        return (run_dir / SHARED_CHECK).read_text()
+    except OSError as e:
+        return f"<{e.strerror}>"
+
+
+def check_shared(run_dir: Path, ctx: Any) -> None:
+    """Under torchrun with several nodes (`ctx`: the job's DistContext): every node sees the file rank 0
+    wrote in run_dir, else InputError on every rank naming the nodes that do not (a collective; nothing
+    in one node). The file is removed again by rank 0."""
+    if not ctx.active or ctx.nodes <= 1:
+        return
+    run_dir = Path(run_dir)
+    nonce = ctx.run_on_main(lambda: _write_nonce(run_dir))  # every rank gets it after rank 0 wrote it
+    seen = _read_nonce(run_dir) if ctx.local_rank == 0 else nonce  # one reader per node
+    views = ctx.all_gather_object((ctx.node, socket.gethostname(), seen == nonce, os.path.abspath(run_dir)))
+    ctx.run_on_main(lambda: (run_dir / SHARED_CHECK).unlink(missing_ok=True))
+    blind = sorted({(node, host, path) for node, host, same, path in views if not same})
+    if blind:
+        names = "; ".join(f"node {node} (host {host}, --out resolved to {path})" for node, host, path in blind)
+        err = InputError(f"--out {run_dir} is not the same directory on every node: {names} does not see the file "
+                         f"rank 0 (node 0, host {views[0][1]}) wrote in {views[0][3]}. A run of several nodes "
+                         f"writes its run directory from rank 0 and every node reads its checkpoints on resume: "
+                         f"put --out on a file system every node mounts at the same path (NFS, Lustre, ...) and "
+                         f"give it as an absolute path")
+        err.job_wide = True  # every rank raises it: rank 0 alone prints it (cli/main.py)
+        raise err
+
+
 @contextmanager
-def holding(run_dir: Path, run_on_main: Callable[[Callable[[], None]], None]) -> Iterator[None]:
+def holding(run_dir: Path, run_on_main: Callable[[Callable[[], None]], None], ctx: Any = None) -> Iterator[None]:
     """The lock of run_dir for the duration of the block, taken by rank 0 (`run_on_main`: every rank
-    waits for it and a refusal stops every rank with exit 2)."""
+    waits for it and a refusal stops every rank with exit 2); with `ctx` (the job's DistContext) of
+    several nodes, every node is shown to see the same directory first (`check_shared`)."""
     held: list[RunLock] = []
     run_on_main(lambda: held.append(acquire(run_dir)))
     try:
+        if ctx is not None:
+            check_shared(run_dir, ctx)
         yield
     finally:
         for lock in held:
             lock.release()
 
 
-__all__ = ["LOCK_FILE", "RunLock", "acquire", "check_free", "holding"]
+__all__ = ["LOCK_FILE", "SHARED_CHECK", "RunLock", "acquire", "check_free", "check_shared", "holding"]
