@@ -16,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -382,46 +383,39 @@ def cmd_pretrain(args: Any) -> dict[str, Any]:
                 save_final=_hf_saver(tokenizer), task_eval=_task_evaluator(cfg, tokenizer))
 
 
-def _hf_saver(tokenizer: Any):
+def _final_saver(write: Callable[[torch.nn.Module, Path], None]) -> Callable[[torch.nn.Module, Path], None]:
+    """final/ written by `write(model, tmp)` into a hidden sibling, its manifest last (read-only commands verify
+    final/ against it), then swapped in. A failed write (a full disk) is exit 2 naming the path (write_errors) and
+    leaves no half final.tmp behind; an earlier final/ stays."""
     def save(model: torch.nn.Module, final: Path) -> None:
+        tmp = final.with_name(final.name + ".tmp")
         with write_errors(final, final.parent / "checkpoints"):
             try:
-                _save(model, final)
-            except BaseException:  # a failed write leaves no half final.tmp behind (an earlier final/ stays)
-                shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
+                shutil.rmtree(tmp, ignore_errors=True)
+                write(model, tmp)
+                write_manifest(tmp)
+                shutil.rmtree(final, ignore_errors=True)
+                os.replace(tmp, final)
+            except BaseException:
+                shutil.rmtree(tmp, ignore_errors=True)
                 raise
+    return save
 
-    def _save(model: torch.nn.Module, final: Path) -> None:
+
+def _hf_saver(tokenizer: Any) -> Callable[[torch.nn.Module, Path], None]:
+    def write(model: torch.nn.Module, tmp: Path) -> None:
         from ..formats import save_hf_dir
 
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         save_hf_dir(model, tmp, tokenizer)
-        write_manifest(tmp)  # last: read-only commands verify final/ against it
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    return save
+    return _final_saver(write)
 
 
-def _adapter_saver(tokenizer: Any, base_spec: str):
-    def save(model: torch.nn.Module, final: Path) -> None:
-        with write_errors(final, final.parent / "checkpoints"):
-            try:
-                _save(model, final)
-            except BaseException:  # a failed write leaves no half final.tmp behind (an earlier final/ stays)
-                shutil.rmtree(final.with_name(final.name + ".tmp"), ignore_errors=True)
-                raise
-
-    def _save(model: torch.nn.Module, final: Path) -> None:
+def _adapter_saver(tokenizer: Any, base_spec: str) -> Callable[[torch.nn.Module, Path], None]:
+    def write(model: torch.nn.Module, tmp: Path) -> None:
         from .model_files import write_checkpoint_files
 
-        tmp = final.with_name(final.name + ".tmp")
-        shutil.rmtree(tmp, ignore_errors=True)
         write_checkpoint_files(model, tmp, tokenizer, base_spec)  # adapter + generation_config + tokenizer
-        write_manifest(tmp)  # last: read-only commands verify final/ against it
-        shutil.rmtree(final, ignore_errors=True)
-        os.replace(tmp, final)
-    return save
+    return _final_saver(write)
 
 
 def _resume_command() -> str | None:
