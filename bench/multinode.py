@@ -142,7 +142,7 @@ def table(rows: list[dict[str, Any]]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", type=Path, required=True, help="multinode.json, multinode.md, logs/ (launchers' "
                     "output, each run's profile.json)")
     ap.add_argument("--work", type=Path, default=None, help="scratch: shards, run directories (OUT/work)")

@@ -140,10 +140,10 @@ def humaneval_recipe(a: argparse.Namespace) -> dict[str, Any]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     sub = p.add_subparsers(dest="what", required=True)
     for name in ("toolcall", "humaneval"):
-        q = sub.add_parser(name)
+        q = sub.add_parser(name, allow_abbrev=False)
         q.add_argument("--model", required=True)
         q.add_argument("--work", required=True)
         q.add_argument("--device", default="cuda")

@@ -34,7 +34,7 @@ def entrenar_json(*argv: str) -> dict:
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--base", required=True)
     ap.add_argument("--adapter", required=True)
     ap.add_argument("--work", required=True)

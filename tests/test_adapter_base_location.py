@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from entrenar.fileio import MANIFEST, write_manifest
 from entrenar.formats import save_hf_dir
 from tests.helpers.cli import run_cli
 
@@ -77,6 +78,7 @@ def test_a_run_moved_together_with_its_base_finds_it_by_fingerprint(trained, tmp
     for name in ("entrenar_adapter.json", "adapter_config.json"):
         p = moved / "lora" / "final" / name
         p.write_text(p.read_text().replace(str(trained), "/nonexistent/work"))
+    write_manifest(moved / "lora" / "final")  # as written there: its sha256 record matches
     assert json.loads(note_path.read_text())["base_model"].startswith("/nonexistent/work")
     code, _, err = run_cli(_generate(str(moved / "lora")), capsys)
     assert code == 0, err[-3000:]
@@ -89,6 +91,7 @@ def test_a_base_found_relative_to_the_run_with_other_weights_is_refused(trained,
     for name in ("entrenar_adapter.json", "adapter_config.json"):
         p = moved / "lora" / "final" / name
         p.write_text(p.read_text().replace(str(trained), "/nonexistent/work"))
+    write_manifest(moved / "lora" / "final")
     from entrenar.formats import load_model
 
     other = load_model(moved / "base")
@@ -110,6 +113,7 @@ def test_a_gone_base_is_exit_2_naming_the_recorded_base_and_the_remedy(trained, 
     for name in ("entrenar_adapter.json", "adapter_config.json"):
         p = run / "final" / name
         p.write_text(p.read_text().replace(str(trained), "/nonexistent/work"))
+    write_manifest(run / "final")
     argv = {"generate": _generate(str(run)),
             "eval": ["eval", "--model", str(run), "--data", str(trained / "sft.jsonl"), "--json"],
             "export": ["export", "gguf", str(run), str(tmp_path / "o.gguf"), "--json"]}[command]
@@ -139,6 +143,7 @@ def test_a_run_recorded_with_a_relative_base_before_this_fix_is_found_from_anoth
         d[key] = "runs/base"
         d.pop("base_model_relative", None)
         p.write_text(json.dumps(d))
+    (work / "runs" / "lora" / "final" / MANIFEST).unlink()  # adapters of before this fix had no sha256 record
     monkeypatch.chdir(tmp_path)  # runs/base does not exist from here
     code, _, err = run_cli(_generate(str(work / "runs" / "lora")), capsys)
     assert code == 0, err[-3000:]

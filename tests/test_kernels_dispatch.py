@@ -34,6 +34,7 @@ def test_cli_resolves_auto_before_the_command_runs(monkeypatch):
     from entrenar import devices
 
     monkeypatch.setattr(devices, "resolve_device", lambda name: name)  # this host may have no CUDA
+    monkeypatch.setattr(devices, "resolve_device_reason", lambda name: (name, f"--device {name} as given"))
     cli_main.main([])
     assert seen["kernels"] == "triton"
 

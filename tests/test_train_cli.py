@@ -82,7 +82,9 @@ def test_out_not_empty_without_resume_is_refused(tmp_path, byte_model_dir, byte_
     out.mkdir()
     (out / "something").write_text("x")
     code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out), capsys)
-    assert code == 2 and "--resume auto" in err
+    # issue 38 item 4: --resume auto is advised only for a run directory of ours; this folder is none
+    assert code == 2 and "not a run directory" in err and "--resume auto" not in err
+    assert (out / "something").read_text() == "x"
 
 
 # ---- a full CLI run, SIGKILL, resume -----------------------------------------------------------------

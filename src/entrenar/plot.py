@@ -49,7 +49,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
     out = out or run_dir / "curves.png"
     if out.exists():  # a previous plot is replaced, never another file given as --out (issue 28 item 1)
         check_replaceable_file(out, "a PNG image", lambda head: head.startswith(PNG_MAGIC))
-    check_creatable(out, "--out")  # under /proc or read-only: exit 2 naming it, not an OSError (issue 38 item 8)
+    check_creatable(out.parent if out.is_file() else out, "--out")  # a file replaced: its folder  # under /proc or read-only: exit 2 naming it, not an OSError (issue 38 item 8)
     panels = [
         ("loss", [("train loss", *_series(metrics, "loss")), ("eval loss", *_series(evals, "loss"))], False),
         ("learning rate", [("lr", *_series(metrics, "lr"))], False),

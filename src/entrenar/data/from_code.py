@@ -216,7 +216,7 @@ def sft_from_code(dirs: list[str], out: str | Path, system_prompt: str | None = 
         raise InputError(f"--out {out}: already exists; choose another --out, or pass --overwrite to replace it")
     if out.exists():  # --overwrite replaces a JSONL file, never a source file or a model (issue 28 item 1)
         check_replaceable_file(out, "a JSONL file (a previous output)", looks_like_jsonl)
-    check_creatable(out, "--out")  # under /proc or read-only: exit 2 before the walk (issue 38 item 8)
+    check_creatable(out.parent if out.is_file() else out, "--out")  # a file replaced: its folder  # under /proc or read-only: exit 2 before the walk (issue 38 item 8)
     out.parent.mkdir(parents=True, exist_ok=True)
     stats = {"files": 0, "files_unparsable": 0, "unparsable": [], "functions": 0,
              "functions_with_docstring": 0, "stubs_skipped": 0, "short_skipped": 0,
