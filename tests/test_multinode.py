@@ -33,6 +33,7 @@ from entrenar.fileio import read_jsonl
 from tests import test_distributed as td
 from tests.helpers.cli import ROOT, child_env, free_port, run_cli_process
 from tests.test_distributed import close, finetune_args, losses, weights, worst_rel
+from tests.test_distributed_stops import children
 
 sft_data, base_model = td.sft_data, td.base_model
 STEPS = 6
@@ -220,18 +221,6 @@ def test_a_run_directory_not_shared_by_every_node_is_exit_2(tmp_path, args):
     assert len(record) == 1 and record[0]["exit_code"] == 2
     ran = [d / "run" for d in cwds if (d / "run").exists()]
     assert len(ran) == 1 and not (ran[0] / "metrics.jsonl").exists() and not (ran[0] / ".nodes-check").exists()
-
-
-def children(pid: int) -> list[int]:
-    found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except (OSError, IndexError):
-            continue  # gone meanwhile
-        if int(fields[1]) == pid:
-            found.append(int(stat.parent.name))
-    return found
 
 
 @pytest.mark.parametrize("how", ["launcher", "host", "node0"])
