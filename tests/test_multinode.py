@@ -416,3 +416,26 @@ def test_the_gpu_measurements_pieces(tmp_path):
     assert mn.nccl_transports([log, tmp_path / "absent.err"]) == {"P2P/CUMEM/read": 1, "SHM/direct/direct": 2}
     md = mn.table([{"model": "qwen2.5-0.5b", "layout": "hsdp-2x2", "exit": [0, 0], **row}])
     assert "| qwen2.5-0.5b | hsdp-2x2 | [0, 0] | 1,000 | 4.0 | 2.0 | 1.25 |" in md
+
+
+def test_a_survivor_signalled_before_its_own_roll_call_reads_the_finished_one(monkeypatch):
+    """The race of the 'host' loss: on the surviving node, rank 1's collective fails first, its roll call finds
+    node 1's ranks missing and it exits 4; its launcher then SIGTERMs rank 0, whose own collective has not failed
+    yet. Rank 0 must read rank 1's verdict from the store (exit 4, node 1 named), not report a plain stop (143)."""
+    import torch.distributed as dist
+
+    from entrenar.train import jobwatch
+    from entrenar.train.distributed import DistContext
+
+    store = dist.HashStore()
+    monkeypatch.setattr(jobwatch, "_store", lambda: store)
+    monkeypatch.setattr(jobwatch, "_peers", [("a", 10, 0), ("a", 11, 0), ("b", 12, 1), ("b", 13, 1)])
+    monkeypatch.setattr(jobwatch, "ROLL_CALL_S", 0.3)
+    monkeypatch.setattr(jobwatch, "lost_ranks", lambda wait_s=0.0: [])  # host b's pids cannot be seen from host a
+    rank0, rank1 = (DistContext(rank=r, world=4, node=0, nodes=2, local_world=2) for r in (0, 1))
+    assert jobwatch._lost_across_nodes(rank0, signalled=True) == []  # no verdict yet: a plain stop
+    store.set(f"{jobwatch.ALIVE_KEY}/0", "1")  # rank 0's watcher thread answers the roll call
+    assert jobwatch.roll_call(rank1, wait_s=0.3) == [2, 3]
+    assert jobwatch._lost_across_nodes(rank0, signalled=True) == [2, 3]
+    lost = jobwatch.RankLost([2, 3], None, None, speaks=True)
+    assert lost.exit_code == 4 and lost.details == {"lost_nodes": [1], "hosts": ["b"]}

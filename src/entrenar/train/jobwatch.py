@@ -50,6 +50,7 @@ ALIVE_KEY = "entrenar/alive"  # + /RANK: a live process's answer (from its watch
 ROLL_CALL_S = 5.0  # how long survivors wait for each other's answers (a node's ranks fail within ~a second)
 GONE_KEY = "entrenar/launcher-gone"  # + /NODE: that node's workers saw their launcher die
 GONE_WAIT_S = 2.0  # a signalled survivor waits this long for a lost node's record (its watcher polls at 0.5 s)
+LOST_KEY = "entrenar/lost"  # the ranks a finished roll call found missing (read by a survivor SIGTERMed meanwhile)
 
 _peers: list[tuple[str, int, int]] = []  # (host, pid, node) of every rank, in rank order
 
@@ -208,14 +209,19 @@ def _rank0_code() -> int:
 
 
 def nodes_gone(ctx: DistContext, wait_s: float = 0.0) -> list[int] | None:
-    """The other nodes whose workers recorded their launcher's death (GONE_KEY), waiting up to `wait_s` for
-    one; None when the store cannot be reached (its host, node 0's launcher, is gone)."""
+    """The other nodes found gone, waiting up to `wait_s` for one: those whose workers recorded their launcher's
+    death (GONE_KEY), or all of whose ranks a finished roll call found missing (LOST_KEY: another survivor's
+    verdict; its exit makes the launcher SIGTERM this one, possibly before this one's own collective failed).
+    None when the store cannot be reached (its host, node 0's launcher, is gone)."""
     try:
         store = _store()
         assert store is not None
         deadline = time.monotonic() + wait_s
         while True:
             gone = [n for n in range(ctx.nodes) if n != ctx.node and store.check([f"{GONE_KEY}/{n}"])]
+            if not gone and store.check([LOST_KEY]):
+                missing = {int(r) for r in store.get(LOST_KEY).decode().split(",")}
+                gone = [n for n in range(ctx.nodes) if n != ctx.node and set(_node_ranks(n)) <= missing]
             if gone or time.monotonic() >= deadline:
                 return gone
             time.sleep(0.1)
@@ -252,7 +258,10 @@ def roll_call(ctx: DistContext, wait_s: float = ROLL_CALL_S) -> list[int] | None
             answered = {r for r in range(ctx.world) if store.check([f"{ALIVE_KEY}/{r}"])}
             dead = set(lost_ranks(0.0))
             if len(answered | dead) == ctx.world or time.monotonic() >= deadline:
-                return sorted(set(range(ctx.world)) - answered)
+                missing = sorted(set(range(ctx.world)) - answered)
+                if missing:  # the verdict, for a survivor whose launcher SIGTERMs it before its own roll call ends
+                    store.set(LOST_KEY, ",".join(map(str, missing)))
+                return missing
             time.sleep(0.1)
     except RuntimeError:  # the TCPStore's host is unreachable (a connection error or a timeout)
         return None
