@@ -3,6 +3,9 @@
 #   bash bench/issue35_gpu.sh piece NAME          copy .carry/NAME/p* that travelled with this call to /tmp/carry
 #   bash bench/issue35_gpu.sh toolcall NAME ARGS  join NAME's pieces, then bench.task_proof toolcall ARGS on it
 #   bash bench/issue35_gpu.sh humaneval NAME ARGS likewise, bench.task_proof humaneval
+#   bash bench/issue35_gpu.sh bg TAG WHAT NAME ARGS  the step WHAT detached, from a copy of this tree in /tmp (it outlives
+#                                                 the call while the machine stays warm); its results go to /tmp/out-TAG
+#   bash bench/issue35_gpu.sh collect             copy every /tmp/out-*/ (the detached steps' results) to $OUT
 # Results go to $OUT as TAG-summary.json, TAG-results.tgz (per-problem files, logs) and TAG-adapter.tgz (TAG: env, default
 # the step's name), so several steps fit in one call.
 set -euo pipefail
@@ -11,14 +14,24 @@ export PYTHONPATH=src:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DIS
 if [ "$what" = piece ]; then
   mkdir -p /tmp/carry/$name && cp .carry/$name/p* /tmp/carry/$name/ && ls -la /tmp/carry/$name; exit 0
 fi
+if [ "$what" = collect ]; then
+  for d in /tmp/out-*/; do [ -d "$d" ] && cp "$d"* "$OUT/" 2>/dev/null; done; ls -la "$OUT"; tail -n 3 /tmp/bg-*.log; exit 0
+fi
+if [ "$what" = bg ]; then  # NAME here is the tag; the step and its model follow
+  tag=$name; rm -rf /tmp/repo-$tag && mkdir -p /tmp/repo-$tag /tmp/out-$tag && cp -r . /tmp/repo-$tag/
+  cd /tmp/repo-$tag && OUT=/tmp/out-$tag TAG=$tag setsid nohup bash bench/issue35_gpu.sh "$@" >/tmp/bg-$tag.log 2>&1 </dev/null &
+  sleep 5; cat /tmp/bg-$tag.log; exit 0
+fi
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site.$$ .whl/*.whl
+  mv -T /tmp/site.$$ /tmp/site 2>/dev/null || rm -rf /tmp/site.$$  # atomic: a detached step may be doing the same
 fi
 export PYTHONPATH=$PYTHONPATH:/tmp/site
 model=/tmp/$name
 if [ ! -f "$model" ]; then
-  cat /tmp/carry/$name/p* > "$model"
-  [ "$(sha256sum "$model" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
+  cat /tmp/carry/$name/p* > "$model.$$"
+  [ "$(sha256sum "$model.$$" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
+  mv "$model.$$" "$model"
 fi
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 tag=${TAG:-$what}

@@ -65,7 +65,9 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
     template = ["--chat-template", a.chat_template] if a.chat_template else []
     limit = ["--limit", str(a.limit)] if a.limit else []
     cats = a.categories
-    res: dict[str, Any] = {"model": a.model, "mode": a.mode, "lr": a.lr, "steps": a.steps, "rank": a.rank}
+    res: dict[str, Any] = {"model": a.model, "mode": a.mode, "lr": a.lr, "steps": a.steps, "rank": a.rank,
+                           "keep_best": a.keep_best, "irrelevance_rows": a.irrelevance_rows,
+                           "irrelevance_copies": a.irrelevance_copies}
     rows = work / "rows.jsonl"
     res["rows"] = cli("data", "sft-from-bfcl", "--out", str(rows), "--irrelevance", "--overwrite")
     # every call row, and the first --irrelevance-rows rows answered without a call (live_irrelevance has 880:
@@ -98,7 +100,7 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
                           *lora, "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch_size),
                           "--max-seq-len", str(a.max_seq_len), "--max-skip-fraction", "0.5", *template,
                           "--eval-task", a.in_loop_task, "--eval-task-limit", str(a.in_loop_limit),
-                          "--eval-task-every", str(a.in_loop_every), "--keep-best", "task", "--eval-batches", "10",
+                          "--eval-task-every", str(a.in_loop_every), "--keep-best", a.keep_best, "--eval-batches", "10",
                           "--device", a.device, "--seed", "0",
                           log=work / "finetune.log")
     if not res["finetune"].get("ok"):
@@ -165,6 +167,8 @@ def main() -> None:
     t.add_argument("--in-loop-limit", type=int, default=100)
     t.add_argument("--irrelevance-rows", type=int, default=300)
     t.add_argument("--irrelevance-copies", type=int, default=1, help="each kept no-call row this many times")
+    t.add_argument("--keep-best", default="task", choices=("last", "task"),
+                   help="last: the final step's weights, so no scored question picks the checkpoint")
     h = sub.choices["humaneval"]
     h.add_argument("--recipe", default="bad")
     h.add_argument("--modules", type=int, default=len(STDLIB_MODULES), help="the first N of STDLIB_MODULES")
