@@ -7,6 +7,7 @@ applies to the current tree, plus the runner's own behaviour on a toy project.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import importlib.util
 import io
@@ -215,3 +216,25 @@ def test_scratch_copy_is_what_the_tests_import(tmp_path):
     mutated copy: PYTHONPATH comes first. Checked with the interpreter the runner uses."""
     python = str(ROOT / ".venv" / "bin" / "python")
     assert mutants.check_isolation(python if Path(python).exists() else sys.executable, tmp_path) == ""
+
+
+def test_budget_runs_touched_invariants_first_and_leaves_the_rest_not_run(tmp_path):
+    """CI's `--budget`: an invariant whose contract, tests or mutated file changed goes first; the others follow
+    in an order rotated by the commit; once the budget is spent no mutant starts, and those not run neither pass
+    nor fail the gate (the table leaves them out, the closing line counts them)."""
+    root = _toy(tmp_path, TOY_CONTRACTS)
+    invariants = mutants.load_contracts(root / "contracts")[0]
+    by_id = {i.id: i for i in invariants}
+    assert mutants.touched(by_id["TOY-MISSED"], {"src/toy/__init__.py"})
+    assert not mutants.touched(by_id["TOY-MISSED"], {"src/other.py"})
+    fake = dataclasses.replace(by_id["TOY-MISSED"], id="TOY-SYM", source="contracts/x.yaml", tests=["tests/t.py::a"],
+                               edits=[mutants.Edit(symbol="entrenar.train.loop:Trainer.step", find="a", replace="b")])
+    assert mutants.touched(fake, {"src/entrenar/train/loop.py"}) and mutants.touched(fake, {"tests/t.py"})
+    order = [i.id for i in mutants.budget_order(invariants, "HEAD")]  # nothing changed since HEAD: rotation only
+    assert sorted(order) == sorted(by_id)
+    args = argparse.Namespace(markers="", baseline=False, budget=-1.0, jobs=1)  # spent before the first mutant
+    results = mutants._run_all(invariants, sys.executable, tmp_path, args, root)
+    assert {r.status for r in results} == {mutants.NOT_RUN}
+    out = io.StringIO()
+    mutants.print_table(results, out=out)
+    assert "TOY" not in out.getvalue()  # not-run rows are no verdict: not listed as NOT CAUGHT

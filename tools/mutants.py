@@ -26,6 +26,13 @@ names one place; its find occurs once in it), the mutated file still parses and 
     tools/mutants.py --id KERNEL-ROPE-PAIRING --id LOAD-BF16-BIT-EXACT
     tools/mutants.py --lint
     tools/mutants.py --list
+    tools/mutants.py --fast --budget 480 --jobs 2   # what `make test` runs: see below
+
+``--budget SECONDS`` bounds the wall time (CI's): mutants are started in priority order until the budget is
+spent and the rest are reported ``not-run`` (they neither pass nor fail the gate). Priority: first the
+invariants whose contract file, named tests or mutated source changed in the commits since ``--changed-since``
+(default HEAD~10), then the others in an order rotated by the HEAD commit, so successive commits check
+different ones and every invariant is checked over a few CI runs; ``make mutants`` runs them all.
 """
 
 from __future__ import annotations
@@ -62,6 +69,7 @@ DEFAULT_TIMEOUT = 600.0
 OK = "caught"
 FLAKY = "caught-on-retry"  # passes the gate, printed at the end of the table for a fix
 PASSING = (OK, FLAKY)
+NOT_RUN = "not-run"  # --budget spent before this mutant's turn: no verdict either way
 
 
 @dataclass
@@ -477,6 +485,7 @@ def _run_operators(args, python: str, parent: Path) -> int:
 
 
 def print_table(results: list[Result], out=sys.stdout) -> None:
+    results = [r for r in results if r.status != NOT_RUN]  # counted in main's closing line
     w = max([len(r.id) for r in results] + [2])
     print(f"{'id':<{w}}  {'result':<14}  {'cost':<4}  {'seconds':>7}  {'cpu s':>6}  caught by / detail", file=out)
     for r in results:
@@ -521,6 +530,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", action="store_true",
                    help="first run the named tests unmutated; report baseline-fails if they fail")
     p.add_argument("--timeout", type=float, help="seconds per mutant (default: each invariant's timeout, 600)")
+    p.add_argument("--budget", type=float,
+                   help="wall seconds for the whole run: no mutant starts after it (the rest: not-run)")
+    p.add_argument("--changed-since", default="HEAD~10",
+                   help="with --budget: invariants touched since this git revision run first (default HEAD~10)")
     p.add_argument("--operators", action="store_true",
                    help="general operator mutants over tools/mutation_targets.yaml instead of the contracts")
     p.add_argument("--target", action="append", default=[], help="with --operators: only this target (repeatable)")
@@ -564,6 +577,8 @@ def main(argv: list[str] | None = None) -> int:
         # one snapshot of the working tree for the whole run (others edit it meanwhile); each mutant's
         # scratch copy is made from it
         cpu0, wall0 = _children_cpu(), time.monotonic()
+        if args.budget:
+            chosen = budget_order(chosen, args.changed_since)
         results = _run_all(chosen, python, parent, args, make_scratch(parent))
         # the run's total CPU (exact whatever --jobs; per-mutant cpu_seconds overlap when jobs > 1)
         totals = {"cpu_seconds": round(_children_cpu() - cpu0, 1), "wall_seconds": round(time.monotonic() - wall0, 1),
@@ -577,12 +592,48 @@ def main(argv: list[str] | None = None) -> int:
         print_table(results)
         print(f"run: {totals['wall_seconds']:.0f} s wall, {totals['cpu_seconds']:.0f} CPU s of tests, "
               f"--jobs {totals['jobs']}")
-    return 0 if all(r.status in PASSING for r in results) else 1
+        skipped = sum(r.status == NOT_RUN for r in results)
+        if skipped:
+            print(f"--budget {args.budget:.0f} s: {len(results) - skipped} of {len(results)} mutants run, {skipped} "
+                  f"not run this time (a later commit rotates them in; `make mutants` runs every one)")
+    return 0 if all(r.status in PASSING or r.status == NOT_RUN for r in results) else 1
+
+
+def _git(*argv: str) -> str:
+    proc = subprocess.run(["git", *argv], cwd=ROOT, capture_output=True, text=True, check=False)
+    return proc.stdout if proc.returncode == 0 else ""
+
+
+def touched(inv: Invariant, changed: set[str]) -> bool:
+    """Whether a changed path is the invariant's contract file, one of its test files or a file it mutates
+    (a symbol's module hint, entrenar.a.b -> src/entrenar/a/b.py)."""
+    paths = {inv.source, *(t.split("::")[0] for t in inv.tests)}
+    for e in inv.edits:
+        if e.file:
+            paths.add(e.file)
+        if ":" in e.symbol:
+            paths.add("src/" + e.symbol.split(":")[0].replace(".", "/") + ".py")
+    return bool(paths & changed)
+
+
+def budget_order(chosen: list[Invariant], since: str) -> list[Invariant]:
+    """The order a --budget run starts mutants in: those touched since `since` first, then the rest rotated by
+    the HEAD commit (sha256 of commit + id), so each commit's CI checks a different share."""
+    import hashlib
+
+    changed = set(_git("diff", "--name-only", since, "HEAD").split())
+    head = _git("rev-parse", "HEAD").strip() or time.strftime("%Y-%m-%d")
+    def key(inv: Invariant) -> tuple[bool, str]:
+        return (not touched(inv, changed), hashlib.sha256(f"{head}:{inv.id}".encode()).hexdigest())
+    return sorted(chosen, key=key)
 
 
 def _run_all(chosen: list[Invariant], python: str, parent: Path, args, snapshot: Path) -> list[Result]:
     markers = args.markers or ""
+    deadline = time.monotonic() + args.budget if getattr(args, "budget", None) else None
     def one(inv: Invariant) -> Result:
+        if deadline is not None and time.monotonic() >= deadline:
+            return Result(inv.id, NOT_RUN, 0.0, inv.cost, detail="--budget spent")
         r = run_one(inv, python, parent, args.baseline, root=snapshot, markers=markers)
         print(f"  {r.id}: {r.status} ({r.seconds:.1f} s)", file=sys.stderr, flush=True)  # progress
         return r
