@@ -432,10 +432,34 @@ def test_a_survivor_signalled_before_its_own_roll_call_reads_the_finished_one(mo
     monkeypatch.setattr(jobwatch, "_peers", [("a", 10, 0), ("a", 11, 0), ("b", 12, 1), ("b", 13, 1)])
     monkeypatch.setattr(jobwatch, "ROLL_CALL_S", 0.3)
     monkeypatch.setattr(jobwatch, "lost_ranks", lambda wait_s=0.0: [])  # host b's pids cannot be seen from host a
+    monkeypatch.setattr(jobwatch, "GONE_WAIT_S", 0.1)
     rank0, rank1 = (DistContext(rank=r, world=4, node=0, nodes=2, local_world=2) for r in (0, 1))
-    assert jobwatch._lost_across_nodes(rank0, signalled=True) == []  # no verdict yet: a plain stop
     store.set(f"{jobwatch.ALIVE_KEY}/0", "1")  # rank 0's watcher thread answers the roll call
     assert jobwatch.roll_call(rank1, wait_s=0.3) == [2, 3]
+    monkeypatch.setattr(jobwatch, "roll_call", lambda ctx, wait_s=0: pytest.fail("the verdict is there to read"))
     assert jobwatch._lost_across_nodes(rank0, signalled=True) == [2, 3]
     lost = jobwatch.RankLost([2, 3], None, None, speaks=True)
     assert lost.exit_code == 4 and lost.details == {"lost_nodes": [1], "hosts": ["b"]}
+
+
+def test_a_signalled_survivor_without_any_record_calls_the_roll(monkeypatch):
+    """The launcher SIGTERMs its workers as soon as its rendezvous loses the other node, before any collective
+    failed and before any record exists: the signalled survivor calls the roll itself (the lost node's ranks do
+    not answer: exit 4 naming them); a whole job stopped by the user answers it (every watcher thread alive):
+    nothing lost, a plain stop."""
+    import torch.distributed as dist
+
+    from entrenar.train import jobwatch
+    from entrenar.train.distributed import DistContext
+
+    monkeypatch.setattr(jobwatch, "_peers", [("a", 10, 0), ("a", 11, 0), ("b", 12, 1), ("b", 13, 1)])
+    monkeypatch.setattr(jobwatch, "ROLL_CALL_S", 0.3)
+    monkeypatch.setattr(jobwatch, "GONE_WAIT_S", 0.1)
+    monkeypatch.setattr(jobwatch, "lost_ranks", lambda wait_s=0.0: [])
+    rank0 = DistContext(rank=0, world=4, node=0, nodes=2, local_world=2)
+    for alive, lost in (([1], [2, 3]), ([1, 2, 3], [])):
+        store = dist.HashStore()
+        monkeypatch.setattr(jobwatch, "_store", lambda store=store: store)
+        for r in alive:  # the live processes' watcher threads answer
+            store.set(f"{jobwatch.ALIVE_KEY}/{r}", "1")
+        assert jobwatch._lost_across_nodes(rank0, signalled=True) == lost

@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .. import stops
 from ..config import PRESETS, preset
 from ..errors import GuardError, InputError
 from ..fileio import describe_path, write_manifest
@@ -456,6 +457,8 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
             return _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
                                save_final, trainers, objective, task_eval)
     except BaseException as e:  # under torchrun a dead peer is named (exit 4), not "Connection reset by peer"
+        if current().active:  # from here a stop signal (the launcher's SIGTERM to survivors) is only recorded
+            stops.reporting()
         judged = judge_failure(e, getattr(e, "last_checkpoint", trainers[0].last_saved if trainers else None),
                                _resume_command())
         if judged is e:

@@ -284,7 +284,8 @@ def judge_failure(e: BaseException, checkpoint: Path | None, resume_command: str
     ctx = current()
     if not ctx.active or isinstance(e, EntrenarError):
         return e
-    stops.reporting()  # torchrun SIGTERMs the survivors of a lost rank: let this report finish
+    stops.reporting()  # torchrun SIGTERMs the survivors of a lost rank: let this report finish (the caller's
+    # except block called it first too: a signal landing while the failure unwinds must not replace the verdict)
     if ctx.rank != 0 and _rank0_ended():
         return JobEnded(_rank0_code())
     if ctx.nodes > 1:
@@ -298,16 +299,16 @@ def judge_failure(e: BaseException, checkpoint: Path | None, resume_command: str
 
 
 def _lost_across_nodes(ctx: DistContext, signalled: bool) -> list[int]:
-    """The lost ranks of a job of several nodes: the nodes whose launcher death was recorded; else, after a
-    failed collective, those that miss the roll call (after a signal: none, the other nodes may be fine and
-    still inside a collective); all of node 0 when the store it serves cannot be reached."""
+    """The lost ranks of a job of several nodes: the nodes whose launcher death (or a finished roll call's
+    verdict) was recorded; else those that miss a roll call, also after a signal: a launcher SIGTERMs its workers
+    when the rendezvous loses a node, possibly before any collective failed (the CI race of issue 37), while a
+    job stopped as a whole (Ctrl-C, scancel) answers the roll call, every process's watcher thread being alive
+    until rank 0 has ended it; all of node 0 when the store it serves cannot be reached."""
     gone = nodes_gone(ctx, GONE_WAIT_S if signalled else 0.0)
     if gone is None:
         lost = _node_ranks(0)
     elif gone:
         lost = [r for n in gone for r in _node_ranks(n)]
-    elif signalled:
-        lost = []
     else:
         missing = roll_call(ctx)
         lost = _node_ranks(0) if missing is None else missing
