@@ -98,12 +98,18 @@ def test_a_preference_row_read_as_sft_names_its_kind(tmp_path):
 
 @pytest.mark.parametrize("command", ["finetune", "eval"])
 def test_finetune_and_eval_name_a_preference_file(tmp_path, tiny_chat_model, command, capsys):
+    """finetune --objective sft on a preference file; eval on an SFT file with a preference row (a file of pairs
+    is evaluated as pairs since issue 38 item 11: tests/test_eval_preference.py)."""
     data = _pairs(tmp_path / "pairs.jsonl")
+    line = 1
+    if command == "eval":
+        data.write_text(json.dumps({"prompt": "Say one.", "completion": "one!"}) + "\n" + data.read_text())
+        line = 2
     argv = ([command, "--model", str(tiny_chat_model), "--data", str(data), "--json"]
             + (["--out", str(tmp_path / "run"), "--steps", "1"] if command == "finetune" else []))
     code, result, err = main(argv, capsys)
     assert code == 2, err
-    assert f"{data}:1: this is a preference row" in result["error"]
+    assert f"{data}:{line}: this is a preference row" in result["error"]
 
 
 # ---- --chat-template FILE errors name the file -------------------------------------------------------

@@ -15,6 +15,7 @@ from typing import Any
 from ..devices import resolve_dtype
 from ..errors import InputError
 from ..outpaths import check_creatable, check_replaceable_file, looks_like_jsonl
+from ..train.objective import DEFAULT_BETA
 
 TASKS = ("loss", "humaneval", "bfcl")  # bfcl also as bfcl:CATEGORY,... (task_spec)
 PROMPT_FORMATS = ("auto", "chat", "completion")
@@ -27,6 +28,8 @@ TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_ne
 # with --task bfcl, where they would be silently ignored
 NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed", "resume")
 FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
+# flag -> its default: eval on preference pairs only (--data PAIRS.jsonl, --task loss); refused anywhere else
+PAIRS_ONLY = {"ref_model": None, "beta": None}
 
 
 def task_spec(value: str) -> str:
@@ -53,6 +56,12 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
                         "tool calls on the Berkeley Function Calling Leaderboard's single-turn categories "
                         "(bfcl-eval package; default simple_python,multiple,parallel,parallel_multiple,"
                         "irrelevance), scored by BFCL's AST rules")
+    g = p.add_argument_group("preference pairs (--data PAIRS.jsonl of prompt/chosen/rejected rows, --task loss)")
+    g.add_argument("--ref-model", default=None, metavar="MODEL",
+                   help="the reference of the rewards beta * (logp_policy - logp_ref) (default: for an adapter, its "
+                        "base without the adapter; for a full fine-tune's run, the model it started from)")
+    g.add_argument("--beta", type=float, default=None,
+                   help=f"the rewards' beta (the run's for a preference run, else {DEFAULT_BETA})")
     g = p.add_argument_group("--task humaneval")
     g.add_argument("--samples", type=int, default=1, help="completions per problem, the n of pass@k (1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (0); > 0 needed for --samples > 1")
@@ -80,7 +89,12 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
 
 def check_task_flags(args: argparse.Namespace) -> None:
     """A task flag that the task would not use is refused (exit 2): any with --task loss, humaneval's
-    sampling/sandbox/format flags and --data with --task bfcl."""
+    sampling/sandbox/format flags and --data with --task bfcl; the preference-pair flags with any task but loss."""
+    if args.task != "loss":
+        for name, default in PAIRS_ONLY.items():
+            if getattr(args, name, default) != default:
+                raise InputError(f"--{name.replace('_', '-')} applies to eval on preference pairs (--data "
+                                 f"PAIRS.jsonl, --task loss), not --task {args.task}")
     if args.task.partition(":")[0] == "bfcl":
         for name in NOT_BFCL:
             if getattr(args, name, TASK_ONLY[name]) != TASK_ONLY[name]:
@@ -259,4 +273,53 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
             print(f"{name:<24} {c['correct']:>7} {c['total']:>6} {c['accuracy']:>9.4f}")
         print(f"{'all':<24} {summary['passed_problems']:>7} {summary['problems']:>6} {summary['accuracy']:>9.4f}"
               f"   ({summary['seconds']:.0f} s" + (f"; per-question results in {args.out})" if args.out else ")"))
+    return result
+
+
+# ---- preference pairs (--task loss on prompt/chosen/rejected rows) -----------------------------------------
+def check_pair_flags(args: argparse.Namespace, data: Path, what: str) -> None:
+    """--ref-model / --beta on data that is not preference pairs (`what` says what it is) is refused (exit 2)."""
+    for name, default in PAIRS_ONLY.items():
+        if getattr(args, name, default) != default:
+            raise InputError(f"--{name.replace('_', '-')} applies to preference pairs (--data FILE.jsonl of "
+                             f"prompt/chosen/rejected rows); {data} holds {what}")
+
+
+def cmd_pair_eval(args: argparse.Namespace, data: Path, max_skip_fraction: float | None, dtype: str
+                  ) -> dict[str, Any]:
+    """`eval --data PAIRS.jsonl`: the DPO implicit rewards of MODEL against its reference (train/preference_eval.py)."""
+    from ..data.preference import PreferenceLoader, load_preference
+    from ..peft.load import load_any_model
+    from ..tokenizer import use_chat_template_file
+    from ..train.loop import evaluate
+    from ..train.preference_eval import attach_reference, objective_for_eval, pair_metrics, plan_reference
+
+    ref = plan_reference(args.model, args.adapter, args.ref_model)  # no reference: exit 2 before a model loads
+    objective, beta_from = objective_for_eval(ref, args.beta)
+    model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
+                                      getattr(args, "force_base", False))
+    if tok is None:
+        raise InputError(f"{args.model}: no tokenizer found, needed to encode {data}")
+    use_chat_template_file(tok, args.chat_template)
+    examples, report = load_preference(data, tok, args.max_seq_len, truncation=args.truncation,
+                                       max_skip_fraction=max_skip_fraction)
+    attach_reference(ref, objective, model, tok, args.device, args.kernels)
+    pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id
+    loader = PreferenceLoader(examples, args.batch_size, pad_id=pad_id, max_seq_len=args.max_seq_len)
+    t0 = time.perf_counter()
+    ev = pair_metrics(evaluate(model, loader.iter_epoch(), args.device, dtype, args.eval_batches, objective=objective))
+    dt = time.perf_counter() - t0
+    result = {"model": str(path), "data": str(data), "kind": "preference", **ev, "pairs_in_data": report.kept,
+              "objective": objective.name, "beta": objective.beta, "beta_from": beta_from,
+              "reference": ref.to_dict(), "seconds": dt, "dtype": dtype}
+    if not args.json:
+        some = f" of {report.kept} (--max-batches {args.eval_batches})" if ev["pairs"] < report.kept else ""
+        said = {"run": "the run's", "--beta": "--beta", "default": "default"}[beta_from]
+        print(f"eval {path} on {data}: {ev['pairs']} pairs{some} against {ref.describe()}\n"
+              f"  reward accuracy {ev['reward_accuracy']:.3f} (ties {ev['reward_ties']:.3f}, not counted as wins), "
+              f"margin {ev['reward_margin']:.4f} (chosen {ev['reward_chosen']:.4f}, rejected "
+              f"{ev['reward_rejected']:.4f}), beta {objective.beta:g} ({said})\n"
+              f"  logps chosen {ev['logps_chosen']:.3f}, rejected {ev['logps_rejected']:.3f}; reference "
+              f"{ev['ref_logps_chosen']:.3f}, {ev['ref_logps_rejected']:.3f}\n"
+              f"  {objective.name} loss {ev['loss']:.4f} ({ev['batches']} batches, {dt:.1f}s)")
     return result

@@ -19,8 +19,9 @@ from .registry import add_command
 
 def register(sub: argparse._SubParsersAction) -> None:
     p = add_command(sub, "inspect", cmd_inspect,
-                    "config plus one row per tensor: name shape stored-dtype mean std min max")
-    p.add_argument("model", help="packaged name, .gguf file, HF directory or run directory")
+                    "config plus one row per tensor: name shape stored-dtype mean std min max; of a LoRA/QLoRA "
+                    "adapter: base, rank, alpha, targets, parameters, update norms, chat template, manifest")
+    p.add_argument("model", help="packaged name, .gguf file, HF directory, run directory or LoRA adapter directory")
     p = add_command(sub, "convert", cmd_convert, "any readable model -> HF directory")
     p.add_argument("model", help="packaged name, .gguf file, HF directory or run directory")
     p.add_argument("out_dir", help="HF directory to create (must not exist)")
@@ -44,7 +45,11 @@ def tensor_rows(state: dict[str, torch.Tensor], info: dict[str, Any]) -> list[di
 
 def cmd_inspect(args: argparse.Namespace) -> dict:
     from ..formats import load_state
+    from ..formats.registry import is_adapter_dir, resolve_model
 
+    path = resolve_model(args.model)  # a recorded sha256 that does not match: exit 2 naming the file
+    if is_adapter_dir(path):
+        return _inspect_adapter(path, args)
     cfg, state, info = load_state(args.model)
     rows = tensor_rows(state, info)
     config = dataclasses.asdict(cfg)
@@ -62,6 +67,51 @@ def cmd_inspect(args: argparse.Namespace) -> dict:
                   f"{r['min']:>11.4g} {r['max']:>11.4g}")
     return {"model": str(info["path"]), "format": info["format"], "config": config,
             "num_parameters": cfg.num_parameters(), "tensors": rows}
+
+
+def _inspect_adapter(path: Path, args: argparse.Namespace) -> dict:
+    """`inspect` of a LoRA/QLoRA adapter directory (peft/describe.py): what it adapts, how much, onto what."""
+    from ..peft.describe import describe_adapter
+
+    d = describe_adapter(path, shown_as=args.model)
+    if not args.json:
+        base = d["base_model"]
+        where = ("found" if base["found"] == base["recorded"] else f"found at {base['found']}") if base["found"] \
+            else f"NOT FOUND here: {base['note']}"
+        kind = "QLoRA adapter (trained against the NF4 base)" if d["qlora"] else "LoRA adapter"
+        share = (f" ({d['trainable_percent']:.3f}% of the base's {d['base_parameters']:,}"
+                 + (f", from {d['base_parameters_from']}" if d["base_parameters_from"] != "base" else "") + ")"
+                 if d["base_parameters"] else " (the base's size is unknown: base not found)")
+        chat = d["chat_template"]
+        if chat is None:
+            chat_line = "none carried (no tokenizer files: commands use the base's)"
+        elif not chat["present"]:
+            chat_line = "its tokenizer files carry none"
+        else:
+            same = {True: ", the base's", False: ", not the base's", None: ""}[chat["same_as_base"]]
+            chat_line = (f"{chat['file']}, {chat['chars']} characters, sha256 {chat['sha256'][:12]}..{same}"
+                         + (", renders tools" if chat["supports_tools"] else ""))
+        m = d["manifest"]
+        manifest = (f"{m['file']}: {m['files']} files verified"
+                    + (f"; not recorded: {', '.join(m['unrecorded'])}" if m["unrecorded"] else "")
+                    if m["status"] == "verified" else m["note"])
+        print(f"# {d['adapter']} ({kind}, PEFT format)")
+        for label, value in (("base model", f"{base['recorded']} ({where})"), ("rank", d["rank"]),
+                             ("alpha", f"{d['alpha']:g} (scaling {d['scaling_rule']} = {d['scaling']:g})"),
+                             ("target modules", ", ".join(d["target_modules"]) if isinstance(d["target_modules"], list)
+                              else f"{d['target_modules']!r} (a regex)"), ("dropout", f"{d['dropout']:g}"),
+                             ("trainable parameters", f"{d['trainable_parameters']:,}{share}"),
+                             ("chat template", chat_line), ("manifest", manifest)):
+            print(f"{label:>22}: {value}")
+        print(f"{'target':<12} {'modules':>7} {'mean ||B@A||*s':>15} {'max':>11} {'zero B':>7}")
+        for target, t in d["update_norms"].items():
+            print(f"{target:<12} {t['modules']:>7} {t['mean']:>15.4g} {t['max']:>11.4g} {t['zero_b']:>7}")
+        if d["untrained"]:
+            print("untrained: every lora_B is zero, so the adapter does not change its base (a run saved before "
+                  "its first step, or an adapter that never trained)")
+        elif d["zero_b_modules"]:
+            print(f"note: {d['zero_b_modules']} of {d['modules']} adapted modules have an all-zero lora_B (no update)")
+    return d
 
 
 def _has_tokenizer(spec: str) -> bool:

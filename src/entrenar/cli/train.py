@@ -19,7 +19,7 @@ from ..peft.load import load_any_model
 from ..train.commands import cmd_finetune, cmd_pretrain
 from ..train.config import DataConfig, LoRAConfig, TrainConfig, _cli, _field_default, flag_of, from_args
 from ..train.loop import evaluate
-from .evaluate import add_task_options, check_task_flags, cmd_task_eval
+from .evaluate import add_task_options, check_pair_flags, check_task_flags, cmd_pair_eval, cmd_task_eval
 from .registry import add_command
 
 
@@ -91,6 +91,11 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     if data.is_dir() and args.chat_template is not None:
         raise InputError(f"--chat-template renders chats: {data} holds token shards (no chats); drop it, or give "
                          f"an SFT .jsonl")
+    from ..data.preference import is_preference_file
+
+    if data.is_file() and is_preference_file(data):  # prompt/chosen/rejected rows: rewards against a reference
+        return cmd_pair_eval(args, data, dcfg.max_skip_fraction, ecfg.dtype)
+    check_pair_flags(args, data, "token shards" if data.is_dir() else "SFT rows")
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
     if data.is_dir():
@@ -156,7 +161,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     for name, func, help_text in (
             ("pretrain", cmd_pretrain, "pretrain (or continue pretraining) on token shards"),
             ("finetune", cmd_finetune, "supervised fine-tuning on chat JSONL (full | lora | qlora)"),
-            ("eval", cmd_eval, "loss and perplexity of MODEL|RUN on data, or pass@k of generated code")):
+            ("eval", cmd_eval, "loss and perplexity of MODEL|RUN on data, reward accuracy on pairs, or pass@k of code")):
         p = add_command(sub, name, func, help_text)
         for cls in (TrainConfig, LoRAConfig, DataConfig):
             add_options(p, cls, name)

@@ -166,13 +166,16 @@ class PreferenceLoss:
     lm_key, lm_name = "nll/chosen", "train NLL per token of the chosen responses"
     perplexity = False  # exp of a pair loss is no perplexity (issue 38 item 10: "ppl 5.2e21" was logged)
 
-    def __init__(self, name: str = "dpo", beta: float = DEFAULT_BETA, reference: str = "adapters-off"):
+    def __init__(self, name: str = "dpo", beta: float = DEFAULT_BETA, reference: str = "adapters-off",
+                 details: bool = False):
+        """`details` (`eval` on pairs): the metrics also sum the reference's log-probs (ref_logps/chosen,
+        ref_logps/rejected) and the pairs whose two rewards are equal (rewards/ties: no win for accuracy)."""
         if name not in PREFERENCE_LOSSES:
             raise InputError(f"--objective {name!r} is not a preference objective ({', '.join(PREFERENCE_LOSSES)})")
         if not (isinstance(beta, (int, float)) and math.isfinite(beta) and beta > 0):
             raise InputError(f"--beta must be a finite number > 0, got {beta}")
         assert reference in REFERENCES, reference
-        self.name, self.beta, self.reference = name, float(beta), reference
+        self.name, self.beta, self.reference, self.details = name, float(beta), reference, details
         self.diverged = (guards.PREFERENCE_DIVERGED_CAUSE,
                          guards.PREFERENCE_DIVERGED_REMEDY.format(beta=self.beta, default=DEFAULT_BETA))
         self.loss_type = PREFERENCE_LOSSES[name]
@@ -191,6 +194,12 @@ class PreferenceLoss:
         if not lora_modules(model):
             raise InputError("a preference objective with the adapters-off reference needs a LoRA/QLoRA model "
                              "(--mode lora|qlora); --mode full uses a frozen copy")
+
+    def use_reference(self, reference: torch.nn.Module) -> None:
+        """A reference model given rather than copied from the policy (`eval --ref-model`, a full fine-tune's
+        starting model read from its run): frozen, used as bind's frozen copy is."""
+        self.reference = "frozen-copy"
+        self.reference_model = reference.requires_grad_(False).eval()
 
     def reference_logps(self, model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         from ..peft import adapters_disabled
@@ -238,6 +247,10 @@ class PreferenceLoss:
                        "logps/chosen": torch.where(valid, logps[:B], zero).sum(),
                        "logps/rejected": torch.where(valid, logps[B:], zero).sum(),
                        CHOSEN_TOKENS: torch.where(valid, lengths[:B], torch.zeros_like(lengths[:B])).sum().float()}
+            if self.details:
+                metrics.update({"ref_logps/chosen": torch.where(valid, ref[:B], zero).sum(),
+                                "ref_logps/rejected": torch.where(valid, ref[B:], zero).sum(),
+                                "rewards/ties": (valid & (reward_c == reward_r)).sum().float()})
         return torch.where(valid, losses, zero).sum(), int(valid_cpu.sum()), metrics
 
     def count(self, batch: dict) -> int:
