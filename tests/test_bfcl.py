@@ -43,6 +43,7 @@ from entrenar.evaluate.bfcl import (
     score,
     summarize_bfcl,
 )
+from entrenar.evaluate.harness import Completion
 from tests.helpers.cli import run_cli as main
 from tests.helpers.models import tiny_causal_lm, tiny_config
 from tests.helpers.tokenizers import tiny_tokenizer
@@ -316,20 +317,21 @@ def test_records_and_summary_per_category():
     by_ids = {tuple(bfcl_prompt_ids(q, tok)): answers[q.task_id] for q in qs}
     seen = []
 
-    def complete(batch, sample):
+    def complete(batch, sample):  # "Let me think." stopped at the token limit (issue 38 item 11)
         seen.append(len(batch))
-        return [by_ids[tuple(ids)] for ids in batch]
+        return [Completion(by_ids[tuple(ids)], by_ids[tuple(ids)] == "Let me think.") for ids in batch]
 
     records = bfcl_records(qs, tok, complete, batch_size=3)
     assert seen == [3, 1] and [r["task_id"] for r in records] == [q.task_id for q in qs]
     assert [r["passed"] for r in records] == [True, False, True, True]
+    assert [r["truncated"] for r in records] == [False, True, False, False]
     assert records[0]["calls"] == ground_truth_calls(qs[0]) and records[1]["error"]
     assert {"task_id", "category", "passed", "status", "error", "completion", "calls", "prompt_tokens",
             "generate_seconds"} <= set(records[0])
     s = summarize_bfcl(records)
-    assert s["problems"] == 4 and s["passed_problems"] == 3 and s["accuracy"] == 0.75
-    assert s["categories"] == {"simple_python": {"correct": 1, "total": 2, "accuracy": 0.5},
-                               "irrelevance": {"correct": 2, "total": 2, "accuracy": 1.0}}
+    assert s["problems"] == 4 and s["passed_problems"] == 3 and s["accuracy"] == 0.75 and s["truncated"] == 1
+    assert s["categories"] == {"simple_python": {"correct": 1, "total": 2, "accuracy": 0.5, "truncated": 1},
+                               "irrelevance": {"correct": 2, "total": 2, "accuracy": 1.0, "truncated": 0}}
 
 
 def test_prompt_renders_tools_and_refuses_a_template_without_them():
@@ -366,12 +368,16 @@ def test_cli_bfcl_summary_per_category(tiny_dir, tmp_path, capsys):
     assert js["passed_problems"] == sum(c["correct"] for c in js["categories"].values())
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["task_id"] for x in lines] == ["simple_python_0", "simple_python_1", "irrelevance_0", "irrelevance_1"]
+    # 3 tokens of a random model end no answer: each is cut by --max-new-tokens, counted and noted
+    assert all(x["truncated"] is True for x in lines) and js["truncated"] == 4
+    assert js["categories"]["irrelevance"]["truncated"] == 2
+    assert "note: 4 of 4 completions stopped at --max-new-tokens 3" in err and "a larger --max-new-tokens" in err
     run = main(["eval", "--task", "bfcl:simple", "--limit", "1", "--model", str(tiny_dir),
                 "--chat-template", str(TEMPLATE), "--max-new-tokens", "2"], capsys)
     assert run[0] == 0, run[2]
     table = run.out.splitlines()
-    assert table[0].split() == ["category", "correct", "total", "accuracy"]
-    assert table[1].split() == ["simple_python", "0", "1", "0.0000"] and table[2].startswith("all ")
+    assert table[0].split() == ["category", "correct", "total", "accuracy", "truncated"]
+    assert table[1].split() == ["simple_python", "0", "1", "0.0000", "1"] and table[2].startswith("all ")
 
 
 @pytest.mark.parametrize("extra, expect", [
