@@ -43,6 +43,7 @@ from entrenar.evaluate.bfcl import (
     score,
     summarize_bfcl,
 )
+from entrenar.evaluate.harness import Completion
 from tests.helpers.cli import run_cli as main
 from tests.helpers.models import tiny_causal_lm, tiny_config
 from tests.helpers.tokenizers import tiny_tokenizer
@@ -316,20 +317,21 @@ def test_records_and_summary_per_category():
     by_ids = {tuple(bfcl_prompt_ids(q, tok)): answers[q.task_id] for q in qs}
     seen = []
 
-    def complete(batch, sample):
+    def complete(batch, sample):  # "Let me think." stopped at the token limit (issue 38 item 11)
         seen.append(len(batch))
-        return [by_ids[tuple(ids)] for ids in batch]
+        return [Completion(by_ids[tuple(ids)], by_ids[tuple(ids)] == "Let me think.") for ids in batch]
 
     records = bfcl_records(qs, tok, complete, batch_size=3)
     assert seen == [3, 1] and [r["task_id"] for r in records] == [q.task_id for q in qs]
     assert [r["passed"] for r in records] == [True, False, True, True]
+    assert [r["truncated"] for r in records] == [False, True, False, False]
     assert records[0]["calls"] == ground_truth_calls(qs[0]) and records[1]["error"]
     assert {"task_id", "category", "passed", "status", "error", "completion", "calls", "prompt_tokens",
             "generate_seconds"} <= set(records[0])
     s = summarize_bfcl(records)
-    assert s["problems"] == 4 and s["passed_problems"] == 3 and s["accuracy"] == 0.75
-    assert s["categories"] == {"simple_python": {"correct": 1, "total": 2, "accuracy": 0.5},
-                               "irrelevance": {"correct": 2, "total": 2, "accuracy": 1.0}}
+    assert s["problems"] == 4 and s["passed_problems"] == 3 and s["accuracy"] == 0.75 and s["truncated"] == 1
+    assert s["categories"] == {"simple_python": {"correct": 1, "total": 2, "accuracy": 0.5, "truncated": 1},
+                               "irrelevance": {"correct": 2, "total": 2, "accuracy": 1.0, "truncated": 0}}
 
 
 def test_prompt_renders_tools_and_refuses_a_template_without_them():
@@ -366,12 +368,16 @@ def test_cli_bfcl_summary_per_category(tiny_dir, tmp_path, capsys):
     assert js["passed_problems"] == sum(c["correct"] for c in js["categories"].values())
     lines = [json.loads(x) for x in out.read_text().splitlines()]
     assert [x["task_id"] for x in lines] == ["simple_python_0", "simple_python_1", "irrelevance_0", "irrelevance_1"]
+    # 3 tokens of a random model end no answer: each is cut by --max-new-tokens, counted and noted
+    assert all(x["truncated"] is True for x in lines) and js["truncated"] == 4
+    assert js["categories"]["irrelevance"]["truncated"] == 2
+    assert "note: 4 of 4 completions stopped at --max-new-tokens 3" in err and "a larger --max-new-tokens" in err
     run = main(["eval", "--task", "bfcl:simple", "--limit", "1", "--model", str(tiny_dir),
                 "--chat-template", str(TEMPLATE), "--max-new-tokens", "2"], capsys)
     assert run[0] == 0, run[2]
     table = run.out.splitlines()
-    assert table[0].split() == ["category", "correct", "total", "accuracy"]
-    assert table[1].split() == ["simple_python", "0", "1", "0.0000"] and table[2].startswith("all ")
+    assert table[0].split() == ["category", "correct", "total", "accuracy", "truncated"]
+    assert table[1].split() == ["simple_python", "0", "1", "0.0000", "1"] and table[2].startswith("all ")
 
 
 @pytest.mark.parametrize("extra, expect", [
@@ -426,23 +432,32 @@ def test_chatml_tools_template_renders_and_masks_tool_rows():
 # ---- live_* -> SFT rows ------------------------------------------------------------------------------------
 def test_sft_rows_from_bfcl_live_are_valid_disjoint_and_score_as_passed(tmp_path):
     """Every row validates as a tool-call row, comes from a live category only (no id of a scored non-live
-    category), and its assistant calls score as passed on its own question: the targets are right answers."""
+    category), its assistant calls score as passed on its own question (the targets are right answers) and meet
+    their tools' JSON schemas (issue 38 item 11: `data check` judges them; 13 answers contradict their own schema
+    and are left out, listed)."""
     from entrenar.data.bfcl_data import sft_rows_from_bfcl
     from entrenar.data.sft import load_sft
+    from entrenar.data.tool_calls import argument_problems
 
     rows, counts = sft_rows_from_bfcl()
     live = {q.task_id: q for q in load_bfcl(list(LIVE_CALL_CATEGORIES))}
     # the questions left out are exactly those whose ground truth BFCL's rules reject
     assert counts["unanswerable"] == [i for i, q in live.items() if not score(q, ground_truth_calls(q))[0]]
-    assert len(counts["unanswerable"]) == 5 and len(rows) == len(live) - 5 == counts["rows"]
-    assert counts["per_category"] == {"live_simple": 256, "live_multiple": 1050, "live_parallel": 16,
-                                      "live_parallel_multiple": 24}
+    assert len(counts["unanswerable"]) == 5 and len(counts["schema_conflicts"]) == 13
+    assert len(rows) == len(live) - 5 - 13 == counts["rows"]
+    assert counts["per_category"] == {"live_simple": 256, "live_multiple": 1038, "live_parallel": 16,
+                                      "live_parallel_multiple": 23}
     scored_ids = {q.task_id for q in load_bfcl([c for c in CATEGORIES if not c.startswith("live_")])}
     assert not scored_ids & {r["id"] for r in rows}
     for row in rows:
         calls = [{"name": c["function"]["name"], "arguments": c["function"]["arguments"]}
                  for c in row["messages"][-1]["tool_calls"]]
         assert score(live[row["id"]], calls) == (True, None), row["id"]
+        assert argument_problems(row["messages"], row["tools"]) == [], row["id"]
+    for task_id in counts["schema_conflicts"]:  # BFCL's answer breaks the schema the model is shown
+        q = live[task_id]
+        assert argument_problems([{"role": "assistant", "tool_calls": [
+            {"function": c} for c in ground_truth_calls(q)]}], openai_tools(q.functions)), task_id
     f = tmp_path / "rows.jsonl"
     f.write_text("".join(json.dumps(r) + "\n" for r in rows[::60]))
     tok = tiny_tokenizer(chat_template=TEMPLATE.read_text())
@@ -458,6 +473,7 @@ def test_cli_sft_from_bfcl(tmp_path, capsys):
                           "--system-prompt-file", str(sysfile), "--json"], capsys)
     assert code == 0, err
     assert js["rows"] == 16 and js["per_category"] == {"live_parallel": 16} and js["unanswerable"] == []
+    assert js["schema_conflicts"] == []
     rows = [json.loads(x) for x in out.read_text().splitlines()]
     # the system text first; a question with its own system message keeps it after (one live_parallel does)
     assert all(r["messages"][0]["role"] == "system" and r["messages"][0]["content"].startswith("You call functions.")

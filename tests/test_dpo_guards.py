@@ -1,5 +1,6 @@
 """The preference objectives' guards (train/guards.py): the step-0 check (GUARD-INIT-LOSS against the loss at policy =
-reference), GUARD-PREF-MARGINS and GUARD-PREF-ACCURACY (warnings, once per run, their state checkpointed), flags."""
+reference), GUARD-PREF-MARGINS and GUARD-PREF-ACCURACY (warnings, once per run, their state checkpointed),
+GUARD-PREF-NO-GRADIENT (a --beta so small that nothing trains, issue 38 item 11), flags."""
 
 from __future__ import annotations
 
@@ -8,8 +9,10 @@ import math
 import pytest
 
 from entrenar.errors import GuardError
+from entrenar.fileio import read_jsonl
 from entrenar.train import guards
-from entrenar.train.objective import PreferenceLoss
+from entrenar.train.objective import CausalLMLoss, PreferenceLoss
+from tests.helpers.cli import run_cli
 
 
 def step(i: int, loss: float, acc: float, margin: float = 0.5) -> dict:
@@ -79,3 +82,62 @@ def test_bad_preference_flags_exit_2(argv, needle, tmp_path, capsys):
                                str(tmp_path / "run"), "--objective", "dpo", "--device", "cpu", "--json", *argv], capsys)
     assert code == 2 and needle in result["error"], result
     assert not (tmp_path / "run").exists()
+
+
+def test_no_gradient_rule_fires_below_the_optimizers_floor_only():
+    """The floor is eps x sqrt(trainable): a gradient whose RMS per parameter is below AdamW's eps."""
+    with pytest.raises(GuardError, match="--beta 1e-09 is far too small") as e:
+        guards.check_preference_gradient(3.27e-11, 4096, 1e-8, 1e-9, "dpo")
+    assert e.value.guard_id == "GUARD-PREF-NO-GRADIENT" and e.value.exit_code == 3
+    assert "a larger --beta" in e.value.remedy and "0.1" in e.value.remedy
+    assert e.value.details["floor"] == pytest.approx(1e-8 * 64)
+    with pytest.raises(GuardError, match="GUARD-PREF-NO-GRADIENT"):
+        guards.check_preference_gradient(0.0, 10, 1e-8, 1e-30, "dpo-norm")  # underflowed to 0
+    guards.check_preference_gradient(1e-8 * 64, 4096, 1e-8, 1e-5, "dpo")  # at the floor: quiet
+    guards.check_preference_gradient(3.27e-3, 4096, 1e-8, 0.1, "dpo")
+    guards.check_preference_gradient(float("nan"), 4096, 1e-8, 0.1, "dpo")  # GUARD-NONFINITE's
+    # IPO's start gradient grows as 1/tau and cross-entropy has no beta: neither is judged
+    PreferenceLoss("ipo", 1e-9, "adapters-off").check_first_gradient(0.0, 4096, 1e-8)
+    CausalLMLoss().check_first_gradient(0.0, 4096, 1e-8)
+    with pytest.raises(GuardError):
+        PreferenceLoss("dpo-norm", 1e-9, "adapters-off").check_first_gradient(1e-12, 4096, 1e-8)
+
+
+@pytest.fixture(scope="module")
+def tiny_pairs(tmp_path_factory):
+    """A random tiny model with the byte-level ChatML tokenizer (no weights to load) and 8 preference rows."""
+    import json
+
+    from entrenar.formats import save_hf_dir
+    from tests.helpers.models import tiny_causal_lm, tiny_config
+    from tests.helpers.tokenizers import tiny_tokenizer
+
+    root = tmp_path_factory.mktemp("pairs")
+    tok = tiny_tokenizer()
+    model = save_hf_dir(tiny_causal_lm(tiny_config("qwen2", vocab_size=len(tok), max_position_embeddings=128), 0),
+                        root / "m", tokenizer=tok)
+    data = root / "pairs.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"count from {i}", "chosen": f"{i} {i + 1} {i + 2}",
+                                        "rejected": f"{i + 2} {i} {i + 1}"}) + "\n" for i in range(8)))
+    return model, data
+
+
+@pytest.mark.parametrize("beta", ["1e-9", "0.1"])
+def test_a_beta_so_small_that_nothing_trains_stops_at_step_0(beta, tmp_path, tiny_pairs, capsys):
+    """LoRA DPO: --beta 1e-9 gives a first gradient far below AdamW's floor (the loss would stay ln 2, gnorm
+    0.000) and stops before the first update, exit 3, no step row, no checkpoint, no final/; the default --beta 0.1
+    trains."""
+    model, data = tiny_pairs
+    out = tmp_path / "run"
+    code, result, err = run_cli(["finetune", "--model", str(model), "--data", str(data), "--out", str(out),
+                                 "--objective", "dpo", "--mode", "lora", "--rank", "4", "--beta", beta, "--steps",
+                                 "1", "--batch-size", "4", "--max-seq-len", "64", "--val-fraction", "0",
+                                 "--device", "cpu", "--no-preflight", "--json"], capsys)
+    if beta == "0.1":
+        assert code == 0 and "GUARD-PREF-NO-GRADIENT" not in err, (result, err[-2000:])
+        return
+    assert code == 3 and result["guard"] == "GUARD-PREF-NO-GRADIENT", (result, err[-2000:])
+    assert result["details"]["grad_norm"] < result["details"]["floor"] and "--beta 1e-09" in result["error"]
+    metrics = out / "metrics.jsonl"
+    assert not metrics.exists() or not [r for _, r in read_jsonl(metrics)]  # no step was trained
+    assert not (out / "final").exists() and not (out / "checkpoints").exists()

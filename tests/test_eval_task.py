@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from entrenar.errors import InputError
-from entrenar.evaluate.harness import TaskEvalSettings, read_results, run_task_eval, task_records
+from entrenar.evaluate.harness import (
+    Completion,
+    TaskEvalSettings,
+    entrenar_completer,
+    read_results,
+    run_task_eval,
+    task_records,
+    truncation_note,
+)
 from entrenar.evaluate.sandbox import SandboxLimits
 from entrenar.evaluate.tasks import (
     CHAT_RESPONSE_PREFIX,
@@ -154,9 +162,27 @@ def test_harness_scores_each_sample_and_averages_pass_at_k():
     records = task_records(problems, tok, complete, settings)
     assert [(r["task_id"], r["sample"], r["passed"]) for r in records] == [
         (p.task_id, s, (i + s) % 3 == 0) for i, p in enumerate(problems) for s in range(3)]
+    assert all(r["truncated"] is None for r in records)  # a generator of bare texts does not say
     summary = run_task_eval(problems, tok, complete, settings)
     assert summary["pass@1"] == pytest.approx(1 / 3) and "pass@10" not in summary
-    assert summary["passed_problems"] == 3 and summary["problems"] == 3
+    assert summary["passed_problems"] == 3 and summary["problems"] == 3 and summary["truncated"] == 0
+
+
+def test_completer_marks_completions_the_token_limit_cut():
+    """entrenar_completer: a row stopped by the stop rule (or end-of-turn/EOS) is not truncated; one that ran to
+    max_new_tokens is (GenerationResult.stop_reason); the records carry it (issue 38 item 11)."""
+    tok = tiny_tokenizer()
+    model = tiny_causal_lm(tiny_config("qwen2", vocab_size=len(tok), max_position_embeddings=512), 0)
+    prompts = [prompt_ids(ADD, tok, chat=False)]
+    cut = entrenar_completer(model, tok, 3, False, stop=lambda text: False)(prompts, 0)
+    assert [(len(tok.encode(c.text, add_special=False)) > 0, c.truncated) for c in cut] == [(True, True)]
+    stopped = entrenar_completer(model, tok, 3, False, stop=lambda text: True)(prompts, 0)
+    assert [c.truncated for c in stopped] == [False]
+    assert truncation_note(0, 5, "--max-new-tokens", 3) is None
+    assert "2 of 5 completions stopped at --max-new-tokens 3" in truncation_note(2, 5, "--max-new-tokens", 3)
+    settings = TaskEvalSettings(chat=False, limits=SandboxLimits(timeout_s=5))
+    records = task_records([ADD], tok, lambda ids, s: [Completion("    return a + b\n", True)], settings)
+    assert records[0]["truncated"] is True and records[0]["passed"]  # cut, yet what it wrote passes
 
 
 # ---- the command -------------------------------------------------------------------------------------
@@ -190,6 +216,9 @@ def test_cli_task_eval_writes_results_and_summary(tmp_path, tasks_file, capsys):
     assert [x["task_id"] for x in lines] == ["t0", "t1"]
     assert all({"passed", "status", "error", "completion", "code"} <= set(x) for x in lines)
     assert all(not x["passed"] and x["error"] for x in lines)  # a random model writes no working code
+    # 6 tokens end neither the answer nor its code block: cut by --max-new-tokens, counted and noted
+    assert all(x["truncated"] is True for x in lines) and js["truncated"] == 2
+    assert "note: 2 of 2 completions stopped at --max-new-tokens 6" in err
     code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--limit",
                           "1", "--max-new-tokens", "4", "--prompt-format", "completion", "--json"], capsys)
     assert code == 0 and js["format"] == "completion" and js["problems"] == 1, err

@@ -77,6 +77,9 @@ class SeededTask:
         passed = sum(r["passed"] for r in records)
         return {"pass@1": passed / len(records), "passed": passed, "problems": len(records)}
 
+    def truncation_note(self, score):
+        return None
+
 
 def _fit(run_dir: Path, task, steps=4, every=2, resume=None, finals: list | None = None, **overrides):
     cfg = TrainConfig(steps=steps, batch_size=2, seq_len=32, lr=3e-3, warmup=1, keep=5, seed=5, eval_task="seeded",
@@ -188,6 +191,9 @@ def test_cli_finetune_eval_task_rows_files_and_summary(tmp_path, sft_rows, capsy
     assert sorted(p.name for p in (out / "task_eval").iterdir()) == [f"step-000000{i}.jsonl" for i in range(3)]
     first = json.loads((out / "task_eval" / "step-0000000.jsonl").read_text().splitlines()[0])
     assert first["task_id"] == "t0" and {"passed", "completion", "code", "error"} <= set(first)
+    # 4 new tokens finish no answer: each row says it was cut, the rows and the summary count them, a note says so
+    assert first["truncated"] is True and all(r["truncated"] == 2 for r in rows) and task["end"]["truncated"] == 2
+    assert "step 0: note: 2 of 2 completions stopped at --eval-task-max-new-tokens 4" in err
     code, js, err = main(["plot", str(out), "--json"], capsys)  # task rows do not break the curves
     assert code == 0, err
 

@@ -100,7 +100,9 @@ def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
     if not args.json:
         per = ", ".join(f"{c} {n}" for c, n in stats["per_category"].items())
         print(f"wrote {stats['rows']} rows to {stats['out']} ({per}); {len(stats['unanswerable'])} questions "
-              f"skipped whose BFCL answer cannot be met: {', '.join(stats['unanswerable']) or 'none'}")
+              f"skipped whose BFCL answer cannot be met: {', '.join(stats['unanswerable']) or 'none'}; "
+              f"{len(stats['schema_conflicts'])} whose answer breaks its own function's schema: "
+              f"{', '.join(stats['schema_conflicts']) or 'none'}")
     return stats
 
 

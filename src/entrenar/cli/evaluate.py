@@ -166,7 +166,13 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
         return cmd_bfcl_eval(args)
     if args.max_new_tokens is None:
         args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
-    from ..evaluate.harness import TaskEvalSettings, entrenar_completer, read_results, run_task_eval
+    from ..evaluate.harness import (
+        TaskEvalSettings,
+        entrenar_completer,
+        read_results,
+        run_task_eval,
+        truncation_note,
+    )
     from ..evaluate.sandbox import SandboxLimits
     from ..evaluate.tasks import humaneval_problems, load_problems
     from ..peft.load import load_any_model
@@ -220,6 +226,10 @@ def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
         print(f"{args.task} on {result['data']}: {passes} ({result['problems']} problems x {args.samples} "
               f"samples, {result['format']} format, {result['seconds']:.0f} s)"
               + (f"; per-problem results in {args.out}" if args.out else ""))
+    note = truncation_note(summary["truncated"], summary["problems"] * args.samples, "--max-new-tokens",
+                           args.max_new_tokens)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     return result
 
 
@@ -227,7 +237,7 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
     """`eval --task bfcl[:CATEGORIES]`: accuracy per category and overall; --out: one line per question."""
     from ..evaluate.bfcl import DEFAULT_MAX_NEW_TOKENS as BFCL_MAX_NEW_TOKENS
     from ..evaluate.bfcl import bfcl_records, load_bfcl, no_early_stop, parse_bfcl_spec, summarize_bfcl
-    from ..evaluate.harness import entrenar_completer
+    from ..evaluate.harness import entrenar_completer, truncation_note
     from ..fileio import atomic_write
     from ..peft.load import load_any_model
     from ..tokenizer import use_chat_template_file
@@ -268,11 +278,15 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
               "max_new_tokens": max_new, "system_prompt_file": args.system_prompt_file,
               "chat_template": args.chat_template}
     if not args.json:
-        print(f"{'category':<24} {'correct':>7} {'total':>6} {'accuracy':>9}")
+        print(f"{'category':<24} {'correct':>7} {'total':>6} {'accuracy':>9} {'truncated':>9}")
         for name, c in summary["categories"].items():
-            print(f"{name:<24} {c['correct']:>7} {c['total']:>6} {c['accuracy']:>9.4f}")
-        print(f"{'all':<24} {summary['passed_problems']:>7} {summary['problems']:>6} {summary['accuracy']:>9.4f}"
-              f"   ({summary['seconds']:.0f} s" + (f"; per-question results in {args.out})" if args.out else ")"))
+            print(f"{name:<24} {c['correct']:>7} {c['total']:>6} {c['accuracy']:>9.4f} {c['truncated']:>9}")
+        print(f"{'all':<24} {summary['passed_problems']:>7} {summary['problems']:>6} {summary['accuracy']:>9.4f} "
+              f"{summary['truncated']:>9}   ({summary['seconds']:.0f} s"
+              + (f"; per-question results in {args.out})" if args.out else ")"))
+    note = truncation_note(summary["truncated"], summary["problems"], "--max-new-tokens", max_new)
+    if note:
+        print(note, file=sys.stderr, flush=True)
     return result
 
 

@@ -198,17 +198,41 @@ def ground_truth_calls(question: BfclQuestion) -> list[dict[str, Any]]:
     first allowed value, a parameter whose only allowed value is "" (or that the function doc lacks) left out.
     A few BFCL answers cannot be met at all (a required parameter whose only allowed value is "" or none):
     `evaluate.bfcl.score` tells them."""
+    calls = _answer_calls(question, None)
+    assert calls is not None
+    return calls
+
+
+def conforming_calls(question: BfclQuestion, tools: list[dict[str, Any]]) -> list[dict[str, Any]] | None:
+    """ground_truth_calls whose arguments also meet the JSON schemas of `tools` (openai_tools of the question, as
+    the model is shown them; `data check` judges the rows against them, tool_calls.argument_problems): each
+    parameter's first allowed value its schema accepts; none accepted: left out where BFCL allows "", else None
+    (the answer contradicts its own function's schema: a value outside the enum or of another type, 13 live
+    questions)."""
+    return _answer_calls(question, {t["function"]["name"]: t["function"]["parameters"] for t in tools})
+
+
+def _answer_calls(question: BfclQuestion, schemas: dict[str, dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    from .tool_calls import value_problems
+
     assert question.answer is not None, f"{question.task_id}: {question.category} has no ground truth"
     docs = {f["name"]: f for f in question.functions}
     calls = []
     for entry in question.answer:
         (name, params), = entry.items()
         props = docs[name]["parameters"]["properties"]
+        shown = None if schemas is None else schemas[tool_name(name)].get("properties", {})
         args = {}
         for param, allowed in params.items():
-            found, value = _first_allowed(allowed)
-            if found and param in props:  # a few answers name a parameter the doc lacks: left out
-                args[param] = _concrete(value, props.get(param, {}))
+            if param not in props:  # a few answers name a parameter the doc lacks: left out
+                continue
+            values = [_concrete(v, props[param]) for v in allowed if v != ""]
+            if shown is not None:
+                values = [v for v in values if not value_problems(v, shown.get(param), param)]
+                if not values and "" not in allowed:
+                    return None
+            if values:
+                args[param] = values[0]
         calls.append({"name": tool_name(name), "arguments": args})
     return calls
 
@@ -250,8 +274,9 @@ def answerable(question: BfclQuestion) -> bool:
 def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES, system: str | None = None,
                        irrelevance: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Tool-call SFT rows (design.md "SFT rows with tool calls") from BFCL's live categories: the question,
-    its functions as `tools`, and an assistant turn whose `tool_calls` are the ground truth's calls
-    (ground_truth_calls). Only live_* categories: BFCL's scored non-live categories are other files, so the
+    its functions as `tools`, and an assistant turn whose `tool_calls` are the ground truth's calls, each
+    argument one its tool's schema accepts (conforming_calls; questions without such an answer are left out and
+    listed in `schema_conflicts`). Only live_* categories: BFCL's scored non-live categories are other files, so the
     rows are disjoint from them by construction. irrelevance: also live_irrelevance's questions answered in
     plain text (NO_CALL_ANSWER). Returns (rows, counts)."""
     from .tool_calls import normalize_message, tool_names, validate_tools
@@ -261,14 +286,17 @@ def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEG
             raise InputError(f"--categories: {c!r} is not one of {', '.join(LIVE_CALL_CATEGORIES)} (rows come only "
                              f"from BFCL's live categories with calls, disjoint from the scored non-live ones)")
     rows: list[dict[str, Any]] = []
-    counts: dict[str, Any] = {"per_category": {}, "unanswerable": []}
+    counts: dict[str, Any] = {"per_category": {}, "unanswerable": [], "schema_conflicts": []}
     for q in load_bfcl(categories):
         if not answerable(q):
             counts["unanswerable"].append(q.task_id)
             continue
         tools = validate_tools(openai_tools(q.functions))
-        calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}}
-                 for c in ground_truth_calls(q)]
+        truth = conforming_calls(q, tools)
+        if truth is None:  # a row that taught a value its own schema forbids would fail `data check`
+            counts["schema_conflicts"].append(q.task_id)
+            continue
+        calls = [{"type": "function", "function": {"name": c["name"], "arguments": c["arguments"]}} for c in truth]
         answer = normalize_message({"role": "assistant", "content": "", "tool_calls": calls}, 0, tool_names(tools))
         rows.append({"id": q.task_id, "tools": tools, "messages": with_system(q.messages, system) + [answer]})
         counts["per_category"][q.category] = counts["per_category"].get(q.category, 0) + 1

@@ -11,8 +11,9 @@ assistant tokens only, including each assistant turn's end-of-turn token, never 
 ``max_seq_len`` is the only length limit: a sample whose prompt does not fit is skipped with a
 warning naming its line; a sample whose response is cut is skipped (``truncation="skip"``) or kept
 cut (``"keep"``), counted either way. ``DataReport`` says what happened; ``DataReport.check``
-raises GUARD-DATA (exit 2) when nothing trainable remains, when too much was skipped, or when an
-end-of-turn token is not trained.
+raises GUARD-DATA (exit 2) when nothing trainable remains, when too much was skipped, when an
+end-of-turn token is not trained, or when tool calls break their tools' JSON schemas (without
+``skip_invalid``: every such row is listed in the report first, not only the first one).
 
 Labels are shifted: ``labels[t]`` is the target of position t (``ids[t+1]`` when that token is an
 assistant token, else -100).
@@ -45,6 +46,7 @@ DEFAULT_MAX_SKIP_FRACTION = 0.5
 # --chat-template (tokenizer.use_chat_template_file)
 CHAT_TEMPLATE_HELP = "a jinja chat template file used instead of the model's (e.g. one that renders tools)"
 MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is logged at the end
+ARGUMENT_PROBLEMS_NAMED = 5  # tool-argument problems a GUARD-DATA message names (data check lists the first 20)
 
 # Skip reasons (stable keys of DataReport.skipped).
 INVALID_REASONS = ("malformed_json", "not_an_object", "unknown_format", "unknown_role", "empty_content",
@@ -247,6 +249,10 @@ class DataReport:
     warnings: list[str] = field(default_factory=list)
     tools: dict[str, int] = field(default_factory=lambda: {"rows_with_tools": 0, "rows_with_calls": 0, "calls": 0,
                                                            "results": 0})
+    # tool calls whose arguments break their tool's JSON schema (tool_calls.argument_problems), over every row read
+    argument_rows: int = 0
+    argument_problems_total: int = 0
+    argument_problems: list[dict[str, Any]] = field(default_factory=list)  # the first MAX_LOGGED_WARNINGS, with line
 
     @property
     def skipped_total(self) -> int:
@@ -262,6 +268,14 @@ class DataReport:
 
     def skip(self, reason: str) -> None:
         self.skipped[reason] = self.skipped.get(reason, 0) + 1
+
+    def note_arguments(self, line: int, problems: list[dict[str, str]]) -> None:
+        """A row whose tool calls break their schemas: counted; its problems listed while fewer than
+        MAX_LOGGED_WARNINGS are."""
+        self.argument_rows += 1
+        self.argument_problems_total += len(problems)
+        room = MAX_LOGGED_WARNINGS - len(self.argument_problems)
+        self.argument_problems += [{"line": line, **p} for p in problems[:max(room, 0)]]
 
     def add(self, ex: SFTExample, eot_ok: bool) -> None:
         n = ex.loss_tokens
@@ -295,6 +309,8 @@ class DataReport:
             "longest_prompt": {"tokens": self.longest_prompt_tokens, "line": self.longest_prompt_line},
             "longest_sample_tokens": self.longest_sample_tokens,
             "tools": dict(self.tools),
+            "tool_arguments": {"rows": self.argument_rows, "problems": self.argument_problems_total,
+                               "listed": list(self.argument_problems)},
             "warnings": self.warnings,
         }
 
@@ -302,6 +318,18 @@ class DataReport:
         """GUARD-DATA (exit 2) when this data cannot train what the user thinks it trains."""
         where = f"{self.path} at --max-seq-len {self.max_seq_len}"
         reasons = ", ".join(f"{k}: {v}" for k, v in sorted(self.skipped.items())) or "none"
+        refused = self.argument_rows - self.skipped.get("bad_tool_arguments", 0)  # not skipped: no --skip-invalid
+        if refused > 0:
+            first = "; ".join(f"line {p['line']}: {tool_calls.describe_argument_problem(p)}"
+                              for p in self.argument_problems[:ARGUMENT_PROBLEMS_NAMED])
+            more = self.argument_problems_total - min(len(self.argument_problems), ARGUMENT_PROBLEMS_NAMED)
+            raise GuardError(
+                "GUARD-DATA", f"{self.path}: {refused} rows call a tool with arguments its JSON schema does not "
+                f"allow ({self.argument_problems_total} problems: {first}" + (f"; {more} more" if more > 0 else "")
+                + "); training on them teaches calls the tools would reject.",
+                "fix those calls' arguments, or the tools' schemas where they are wrong (`entrenar data check` lists "
+                "each row, tool, parameter and problem), or pass --skip-invalid to skip and count such rows "
+                "(bad_tool_arguments).", exit_code=2, details=self.to_dict())
         if self.kept == 0 or self.loss_tokens_total == 0:
             raise GuardError(
                 "GUARD-DATA", f"{where}: no loss tokens remain ({self.rows_read} rows read, "
@@ -350,6 +378,14 @@ class DataReport:
         if t["rows_with_tools"] or t["calls"]:
             lines.append(f"  tool calls: {t['calls']} in {t['rows_with_calls']} rows, {t['results']} tool results; "
                          f"{t['rows_with_tools']} rows with tools")
+        if self.argument_rows:
+            skipped = self.skipped.get("bad_tool_arguments", 0)
+            lines.append(f"  tool-call arguments that break their tool's JSON schema: {self.argument_problems_total} "
+                         f"in {self.argument_rows} rows" + (" (skipped: --skip-invalid)" if skipped else
+                                                             " (exit 2 unless --skip-invalid)") + ":")
+            lines += [f"    line {p['line']}: {tool_calls.describe_argument_problem(p)}" for p in self.argument_problems]
+            if self.argument_problems_total > len(self.argument_problems):
+                lines.append(f"    ... and {self.argument_problems_total - len(self.argument_problems)} more")
         return lines
 
 
@@ -479,6 +515,14 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         except RowError as e:
             rows.invalid(where, e)
             continue
+        problems = tool_calls.argument_problems(messages, tools) if tools else []
+        if problems:  # every such row is listed; without --skip-invalid DataReport.check refuses them (GUARD-DATA)
+            report.note_arguments(lineno, problems)
+            if skip_invalid:
+                rows.skip("bad_tool_arguments", f"{where}: {tool_calls.describe_argument_problem(problems[0])}"
+                          + (f" (and {len(problems) - 1} more)" if len(problems) > 1 else "")
+                          + "; row skipped (--skip-invalid)")
+                continue
 
         with_tools = tool_calls.has_tool_parts(messages, tools)
         try:  # tools= only for rows that have them: a text row renders as it always did

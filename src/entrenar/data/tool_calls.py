@@ -12,7 +12,8 @@ A row may carry ``tools`` (function schemas), assistant messages with ``tool_cal
                 {"role": "assistant", "content": "It is 21 degrees."}]}
 
 ``normalize_message`` and ``check_sequence`` validate them (``ToolCallError``: a skip reason + message; the SFT
-loader adds file:line). Arguments become JSON objects (dicts), as chat templates expect (Qwen2.5 writes
+loader adds file:line); ``argument_problems`` checks each call's arguments against its tool's JSON schema (types,
+required and unknown parameters, enum values; issue 38 item 11). Arguments become JSON objects (dicts), as chat templates expect (Qwen2.5 writes
 ``arguments | tojson``). ``parse_tool_calls`` reads the calls a model wrote back out of its text, in the format
 its chat template teaches (``call_format``).
 """
@@ -20,12 +21,13 @@ its chat template teaches (``call_format``).
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any
 
 # Skip reasons (stable keys of DataReport.skipped) for rows with malformed tools or calls.
-TOOL_REASONS = ("bad_tools", "bad_tool_call", "tool_without_call")
+TOOL_REASONS = ("bad_tools", "bad_tool_call", "tool_without_call", "bad_tool_arguments")
 
 
 class ToolCallError(Exception):
@@ -150,6 +152,149 @@ def check_sequence(messages: list[dict[str, Any]]) -> None:
             answered += 1
         else:
             calls, answered = [], 0
+
+
+# ---- arguments against the tool's JSON schema ---------------------------------------------------------
+# The JSON type a value must have for each schema type name: JSON Schema's, and the Python names of BFCL's function
+# docs (data/bfcl_data.py GORILLA_TO_OPENAPI: float, dict, tuple, any; `data sft-from-bfcl` writes them converted).
+# "any" (None) takes every value; a name not listed here is not judged.
+SCHEMA_TYPES: dict[str, str | None] = {
+    "integer": "integer", "int": "integer", "number": "number", "float": "number", "string": "string",
+    "str": "string", "boolean": "boolean", "bool": "boolean", "array": "array", "list": "array", "tuple": "array",
+    "object": "object", "dict": "object", "null": "null", "any": None}
+ENUM_SHOWN = 8  # enum values named in a problem's message
+
+
+def json_type(value: Any) -> str:
+    """The JSON type of a parsed JSON value (bool is "boolean", never "integer")."""
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "boolean"
+    if isinstance(value, int):
+        return "integer"
+    if isinstance(value, float):
+        return "number"
+    if isinstance(value, str):
+        return "string"
+    if isinstance(value, list):
+        return "array"
+    if isinstance(value, dict):
+        return "object"
+    return type(value).__name__
+
+
+def _is_type(value: Any, want: str) -> bool:
+    """JSON Schema's rule: an integer is a number; a number with no fractional part (3.0) is an integer."""
+    have = json_type(value)
+    if want == "number":
+        return have in ("integer", "number")
+    if want == "integer" and have == "number":
+        return math.isfinite(value) and float(value).is_integer()
+    return have == want
+
+
+def _show(value: Any) -> str:
+    text = json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+def _in_enum(value: Any, enum: list[Any]) -> bool:
+    """JSON equality: true is not 1 (Python's True == 1), 1 is 1.0."""
+    numeric = ("integer", "number")
+    return any(value == e and (json_type(value) == json_type(e) or
+                               (json_type(value) in numeric and json_type(e) in numeric)) for e in enum)
+
+
+def _join(path: str, key: str) -> str:
+    return f"{path}.{key}" if path else key
+
+
+def _enum_problem(value: Any, enum: list[Any]) -> str:
+    shown = ", ".join(_show(e) for e in enum[:ENUM_SHOWN]) + (", ..." if len(enum) > ENUM_SHOWN else "")
+    return f"{_show(value)} is not one of the schema's enum values ({shown})"
+
+
+def value_problems(value: Any, schema: Any, path: str) -> list[tuple[str, str]]:
+    """(parameter path, what is wrong) for one argument value against its JSON schema: its type (JSON Schema's
+    names and BFCL's; a list of names is any of them), enum (on an array whose enum lists items, not arrays: each
+    item, as such schemas mean), an object's properties and an array's items, recursively. null is accepted where
+    the schema's default is null or it is "nullable" (the schema names null as the value left unset)."""
+    if not isinstance(schema, dict):
+        return []
+    if value is None and (schema.get("nullable") is True or ("default" in schema and schema["default"] is None)):
+        return []
+    names = schema.get("type")
+    names = names if isinstance(names, list) else [] if names is None else [names]
+    wanted = [SCHEMA_TYPES.get(n, "?") if isinstance(n, str) else "?" for n in names]
+    judged = names and "?" not in wanted and None not in wanted  # "any" or a name not known: not judged
+    if judged and not any(_is_type(value, w) for w in wanted):  # type: ignore[arg-type]
+        have = json_type(value)
+        what = "null" if have == "null" else f"{_show(value)} is {'an' if have[0] in 'aeiou' else 'a'} {have}"
+        return [(path, f"{what}; the schema says {' or '.join(str(n) for n in names)}")]
+    out: list[tuple[str, str]] = []
+    enum = schema.get("enum")
+    if isinstance(enum, list) and enum:
+        if isinstance(value, list) and not any(isinstance(e, list) for e in enum):
+            out += [(f"{path}[{i}]", _enum_problem(v, enum)) for i, v in enumerate(value) if not _in_enum(v, enum)]
+        elif not _in_enum(value, enum):
+            out.append((path, _enum_problem(value, enum)))
+    if isinstance(value, dict):
+        out += object_problems(value, schema, path)
+    elif isinstance(value, list) and isinstance(schema.get("items"), dict):
+        for i, item in enumerate(value):
+            out += value_problems(item, schema["items"], f"{path}[{i}]")
+    return out
+
+
+def object_problems(value: dict[str, Any], schema: dict[str, Any], path: str = "") -> list[tuple[str, str]]:
+    """An object against an object schema: each "required" key present, each declared property's value against its
+    schema. Keys outside "properties": the tool's own parameters (path "") take no other argument (a function called
+    with an argument it does not declare fails), unless "additionalProperties" allows them; a nested object (a
+    request body, a record) takes other keys, as JSON Schema's default, unless "additionalProperties" is false.
+    An "additionalProperties" schema judges the other keys' values."""
+    out: list[tuple[str, str]] = []
+    required = schema.get("required")
+    for key in required if isinstance(required, list) else []:
+        if isinstance(key, str) and key not in value:
+            out.append((_join(path, key), "required, missing"))
+    props = schema.get("properties")
+    if not isinstance(props, dict):
+        return out
+    extra = schema.get("additionalProperties", path != "")
+    for key, item in value.items():
+        if key in props:
+            out += value_problems(item, props[key], _join(path, key))
+        elif isinstance(extra, dict):
+            out += value_problems(item, extra, _join(path, key))
+        elif extra is not True:
+            known = ", ".join(sorted(props)) or "none"
+            out.append((_join(path, key), f"not in the schema (its {'keys' if path else 'parameters'}: {known})"))
+    return out
+
+
+def argument_problems(messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None) -> list[dict[str, str]]:
+    """Every call's arguments in normalized `messages` against the `parameters` schema of the tool it names:
+    [{"call": "messages[i].tool_calls[j]", "tool", "parameter" (a path: "unit", "options.days", "dates[1]"),
+    "problem"}]. A tool without a parameters schema is not judged; a call of a tool not in `tools` is
+    normalize_call's error."""
+    schemas = {t["function"]["name"]: t["function"].get("parameters") for t in tools or []}
+    out = []
+    for i, m in enumerate(messages):
+        for j, call in enumerate(m.get("tool_calls") or []):
+            fn = call["function"]
+            params = schemas.get(fn["name"])
+            if not isinstance(params, dict):
+                continue
+            for parameter, problem in object_problems(fn["arguments"], params):
+                out.append({"call": f"messages[{i}].tool_calls[{j}]", "tool": fn["name"], "parameter": parameter,
+                            "problem": problem})
+    return out
+
+
+def describe_argument_problem(p: dict[str, Any]) -> str:
+    """One problem as a line of text: "get_weather argument 'days': "3" is a string; the schema says integer"."""
+    return f"{p['tool']} argument {p['parameter']!r}: {p['problem']}"
 
 
 def has_tool_parts(messages: list[dict[str, Any]], tools: Any) -> bool:

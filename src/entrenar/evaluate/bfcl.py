@@ -27,7 +27,7 @@ from ..data.bfcl_data import (
 )
 from ..data.tool_calls import parse_tool_calls
 from ..errors import InputError
-from .harness import Complete
+from .harness import Complete, completion_parts, truncated_count
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -419,16 +419,16 @@ def bfcl_records(questions: Sequence[BfclQuestion], tokenizer, complete: Complet
         if log is not None:
             log(f"questions {done + 1}-{done + len(batch)} of {len(questions)}: generating")
         t0 = time.perf_counter()
-        texts = complete([ids[i] for i in batch], 0)
+        made = [completion_parts(c) for c in complete([ids[i] for i in batch], 0)]
         seconds = (time.perf_counter() - t0) / len(batch)
-        assert len(texts) == len(batch), (len(texts), len(batch))
-        for i, text in zip(batch, texts):
+        assert len(made) == len(batch), (len(made), len(batch))
+        for i, (text, truncated) in zip(batch, made):
             calls, parse_error = parse_calls(text)
             passed, error = score(questions[i], calls)
             records[i] = {"task_id": questions[i].task_id, "category": questions[i].category, "passed": passed,
                           "status": "passed" if passed else "failed",
                           "error": error,
-                          "parse_error": parse_error, "completion": text, "calls": calls,
+                          "parse_error": parse_error, "completion": text, "truncated": truncated, "calls": calls,
                           "prompt_tokens": len(ids[i]), "generate_seconds": round(seconds, 3)}
         done += len(batch)
         if log is not None:
@@ -439,14 +439,17 @@ def bfcl_records(questions: Sequence[BfclQuestion], tokenizer, complete: Complet
 
 
 def summarize_bfcl(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-    """Accuracy overall and per category (in the order first seen), with counts."""
+    """Accuracy overall and per category (in the order first seen), with counts; "truncated": the answers the token
+    limit cut (overall and per category)."""
     cats: dict[str, dict[str, Any]] = {}
     for r in records:
-        c = cats.setdefault(r["category"], {"correct": 0, "total": 0})
+        c = cats.setdefault(r["category"], {"correct": 0, "total": 0, "truncated": 0})
         c["total"] += 1
         c["correct"] += int(r["passed"])
+        c["truncated"] += int(bool(r.get("truncated")))
     for c in cats.values():
         c["accuracy"] = c["correct"] / c["total"]
     passed = sum(int(r["passed"]) for r in records)
     return {"problems": len(records), "passed_problems": passed,
-            "accuracy": passed / len(records) if records else 0.0, "categories": cats}
+            "accuracy": passed / len(records) if records else 0.0, "truncated": truncated_count(records),
+            "categories": cats}

@@ -21,9 +21,41 @@ from ..fileio import atomic_write
 from .sandbox import SandboxLimits, isolation_level, run_program, weakest_isolation
 from .tasks import Problem, completion_done, extract_code, pass_at_k, program, prompt_ids
 
-# (prompt ids of a batch, index of the sample being drawn) -> one completion text per prompt. Sample s of
-# every problem comes from the same call, so a sampling generator can seed it with seed + s.
-Complete = Callable[[list[list[int]], int], list[str]]
+
+@dataclass(frozen=True)
+class Completion:
+    """A generated completion and whether the token limit cut it: it ended at --max-new-tokens (or the model's
+    context) before an end-of-turn/EOS token or the task's stop rule (issue 38 item 11: such code is cut short)."""
+
+    text: str
+    truncated: bool
+
+
+# (prompt ids of a batch, index of the sample being drawn) -> one completion per prompt: a Completion, or its text
+# alone from a generator that cannot tell why it stopped (the record's "truncated" is then null). Sample s of every
+# problem comes from the same call, so a sampling generator can seed it with seed + s.
+Complete = Callable[[list[list[int]], int], Sequence[Completion | str]]
+
+
+def completion_parts(completion: Completion | str) -> tuple[str, bool | None]:
+    """(text, truncated: None when the generator did not say) of what a Complete returned."""
+    if isinstance(completion, Completion):
+        return completion.text, completion.truncated
+    return completion, None
+
+
+def truncated_count(records: Sequence[dict[str, Any]]) -> int:
+    """The records whose completion the token limit cut."""
+    return sum(1 for r in records if r.get("truncated"))
+
+
+def truncation_note(truncated: int, completions: int, flag: str, limit: int) -> str | None:
+    """The note printed when `truncated` of `completions` were cut by the token limit (`flag` `limit`), or None."""
+    if not truncated:
+        return None
+    return (f"note: {truncated} of {completions} completions stopped at {flag} {limit} before an end-of-turn/EOS "
+            f"token or the task's stop rule (\"truncated\": true in their rows): they were cut short, not finished; "
+            f"a larger {flag} lets them finish")
 
 
 @dataclass
@@ -73,18 +105,18 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
                         + (f" sample {s + 1}/{settings.samples}" if settings.samples > 1 else "")
                         + (f" ({len(batch)} not done yet)" if len(batch) < len(whole) else ""))
                 t0 = time.perf_counter()
-                texts = complete([ids[i] for i in batch], s)
+                made = [completion_parts(c) for c in complete([ids[i] for i in batch], s)]
                 seconds = (time.perf_counter() - t0) / len(batch)
-                assert len(texts) == len(batch), (len(texts), len(batch))
-                codes = [extract_code(t, settings.chat) for t in texts]
+                assert len(made) == len(batch), (len(made), len(batch))
+                codes = [extract_code(text, settings.chat) for text, _ in made]
                 programs = [program(problems[i], c, settings.chat) for i, c in zip(batch, codes)]
                 results = pool.map(lambda src: run_program(src, settings.limits), programs)
-                for i, text, code, res in zip(batch, texts, codes, results):
+                for i, (text, truncated), code, res in zip(batch, made, codes, results):
                     record = {
                         "task_id": problems[i].task_id, "sample": s, "passed": res.passed, "status": res.status,
-                        "error": res.error, "completion": text, "code": code, "prompt_tokens": len(ids[i]),
-                        "generate_seconds": round(seconds, 3), "run_seconds": round(res.seconds, 3),
-                        "isolation": res.isolation}
+                        "error": res.error, "completion": text, "truncated": truncated, "code": code,
+                        "prompt_tokens": len(ids[i]), "generate_seconds": round(seconds, 3),
+                        "run_seconds": round(res.seconds, 3), "isolation": res.isolation}
                     if row_settings is not None:
                         record["settings"] = row_settings
                     records[i * settings.samples + s] = record
@@ -158,6 +190,7 @@ def summarize(records: Sequence[dict[str, Any]], settings: TaskEvalSettings) -> 
             **{f"pass@{k}": sum(pass_at_k(settings.samples, c, k) for c in per_problem.values()) / n_problems
                for k in settings.ks()},
             "passed_problems": sum(1 for c in per_problem.values() if c),
+            "truncated": truncated_count(records),
             "format": "chat" if settings.chat else "completion",
             "sandbox": {**box, "python": python, "timeout_s": settings.limits.timeout_s,
                         "memory_mb": settings.limits.memory_mb, "nproc": settings.limits.nproc}}
@@ -198,8 +231,9 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
                        top_p: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str = "fp32",
                        token_ids: dict | None = None, stop: Callable[[str], bool] | None = None) -> Complete:
     """Complete on entrenar's generate_batch (bf16 autocast under a bf16 dtype). `stop(text)` ends a row early
-    (default: the HumanEval stop rule of `chat`'s format; end-of-turn / EOS always stop). token_ids, when given,
-    receives {tuple(prompt ids): generated ids} (bench/humaneval_parity.py compares them)."""
+    (default: the HumanEval stop rule of `chat`'s format; end-of-turn / EOS always stop); a row that stopped for
+    none of these, at max_new_tokens (or the context), is truncated (GenerationResult.stop_reason). token_ids, when
+    given, receives {tuple(prompt ids): generated ids} (bench/humaneval_parity.py compares them)."""
     import torch
 
     from ..generate import generate_batch
@@ -208,7 +242,7 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
     context = model.cfg.max_position_embeddings
     bf16 = dtype in BF16_COMPUTE
 
-    def complete(batch_ids: list[list[int]], sample: int) -> list[str]:
+    def complete(batch_ids: list[list[int]], sample: int) -> list[Completion]:
         room = context - max(len(ids) for ids in batch_ids)
         if room < 1:
             raise InputError(f"a prompt of {context - room} tokens fills the model's context of {context}")
@@ -217,6 +251,6 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
                                      seed + sample if temperature > 0 else None, stop_text=stop)
         if token_ids is not None:
             token_ids.update((tuple(ids), r.token_ids) for ids, r in zip(batch_ids, results))
-        return [r.text for r in results]
+        return [Completion(r.text, r.stop_reason == "max_new_tokens") for r in results]
 
     return complete

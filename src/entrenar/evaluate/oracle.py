@@ -4,7 +4,7 @@ prompts, stop rule, decoding of the ids to text, extraction and the sandbox are 
 
 from __future__ import annotations
 
-from .harness import Complete
+from .harness import Complete, Completion
 from .tasks import completion_done
 
 
@@ -26,7 +26,7 @@ def transformers_completer(hf_model, tokenizer, max_new_tokens: int, chat: bool,
             return torch.tensor([completion_done(tokenizer.decode(row[self.prompt_len:].tolist()), chat)
                                  for row in input_ids], dtype=torch.bool, device=input_ids.device)
 
-    def complete(batch_ids: list[list[int]], sample: int) -> list[str]:
+    def complete(batch_ids: list[list[int]], sample: int) -> list[Completion]:
         width = max(len(x) for x in batch_ids)
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch_ids])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch_ids])
@@ -37,13 +37,15 @@ def transformers_completer(hf_model, tokenizer, max_new_tokens: int, chat: bool,
         texts = []
         for prompt, row in zip(batch_ids, out[:, width:].tolist()):
             kept: list[int] = []  # the row up to where generate_batch would have stopped it (padding follows)
+            stopped = False  # by a stop token or the stop rule; else max_new_tokens cut it
             for t in row:
                 kept.append(t)
                 if t in stops or completion_done(tokenizer.decode(kept), chat):
+                    stopped = True
                     break
             if token_ids is not None:
                 token_ids[tuple(prompt)] = kept
-            texts.append(tokenizer.decode(kept[:-1] if kept and kept[-1] in stops else kept))
+            texts.append(Completion(tokenizer.decode(kept[:-1] if kept and kept[-1] in stops else kept), not stopped))
         return texts
 
     return complete

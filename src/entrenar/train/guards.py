@@ -11,6 +11,8 @@
 - GUARD-INIT-LOSS of a preference objective: the step-0 loss is not its value at policy = reference (ln 2)
 - GUARD-PREF-MARGINS     (warning) preference reward margins running away past where the loss has a gradient
 - GUARD-PREF-ACCURACY    (warning) preference accuracy stuck at 0.5 while the loss falls
+- GUARD-PREF-NO-GRADIENT a dpo/dpo-norm run's first gradient below the optimizer's floor: --beta so small that
+                         nothing trains (issue 38 item 11)
 - GUARD-TASK-REGRESSION  the --eval-task metric dropped from step 0, significant by the paired exact McNemar test
 - GUARD-PREF-CHOSEN-DIVERGED  a preference run's eval NLL per token of the chosen responses far above its best:
                          the pairs separate while the policy forgets the language (issue 38 item 5)
@@ -374,6 +376,34 @@ def check_preference_start(loss: float, start: float, metrics: dict, objective: 
         "between the policy and reference passes, the same weights and dtype for both (--mode full copies the "
         "model after --dtype's cast)",
         details={"eval_loss": loss, "start": start, "rewards": rewards})
+
+
+def check_preference_gradient(grad_norm: float, trainable: int, eps: float, beta: float, objective: str) -> None:
+    """GUARD-PREF-NO-GRADIENT: the first step's gradient of a sigmoid preference loss (dpo, dpo-norm), taken at
+    policy = reference before any update, whose root mean square over the `trainable` parameters is below the
+    optimizer's `eps` (AdamW: update = lr x m / (sqrt(v) + eps), so a gradient under eps moves the weights in
+    proportion to it: nothing trains). At the start -log sigmoid(beta x margin) has the gradient beta/2 x the
+    margin's, so the cause is a --beta far too small: the loss stays ln 2 and the rewards 0 (both scale with beta;
+    issue 38 item 11: "gnorm 0"). NaN is GUARD-NONFINITE's."""
+    if not trainable or not eps or math.isnan(grad_norm):
+        return
+    floor = eps * math.sqrt(trainable)  # the norm of a gradient whose every element is eps
+    if grad_norm >= floor:
+        return
+    margin = 2 * grad_norm / beta  # the gradient norm of the policy's log-ratio margin (beta-free)
+    below = f"; on this model and data any --beta below {beta * floor / grad_norm:.2g} is" if grad_norm > 0 else ""
+    raise GuardError(
+        "GUARD-PREF-NO-GRADIENT",
+        f"at step 0 (the first step's gradient, at policy = reference, before any update) the {objective} gradient "
+        f"norm is {grad_norm:.3g} over {trainable:,} trainable parameters, {grad_norm / math.sqrt(trainable):.2g} per "
+        f"parameter (RMS), below the optimizer's eps {eps:g}: its updates would shrink with the gradient, so nothing "
+        f"would train. At the start this loss's gradient is beta/2 x that of the policy's log-ratio margin (here "
+        f"{margin:.3g}), so --beta {beta:g} is far too small{below}: the loss would stay at ln 2 and every reward at "
+        f"0 (they scale with beta). Training stopped before the first update: no checkpoint, no final/ (the same "
+        f"--out can be used again).",
+        "a larger --beta: 0.1 (the default, TRL's) is the usual value; the DPO papers use 0.01-0.5",
+        details={"grad_norm": grad_norm, "trainable_parameters": trainable, "eps": eps, "beta": beta,
+                 "floor": floor})
 
 
 # GUARD-PREF-MARGINS: -log sigmoid(20) = 2e-9, so a sigmoid loss past a mean margin of 20 has no gradient left:

@@ -20,7 +20,8 @@ Batches: {"input_ids" [B,T], "labels" [B,T] (already shifted, -100 ignored), opt
                      (eval, the objective's uniform loss, sizes; recorded in preflight.json) and
                      check_start (GUARD-INIT-LOSS)
   train_step(step)   fetch micro-batches -> count_step -> forward_backward (the one forward/backward:
-                     backward_micro_batches, reduce, clip, queue the update, one readback) -> guard_step
+                     backward_micro_batches, reduce, clip, queue the update, one readback) -> (step 1 of a
+                     fresh run: the objective's check_first_gradient, GUARD-PREF-NO-GRADIENT) -> guard_step
                      -> optimizer
   evaluate(step)     token-weighted eval + its guards
   save(step)         an atomic checkpoint of weights checked finite
@@ -581,6 +582,9 @@ class Trainer:
         self.update_queued = False  # forward_backward may queue the update (queue_update)
         loss, grad_norm, objective_metrics = self.forward_backward(micro, total_tokens)
         t_read = time.perf_counter()  # the device has finished this step's backward
+        if step == 1 and self.start_step == 0:  # the gradient at the start, before any update is applied or saved
+            self.objective.check_first_gradient(grad_norm, sum(p.numel() for p in self.params),
+                                                float(self.optimizer.defaults.get("eps") or 0.0))
         skip = self.guard_step(loss, grad_norm, step, sample_ids, pre_step) != "ok"
         if not skip and not self.update_queued:
             self.optimizer.step()

@@ -74,6 +74,8 @@ class Objective(Protocol):
 
     def check_start(self, loss: float, uniform: float, metrics: dict[str, Any], source: str) -> str: ...
 
+    def check_first_gradient(self, grad_norm: float, trainable: int, eps: float) -> None: ...
+
     def watch(self, record: dict[str, Any]) -> list[str]: ...
 
     def state_dict(self) -> dict[str, Any]: ...
@@ -121,6 +123,9 @@ class CausalLMLoss:
         """GUARD-INIT-LOSS: a pretrained start must beat a uniform guess over the vocabulary (`uniform`, ln V)."""
         guards.check_init_loss(loss, uniform, source)
         return f"GUARD-INIT-LOSS ok: step-0 loss {loss:.4f} < ln(vocab) {uniform:.4f}"
+
+    def check_first_gradient(self, grad_norm: float, trainable: int, eps: float) -> None:
+        pass  # a cross-entropy's gradient at the start has no knob that scales it to nothing
 
     def watch(self, record: dict[str, Any]) -> list[str]:
         return []
@@ -282,6 +287,12 @@ class PreferenceLoss:
         exactly `uniform` (ln 2 for dpo) and every reward 0."""
         guards.check_preference_start(loss, uniform, metrics, self.name, source)
         return f"GUARD-INIT-LOSS ok: step-0 {self.name} loss {loss:.6f} = {uniform:.6f} (the reference is the start)"
+
+    def check_first_gradient(self, grad_norm: float, trainable: int, eps: float) -> None:
+        """GUARD-PREF-NO-GRADIENT for the sigmoid losses, whose start gradient is beta/2 x the margin's (IPO's grows
+        as 1/beta: a small tau is no vanishing gradient)."""
+        if self.loss_type != "ipo":
+            guards.check_preference_gradient(grad_norm, trainable, eps, self.beta, self.name)
 
     def watch(self, record: dict[str, Any]) -> list[str]:
         return self.watcher.update(record)

@@ -4,7 +4,7 @@ paired comparison with step 0 that GUARD-TASK-REGRESSION judges, and `--keep-bes
 The Trainer owns one `TaskTracker` when the command built a task evaluator (evaluate/in_loop.py). Each
 measurement runs every rank on its share of the problems, gathers the records on every rank (so every rank
 takes the same decision), and rank 0 writes RUN/task_eval/step-NNNNNNN.jsonl (one line per problem) and a
-row `{"step", "task", "metric", <metric>, "passed", "problems", "seconds"}` in metrics.jsonl.
+row `{"step", "task", "metric", <metric>, "passed", "problems", "truncated", "seconds"}` in metrics.jsonl.
 """
 
 from __future__ import annotations
@@ -66,6 +66,9 @@ class TaskTracker:
         self.write_row({"step": step, "task": self.evaluator.name, "metric": metric, **score})
         self.message(f"step {step}: {self.evaluator.name} {metric} {score[metric]:.4f} ({score['passed']}/"
                      f"{score['problems']}, {score['seconds']:.0f} s)")
+        note = self.evaluator.truncation_note(score)
+        if note:
+            self.message(f"step {step}: {note}")
         self._note_best(step, params)
         if step > 0 and 0 in self.results:
             change = paired_change(self.results[0], self.results[step])
