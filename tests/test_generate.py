@@ -329,10 +329,10 @@ CHAT_PROMPTS = ["What is the capital of France?",
 
 
 def _hf_from_gguf(path: Path):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the GGUF, converted once per machine (tests/helpers/tokenizers.py)."""
+    from tests.helpers.tokenizers import hf_gguf_model
 
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+    return hf_gguf_model(path)
 
 
 def _greedy_parity(model, hf, name):

@@ -29,10 +29,10 @@ SEQ_LENS = (7, 64, 300)
 
 
 def _hf_from_gguf(path):
-    from transformers import AutoModelForCausalLM
+    """transformers' model of the GGUF, converted once per machine (tests/helpers/tokenizers.py)."""
+    from tests.helpers.tokenizers import hf_gguf_model
 
-    return AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
-                                                dtype=torch.float32).eval()
+    return hf_gguf_model(path)
 
 
 @pytest.fixture(scope="module")

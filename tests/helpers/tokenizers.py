@@ -4,6 +4,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 from pathlib import Path
@@ -138,3 +139,57 @@ class WordTokenizer:
 
     def __len__(self) -> int:
         return self.tokenizer.get_vocab_size()
+
+
+# ---- transformers reference models of the packaged GGUFs (converted by transformers once, then cached) ------
+_HF_MODELS: dict[str, object] = {}
+
+
+def hf_gguf_model(path: Path):
+    """transformers' own model of a GGUF (AutoModelForCausalLM(..., gguf_file=...), fp32, eval mode): the oracle
+    of the real-model parity tests. transformers dequantizes the GGUF in numpy (minutes for Qwen on a loaded
+    2-core runner, and six test files need it), so its save_pretrained copy is kept under the entrenar cache,
+    keyed by the file's size/mtime and the transformers version, built once under a file lock (the pytest
+    workers) and checked tensor for tensor against the model it was saved from. One object per process: do not
+    modify it."""
+    key = str(path)
+    if key in _HF_MODELS:
+        return _HF_MODELS[key]
+    import fcntl
+
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    from entrenar.formats.registry import cache_dir
+
+    st = path.stat()
+    d = cache_dir() / "test-fixtures" / f"hf-gguf-model-{path.stem}-{st.st_size}-{st.st_mtime_ns}-" \
+                                         f"tf{transformers.__version__}"
+    d.parent.mkdir(parents=True, exist_ok=True)
+    with open(d.parent / ".hf-gguf-model.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (d / "config.json").is_file():
+            built = AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                         dtype=torch.float32).eval()
+            tmp = d.with_name(d.name + f".tmp{os.getpid()}")
+            tmp.mkdir()
+            # transformers will not save_pretrained a model it loaded from a GGUF (its quantizer flag): the fp32
+            # tensors it dequantized and its config, without that flag, are what it loads back
+            from safetensors.torch import save_file
+
+            config = copy.deepcopy(built.config)
+            if hasattr(config, "quantization_config"):
+                del config.quantization_config
+            config.save_pretrained(tmp)
+            a = built.state_dict()
+            save_file({k: v.detach().clone().contiguous() for k, v in a.items()}, str(tmp / "model.safetensors"),
+                      metadata={"format": "pt"})
+            reloaded = AutoModelForCausalLM.from_pretrained(str(tmp), dtype=torch.float32)
+            b = reloaded.state_dict()
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the saved copy differs"
+            os.replace(tmp, d)
+            _HF_MODELS[key] = built
+            return built
+    _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    return _HF_MODELS[key]
