@@ -75,8 +75,10 @@ def test_llama_cpp_tokenizes_like_us(name, real_exports):
         assert llama_cpp_tokenize(llm, text) == ids, prompt
 
 
-@pytest.mark.parametrize("typ", ["f32", "f16", "q8_0"])
-@pytest.mark.parametrize("name", [SMOLLM, QWEN])
+# f32 on SmolLM2 only: the 1e-4 bound tests the writer's layout, which is the architecture-independent part (Qwen2's
+# biases and Q/K order are held to f16's bound and q8_0's); a 2 GB f32 Qwen export cost CI minutes
+@pytest.mark.parametrize(("name", "typ"), [(SMOLLM, "f32"), (SMOLLM, "f16"), (SMOLLM, "q8_0"), (QWEN, "f16"),
+                                           (QWEN, "q8_0")])
 def test_llama_cpp_logits_match_ours(name, typ, real_exports, models):
     """Full forward of the 3 chat prompts. f32/f16: the issue's relL2 bounds vs our model. q8_0: its
     bytes equal llama.cpp's own quantizer's (tests/test_export_gguf.py), and llama.cpp agrees with our
@@ -104,13 +106,13 @@ def test_llama_cpp_logits_match_ours(name, typ, real_exports, models):
 
 @pytest.mark.parametrize("name", [SMOLLM, QWEN])
 def test_llama_cpp_greedy_equals_generate(name, real_exports, models):
-    """32 greedy tokens on 3 chat prompts: llama.cpp on our f16 export vs `entrenar generate`."""
+    """24 greedy tokens on 2 chat prompts: llama.cpp on our f16 export vs `entrenar generate`."""
     tok = load_tokenizer(name)
     llm = llama_cpp(real_exports[name, "f16"], n_ctx=256)
-    for prompt in CHAT_PROMPTS:
+    for prompt in CHAT_PROMPTS[:2]:
         _, ids = chat_ids(tok, prompt)
-        ours = generate(models[name], tok, ids, 32).token_ids
-        theirs = llama_cpp_greedy(llm, ids, 32, tok.stop_ids)
+        ours = generate(models[name], tok, ids, 24).token_ids
+        theirs = llama_cpp_greedy(llm, ids, 24, tok.stop_ids)
         print(f"{name}: {prompt[:30]!r}: {len(ours)} tokens, equal={ours == theirs}")
         assert theirs == ours, (prompt, tok.decode(ours), tok.decode(theirs))
 
