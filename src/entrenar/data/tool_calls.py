@@ -165,23 +165,14 @@ SCHEMA_TYPES: dict[str, str | None] = {
 ENUM_SHOWN = 8  # enum values named in a problem's message
 
 
+# bool before int: a bool is an int to isinstance, never an "integer" to JSON
+_JSON_TYPES = ((type(None), "null"), (bool, "boolean"), (int, "integer"), (float, "number"), (str, "string"),
+               (list, "array"), (dict, "object"))
+
+
 def json_type(value: Any) -> str:
     """The JSON type of a parsed JSON value (bool is "boolean", never "integer")."""
-    if value is None:
-        return "null"
-    if isinstance(value, bool):
-        return "boolean"
-    if isinstance(value, int):
-        return "integer"
-    if isinstance(value, float):
-        return "number"
-    if isinstance(value, str):
-        return "string"
-    if isinstance(value, list):
-        return "array"
-    if isinstance(value, dict):
-        return "object"
-    return type(value).__name__
+    return next((name for cls, name in _JSON_TYPES if isinstance(value, cls)), type(value).__name__)
 
 
 def _is_type(value: Any, want: str) -> bool:
