@@ -6,6 +6,8 @@
 #   bash bench/issue35_gpu.sh bg TAG WHAT NAME ARGS  the step WHAT detached, from a copy of this tree in /tmp (it outlives
 #                                                 the call while the machine stays warm); its results go to /tmp/out-TAG
 #   bash bench/issue35_gpu.sh collect             copy every /tmp/out-*/ (the detached steps' results) to $OUT
+#   bash bench/issue35_gpu.sh wait SECONDS        wait until every detached step has ended or SECONDS have passed,
+#                                                 then collect (the call keeps the machine warm meanwhile)
 # Results go to $OUT as TAG-summary.json, TAG-results.tgz (per-problem files, logs) and TAG-adapter.tgz (TAG: env, default
 # the step's name), so several steps fit in one call.
 set -euo pipefail
@@ -17,10 +19,20 @@ fi
 if [ "$what" = collect ]; then
   for d in /tmp/out-*/; do [ -d "$d" ] && cp "$d"* "$OUT/" 2>/dev/null; done; ls -la "$OUT"; tail -n 3 /tmp/bg-*.log; exit 0
 fi
+if [ "$what" = wait ]; then  # NAME here is the most seconds to wait
+  end=$((SECONDS + name))
+  while [ $SECONDS -lt $end ]; do
+    alive=0; for f in /tmp/bg-*.pid; do [ -f "$f" ] && kill -0 "$(cat "$f")" 2>/dev/null && alive=1; done
+    [ $alive = 0 ] && break; sleep 5
+  done
+  for f in /tmp/bg-*.pid; do t=${f#/tmp/bg-}; kill -0 "$(cat "$f")" 2>/dev/null && echo "${t%.pid}: running" || echo "${t%.pid}: ended"; done
+  nvidia-smi --query-gpu=memory.used,utilization.gpu --format=csv,noheader
+  exec bash "$0" collect -
+fi
 if [ "$what" = bg ]; then  # NAME here is the tag; the step and its model follow
   tag=$name; rm -rf /tmp/repo-$tag && mkdir -p /tmp/repo-$tag /tmp/out-$tag && cp -r . /tmp/repo-$tag/
   cd /tmp/repo-$tag && OUT=/tmp/out-$tag TAG=$tag setsid nohup bash bench/issue35_gpu.sh "$@" >/tmp/bg-$tag.log 2>&1 </dev/null &
-  sleep 5; cat /tmp/bg-$tag.log; exit 0
+  echo $! > /tmp/bg-$tag.pid; sleep 2; cat /tmp/bg-$tag.log; exit 0
 fi
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site.$$ .whl/*.whl

@@ -66,18 +66,21 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
     limit = ["--limit", str(a.limit)] if a.limit else []
     cats = a.categories
     res: dict[str, Any] = {"model": a.model, "mode": a.mode, "lr": a.lr, "steps": a.steps, "rank": a.rank,
+                           "batch_size": a.batch_size, "grad_accum": a.grad_accum,
                            "keep_best": a.keep_best, "irrelevance_rows": a.irrelevance_rows,
-                           "irrelevance_copies": a.irrelevance_copies}
+                           "irrelevance_copies": a.irrelevance_copies, "swapped_no_call": a.swapped_no_call}
     rows = work / "rows.jsonl"
-    res["rows"] = cli("data", "sft-from-bfcl", "--out", str(rows), "--irrelevance", "--overwrite")
-    # every call row, and the first --irrelevance-rows rows answered without a call (live_irrelevance has 880:
-    # as many as 40% of the rows would teach abstaining more than calling)
+    res["rows"] = cli("data", "sft-from-bfcl", "--out", str(rows), "--irrelevance", "--overwrite",
+                      "--swapped-no-call", str(a.swapped_no_call))
+    # every call row and every swapped no-call row, and the first --irrelevance-rows of live_irrelevance's rows
+    # (it has 880: as many as 40% of the rows would teach abstaining more than calling)
     kept, no_call = [], 0
     for line in rows.read_text().splitlines():
-        calls = any(m.get("tool_calls") for m in json.loads(line)["messages"])
-        if calls or no_call < a.irrelevance_rows:
-            kept.extend([line] * (1 if calls else a.irrelevance_copies))
-            no_call += not calls
+        row = json.loads(line)
+        always = any(m.get("tool_calls") for m in row["messages"]) or "+tools-of-" in row["id"]
+        if always or no_call < a.irrelevance_rows:
+            kept.extend([line] * (1 if always else a.irrelevance_copies))
+            no_call += not always
     rows.write_text("\n".join(kept) + "\n")
     res["rows"].update(kept=len(kept), kept_without_call=no_call)
     if a.base_from:  # the base's evals of an earlier step on the same model and settings: not run twice
@@ -98,6 +101,7 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
     lora = ["--rank", str(a.rank)] if a.mode != "full" else []
     res["finetune"] = cli("finetune", "--model", a.model, "--data", str(rows), "--out", str(run), "--mode", a.mode,
                           *lora, "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size", str(a.batch_size),
+                          "--grad-accum", str(a.grad_accum),
                           "--max-seq-len", str(a.max_seq_len), "--max-skip-fraction", "0.5", *template,
                           "--eval-task", a.in_loop_task, "--eval-task-limit", str(a.in_loop_limit),
                           "--eval-task-every", str(a.in_loop_every), "--keep-best", a.keep_best, "--eval-batches", "10",
@@ -134,7 +138,8 @@ def humaneval_recipe(a: argparse.Namespace) -> dict[str, Any]:
     limit = ["--eval-task-limit", str(a.limit)] if a.limit else []
     res["finetune"] = cli("finetune", "--model", a.model, "--data", str(rows), "--out", str(work / "run"),
                           "--mode", a.mode, *lora, "--lr", str(a.lr), "--steps", str(a.steps), "--batch-size",
-                          str(a.batch_size), "--max-seq-len", str(a.max_seq_len), "--eval-task", "humaneval", *limit,
+                          str(a.batch_size), "--grad-accum", str(a.grad_accum), "--max-seq-len", str(a.max_seq_len),
+                          "--eval-task", "humaneval", *limit,
                           "--eval-task-every", str(a.in_loop_every), "--on-task-regression", a.on_regression,
                           "--keep-best", a.keep_best, "--device", a.device, "--seed", "0",
                           log=work / "finetune.log")
@@ -154,6 +159,7 @@ def main() -> None:
         q.add_argument("--lr", default="auto")
         q.add_argument("--steps", type=int, default=100)
         q.add_argument("--batch-size", type=int, default=16)
+        q.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the same rows a step)")
         q.add_argument("--max-seq-len", type=int, default=4096)
         q.add_argument("--limit", type=int, default=0, help="questions per category / problems (smoke runs)")
         q.add_argument("--eval-batch", type=int, default=64)
@@ -167,6 +173,8 @@ def main() -> None:
     t.add_argument("--in-loop-limit", type=int, default=100)
     t.add_argument("--irrelevance-rows", type=int, default=300)
     t.add_argument("--irrelevance-copies", type=int, default=1, help="each kept no-call row this many times")
+    t.add_argument("--swapped-no-call", type=int, default=0,
+                   help="data sft-from-bfcl --swapped-no-call: questions shown other questions' functions, no call")
     t.add_argument("--keep-best", default="task", choices=("last", "task"),
                    help="last: the final step's weights, so no scored question picks the checkpoint")
     h = sub.choices["humaneval"]

@@ -516,3 +516,37 @@ def test_bfcl_rows_on_smollm2_with_the_packaged_template(tmp_path):
     d = report.to_dict()
     assert len(examples) == len(picked) and report.eot_trained == len(picked) and not report.eot_not_trained_lines
     assert d["tools"]["rows_with_calls"] == len(picked) - 2 and d["tools"]["calls"] >= len(picked) - 2 + 3
+
+
+def test_swapped_no_call_rows_show_functions_on_another_subject(tmp_path, capsys):
+    """`data sft-from-bfcl --swapped-no-call N`: N more rows, each a live question with calls shown another live
+    question's functions instead of its own and answered with the no-call sentence. The donor's function names
+    share no subject word with the question's own (so the shown functions do not fit), each question is used at
+    most once, the rows are the same on every run, and asking for more than the categories hold is exit 2."""
+    from entrenar.data.bfcl_data import NO_CALL_ANSWER, name_words, sft_rows_from_bfcl
+
+    assert name_words([{"name": "requests.get_weatherForecast"}, {"name": "Movies_1_FindMovies"}]) == {
+        "requests", "weather", "forecast", "movies"}
+    live = {q.task_id: q for q in load_bfcl(["live_simple"])}
+    rows, counts = sft_rows_from_bfcl(["live_simple"], swapped_no_call=200)
+    swapped = [r for r in rows if "+tools-of-" in r["id"]]
+    assert counts["swapped_no_call"] == len(swapped) == 200 and counts["rows"] == len(rows) == 256 + 200
+    questions = [r["id"].split("+tools-of-")[0] for r in swapped]
+    assert len(set(questions)) == 200
+    for row in swapped:
+        own, donor = (live[i] for i in row["id"].split("+tools-of-"))
+        assert own.task_id != donor.task_id and not name_words(own.functions) & name_words(donor.functions), row["id"]
+        assert row["tools"] == validate_tools(openai_tools(donor.functions))
+        assert row["messages"][:-1] == own.messages
+        assert row["messages"][-1] == {"role": "assistant", "content": NO_CALL_ANSWER}
+    assert sft_rows_from_bfcl(["live_simple"], swapped_no_call=200)[0] == rows  # fixed order
+    out = tmp_path / "rows.jsonl"
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--categories", "live_parallel",
+                          "--swapped-no-call", "10", "--json"], capsys)
+    assert code == 0 and js["swapped_no_call"] == 10 and js["rows"] == 26, err
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--categories", "live_parallel",
+                          "--swapped-no-call", "17", "--overwrite", "--json"], capsys)
+    assert code == 2 and "ask for at most 16" in js["error"]
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--categories", "live_parallel",
+                          "--swapped-no-call", "-1", "--overwrite", "--json"], capsys)
+    assert code == 2 and "must be >= 0" in js["error"]

@@ -96,13 +96,18 @@ def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
 
     categories = [ALIASES.get(c.strip(), c.strip()) for c in args.categories.split(",") if c.strip()]
     system_prompt = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
-    stats = write_sft_from_bfcl(args.out, categories, system_prompt, args.irrelevance, args.overwrite)
+    if args.swapped_no_call < 0:
+        raise InputError(f"--swapped-no-call {args.swapped_no_call}: must be >= 0")
+    stats = write_sft_from_bfcl(args.out, categories, system_prompt, args.irrelevance, args.overwrite,
+                                args.swapped_no_call)
     if not args.json:
         per = ", ".join(f"{c} {n}" for c, n in stats["per_category"].items())
         print(f"wrote {stats['rows']} rows to {stats['out']} ({per}); {len(stats['unanswerable'])} questions "
               f"skipped whose BFCL answer cannot be met: {', '.join(stats['unanswerable']) or 'none'}; "
               f"{len(stats['schema_conflicts'])} whose answer breaks its own function's schema: "
-              f"{', '.join(stats['schema_conflicts']) or 'none'}")
+              f"{', '.join(stats['schema_conflicts']) or 'none'}"
+              + (f"; {stats['swapped_no_call']} no-call rows with another question's functions"
+                 if stats.get("swapped_no_call") else ""))
     return stats
 
 
@@ -178,6 +183,9 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "`eval --task bfcl` scores (live_simple,live_multiple,live_parallel,live_parallel_multiple)")
     q.add_argument("--irrelevance", action="store_true",
                    help="also live_irrelevance's questions, answered in plain text without a call")
+    q.add_argument("--swapped-no-call", type=int, default=0, metavar="N",
+                   help="also N of these questions shown another question's functions (on another subject) and "
+                        "answered without a call: teaches telling a fitting function from one that does not (0)")
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 

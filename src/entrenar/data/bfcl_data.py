@@ -271,14 +271,65 @@ def answerable(question: BfclQuestion) -> bool:
     return True
 
 
+# Words of function names too generic to tell two functions' subjects apart (get_weather vs get_stock_price).
+_GENERIC_NAME_WORDS = frozenset({"get", "set", "list", "create", "update", "delete", "add", "remove", "find", "search",
+                                 "fetch", "retrieve", "calculate", "compute", "check", "run", "make", "api", "info",
+                                 "data", "details", "by", "for", "and", "the", "all", "new", "v1", "v2", "tool"})
+
+
+def name_words(functions: list[dict[str, Any]]) -> set[str]:
+    """The subject words of the functions' names ("requests.get_weather_forecast" -> {"requests", "weather",
+    "forecast"}): split at . _ - and camelCase, lower-cased, generic verbs and short words dropped."""
+    words: set[str] = set()
+    for f in functions:
+        for part in re.split(r"[._\-\s]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", f["name"])):
+            w = part.lower()
+            if len(w) > 2 and w not in _GENERIC_NAME_WORDS:
+                words.add(w)
+    return words
+
+
+def swapped_no_call_rows(questions: list[BfclQuestion], n: int, system: str | None = None,
+                         seed: int = 0) -> list[dict[str, Any]]:
+    """n no-call rows: a question with calls shown another question's functions instead of its own, answered
+    with NO_CALL_ANSWER. A donor is taken only when no subject word of its function names is among the
+    question's (name_words), so the shown functions are about something else; each question at most once, in
+    an order fixed by seed. This teaches telling a function that fits from one that does not, which the
+    live_irrelevance rows alone teach poorly (a small model learns "call" or "never call")."""
+    import random
+
+    from .tool_calls import validate_tools
+
+    rng = random.Random(seed)
+    order = list(range(len(questions)))
+    rng.shuffle(order)
+    words = [name_words(q.functions) for q in questions]
+    rows: list[dict[str, Any]] = []
+    for i in order:
+        if len(rows) >= n:
+            break
+        for _ in range(20):  # a few tries for a donor on another subject
+            j = rng.randrange(len(questions))
+            if j != i and not (words[i] & words[j]) and questions[j].functions:
+                q, donor = questions[i], questions[j]
+                rows.append({"id": f"{q.task_id}+tools-of-{donor.task_id}",
+                             "tools": validate_tools(openai_tools(donor.functions)),
+                             "messages": with_system(q.messages, system) +
+                             [{"role": "assistant", "content": NO_CALL_ANSWER}]})
+                break
+    return rows
+
+
 def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES, system: str | None = None,
-                       irrelevance: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                       irrelevance: bool = False,
+                       swapped_no_call: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Tool-call SFT rows (design.md "SFT rows with tool calls") from BFCL's live categories: the question,
     its functions as `tools`, and an assistant turn whose `tool_calls` are the ground truth's calls, each
     argument one its tool's schema accepts (conforming_calls; questions without such an answer are left out and
     listed in `schema_conflicts`). Only live_* categories: BFCL's scored non-live categories are other files, so the
     rows are disjoint from them by construction. irrelevance: also live_irrelevance's questions answered in
-    plain text (NO_CALL_ANSWER). Returns (rows, counts)."""
+    plain text (NO_CALL_ANSWER). swapped_no_call: also that many of these questions shown other questions'
+    functions and answered without a call (swapped_no_call_rows). Returns (rows, counts)."""
     from .tool_calls import normalize_message, tool_names, validate_tools
 
     for c in categories:
@@ -287,7 +338,8 @@ def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEG
                              f"from BFCL's live categories with calls, disjoint from the scored non-live ones)")
     rows: list[dict[str, Any]] = []
     counts: dict[str, Any] = {"per_category": {}, "unanswerable": [], "schema_conflicts": []}
-    for q in load_bfcl(categories):
+    questions = load_bfcl(categories)
+    for q in questions:
         if not answerable(q):
             counts["unanswerable"].append(q.task_id)
             continue
@@ -308,13 +360,20 @@ def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEG
             rows.append({"id": q.task_id, "tools": tools, "messages": with_system(q.messages, system) +
                          [{"role": "assistant", "content": NO_CALL_ANSWER}]})
             counts["per_category"]["live_irrelevance"] = counts["per_category"].get("live_irrelevance", 0) + 1
+    if swapped_no_call:
+        swapped = swapped_no_call_rows(questions, swapped_no_call, system)
+        if len(swapped) < swapped_no_call:
+            raise InputError(f"--swapped-no-call {swapped_no_call}: these categories give {len(swapped)} such rows "
+                             f"(each question at most once); ask for at most {len(swapped)}")
+        rows.extend(swapped)
+        counts["swapped_no_call"] = len(swapped)
     counts["rows"] = len(rows)
     return rows, counts
 
 
 def write_sft_from_bfcl(out: str | Path, categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES,
                         system: str | None = None, irrelevance: bool = False,
-                        overwrite: bool = False) -> dict[str, Any]:
+                        overwrite: bool = False, swapped_no_call: int = 0) -> dict[str, Any]:
     """`data sft-from-bfcl`: the rows as JSONL at `out` (written atomically); an existing `out` only with
     overwrite, and only when it is a JSONL file (CLI-OVERWRITE-OWN)."""
     from ..fileio import atomic_write
@@ -329,7 +388,7 @@ def write_sft_from_bfcl(out: str | Path, categories: list[str] | tuple[str, ...]
         check_replaceable_file(out, "a JSONL file (a previous output)", looks_like_jsonl)
     else:
         check_creatable(out)
-    rows, counts = sft_rows_from_bfcl(categories, system, irrelevance)
+    rows, counts = sft_rows_from_bfcl(categories, system, irrelevance, swapped_no_call)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return {**counts, "out": str(out), "categories": list(categories), "irrelevance": irrelevance}
