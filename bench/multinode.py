@@ -102,7 +102,7 @@ def summarize_run(run: Path, warmup: int, tokens_per_step: int, gpus: int) -> di
 def nccl_transports(logs: list[Path]) -> dict[str, int]:
     """How NCCL connected the ranks (NCCL_DEBUG=INFO lines "Channel ... via P2P/CUMEM", "via SHM/direct/direct",
     "via NET/Socket"): two launchers on one host see disjoint CUDA_VISIBLE_DEVICES, so their link is not the
-    in-launcher one; this says which it was."""
+    in-launcher one; this says which it was. NCCL writes them to stdout: pass each launcher's .out (and .err)."""
     found: collections.Counter = collections.Counter()
     for log in logs:
         if log.is_file():
@@ -193,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
             gpus = layout.nodes * layout.per_node
             batch = 2 if model.endswith("7b") else a.batch
             row = {"model": model, "layout": layout.name, "exit": codes, "wall_s": round(time.monotonic() - started, 1),
-                   "nccl_transports": nccl_transports(sorted(logs.glob(f"{model}-{layout.name}-node*.err"))),
+                   "nccl_transports": nccl_transports(sorted(logs.glob(f"{model}-{layout.name}-node*.*"))),
                    "commands": [shlex.join(c) + (f"  # {e}" if e else "")
                                 for c, e in launcher_commands(layout, cli, 0, device)],
                    **summarize_run(run, a.warmup, batch * a.seq * gpus, gpus)}
