@@ -8,6 +8,8 @@
 #   bash bench/issue35_gpu.sh collect             copy every /tmp/out-*/ (the detached steps' results) to $OUT
 #   bash bench/issue35_gpu.sh wait SECONDS        wait until every detached step has ended or SECONDS have passed,
 #                                                 then collect (the call keeps the machine warm meanwhile)
+# Seen in session 12: steps detached in short calls outlived them, but the two still running when a 505-s `wait`
+# call ended were gone at the next call (their logs simply stop). Give `wait` enough seconds for every step.
 # Results go to $OUT as TAG-summary.json, TAG-results.tgz (per-problem files, logs) and TAG-adapter.tgz (TAG: env, default
 # the step's name), so several steps fit in one call.
 set -euo pipefail
