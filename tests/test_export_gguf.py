@@ -402,13 +402,16 @@ def test_transformers_loads_f16_export(tiny_dirs, exports):
 
 # ---- llama.cpp (llama-cpp-python) as the client ---------------------------------------------------
 def llama_cpp(path: Path, n_ctx: int = 256, vocab_only: bool = False, f32_cache: bool = False):
-    """llama.cpp on the file, CPU, 2 threads, every position's logits kept. Its KV cache is f16 by
-    default (relL2 ~2e-4 on its own); f32_cache keeps K/V in f32 for the f32 comparison."""
+    """llama.cpp on the file, CPU, 1 thread, every position's logits kept. Its KV cache is f16 by
+    default (relL2 ~2e-4 on its own); f32_cache keeps K/V in f32 for the f32 comparison.
+
+    One thread as each pytest worker has one core (Makefile WORKERS): with 2 threads on a busy 2-core machine
+    llama.cpp's threads wait on each other (24 greedy tokens of SmolLM2 f32: 53-70 s with 2, 4-5 s with 1)."""
     from llama_cpp import GGML_TYPE_F32, Llama
 
     cache = {"type_k": GGML_TYPE_F32, "type_v": GGML_TYPE_F32} if f32_cache else {}
-    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=2,
-                 n_threads_batch=2, logits_all=True, vocab_only=vocab_only, flash_attn=False,
+    return Llama(model_path=str(path), n_ctx=n_ctx, n_batch=n_ctx, n_ubatch=n_ctx, n_threads=1,
+                 n_threads_batch=1, logits_all=True, vocab_only=vocab_only, flash_attn=False,
                  verbose=False, **cache)
 
 

@@ -94,10 +94,23 @@ def test_tools_with_a_template_without_tool_support_is_exit_2(tmp_path, capsys):
 
 
 @pytest.mark.real_model
-def test_generate_prints_the_calls_qwen_emits(tmp_path, capsys):
+def test_generate_prints_the_calls_qwen_emits(tmp_path, capsys, monkeypatch):
     """The packaged Qwen2.5-Coder-0.5B sees the schema in its prompt (the tools preamble: > 100 prompt tokens,
     the chat alone is ~30) and answers with a get_weather call, read back as JSON: under --json as
-    `tool_calls`, in text mode as one `tool call: {...}` line per call."""
+    `tool_calls`, in text mode as one `tool call: {...}` line per call. The text-mode command reuses the model
+    the first one loaded (generate leaves it as it was): loading Qwen's GGUF is over half of each command."""
+    from entrenar.peft import load as peft_load
+
+    loaded: dict = {}
+    real_load = peft_load.load_model
+
+    def load_once(spec, **kwargs):
+        key = (str(spec), tuple(sorted(kwargs.items())))
+        if key not in loaded:
+            loaded[key] = real_load(spec, **kwargs)
+        return loaded[key]
+
+    monkeypatch.setattr(peft_load, "load_model", load_once)
     (tmp_path / "tools.json").write_text(json.dumps([WEATHER]))
     argv = ["generate", "--model", QWEN, "--chat", "--prompt", "What is the weather in Paris?",
             "--max-new-tokens", "24", "--tools", str(tmp_path / "tools.json")]
@@ -108,6 +121,7 @@ def test_generate_prints_the_calls_qwen_emits(tmp_path, capsys):
     assert result["prompt_tokens"] > 100
 
     run = run_cli(argv, capsys)
+    assert len(loaded) == 1  # both commands ran on the one model
     lines = [ln for ln in run.out.splitlines() if ln.startswith("tool call: ")]
     assert run[0] == 0 and [json.loads(ln[len("tool call: "):]) for ln in lines] == result["tool_calls"], run.out
 

@@ -133,6 +133,34 @@ def test_gguf_dtypes_and_dequantization(tmp_path):
     assert load_model(path).model.embed_tokens.weight.dtype == torch.float32  # quantized file -> fp32
 
 
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0], ids=lambda q: q.name)
+def test_legacy_quants_dequantize_like_gguf_bit_for_bit(qtype, tmp_path):
+    """Q8_0/Q4_0/Q4_1/Q5_0 are dequantized by our torch code (formats/gguf.py, not gguf.quants' per-16-rows numpy
+    loop): the weights of a file quantized to the type, and blocks of random bytes (any scale, any code, and
+    more than one chunk), equal gguf.quants.dequantize bit for bit (NaN where it gives NaN)."""
+    hf_model = make_hf_model("qwen2", tie_word_embeddings=False)
+    quantized = {n for n, t in hf_model.state_dict().items() if t.ndim == 2 and t.shape[-1] % 32 == 0}
+    path = write_gguf(tmp_path / "m.gguf", hf_model, types=dict.fromkeys(quantized, qtype))
+    _cfg, state, info = load_state(path)
+    checked = 0
+    for name, t in hf_model.state_dict().items():
+        if name in quantized:
+            assert info["stored_dtypes"][name] == qtype.name
+            want = gguf.quants.dequantize(gguf.quants.quantize(np.ascontiguousarray(t.float().numpy()), qtype), qtype)
+            assert state[name].dtype == torch.float32 and np.array_equal(state[name].numpy().view(np.uint32),
+                                                                         want.view(np.uint32)), name
+            checked += 1
+    assert checked >= 8
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    blocks = 3 * ggufmod._DEQUANT_CHUNK + 5
+    raw = np.random.default_rng(0).integers(0, 256, size=(blocks, size), dtype=np.uint8)
+    with np.errstate(invalid="ignore", over="ignore"):
+        want = gguf.quants.dequantize(raw.reshape(1, -1), qtype).reshape(blocks, 32)
+    got = ggufmod._dequant_torch(raw, qtype.name, (blocks, 32)).numpy()
+    assert np.array_equal(np.isnan(got), np.isnan(want))
+    assert np.array_equal(np.where(np.isnan(got), 0, got).view(np.uint32), np.where(np.isnan(want), 0, want).view(np.uint32))
+
+
 def bf16_gguf_roundtrip_ok(tmp_path: Path) -> bool:
     """BF16 stored in a GGUF reads back bit for bit as bfloat16."""
     hf_model = make_hf_model("llama")

@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from entrenar import cli
 from entrenar import peft as ep
 from entrenar.generate import generate
+from entrenar.peft.nf4_linear import enable_dequantize_once
 from entrenar.tokenizer import load_tokenizer
 from tests.helpers.cli import run_cli
 
@@ -93,11 +94,14 @@ def _prompt(sig: str, doc: str) -> list[dict]:
 def greedy_before_after(base_model, spec: str, run: Path, nf4_base: bool,
                         new_tokens: int = 12) -> tuple[str, str, float]:
     """Greedy text of the base the adapter was trained against (a fresh adapter: B = 0) and with it, and the
-    relL2 change of the next-token logits at the prompt's end."""
+    relL2 change of the next-token logits at the prompt's end. An NF4 base is dequantized once and kept, as
+    `generate` / `eval --adapter` do on the CPU (peft.load.load_model_with_adapter): the same values."""
     tok = load_tokenizer(spec)
     model = copy.deepcopy(base_model)
     cfg = json.loads((run / "final" / "adapter_config.json").read_text())
     ep.apply_lora(model, cfg["r"], cfg["lora_alpha"], targets=cfg["target_modules"], quantize_nf4=nf4_base)
+    if nf4_base:
+        assert enable_dequantize_once(model, budget_bytes=1 << 40) > 0
     model.eval()
     ids = tok.encode_chat(_prompt(*HELD_OUT[0][:2]), add_generation_prompt=True).ids
     with torch.no_grad():
@@ -149,8 +153,8 @@ def test_qlora_qwen_coder_finetune_generate(code_data, qwen_model, tmp_path, cap
     assert evals[0]["loss"] < math.log(qwen_model.cfg.vocab_size)
     assert evals[-1]["loss"] < evals[0]["loss"]
     print(f"qwen2.5-coder QLoRA: held-out eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
-    # every new token re-dequantizes the NF4 base on the CPU: 4 greedy tokens each way (generate runs on NF4 +
-    # adapter), and the adapter's effect measured on the next-token logits
+    # 4 greedy tokens each way (generate runs on NF4 + adapter), and the adapter's effect measured on the
+    # next-token logits
     before, after, change = greedy_before_after(qwen_model, spec, run, nf4_base=True, new_tokens=4)
     print(f"greedy NF4 base: {before!r}\ngreedy +adapter: {after!r}; next-token logits changed by relL2 {change:.3g}")
     assert change > 1e-2 and after.strip()

@@ -145,15 +145,16 @@ class WordTokenizer:
 _HF_MODELS: dict[str, object] = {}
 
 
-def hf_gguf_model(path: Path):
+def hf_gguf_model(path: Path, fresh: bool = False):
     """transformers' own model of a GGUF (AutoModelForCausalLM(..., gguf_file=...), fp32, eval mode): the oracle
     of the real-model parity tests. transformers dequantizes the GGUF in numpy (minutes for Qwen on a loaded
     2-core runner, and six test files need it), so its save_pretrained copy is kept under the entrenar cache,
     keyed by the file's size/mtime and the transformers version, built once under a file lock (the pytest
     workers) and checked tensor for tensor against the model it was saved from. One object per process: do not
-    modify it."""
+    modify it; ``fresh=True`` loads a new one from the saved copy for a caller that changes it (verify's HFPath
+    switches it to eager attention)."""
     key = str(path)
-    if key in _HF_MODELS:
+    if key in _HF_MODELS and not fresh:
         return _HF_MODELS[key]
     import fcntl
 
@@ -189,7 +190,10 @@ def hf_gguf_model(path: Path):
             b = reloaded.state_dict()
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), "the saved copy differs"
             os.replace(tmp, d)
-            _HF_MODELS[key] = built
-            return built
-    _HF_MODELS[key] = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
-    return _HF_MODELS[key]
+            if not fresh:
+                _HF_MODELS[key] = built
+                return built
+    model = AutoModelForCausalLM.from_pretrained(str(d), dtype=torch.float32).eval()
+    if not fresh:
+        _HF_MODELS[key] = model
+    return model

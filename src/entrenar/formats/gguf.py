@@ -2,7 +2,8 @@
 
 Float tensors keep their stored dtype (F32 -> float32, F16 -> float16, BF16 -> bfloat16, read
 bit for bit); quantized tensors (Q8_0, Q4_1, Q5_0, Q4_K, Q6_K, ...) are dequantized to float32
-with ``gguf.quants.dequantize``. GGUF lists dimensions fastest-first (ne0, ne1), the reverse of
+with ``gguf.quants.dequantize``'s values (the legacy 32-value block types by our torch port of it, the
+others by it). GGUF lists dimensions fastest-first (ne0, ne1), the reverse of
 torch's order. llama.cpp permutes the rows of Q and K for the ``llama`` architecture (to turn
 HF's split-half RoPE pairs into adjacent pairs); we undo it so the weights are HF's again.
 ``qwen2`` and ``qwen3`` are stored unpermuted (llama.cpp uses NeoX RoPE for them). Which
@@ -163,6 +164,53 @@ class TensorRecord:
     stored: str  # GGUF type name: F32, BF16, Q4_K, ...
 
 
+def _low_high_nibbles(qs: torch.Tensor) -> torch.Tensor:
+    """[blocks, 16] bytes -> [blocks, 32]: the low nibbles are elements 0-15, the high ones 16-31 (ggml)."""
+    return torch.cat([qs & 0x0F, qs >> 4], dim=1)
+
+
+def _f16_column(blocks: torch.Tensor, at: int) -> torch.Tensor:
+    return blocks[:, at:at + 2].contiguous().view(torch.float16).float()
+
+
+_SHIFTS = torch.arange(8, dtype=torch.uint8)
+
+
+def _dequant_q8_0(b: torch.Tensor) -> torch.Tensor:
+    return b[:, 2:].contiguous().view(torch.int8).float().mul_(_f16_column(b, 0))
+
+
+def _dequant_q4_0(b: torch.Tensor) -> torch.Tensor:
+    return _low_high_nibbles(b[:, 2:]).float().sub_(8).mul_(_f16_column(b, 0))
+
+
+def _dequant_q4_1(b: torch.Tensor) -> torch.Tensor:
+    return _low_high_nibbles(b[:, 4:]).float().mul_(_f16_column(b, 0)).add_(_f16_column(b, 2))
+
+
+def _dequant_q5_0(b: torch.Tensor) -> torch.Tensor:
+    fifth = ((b[:, 2:6, None] >> _SHIFTS) & 1).reshape(-1, 32)  # a little-endian uint32: bit i is element i's
+    return (_low_high_nibbles(b[:, 6:]) | fifth << 4).float().sub_(16).mul_(_f16_column(b, 0))
+
+
+# ggml's legacy block formats in torch: (bytes per block of 32, dequantizer). The same float32 values as
+# gguf.quants' numpy (codes are small integers, exact in float32; then one multiply by the block's scale and, for
+# Q4_1, one add of its minimum: equal bit for bit, tests/test_loading.py), in place and in chunks instead of its
+# per-16-rows loop. Other types go to gguf.quants.
+_TORCH_DEQUANT = {"Q8_0": (34, _dequant_q8_0), "Q4_0": (18, _dequant_q4_0), "Q4_1": (20, _dequant_q4_1),
+                  "Q5_0": (22, _dequant_q5_0)}
+_DEQUANT_CHUNK = 1 << 14  # blocks per step: 0.5M values, the temporaries stay in cache
+
+
+def _dequant_torch(data: np.ndarray, type_name: str, shape: tuple[int, ...]) -> torch.Tensor:
+    size, fn = _TORCH_DEQUANT[type_name]
+    blocks = torch.from_numpy(np.array(data, copy=True).view(np.uint8).reshape(-1, size))
+    out = torch.empty(blocks.shape[0], 32, dtype=torch.float32)
+    for i in range(0, blocks.shape[0], _DEQUANT_CHUNK):
+        out[i:i + _DEQUANT_CHUNK] = fn(blocks[i:i + _DEQUANT_CHUNK])
+    return out.reshape(shape)
+
+
 def _tensor_to_torch(t, path: Path) -> torch.Tensor:
     from gguf import quants
 
@@ -176,6 +224,8 @@ def _tensor_to_torch(t, path: Path) -> torch.Tensor:
         # the reader hands BF16 over as raw bytes: reinterpret the bits, never go through F16
         raw = np.array(data, copy=True).view(np.int16).reshape(shape)
         return torch.from_numpy(raw).view(torch.bfloat16)
+    if type_name in _TORCH_DEQUANT:
+        return _dequant_torch(data, type_name, shape)
     try:
         arr = quants.dequantize(data, t.tensor_type)
     except NotImplementedError as e:

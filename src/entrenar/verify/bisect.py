@@ -490,13 +490,22 @@ def verify_paths(test: Any, ref: Any, probe: list[ProbeSequence], num_layers: in
             "seconds": round(time.time() - t0, 2)}
 
 
+_SUM_DTYPE = {torch.float64: torch.float64, torch.float32: torch.float32, torch.bfloat16: torch.float32,
+              torch.float16: torch.float32}
+
+
 def check_finite_weights(model: torch.nn.Module) -> None:
     """InputError naming the tensors that hold NaN/Inf. Non-finite weights make every op diverge from the
     reference, and a table blaming the first op would send the user to fix a kernel that is fine."""
     bad = []
     for name, t in [*model.named_parameters(), *model.named_buffers()]:
         if t.is_floating_point():
-            n_bad = int((~torch.isfinite(t.detach())).sum())
+            t = t.detach()
+            # one read and no temporaries first: a NaN/Inf anywhere makes the sum NaN/Inf, so a finite sum clears
+            # the tensor (the elementwise count below is ~40x slower: 6 s a check on 7B-wide layers on the CPU)
+            if t.dtype in _SUM_DTYPE and bool(torch.isfinite(t.sum(dtype=_SUM_DTYPE[t.dtype]))):
+                continue
+            n_bad = int((~torch.isfinite(t)).sum())
             if n_bad:
                 bad.append(f"{name} ({n_bad} of {t.numel()} values)")
     if bad:
