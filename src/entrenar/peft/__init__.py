@@ -17,6 +17,7 @@ from .io import (
     PEFT_PREFIX,
     adapter_path,
     adapter_state_dict,
+    adapter_writer,
     is_adapter_dir,
     load_adapter,
     load_adapter_weights,
@@ -43,7 +44,8 @@ from .nf4_linear import NF4Linear
 
 __all__ = [
     "ADAPTER_CONFIG", "ADAPTER_NOTE", "ADAPTER_WEIGHTS", "DEFAULT_TARGETS", "ONTO", "PEFT_PREFIX",
-    "LoRALinear", "NF4Linear", "adapter_path", "adapter_state_dict", "adapters_disabled", "apply_lora", "auto_lr",
+    "LoRALinear", "NF4Linear", "adapter_path", "adapter_state_dict", "adapter_writer", "adapters_disabled",
+    "apply_lora", "auto_lr",
     "base_fingerprint", "base_weight", "check_base_identity", "count_parameters", "describe_parameters",
     "is_adapter_dir", "linear_layer_names", "load_adapter", "load_adapter_weights", "lora_modules",
     "merge_in_place", "parse_targets", "read_adapter_config", "save_adapter", "set_module",

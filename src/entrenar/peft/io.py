@@ -12,6 +12,7 @@ import json
 import os
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -93,8 +94,8 @@ def _peft_adapter_config(cfg: dict[str, Any], base_spec: str | Path | None) -> d
     }
 
 
-def _adapter_note(model: nn.Module, cfg: dict[str, Any], base_spec: str | None, out: Path) -> dict[str, Any]:
-    model_cfg = getattr(model, "cfg", None)
+def _adapter_note(model_cfg: dict[str, Any] | None, cfg: dict[str, Any], base_spec: str | None,
+                  out: Path) -> dict[str, Any]:
     return {
         "base_model": base_spec,
         # where the base sits relative to this directory: found again when both moved together
@@ -105,35 +106,49 @@ def _adapter_note(model: nn.Module, cfg: dict[str, Any], base_spec: str | None, 
         "base_quantization": {"type": "nf4", "block_size": nf4.BLOCK_SIZE,
                               "scale_block_size": nf4.SCALE_BLOCK_SIZE, "double_quant": "int8 + mean",
                               "modules": "all linears of the decoder layers"} if cfg["quantize_nf4"] else None,
-        "base_config": model_cfg.to_hf_dict() if model_cfg is not None else None,
+        "base_config": model_cfg,
         "init_seed": cfg.get("init_seed"),
         "merge": "entrenar merge --base BASE --adapter DIR --out OUT"
                  + (" (default --onto trained: NF4-dequantized base)" if cfg["quantize_nf4"] else ""),
     }
 
 
-def save_adapter(model: nn.Module, out_dir: str | Path, base_spec: str | Path | None = None) -> Path:
-    """Write a PEFT LoRA directory: adapter_config.json + adapter_model.safetensors (+ our note).
-
-    Each file is written atomically; the weights first, so a directory with a config has its weights."""
+def adapter_writer(model: nn.Module, base_spec: str | Path | None = None) -> Callable[[str | Path], Path]:
+    """save_adapter in two halves: the adapter as it is now (its tensors copied, so training may go on) and a
+    function that writes that copy as a PEFT LoRA directory later, e.g. from a checkpoint's background writer."""
     from safetensors.torch import save_file
 
     cfg = getattr(model, "peft_config", None)
     if cfg is None:
         raise InputError("the model has no LoRA adapters to save (apply_lora was not called)")
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = adapter_state_dict(model)
+    tensors = {k: t.clone() for k, t in adapter_state_dict(model).items()}  # on the CPU .cpu() is the weight itself
     base_spec = base_to_record(base_spec)  # absolute: the adapter works from any folder (issue 28 item 3)
+    model_cfg = getattr(model, "cfg", None)
+    model_cfg = model_cfg.to_hf_dict() if model_cfg is not None else None
+    peft_config = json.dumps(_peft_adapter_config(cfg, base_spec), indent=2) + "\n"
+    cfg = dict(cfg)
 
-    def write_weights(tmp: Path) -> None:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-        os.chmod(tmp, 0o644)  # safetensors creates it owner-only
+    def write(out_dir: str | Path) -> Path:
+        out = Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
 
-    atomic_write(out / ADAPTER_WEIGHTS, write_weights)
-    atomic_write(out / ADAPTER_CONFIG, json.dumps(_peft_adapter_config(cfg, base_spec), indent=2) + "\n")
-    atomic_write(out / ADAPTER_NOTE, json.dumps(_adapter_note(model, cfg, base_spec, out), indent=2, default=str) + "\n")
-    return out
+        def write_weights(tmp: Path) -> None:
+            save_file(tensors, str(tmp), metadata={"format": "pt"})
+            os.chmod(tmp, 0o644)  # safetensors creates it owner-only
+
+        atomic_write(out / ADAPTER_WEIGHTS, write_weights)
+        atomic_write(out / ADAPTER_CONFIG, peft_config)
+        atomic_write(out / ADAPTER_NOTE, json.dumps(_adapter_note(model_cfg, cfg, base_spec, out), indent=2,
+                                                    default=str) + "\n")
+        return out
+    return write
+
+
+def save_adapter(model: nn.Module, out_dir: str | Path, base_spec: str | Path | None = None) -> Path:
+    """Write a PEFT LoRA directory: adapter_config.json + adapter_model.safetensors (+ our note).
+
+    Each file is written atomically; the weights first, so a directory with a config has its weights."""
+    return adapter_writer(model, base_spec)(out_dir)
 
 
 def _read_json(path: Path) -> Any:
