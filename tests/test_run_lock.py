@@ -35,9 +35,10 @@ byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_mo
 SRC = str(Path(__file__).resolve().parents[1] / "src")
 STEPS, PAUSE_AT = 8, 4
 
-# `entrenar pretrain ARGV` that, after step PAUSE_AT, writes GO.paused and waits (at most 120 s) for GO
+# `entrenar pretrain ARGV` that, after step PAUSE_AT (and the checkpoint written in the background before it),
+# writes GO.paused and waits (at most 120 s) for GO
 PAUSING = """
-import sys, time
+import sys, threading, time
 from pathlib import Path
 from entrenar.train import metrics
 go = Path(sys.argv[1])
@@ -45,6 +46,9 @@ orig = metrics.Progress.update
 def update(self, step, *a, **k):
     orig(self, step, *a, **k)
     if step == {pause}:
+        for t in threading.enumerate():  # the step-3 checkpoint, written in the background, is complete
+            if t.name.startswith("entrenar-checkpoint-"):
+                t.join()
         go.with_suffix(".paused").write_text("")
         t0 = time.monotonic()
         while not go.exists() and time.monotonic() - t0 < 120:

@@ -1,9 +1,14 @@
 """Atomic training checkpoints: RUN/checkpoints/step-NNNNNNN/ and a `latest` symlink.
 
 Write order (so a kill at any point leaves the previous checkpoint usable): every file into a
-hidden temporary sibling (fileio.atomic_dir), each fsynced; COMPLETE written last and fsynced; the
-directory fsynced; renamed to step-N; `latest` replaced atomically (symlink + os.replace).
+hidden temporary sibling (fileio.atomic_dir), then each fsynced; meta.json (their sha256), then COMPLETE,
+each fsynced; the directory fsynced; renamed to step-N; `latest` replaced atomically (symlink + os.replace).
 A directory without COMPLETE (or still temporary) is never resumed from.
+
+When (--save-mode, Checkpointer): async (the default) takes a snapshot at the save step -- weights and
+optimizer state copied into host memory (pinned on a GPU; DCP's staging for shards), RNG, trainer state and
+config as bytes -- and writes it in the order above from a background thread while training goes on, one write
+at a time; its error is raised on the training thread as the synchronous save's exit 2. sync writes in the step.
 
 Contents -- nothing in a checkpoint is unpickled into code on load:
   model.safetensors     the trainable parameters (all of them for full training, the adapter for LoRA)
@@ -28,8 +33,10 @@ kind into the model and optimizer as they are now (one process, or DDP/FSDP2 at 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import enum
+import functools
 import inspect
 import io
 import json
@@ -38,8 +45,10 @@ import pickle
 import random
 import re
 import shutil
+import threading
 import warnings
 from collections.abc import Callable, Iterator
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -47,7 +56,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
-from ..errors import InputError
+from ..errors import EntrenarError, InputError
 from ..fileio import atomic_dir, sha256_file
 from .distributed import DistContext
 
@@ -135,28 +144,143 @@ def _rng_from_files(as_json: dict[str, Any], tensors: dict[str, torch.Tensor]) -
 
 
 # ---- save ------------------------------------------------------------------------------------------
-def _write_contents(tmp: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    trainer_state: dict[str, Any], run_config: dict[str, Any]) -> None:
-    save_file(trainable_state(model), str(tmp / MODEL))
-    _fsync_file(tmp / MODEL)
-    with open(tmp / OPTIMIZER, "wb") as f:
-        torch.save(optimizer.state_dict(), f)
-        f.flush()
-        os.fsync(f.fileno())
+SAVE_MODES = ("async", "sync")  # --save-mode: written in a background thread from a snapshot, or in the step
+
+# Called by a checkpoint's writer as (stage, the temporary directory being written) at "start", before its first
+# file (a sharded checkpoint: before this rank's shard files), and "written", when its files are written but not
+# yet synced, hashed or marked COMPLETE. None in a run; tests set it to hold a background write at a known point.
+WRITE_HOOK: Callable[[str, Path], None] | None = None
+
+
+def _reached(stage: str, where: Path) -> None:
+    if WRITE_HOOK is not None:
+        WRITE_HOOK(stage, where)
+
+
+class Abandoned(Exception):
+    """A background write stopped before its commit (the run ended on an error, or a second Ctrl-C)."""
+
+
+class CommitGate:
+    """The point of no return of one checkpoint write: COMPLETE, the rename to step-N, `latest` and the prune
+    happen inside it. After `abandon()` (from the training thread) returns, the write has either committed
+    (`committed`) or never will: entering the gate then raises Abandoned and the temporary directory goes."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.abandoned = self.committed = False
+
+    def __enter__(self) -> None:
+        self._lock.acquire()
+        if self.abandoned:
+            self._lock.release()
+            raise Abandoned()
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc: object) -> None:
+        self.committed = exc_type is None
+        self._lock.release()
+
+    def abandon(self) -> None:
+        with self._lock:
+            self.abandoned = True
+
+
+class HostBuffers:
+    """Host memory a checkpoint's snapshot is copied into, kept for the run and reused by every save (a save
+    waits for the previous write, so no buffer is overwritten while it is written). Pinned for a tensor on a
+    GPU: the copy is queued on the current stream, after the step that produced the values and before the next
+    one, and the writer waits for it (`copied`); on the CPU a plain copy."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._pending = False
+
+    def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
+        t = t.detach()
+        gpu = t.device.type == "cuda"
+        buf = self._bufs.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=gpu)
+        buf.copy_(t, non_blocking=gpu)
+        self._pending |= gpu
+        return buf
+
+    def copy_tree(self, key: str, obj: Any) -> Any:
+        """`obj` (a state dict: dicts, lists, tuples, tensors, plain values) with every tensor copied."""
+        if isinstance(obj, torch.Tensor):
+            return self.copy(key, obj)
+        if isinstance(obj, dict):
+            return {k: self.copy_tree(f"{key}.{k}", v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.copy_tree(f"{key}.{i}", v) for i, v in enumerate(obj))
+        return copy.deepcopy(obj)
+
+    def copied(self) -> Any:
+        """A CUDA event the copies queued since the last call are done at (None: they are done already)."""
+        if not self._pending:
+            return None
+        self._pending = False
+        event = torch.cuda.Event()
+        event.record()
+        return event
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """One local checkpoint's contents as of its step (Trainer.save): what its write needs. Taken with
+    HostBuffers it holds nothing training changes afterwards, so it is written while training goes on."""
+
+    step: int
+    tokens: int | None
+    model: dict[str, torch.Tensor]
+    optimizer: dict[str, Any]
+    rng: dict[str, torch.Tensor]
+    state_json: bytes
+    run_config_json: bytes
+    files: Callable[[Path], None] | None = None  # writes the MODEL files (config or adapter, tokenizer)
+    copied: Any = None  # a CUDA event the device-to-host copies are done at, or None
+
+
+def snapshot(step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer, trainer_state: dict[str, Any],
+             run_config: dict[str, Any], extra_files: Callable[[torch.nn.Module], Callable[[Path], None]] | None = None,
+             buffers: HostBuffers | None = None) -> Snapshot:
+    """The checkpoint of `step` as it is now: trainable weights, optimizer state, RNG, trainer state and config
+    (as JSON bytes), and the MODEL files' writer. With `buffers` every tensor is copied into host memory; without,
+    the live tensors (a synchronous write, finished before training goes on)."""
     state = dict(trainer_state)
     rng_json, rng_tensors = _rng_to_files(state.pop("rng", None) or rng_state())  # a given rng (pre-step) wins
-    save_file(rng_tensors, str(tmp / RNG))
-    _fsync_file(tmp / RNG)
-    _write_bytes(tmp / STATE, (json.dumps({**state, "rng": rng_json}, indent=1) + "\n").encode())
-    _write_bytes(tmp / RUN_CONFIG, (json.dumps(run_config, indent=2, default=str) + "\n").encode())
-    # every file, the MODEL files of extra_files (config or adapter, tokenizer) too: read-only commands verify
-    # what they load (fileio.verify_recorded); resume verifies HASHED
-    names = sorted({*HASHED, *(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())})
-    meta = {"step": step, "tokens": trainer_state.get("tokens"),
-            "sha256": {name: sha256_file(tmp / name) for name in names}}
-    _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
-    _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
-    _fsync_dir(tmp)
+    if buffers is None:
+        tensors, optim, copied = trainable_state(model), optimizer.state_dict(), None
+    else:
+        tensors = {n: buffers.copy(f"model.{n}", p) for n, p in model.named_parameters() if p.requires_grad}
+        optim = buffers.copy_tree("optimizer", optimizer.state_dict())
+        copied = buffers.copied()
+    return Snapshot(step, trainer_state.get("tokens"), tensors, optim, rng_tensors,
+                    (json.dumps({**state, "rng": rng_json}, indent=1) + "\n").encode(),
+                    (json.dumps(run_config, indent=2, default=str) + "\n").encode(),
+                    extra_files(model) if extra_files is not None else None, copied)
+
+
+def _sync_tree(path: Path) -> None:
+    """fsync every file and directory under `path`, then `path` itself."""
+    for f in sorted(path.rglob("*")):
+        if f.is_dir():
+            _fsync_dir(f)
+        else:
+            _fsync_file(f)
+    _fsync_dir(path)
+
+
+def _write_contents(tmp: Path, snap: Snapshot) -> None:
+    """Every file of a local checkpoint but meta.json and COMPLETE (written, not yet synced)."""
+    if snap.files is not None:  # config/adapter files, generation_config.json, tokenizer: a runnable MODEL
+        snap.files(tmp)
+    save_file(snap.model, str(tmp / MODEL))
+    with open(tmp / OPTIMIZER, "wb") as f:
+        torch.save(snap.optimizer, f)
+    save_file(snap.rng, str(tmp / RNG))
+    (tmp / STATE).write_bytes(snap.state_json)
+    (tmp / RUN_CONFIG).write_bytes(snap.run_config_json)
 
 
 def _point_latest(ckpt_root: Path, target: Path) -> None:
@@ -169,25 +293,47 @@ def _point_latest(ckpt_root: Path, target: Path) -> None:
     _fsync_dir(ckpt_root)
 
 
+def write_snapshot(ckpt_root: Path, snap: Snapshot, keep: int, gate: CommitGate | None = None) -> Path:
+    """Write step-N of `snap` atomically, point `latest` at it, prune to the newest `keep`; returns its path.
+    Every file goes into a hidden temporary sibling and is fsynced, then meta.json (the sha256 of each) and
+    COMPLETE are written and fsynced, then the directory is renamed to step-N: a kill at any point leaves no
+    step-N without every file on disk. `gate`: the commit of a background write (an abandoned one stops there)."""
+    ckpt_root.mkdir(parents=True, exist_ok=True)
+    final = ckpt_root / step_dir_name(snap.step)
+    for stale in stale_tmp_dirs(ckpt_root, max_step=snap.step, min_step=snap.step):  # a killed earlier save of step N
+        shutil.rmtree(stale)
+    with contextlib.ExitStack() as committing:
+        with atomic_dir(final) as tmp:
+            if snap.copied is not None:  # the device-to-host copies of the snapshot have landed
+                snap.copied.synchronize()
+            _reached("start", tmp)
+            _write_contents(tmp, snap)
+            _reached("written", tmp)
+            _sync_tree(tmp)  # every file durable before meta.json and COMPLETE say it is there
+            # every file, the MODEL files of extra_files (config or adapter, tokenizer) too: read-only commands verify
+            # what they load (fileio.verify_recorded); resume verifies HASHED
+            names = sorted({*HASHED, *(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())})
+            meta = {"step": snap.step, "tokens": snap.tokens,
+                    "sha256": {name: sha256_file(tmp / name) for name in names}}
+            _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
+            committing.enter_context(gate or contextlib.nullcontext())  # abandoned: no COMPLETE, the temporary goes
+            _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
+            _fsync_dir(tmp)
+            if final.exists():  # re-saving a step after resuming from an earlier checkpoint
+                shutil.rmtree(final)
+        _fsync_dir(ckpt_root)
+        _point_latest(ckpt_root, final)
+        prune(ckpt_root, keep)
+    return final
+
+
 def save_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                     trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int,
-                    extra_files: Callable[[torch.nn.Module, Path], None] | None = None) -> Path:
-    """Write step-N atomically, point `latest` at it, prune to the newest `keep`. Returns its path.
-    `trainer_state` must be JSON-serialisable apart from its optional "rng" entry (rng_state())."""
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    final = ckpt_root / step_dir_name(step)
-    for stale in stale_tmp_dirs(ckpt_root, max_step=step, min_step=step):  # a killed earlier save of step N
-        shutil.rmtree(stale)
-    with atomic_dir(final) as tmp:
-        if extra_files is not None:  # config/adapter files, generation_config.json, tokenizer: a runnable MODEL
-            extra_files(model, tmp)
-        _write_contents(tmp, step, model, optimizer, trainer_state, run_config)
-        if final.exists():  # re-saving a step after resuming from an earlier checkpoint
-            shutil.rmtree(final)
-    _fsync_dir(ckpt_root)
-    _point_latest(ckpt_root, final)
-    prune(ckpt_root, keep)
-    return final
+                    extra_files: Callable[[torch.nn.Module], Callable[[Path], None]] | None = None) -> Path:
+    """Write step-N from the live model and optimizer now (write_snapshot), point `latest` at it, prune to the
+    newest `keep`. Returns its path. `trainer_state` must be JSON-serialisable apart from its optional "rng"
+    entry (rng_state())."""
+    return write_snapshot(ckpt_root, snapshot(step, model, optimizer, trainer_state, run_config, extra_files), keep)
 
 
 # ---- sharded (torch.distributed.checkpoint): a distributed run's checkpoints -------------------------
@@ -259,14 +405,69 @@ def load_full(model: torch.nn.Module, optimizer: torch.optim.Optimizer, model_te
 
 
 # ---- sharded checkpoints ------------------------------------------------------------------------------
-def save_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                            trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int,
-                            ctx: DistContext) -> Path:
-    """step-N of a distributed run, with the single-process checkpoint's atomicity: every rank writes
-    its model/optimizer shards (torch.distributed.checkpoint) into one hidden temporary directory;
-    rank 0 then adds every rank's RNG, the trainer state, meta.json (sha256 of every file) and
-    COMPLETE last, renames it to step-N and points `latest` at it. A kill at any point leaves no
-    step-N without COMPLETE; --resume never reads the temporary directory."""
+@functools.cache
+def _hooked_writer_class() -> type:
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    class HookedWriter(FileSystemWriter):
+        """torch.distributed.checkpoint's file writer (one file per rank, each fsynced, .metadata last; its
+        stage() copies a state dict into host memory, pinned and reused with cache_staged_state_dict) that
+        calls WRITE_HOOK before this rank's shard files are written."""
+
+        def write_data(self, *args: Any, **kwargs: Any) -> Any:
+            _reached("start", Path(self.path).parent)
+            return super().write_data(*args, **kwargs)
+
+    return HookedWriter
+
+
+def dcp_writer(path: Path, pinned: bool) -> Any:
+    """The writer of a background sharded save: its stage() is the snapshot (a copy in host memory, pinned and
+    reused from save to save on a GPU), and it writes that copy later (DCP's FileSystemWriter)."""
+    return _hooked_writer_class()(str(path), cache_staged_state_dict=pinned)
+
+
+def _gather(ctx: DistContext, obj: Any, group: Any) -> list[Any]:
+    if not ctx.active:
+        return [obj]
+    import torch.distributed as dist
+
+    out: list[Any] = [None] * ctx.world
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _broadcast(ctx: DistContext, obj: Any, group: Any) -> Any:
+    if not ctx.active:
+        return obj
+    import torch.distributed as dist
+
+    box = [obj if ctx.is_main else None]
+    dist.broadcast_object_list(box, src=0, group=group)
+    return box[0]
+
+
+def _encoded(e: BaseException, rank: int) -> dict[str, Any]:
+    from .distributed import _encode_error
+
+    if isinstance(e, EntrenarError):
+        return _encode_error(e)
+    return {"cls": RuntimeError, "message": f"rank {rank}: {type(e).__name__}: {e}"}
+
+
+def start_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                             trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int,
+                             ctx: DistContext, writer: Any = None, group: Any = None
+                             ) -> Callable[[CommitGate | None], Path]:
+    """step-N of a distributed run, with the single-process checkpoint's atomicity, in two halves. This one, on
+    the training thread of every rank: the hidden temporary directory, every rank's RNG gathered, and the
+    model/optimizer shards copied into host memory by `writer.stage` (a background save) or taken live
+    (`writer` None: a synchronous one). The returned half, `finish(gate)`: every rank writes its shards
+    (torch.distributed.checkpoint) and hashes them; rank 0 then adds every rank's RNG, the trainer state,
+    meta.json (sha256 of every file) and COMPLETE last, renames it to step-N and points `latest` at it. Its
+    collectives run over `group` (a background writer's own process group; None: the job's). A write that fails
+    on any rank fails on every rank (exit 2, write_errors' message) and removes the temporary directory; a kill
+    at any point leaves no step-N without COMPLETE; --resume never reads the temporary directory."""
     final = ckpt_root / step_dir_name(step)
     tmp = ckpt_root / f".{final.name}.tmp-dist"  # one name every rank agrees on (checkpoint.TMP_RE)
     if ctx.is_main:
@@ -275,40 +476,91 @@ def save_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, 
             shutil.rmtree(stale)
         tmp.mkdir()
     ctx.barrier()
-    save_sharded(tmp / SHARDED, model, optimizer)
-    # each rank hashes the shard files it wrote itself (DCP names them __{rank}_{n}.distcp), all ranks at
-    # once: for a 7B run that is 85 GiB, which rank 0 alone took a minute or more to hash; rank 0 hashes
-    # whatever no rank claimed (.metadata, the files it writes below, any other naming)
-    digests: dict[str, str] = {}
-    for part in ctx.all_gather_object({f"{SHARDED}/{f.name}": sha256_file(f) for f in
-                                       sorted((tmp / SHARDED).glob(f"__{ctx.rank}_*.distcp"))}):
-        digests.update(part)
     state = dict(trainer_state)
     rngs = ctx.all_gather_object(_rng_to_files(state.pop("rng", None) or rng_state()))
+    state_json = (json.dumps({**state, "rng": {"ranks": [j for j, _ in rngs]}}, indent=1) + "\n").encode()
+    run_config_json = (json.dumps(run_config, indent=2, default=str) + "\n").encode()
+    shards = sharded_state(model, optimizer)
+    if writer is not None:
+        shards = writer.stage(shards)  # the snapshot: training may change the live tensors from here on
 
-    def finish() -> Path:
+    def commit(digests: dict[str, str], gate: CommitGate | None) -> Path:
         tensors = {f"rank{r}.{k}": t for r, (_, ts) in enumerate(rngs) for k, t in ts.items()}
         save_file(tensors, str(tmp / RNG))
-        _fsync_file(tmp / RNG)
-        _write_bytes(tmp / STATE, (json.dumps({**state, "rng": {"ranks": [j for j, _ in rngs]}}, indent=1)
-                                       + "\n").encode())
-        _write_bytes(tmp / RUN_CONFIG, (json.dumps(run_config, indent=2, default=str) + "\n").encode())
+        (tmp / STATE).write_bytes(state_json)
+        (tmp / RUN_CONFIG).write_bytes(run_config_json)
+        for name in (RNG, STATE, RUN_CONFIG):  # the shards and .metadata: DCP fsynced them
+            _fsync_file(tmp / name)
+        _fsync_dir(tmp / SHARDED)
+        _fsync_dir(tmp)
         files = sorted(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())
         meta = {"step": step, "tokens": trainer_state.get("tokens"), "sharded": True, "world_size": ctx.world,
                 "sha256": {name: digests.get(name) or sha256_file(tmp / name) for name in files}}
         _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
-        _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
-        _fsync_dir(tmp / SHARDED)
-        _fsync_dir(tmp)
-        if final.exists():  # this step saved again after a resume from an earlier checkpoint
-            shutil.rmtree(final)
-        os.replace(tmp, final)
-        _fsync_dir(ckpt_root)
-        _point_latest(ckpt_root, final)
-        prune(ckpt_root, keep)
+        with gate or contextlib.nullcontext():  # abandoned: no COMPLETE
+            _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
+            _fsync_dir(tmp)
+            if final.exists():  # this step saved again after a resume from an earlier checkpoint
+                shutil.rmtree(final)
+            os.replace(tmp, final)
+            _fsync_dir(ckpt_root)
+            _point_latest(ckpt_root, final)
+            prune(ckpt_root, keep)
         return final
 
-    return ctx.run_on_main(finish)
+    def finish(gate: CommitGate | None = None) -> Path:
+        import torch.distributed.checkpoint as dcp
+
+        found: dict[str, str] = {}
+        problem: dict[str, Any] | None = None
+        try:
+            with write_errors(final, ckpt_root):
+                dcp.save(shards, checkpoint_id=str(tmp / SHARDED), storage_writer=writer, process_group=group)
+                # each rank hashes the shard files it wrote itself (DCP names them __{rank}_{n}.distcp), all ranks
+                # at once: for a 7B run that is 85 GiB, which rank 0 alone took a minute or more to hash; rank 0
+                # hashes whatever no rank claimed (.metadata, the files it writes, any other naming)
+                found = {f"{SHARDED}/{f.name}": sha256_file(f)
+                         for f in sorted((tmp / SHARDED).glob(f"__{ctx.rank}_*.distcp"))}
+                _reached("written", tmp)
+        except Exception as e:  # noqa: BLE001 -- every rank learns it (below) and raises it
+            problem = _encoded(e, ctx.rank)
+        except BaseException as e:  # torch.distributed.checkpoint's CheckpointException is a BaseException
+            if type(e).__name__ != "CheckpointException":
+                raise
+            problem = _encoded(e, ctx.rank)
+        parts = _gather(ctx, (found, problem), group)
+        outcome: tuple[str, Any] = ("ok", None)
+        if ctx.is_main:
+            errors = [p for _, p in parts if p is not None]
+            if errors:
+                outcome = ("error", errors[0])
+            else:
+                try:
+                    with write_errors(final, ckpt_root):
+                        commit({k: v for d, _ in parts for k, v in d.items()}, gate)
+                except Abandoned:
+                    outcome = ("abandoned", None)
+                except Exception as e:  # noqa: BLE001 -- broadcast, then raised on every rank
+                    outcome = ("error", _encoded(e, ctx.rank))
+        kind, value = _broadcast(ctx, outcome, group)
+        if kind == "ok":
+            return final
+        if ctx.is_main:
+            shutil.rmtree(tmp, ignore_errors=True)
+        if kind == "abandoned":
+            raise Abandoned()
+        from .distributed import _decode_error
+
+        raise _decode_error(value)
+
+    return finish
+
+
+def save_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+                            trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int,
+                            ctx: DistContext) -> Path:
+    """step-N of a distributed run written now by every rank (start_sharded_checkpoint, both halves)."""
+    return start_sharded_checkpoint(ckpt_root, step, model, optimizer, trainer_state, run_config, keep, ctx)()
 
 
 # ---- find ------------------------------------------------------------------------------------------
@@ -632,17 +884,35 @@ def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 
 # ---- the Trainer's part -------------------------------------------------------------------------------
+def _write_failure(e: BaseException) -> BaseException | None:
+    """The OSError or SafetensorError of a failed write: `e` itself, or the one torch.distributed.checkpoint
+    wrapped into its CheckpointException (failures: rank -> (exception, traceback)); None for anything else."""
+    from safetensors import SafetensorError
+
+    if isinstance(e, (OSError, SafetensorError)):
+        return e
+    failures = getattr(e, "failures", None)
+    if type(e).__name__ == "CheckpointException" and isinstance(failures, dict):
+        for failure in failures.values():
+            inner = failure[0] if isinstance(failure, tuple) and failure else failure
+            found = _write_failure(inner) if isinstance(inner, BaseException) else None
+            if found is not None:
+                return found
+    return None
+
+
 @contextlib.contextmanager
 def write_errors(target: Path, ckpt_root: Path) -> Iterator[None]:
     """An OSError (ENOSPC, EFBIG under a file-size limit, EROFS, ...) or a SafetensorError (safetensors' own wrapper
     of one: "File too large") while writing `target` is an InputError (exit 2) naming the path and the cause and
     the newest complete checkpoint under `ckpt_root`, which the atomic write left as it was (issue 38 item 8: a
-    full disk during a save was exit 1, "please report it")."""
-    from safetensors import SafetensorError
-
+    full disk during a save was exit 1, "please report it"). Also when torch.distributed.checkpoint wrapped it."""
     try:
         yield
-    except (OSError, SafetensorError) as e:
+    except BaseException as exc:
+        e = _write_failure(exc)
+        if e is None:
+            raise
         done = complete_checkpoints(ckpt_root)
         kept = (f"the newest complete checkpoint, {done[-1]}, is intact: after freeing space continue with "
                 f"--resume auto" if done else "no complete checkpoint was written before")
@@ -651,31 +921,144 @@ def write_errors(target: Path, ckpt_root: Path) -> Iterator[None]:
                          f"limit?); nothing of it was kept; {kept}") from None
 
 
+def _writer_thread_priority() -> None:
+    """The writer thread yields the CPU to training: on Linux a thread has its own nice value (best effort)."""
+    try:
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+    except (AttributeError, OSError):
+        pass
+
+
+class _Write:
+    """One checkpoint being written by a background thread: its step, its commit gate, and how it ended."""
+
+    def __init__(self, step: int, write: Callable[[CommitGate], Path]):
+        self.step, self.gate = step, CommitGate()
+        self.result: Path | None = None
+        self.error: BaseException | None = None
+        self.thread = threading.Thread(target=self._run, args=(write,), name=f"entrenar-checkpoint-{step}",
+                                       daemon=True)
+        self.thread.start()
+
+    def _run(self, write: Callable[[CommitGate], Path]) -> None:
+        _writer_thread_priority()
+        try:
+            self.result = write(self.gate)
+        except BaseException as e:  # noqa: BLE001 -- raised on the training thread (Checkpointer.poll / wait)
+            self.error = e
+
+    @property
+    def done(self) -> bool:
+        return not self.thread.is_alive()
+
+    def join(self) -> None:
+        while self.thread.is_alive():  # in slices: a signal (a second Ctrl-C) reaches the training thread
+            self.thread.join(0.25)
+
+
 class Checkpointer:
     """The checkpoints of one run under `run_dir`/checkpoints: written as one directory by one process, or
     as DCP shards by every rank together under torchrun; restored from either kind into the model and
-    optimizer as they are now. `extra_files(model, dir)` adds what makes a local checkpoint a runnable
-    MODEL (config or adapter files, generation_config.json, the tokenizer; set by the commands)."""
+    optimizer as they are now. `extra_files(model)` takes what makes a local checkpoint a runnable MODEL (config
+    or adapter files, generation_config.json, the tokenizer; set by the commands) and returns its writer.
+
+    mode "async" (--save-mode, the default): `save` takes a snapshot (weights, optimizer state, RNG, trainer
+    state: a copy in host memory, pinned on a GPU; DCP's staging for shards) and a background thread writes it
+    while training goes on; one write at a time (`save` first waits for the previous one). A write's error
+    (a full disk) is raised on the training thread by `poll` (one process: the step after it happened), the
+    next `save` or `wait` (every rank at the same step), as the exit-2 InputError a synchronous save raises.
+    Under torchrun the writers' collectives run over their own gloo process group, never the training's.
+    mode "sync": `save` writes from the live tensors and returns when the checkpoint is COMPLETE."""
 
     def __init__(self, run_dir: Path, keep: int, ctx: DistContext,
-                 extra_files: Callable[[torch.nn.Module, Path], None] | None = None):
+                 extra_files: Callable[[torch.nn.Module], Callable[[Path], None]] | None = None,
+                 mode: str = "async"):
+        if mode not in SAVE_MODES:
+            raise InputError(f"--save-mode {mode!r}: expected one of {', '.join(SAVE_MODES)}")
         self.run_dir, self.root, self.keep, self.ctx = Path(run_dir), Path(run_dir) / "checkpoints", keep, ctx
-        self.extra_files = extra_files
+        self.extra_files, self.mode = extra_files, mode
+        self.last_complete: Path | None = None  # the newest checkpoint known COMPLETE (written or resumed from)
+        self._write: _Write | None = None
+        self._buffers = HostBuffers()
+        self._dcp_writer: Any = None
+        self._group: Any = None
+        if ctx.active and mode == "async":  # every rank builds its Checkpointer at the same point: a collective
+            import torch.distributed as dist
+
+            from .distributed import DEFAULT_TIMEOUT_S, TIMEOUT_ENV
+
+            self._group = dist.new_group(backend="gloo", timeout=timedelta(
+                seconds=float(os.environ.get(TIMEOUT_ENV, DEFAULT_TIMEOUT_S))))
+
+    @property
+    def in_flight(self) -> int | None:
+        """The step of the checkpoint being written in the background, or None."""
+        return None if self._write is None else self._write.step
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
              trainer_state: dict[str, Any], run_config: dict[str, Any]) -> Path:
-        """Write step-N atomically (a collective under torchrun); returns its path. A write that fails (a full
-        disk, a file-size limit) is exit 2 naming the path and the cause; the previous checkpoints stay."""
-        with write_errors(self.root / step_dir_name(step), self.root):
-            return self._save(step, model, optimizer, trainer_state, run_config)
+        """step-N, atomically (a collective under torchrun); returns the path it has (async: will have once
+        written). A write that fails (a full disk, a file-size limit) is exit 2 naming the path and the cause;
+        the previous checkpoints stay."""
+        target = self.root / step_dir_name(step)
+        if self.mode == "sync":
+            with write_errors(target, self.root):
+                self.last_complete = self._start(step, model, optimizer, trainer_state, run_config, False)(None)
+            return target
+        self.wait()  # one write at a time (its buffers are the next snapshot's); its error is raised here
+        with write_errors(target, self.root):
+            write = self._start(step, model, optimizer, trainer_state, run_config, True)
+        self._write = _Write(step, write)
+        return target
 
-    def _save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-              trainer_state: dict[str, Any], run_config: dict[str, Any]) -> Path:
+    def _start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
+               trainer_state: dict[str, Any], run_config: dict[str, Any], copy: bool
+               ) -> Callable[[CommitGate | None], Path]:
+        """The snapshot (copied into host memory when `copy`), and the function that writes it."""
         if self.ctx.active:
-            return save_sharded_checkpoint(self.root, step, model, optimizer, trainer_state, run_config,
-                                           self.keep, self.ctx)
-        return save_checkpoint(self.root, step, model, optimizer, trainer_state, run_config, self.keep,
-                               extra_files=self.extra_files)
+            if copy and self._dcp_writer is None:
+                self._dcp_writer = dcp_writer(self.root, pinned=torch.cuda.is_available()
+                                              and self.ctx.device.type == "cuda")
+            return start_sharded_checkpoint(self.root, step, model, optimizer, trainer_state, run_config, self.keep,
+                                            self.ctx, self._dcp_writer if copy else None, self._group if copy else None)
+        snap = snapshot(step, model, optimizer, trainer_state, run_config, self.extra_files,
+                        self._buffers if copy else None)
+        root, keep = self.root, self.keep
+
+        def write(gate: CommitGate | None) -> Path:
+            with write_errors(root / step_dir_name(step), root):
+                return write_snapshot(root, snap, keep, gate)
+        return write
+
+    def poll(self, raise_errors: bool = True) -> None:
+        """Take the outcome of a background write that has ended: the checkpoint it made COMPLETE, or (when
+        `raise_errors`) its error. Never waits."""
+        if self._write is not None and self._write.done and (raise_errors or self._write.error is None):
+            self._outcome()
+
+    def wait(self) -> None:
+        """Wait for the background write, if any, and take its outcome (raising its error)."""
+        if self._write is not None:
+            self._write.join()
+            self._outcome()
+
+    def _outcome(self) -> None:
+        write, self._write = self._write, None
+        if write is not None and write.error is not None:
+            raise write.error
+        if write is not None:
+            self.last_complete = write.result
+
+    def abandon(self) -> BaseException | None:
+        """Give up the background write (the run ends on an error, or a second Ctrl-C): it never writes COMPLETE
+        from here on (a write that already committed stays). Returns its own error if it had failed."""
+        write, self._write = self._write, None
+        if write is None:
+            return None
+        write.gate.abandon()
+        if write.gate.committed:
+            self.last_complete = self.root / step_dir_name(write.step)
+        return write.error if write.done and not isinstance(write.error, Abandoned) else None
 
     def load(self, spec: str, log: Callable[[str], None]) -> tuple[Path | None, dict[str, Any] | None]:
         """load_resume with the ranks sharing the hashing (each hashes every world-th file)."""

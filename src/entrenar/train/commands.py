@@ -485,11 +485,11 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
         _start_run_dir(out, run_json, data_report, args.resume)
     pre = {"verify": {"skipped": "resumed run"}} if args.resume and (out / "preflight.json").exists() else \
         ctx.run_on_main(lambda: _run_preflight(args, model, tokenizer, cfg.seq_len, cfg.dtype))
-    from .model_files import write_checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
+    from .model_files import checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
 
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, save_final=save_final, log=_log,
                             resume_command=_resume_command(), objective=objective, task_eval=task_eval,
-                            checkpoint_files=functools.partial(write_checkpoint_files, tokenizer=tokenizer,
+                            checkpoint_files=functools.partial(checkpoint_files, tokenizer=tokenizer,
                                                                base_spec=args.model))
     trainers.append(trainer)
     trainer.begin(args.resume, pre)  # a fresh start: step 0, recorded before its guard judges it

@@ -30,6 +30,7 @@ from ..devices import (
 from ..errors import InputError
 from ..kernels import KERNELS
 from . import guards
+from .checkpoint import SAVE_MODES
 from .objective import DEFAULT_BETA, OBJECTIVES
 from .optim import SCHEDULES
 from .profiling import parse_profile
@@ -141,6 +142,11 @@ class TrainConfig:
         "eval": {"flag": "--max-batches", "default": 0, "help": "stop after this many batches; 0 = all"}})
     save_every: int = option(0, "checkpoint period in steps; 0 = at the end only")
     keep: int = option(3, "newest complete checkpoints kept; 0 = keep all")
+    save_mode: str = option("async", "how a checkpoint is written: async = a snapshot (weights, optimizer state, RNG, "
+                                     "data position) copied to host memory at the save step, written and fsynced by "
+                                     "a background thread while training goes on, COMPLETE last (one write at a "
+                                     "time; the end of the run and Ctrl-C wait for it); sync = written in the step, "
+                                     "training waits", choices=SAVE_MODES)
     seed: int = option(0, "seed for init (weights and LoRA adapters), data order and RNG")
     # the task the run is judged by (evaluate/in_loop.py; design.md "Task metrics inside the run")
     eval_task: str | None = option(None, "evaluate a task at step 0 (the base) and every --eval-task-every steps: "

@@ -332,7 +332,8 @@ class Trainer:
         self.train_watch = guards.TrainWatch()  # GUARD-TRAIN-DIVERGED / GUARD-END-WORSE without an eval set
         self.best_lm_eval: float | None = None  # GUARD-PREF-CHOSEN-DIVERGED: lowest eval NLL of the chosen responses
         self.last_loss = float("nan")
-        self.last_saved: Path | None = None
+        self.saves = 0  # checkpoints started (step_time: a step after one is timed from its own start)
+        self.step_now = 0  # the step being run (or the last one run): what a Ctrl-C message names
         # largest |w| of the trainable weights at the start: what "exploded" is measured against
         self.weights_ref = self.weights_max_abs()
         self.step_seconds = 0.0
@@ -614,7 +615,7 @@ class Trainer:
         the steady state; nothing is counted twice. Any other step (the first, one after an eval or a
         checkpoint) waits for its own update and runs from its start. So the step times add up to the
         training wall time less evals and checkpoints (and the last update before each of those)."""
-        marker = (step, len(self.eval_history), self.last_saved, len(self.task.results) if self.task else 0)
+        marker = (step, len(self.eval_history), self.saves, len(self.task.results) if self.task else 0)
         if self._timing is not None and self._timing[0] == (step - 1, *marker[1:]):
             dt, anchor = t_read - self._timing[1], t_read
         else:
@@ -723,7 +724,9 @@ class Trainer:
 
     def keep_last_good(self, step: int, data_state: dict, rng: dict) -> Path | None:
         """After a non-finite step: save the state before it (step `step`) if its weights are finite and
-        not exploded; otherwise keep the previous checkpoint. Returns the good checkpoint or None."""
+        not exploded; otherwise keep the previous checkpoint. Returns the good checkpoint or None. A
+        checkpoint being written in the background is finished first (it may be that very state)."""
+        self.settle_write("the run stops")
         if step <= 0 or (self.last_saved is not None and self.last_saved.name == step_dir_name(step)):
             return self.last_saved
         self.optimizer.zero_grad(set_to_none=True)
@@ -731,20 +734,59 @@ class Trainer:
         if problem is not None:
             self.message(f"GUARD-NONFINITE: step {step} is not saved as a good checkpoint: {problem}")
             return self.last_saved
-        return self.save(step, data_state, rng)
+        self.save(step, data_state, rng, wait=True)
+        return self.last_saved
 
-    def save(self, step: int, data_state: dict | None = None, rng: dict | None = None) -> Path:
+    @property
+    def last_saved(self) -> Path | None:
+        """The newest checkpoint known COMPLETE (what the messages name); a background write counts once done."""
+        return self.checkpointer.last_complete
+
+    @last_saved.setter
+    def last_saved(self, path: Path | None) -> None:
+        self.checkpointer.last_complete = path
+
+    def save(self, step: int, data_state: dict | None = None, rng: dict | None = None, wait: bool = False) -> Path:
         """An atomic checkpoint of step `step` (the checkpointer's: local, or DCP shards under torchrun); its
         weights are checked first (GUARD-NONFINITE if they are non-finite or exploded: a checkpoint is only
-        ever a good one)."""
+        ever a good one). --save-mode async: a snapshot now, written in the background (`wait`: finished before
+        this returns); the path it will have is returned."""
         problem = self.weights_problem()
         if problem is not None:
             raise guards.weights_error(f"checkpoint {step_dir_name(step)}", problem,
                                        self.kept_text(self.last_saved), step)
         state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
                                    rng if rng is not None else rng_state())
-        self.last_saved = self.checkpointer.save(step, self.model, self.optimizer, state, self.run_config)
-        return self.last_saved
+        self.saves += 1
+        path = self.checkpointer.save(step, self.model, self.optimizer, state, self.run_config)
+        if wait:
+            self.checkpointer.wait()
+        return path
+
+    def settle_write(self, why: str) -> None:
+        """Finish the checkpoint being written in the background, if any, before `why` (a stop): a write error
+        is said, not raised (what stops the run is reported instead); a Ctrl-C while waiting abandons the write
+        (it is never made COMPLETE)."""
+        step = self.checkpointer.in_flight
+        if step is None:
+            return
+        self.log(f"{why}: waiting for checkpoint {step_dir_name(step)} being written (Ctrl-C abandons it)")
+        try:
+            self.checkpointer.wait()
+        except KeyboardInterrupt:
+            self.checkpointer.abandon()
+            self.log(f"checkpoint {step_dir_name(step)} abandoned: it has no COMPLETE marker, --resume ignores it")
+        except Exception as e:  # noqa: BLE001 -- said here; the stop is what the command reports
+            self.log(f"checkpoint {step_dir_name(step)} was not written: {e}")
+
+    def drop_write(self) -> None:
+        """The run ends on an error: a checkpoint still being written in the background is abandoned (it never
+        becomes COMPLETE, so the last complete checkpoint the error names stays the newest); an error of that
+        write is said."""
+        step = self.checkpointer.in_flight
+        error = self.checkpointer.abandon()
+        if error is not None:
+            self.log(f"checkpoint {step_dir_name(step)} was not written: {error}")
 
     # ---- the run ---------------------------------------------------------------------------------
     def message(self, text: str) -> None:
@@ -765,15 +807,20 @@ class Trainer:
 
     def finish(self) -> None:
         """final/ through save_final: one consolidated directory written by rank 0 whatever the world size,
-        only from weights checked finite (GUARD-NONFINITE otherwise)."""
-        if self.save_final is None:
-            return
-        problem = self.weights_problem()
-        if problem is not None:
-            raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
-        self.final_step = self.task.restore_best(self.params) if self.task is not None else None
-        model = self.strategy.final_model()  # a collective under FSDP: the tensors land on rank 0
-        self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
+        only from weights checked finite (GUARD-NONFINITE otherwise); meanwhile the end-of-run checkpoint is
+        written in the background (--save-mode async), and waited for (also when final/ fails)."""
+        try:
+            if self.save_final is not None:
+                problem = self.weights_problem()
+                if problem is not None:
+                    raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
+                self.final_step = self.task.restore_best(self.params) if self.task is not None else None
+                model = self.strategy.final_model()  # a collective under FSDP: the tensors land on rank 0
+                self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
+        except BaseException:
+            self.settle_write("final/ was not written")
+            raise
+        self.checkpointer.wait()
 
     def fit(self) -> dict[str, Any]:
         """Steps start_step+1 .. cfg.steps with their evals and checkpoints, then final/. Returns a summary."""
@@ -785,15 +832,38 @@ class Trainer:
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
         self.progress = Progress(cfg.steps, self.start_step, sys.stderr, cfg.log_every)
-        t_train, tokens_at_start, step = time.perf_counter(), self.tokens, self.start_step
+        t_train, tokens_at_start = time.perf_counter(), self.tokens
+        self.step_now = self.start_step
         profiler = None if cfg.profile is None else StepProfiler(cfg.profile, self.run_dir, self.device,
                                                                    write=self.ctx.is_main)
         if profiler is not None and profiler.stop <= self.start_step:
             self.log(f"note: --profile {profiler.start}:{profiler.count} is before the resumed step "
                      f"{self.start_step}: nothing is profiled")
         try:
+            self._steps(profiler)
+            self.finish()
+        except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: a checkpoint being written is finished first
+            self.settle_write("stopping")
+            raise TrainingInterrupted(self.step_now, self.last_saved, self.resume_command) from e
+        except BaseException:
+            self.drop_write()
+            raise
+        warnings = self.end_warnings()
+        return {"warnings": warnings, "steps": cfg.steps, "start_step": self.start_step, "tokens": self.tokens,
+                "final_train_loss": self.last_loss if math.isfinite(self.last_loss) else None,
+                # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
+                "tok_s": (self.tokens - tokens_at_start) / self.step_seconds if self.step_seconds > 0 else None,
+                "seconds": time.perf_counter() - t_train, "eval": self.eval_history,
+                "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir),
+                **({"task": self.task.summary(self.final_step)} if self.task is not None else {})}
+
+    def _steps(self, profiler: StepProfiler | None) -> None:
+        """Steps start_step+1 .. cfg.steps with their evals and checkpoints (the progress bar closed after)."""
+        cfg = self.cfg
+        try:
             with scheduled_gc(GC_EVERY, GC_FULL_EVERY) as before_step:
                 for step in range(self.start_step + 1, cfg.steps + 1):
+                    self.step_now = step
                     before_step(step)
                     if profiler is not None:
                         profiler.before(step)
@@ -814,22 +884,14 @@ class Trainer:
                     self.progress.update(step, record["loss"], record["tok_s"],
                                          f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f}")
                     self.after_step(step)
-        except KeyboardInterrupt as e:
-            raise TrainingInterrupted(step, self.last_saved, self.resume_command) from e
+                    # a background checkpoint write that ended: COMPLETE, or its error (exit 2) raised here; under
+                    # torchrun errors wait for the next save or the end, which every rank reaches at the same step
+                    self.checkpointer.poll(raise_errors=not self.ctx.active)
         finally:
             if profiler is not None:
                 profiler.close()
             self.progress.close()
             self.progress = None
-        self.finish()
-        warnings = self.end_warnings()
-        return {"warnings": warnings, "steps": cfg.steps, "start_step": self.start_step, "tokens": self.tokens,
-                "final_train_loss": self.last_loss if math.isfinite(self.last_loss) else None,
-                # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
-                "tok_s": (self.tokens - tokens_at_start) / self.step_seconds if self.step_seconds > 0 else None,
-                "seconds": time.perf_counter() - t_train, "eval": self.eval_history,
-                "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir),
-                **({"task": self.task.summary(self.final_step)} if self.task is not None else {})}
 
 
 def write_preflight(run_dir: Path, preflight: dict, step0: dict) -> None:
@@ -840,15 +902,15 @@ def write_preflight(run_dir: Path, preflight: dict, step0: dict) -> None:
 
 def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path, *,
                   objective: Objective | None = None, ctx: DistContext | None = None,
-                  checkpoint_files: Callable[[torch.nn.Module, Path], None] | None = None,
+                  checkpoint_files: Callable[[torch.nn.Module], Callable[[Path], None]] | None = None,
                   save_final: Callable[[torch.nn.Module, Path], None] | None = None,
                   log: Callable[[str], None] | None = None, resume_command: str | None = None,
                   task_eval: Any | None = None) -> Trainer:
     """The one construction of a Trainer (the commands, the tests, `train`): the precision prepares the model
     (bf16-pure's cast; before the optimizer exists, its state follows the weights), the memory options reach
     the blocks, parallelism is applied from outside (apply_parallel: nothing in one process), the loaders are
-    split by global sample index, and only rank 0 logs. `checkpoint_files(model, dir)` makes each local
-    checkpoint a runnable MODEL."""
+    split by global sample index, and only rank 0 logs. `checkpoint_files(model)` takes what makes each local
+    checkpoint a runnable MODEL and returns its writer (model_files.checkpoint_files)."""
     from ..long_context import apply_memory_options
 
     ctx = ctx or job_context()
@@ -861,7 +923,7 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     apply_memory_options(model, cfg)
     strategy = apply_parallel(model, ctx, cfg.parallel, precision, cfg.mode in ("lora", "qlora"), cfg.grad_accum,
                               cfg.grad_reduce)
-    checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files)
+    checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files, mode=cfg.save_mode)
     return Trainer(strategy, shard_loader(train_loader, ctx, objective.counts),
                    shard_loader(eval_loader, ctx, objective.counts), cfg, run_dir,
                    precision=precision, objective=objective, checkpointer=checkpointer,
