@@ -5,7 +5,7 @@ token total summed before the backward, loss_sum / global total, SUM gradient re
 the global norm) on unequal-length samples; its parameters must equal a single process's with
 the whole global batch. Also: the data split keeps the global sample order, a sharded
 torch.distributed.checkpoint written by 2 ranks loads into 1 process, run_on_main carries a
-GuardError to every rank.
+GuardError to every rank, the Trainer's sharded checkpoint written in the background equals the synchronous one.
 """
 
 from __future__ import annotations
@@ -172,6 +172,10 @@ results["queued"] = {{"skipped": skipped, "step_count": step_count, "moved": mov
                       "params": len(before)}}
 if ctx.is_main:
     torch.save(results, out + "/result.pt")
+# the Trainer's checkpoints written in the background equal the synchronous ones (tests/test_async_checkpoint.py)
+from pathlib import Path
+from tests.test_async_checkpoint import sharded_runs
+sharded_runs(ctx, Path(out) / "ckpt")
 # a sharded checkpoint of model + optimizer, written by both ranks (the per-rank-average model)
 opt = torch.optim.AdamW(par.module.parameters(), lr=1e-2)
 from entrenar.train import checkpoint as C
@@ -218,6 +222,14 @@ def test_two_ranks_equal_one_process_on_unequal_samples(two_ranks):
     assert max(rel_l2(got["params"][n], ref_params[n]) for n in ref_params) <= 1e-5
     # the guard verdict of rank 0 reached rank 1 with its id and exit code
     assert proc.stdout.count("got GuardError GUARD-TEST exit 3") == 2, proc.stdout
+
+
+def test_two_ranks_write_a_sharded_checkpoint_in_the_background(two_ranks):
+    """--save-mode async under torchrun: DCP's staged copy of the shards written by each rank's background writer
+    (its collectives over the writers' own gloo group) while step 3 runs; every file equals the synchronous save's."""
+    from tests.test_async_checkpoint import check_sharded_runs
+
+    check_sharded_runs(two_ranks[0] / "ckpt")
 
 
 def test_averaging_per_rank_is_detected(two_ranks):

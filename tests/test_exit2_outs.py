@@ -50,9 +50,11 @@ def full_disk(kind: str) -> Exception:
     return OSError(errno.ENOSPC, "No space left on device")
 
 
-@pytest.mark.parametrize("kind", ["safetensors", "oserror"])
+@pytest.mark.parametrize("kind, mode", [("safetensors", "async"), ("oserror", "sync")])
 def test_a_full_disk_during_a_checkpoint_is_exit_2_and_keeps_the_previous_one(tmp_path, base_model, sft_data,  # noqa: F811
-                                                                               capsys, monkeypatch, kind):
+                                                                               capsys, monkeypatch, kind, mode):
+    """--save-mode async (the default): the background writer's error reaches the training thread (the next step)
+    as the same exit 2 a synchronous save gives."""
     from entrenar.train import checkpoint
 
     real, calls = checkpoint.save_file, []
@@ -66,7 +68,7 @@ def test_a_full_disk_during_a_checkpoint_is_exit_2_and_keeps_the_previous_one(tm
 
     monkeypatch.setattr(checkpoint, "save_file", writer)
     out = tmp_path / "run"
-    code, result, err = run_cli(finetune(base_model, sft_data, out), capsys)
+    code, result, err = run_cli(finetune(base_model, sft_data, out, "--save-mode", mode), capsys)
     assert code == 2 and result["exit_code"] == 2 and "please report" not in result["error"], (result, err[-1500:])
     ckpts = out / "checkpoints"
     assert str(ckpts / "step-0000002") in result["error"] and ("File too large" in result["error"] or
@@ -75,6 +77,7 @@ def test_a_full_disk_during_a_checkpoint_is_exit_2_and_keeps_the_previous_one(tm
     assert sorted(p.name for p in ckpts.iterdir()) == ["latest", "step-0000001"]  # no half step-2, no temporary
     assert (ckpts / "latest").resolve().name == "step-0000001" and (ckpts / "step-0000001" / "COMPLETE").is_file()
     assert not (out / "final").exists()
+    assert json.loads((out / "run.json").read_text())["config"]["save_mode"] == mode
     monkeypatch.undo()  # space freed: the advice continues the run
     code, result, err = run_cli([*finetune(base_model, sft_data, out), "--resume", "auto"], capsys)
     assert code == 0 and result["start_step"] == 1, err[-1500:]

@@ -1,0 +1,236 @@
+"""Checkpoints written in the background (--save-mode async, the default; issue 36 item 5).
+
+A save takes a snapshot and a thread writes it while training goes on. Shown here with the writer held at a known
+point (checkpoint.WRITE_HOOK) until the training thread has run further, never by guessing with sleeps:
+- the checkpoint holds its own step (every file's sha256 equals the synchronous save's, the LoRA adapter files
+  included) although the next step changed the weights while it was written;
+- COMPLETE is written only after every file of the checkpoint was fsynced;
+- Ctrl-C waits for the write in flight (then named as the last checkpoint); an error exit abandons it (no COMPLETE);
+- a SIGKILL during the write leaves the previous COMPLETE checkpoint and `latest`, the half-written one visibly
+  incomplete, and --resume auto continues from the previous one bit-identically;
+- under torchrun (2 gloo ranks, FSDP2) the sharded checkpoint written in the background equals the synchronous one
+  (sharded_runs, run by tests/test_distributed_toy.py's worker: one launch for both).
+A full disk in the background writer is exit 2 with the synchronous save's message: tests/test_exit2_outs.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrenar import peft
+from entrenar.errors import GuardError
+from entrenar.train import checkpoint as C
+from entrenar.train import loop
+from entrenar.train.loop import TrainConfig, TrainingInterrupted, build_trainer
+from entrenar.train.model_files import checkpoint_files
+from tests.helpers.cli import child_env
+from tests.test_train_loop import ListLoader, losses, make_samples, quiet, run, tiny_model
+
+HOLD_S = 60.0  # how long a held writer waits for the training thread before the test fails
+
+
+class Held:
+    """WRITE_HOOK holding the write of checkpoint `step` at `stage` until `release()`; `reached` is set when the
+    writer got there."""
+
+    def __init__(self, step: int, stage: str = "start"):
+        self.name, self.stage = C.step_dir_name(step), stage
+        self.reached, self.go, self.timed_out = threading.Event(), threading.Event(), False
+
+    def __call__(self, stage: str, where: Path) -> None:
+        if stage == self.stage and self.name in where.name:
+            self.reached.set()
+            self.timed_out = not self.go.wait(HOLD_S)
+
+    def release(self) -> None:
+        self.go.set()
+
+
+def after_step_at(monkeypatch, step: int, action) -> None:
+    """Run `action()` when the trainer reaches after_step(step), i.e. once step `step` is done, before its own
+    eval and checkpoint."""
+    orig = loop.Trainer.after_step
+
+    def after_step(self, s: int) -> None:
+        if s == step:
+            action(self)
+        orig(self, s)
+    monkeypatch.setattr(loop.Trainer, "after_step", after_step)
+
+
+def lora_run(run_dir: Path, mode: str, steps: int = 3) -> dict:
+    """A LoRA run whose checkpoints carry the adapter files (the commands' checkpoint_files)."""
+    model = tiny_model()
+    torch.manual_seed(123)
+    model = peft.apply_lora(model, rank=4, alpha=8)
+    cfg = TrainConfig(steps=steps, batch_size=2, seq_len=32, lr=1e-2, warmup=1, save_every=2, keep=3, seed=5,
+                      save_mode=mode)
+    trainer = build_trainer(model, ListLoader(make_samples(16), 2, seed=3), None, cfg, run_dir, log=quiet,
+                            checkpoint_files=checkpoint_files)
+    trainer.begin(None)
+    return trainer.fit()
+
+
+def digests(ckpt: Path) -> dict[str, str]:
+    meta = json.loads((ckpt / "meta.json").read_text())["sha256"]
+    return {k: v for k, v in meta.items() if k != "run_config.json"}  # it records --save-mode
+
+
+def test_a_checkpoint_written_while_training_goes_on_holds_its_own_step(tmp_path, monkeypatch):
+    lora_run(tmp_path / "sync", "sync")
+    held, seen = Held(2), {}
+
+    def step3_done(trainer) -> None:  # step 3 changed the weights while step-2 was being written
+        seen["writing"] = trainer.checkpointer.in_flight
+        seen["reached"] = held.reached.wait(HOLD_S)
+        seen["complete"] = (tmp_path / "async" / "checkpoints" / "step-0000002").exists()
+        held.release()
+    monkeypatch.setattr(C, "WRITE_HOOK", held)
+    after_step_at(monkeypatch, 3, step3_done)
+    lora_run(tmp_path / "async", "async")
+    assert seen == {"writing": 2, "reached": True, "complete": False} and not held.timed_out
+    for step in ("step-0000002", "step-0000003"):
+        a, b = (tmp_path / mode / "checkpoints" / step for mode in ("sync", "async"))
+        assert "adapter_model.safetensors" in digests(a) and digests(a) == digests(b), step
+    assert losses(tmp_path / "sync") == losses(tmp_path / "async")
+
+
+def test_complete_is_written_after_every_file_is_synced(tmp_path, monkeypatch):
+    synced: set[str] = set()
+    checked: list[str] = []
+    real_fsync, real_write = os.fsync, C._write_bytes
+
+    def fsync(fd: int) -> None:
+        synced.add(os.readlink(f"/proc/self/fd/{fd}"))
+        real_fsync(fd)
+
+    def write_bytes(path: Path, data: bytes) -> None:
+        if path.name == C.COMPLETE:
+            entries = {os.path.realpath(p) for p in [*path.parent.rglob("*"), path.parent]}
+            assert entries <= synced, f"not synced before COMPLETE: {sorted(entries - synced)}"
+            checked.append(path.parent.name)
+        real_write(path, data)
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(C, "_write_bytes", write_bytes)
+    lora_run(tmp_path / "run", "async", steps=2)
+    assert len(checked) == 1 and checked[0].startswith(".step-0000002.tmp")
+
+
+@pytest.mark.parametrize("stop", ["ctrl-c", "error"])
+def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path, monkeypatch, stop):
+    """Ctrl-C (and SIGTERM, the same KeyboardInterrupt) while step-2 is being written: the write is finished and
+    named as the last checkpoint. An error (a guard) instead: the write never becomes COMPLETE, so the checkpoint
+    the error names stays the newest."""
+    held = Held(2)
+    monkeypatch.setattr(C, "WRITE_HOOK", held)
+
+    def step3_done(trainer) -> None:
+        assert held.reached.wait(HOLD_S)
+        if stop == "ctrl-c":
+            threading.Timer(0.2, held.release).start()  # the write ends while the stop waits for it
+            raise KeyboardInterrupt
+        raise GuardError("GUARD-TEST", "stop")
+    after_step_at(monkeypatch, 3, step3_done)
+    with pytest.raises(TrainingInterrupted if stop == "ctrl-c" else GuardError) as e:
+        run(tmp_path, 4, save_every=2)
+    root = tmp_path / "checkpoints"
+    if stop == "ctrl-c":
+        assert e.value.last_checkpoint == root / "step-0000002" and (root / "step-0000002" / "COMPLETE").is_file()
+        assert os.readlink(root / "latest") == "step-0000002"
+        return
+    held.release()  # the abandoned writer goes on to its commit, which refuses it, and removes its temporary
+    for thread in [t for t in threading.enumerate() if t.name.startswith("entrenar-checkpoint-")]:
+        thread.join(HOLD_S)
+    assert not root.exists() or sorted(p.name for p in root.iterdir()) == []
+
+
+KILL = """
+import os, signal, threading
+from tests import test_train_loop as T
+from entrenar.train import checkpoint, loop
+held = threading.Event()
+def hook(stage, where):  # the write of step-4 stops half done: its files written, not synced, no COMPLETE
+    if stage == "written" and checkpoint.step_dir_name(4) in where.name:
+        held.set()
+        threading.Event().wait()
+checkpoint.WRITE_HOOK = hook
+orig = loop.Progress.update
+def update(self, step, *a, **k):
+    orig(self, step, *a, **k)
+    if step == 5:  # step 5 ran while step-4 was being written; then the process dies with it
+        assert held.wait(120)
+        os.kill(os.getpid(), signal.SIGKILL)
+loop.Progress.update = update
+T.run({run_dir!r}, 6, save_every=2)
+"""
+
+
+def test_sigkill_during_a_background_write_keeps_the_previous_checkpoint_and_resumes_exactly(tmp_path):
+    killed = tmp_path / "killed"
+    proc = subprocess.run([sys.executable, "-c", KILL.format(run_dir=str(killed))], capture_output=True, text=True,
+                          timeout=300, check=False, env=child_env(OMP_NUM_THREADS="1"))
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    uninterrupted = losses(killed)  # steps 1-5 of the run: step 5 went on while the checkpoint was written
+    assert len(uninterrupted) == 5
+    root = killed / "checkpoints"
+    (half,) = [d for d in root.iterdir() if C.step_dir_name(4) in d.name]
+    assert half.name.startswith(".") and (half / C.MODEL).is_file() and not (half / C.COMPLETE).exists()
+    assert [d.name for d in C.complete_checkpoints(root)] == ["step-0000002"]
+    assert os.readlink(root / "latest") == "step-0000002"
+    assert run(killed, 6, save_every=2, resume="auto")["start_step"] == 2
+    assert losses(killed)[:5] == uninterrupted  # steps 3-5 again from step-2: bit-identical
+    assert C.load_checkpoint(root / "latest")["trainer_state"]["step"] == 6
+
+
+def sharded_runs(ctx, out: Path) -> None:
+    """Two ranks' part (tests/test_distributed_toy.py's worker, one torchrun launch for both): the same FSDP2 run
+    with --save-mode sync, then async with every rank's shard write of step-2 held until step 3 has changed the
+    weights (the staged copy is what must be written). Rank 0 records what it saw in OUT/async/seen.json."""
+    from tests.test_distributed_toy import ListLoader as RankLoader
+    from tests.test_distributed_toy import samples, tiny
+
+    go, seen = threading.Event(), {}
+
+    def hook(stage: str, where: Path) -> None:
+        if stage == "start" and C.step_dir_name(2) in where.name:
+            seen["held"] = go.wait(HOLD_S)
+
+    orig = loop.Trainer.after_step
+
+    def after_step(self, step: int) -> None:
+        if step == 3 and self.cfg.save_mode == "async":
+            seen["writing"] = self.checkpointer.in_flight
+            go.set()
+        orig(self, step)
+    loop.Trainer.after_step = after_step
+    try:
+        for mode in ("sync", "async"):
+            C.WRITE_HOOK = hook if mode == "async" else None
+            cfg = TrainConfig(steps=3, batch_size=2, seq_len=32, lr=1e-2, warmup=1, save_every=2, seed=5,
+                              save_mode=mode, parallel="fsdp", device="cpu")
+            trainer = build_trainer(tiny(0), RankLoader(samples(), 2), None, cfg, out / mode, log=quiet, ctx=ctx)
+            trainer.begin(None)
+            trainer.fit()
+    finally:
+        loop.Trainer.after_step, C.WRITE_HOOK = orig, None
+    if ctx.is_main:
+        (out / "async" / "seen.json").write_text(json.dumps(seen))
+
+
+def check_sharded_runs(out: Path) -> None:
+    """What sharded_runs wrote: the background checkpoints equal the synchronous ones, file by file."""
+    assert json.loads((out / "async" / "seen.json").read_text()) == {"held": True, "writing": 2}
+    for step in ("step-0000002", "step-0000003"):
+        a, b = (out / mode / "checkpoints" / step for mode in ("sync", "async"))
+        da, db = ({k: v for k, v in digests(d).items() if k != "dcp/.metadata"} for d in (a, b))
+        assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.safetensors"} <= set(da) and da == db, step
+    assert losses(out / "sync") == losses(out / "async")
