@@ -263,12 +263,15 @@ def test_hash_shares_split_the_files_and_share_the_verdict(tmp_path, monkeypatch
 
 
 KILL = """
-import os, signal, sys
+import os, signal, sys, threading
 from entrenar.train import metrics
 orig = metrics.Progress.update
 def update(self, step, *a, **k):
     orig(self, step, *a, **k)
-    if step == 7:  # the whole job dies at once: both ranks, no cleanup
+    if step == 7:  # the whole job dies at once: both ranks, no cleanup (checkpoint 5 complete)
+        for t in threading.enumerate():  # the checkpoint written in the background is complete first
+            if t.name.startswith("entrenar-checkpoint-"):
+                t.join()
         os.kill(os.getpid(), signal.SIGKILL)
 metrics.Progress.update = update
 from entrenar import cli

@@ -40,12 +40,15 @@ WORKERS_GONE_S = 3.0  # the bound stated in docs/design.md: jobwatch polls the l
 # entrenar with each step slowed by SLOW_S (so a signal lands mid-run); with LOSE_RANK set, that rank
 # SIGKILLs itself after step 7 of a run that is not a resume
 JOB = """
-import os, signal, sys, time
+import os, signal, sys, threading, time
 from entrenar.train import metrics
 orig = metrics.Progress.update
 def update(self, step, *a, **k):
     orig(self, step, *a, **k)
     if step == 7 and "--resume" not in sys.argv and os.environ.get("RANK") == os.environ.get("LOSE_RANK"):
+        for t in threading.enumerate():  # the checkpoint written in the background is complete first
+            if t.name.startswith("entrenar-checkpoint-"):
+                t.join()
         os.kill(os.getpid(), signal.SIGKILL)
     time.sleep(float(os.environ.get("SLOW_S", "0")))
 metrics.Progress.update = update

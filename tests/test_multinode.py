@@ -237,7 +237,7 @@ def test_a_node_lost_is_named_by_the_survivors_with_exit_4(tmp_path, args, how):
     envs[lost]["FAKE_HOST"] = "lost-host"
     nodes = Nodes(tmp_path, args(run, 1, "--parallel", "hsdp"), envs=tuple(envs))
     t0 = time.monotonic()
-    while "step 3/" not in nodes.stderr():
+    while "step 3/" not in nodes.stderr() or not (run / "checkpoints" / "step-0000002" / "COMPLETE").is_file():
         assert all(p.poll() is None for p in nodes.procs) and time.monotonic() - t0 < TIMEOUT, nodes.stderr()[-3000:]
         time.sleep(0.05)
     victim, survivor = nodes.procs[lost], nodes.procs[1 - lost]

@@ -89,12 +89,15 @@ def test_out_not_empty_without_resume_is_refused(tmp_path, byte_model_dir, byte_
 
 # ---- a full CLI run, SIGKILL, resume -----------------------------------------------------------------
 KILL = """
-import os, signal, sys
+import os, signal, sys, threading
 from entrenar.train import loop
 orig = loop.Progress.update
 def update(self, step, *a, **k):
     orig(self, step, *a, **k)
     if step == {kill}:
+        for t in threading.enumerate():  # the step-3 checkpoint, written in the background, is complete
+            if t.name.startswith("entrenar-checkpoint-"):
+                t.join()
         os.kill(os.getpid(), signal.SIGKILL)
 loop.Progress.update = update
 from entrenar import cli

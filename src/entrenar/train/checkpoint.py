@@ -1056,7 +1056,7 @@ class Checkpointer:
         if write is None:
             return None
         write.gate.abandon()
-        if write.gate.committed:
+        if write.gate.committed or (write.done and write.error is None):  # it had finished (another rank's commit)
             self.last_complete = self.root / step_dir_name(write.step)
         return write.error if write.done and not isinstance(write.error, Abandoned) else None
 

@@ -780,13 +780,17 @@ class Trainer:
             self.log(f"checkpoint {step_dir_name(step)} was not written: {e}")
 
     def drop_write(self) -> None:
-        """The run ends on an error: a checkpoint still being written in the background is abandoned (it never
-        becomes COMPLETE, so the last complete checkpoint the error names stays the newest); an error of that
-        write is said."""
+        """The run ends on an error: a checkpoint still being written in the background by this process is
+        abandoned (it never becomes COMPLETE from here on); an error of that write is said. What the end then
+        names as the last checkpoint (a lost rank's exit 4) is the newest COMPLETE one on disk: under torchrun
+        rank 0 may have committed one this rank had not heard of yet."""
         step = self.checkpointer.in_flight
         error = self.checkpointer.abandon()
         if error is not None:
             self.log(f"checkpoint {step_dir_name(step)} was not written: {error}")
+        done = complete_checkpoints(self.ckpt_root)
+        if done and (self.last_saved is None or done[-1].name > self.last_saved.name):
+            self.last_saved = done[-1]
 
     # ---- the run ---------------------------------------------------------------------------------
     def message(self, text: str) -> None:
