@@ -922,9 +922,10 @@ def write_errors(target: Path, ckpt_root: Path) -> Iterator[None]:
 
 
 def _writer_thread_priority() -> None:
-    """The writer thread yields the CPU to training: on Linux a thread has its own nice value (best effort)."""
+    """The writer thread yields the CPU to training (the lowest priority, nice 19; on Linux a thread has its own
+    nice value; best effort): on a machine whose cores are busy, a write takes longer, not the steps."""
     try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
     except (AttributeError, OSError):
         pass
 
