@@ -21,6 +21,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -125,19 +126,37 @@ def test_complete_is_written_after_every_file_is_synced(tmp_path, monkeypatch):
     assert len(checked) == 1 and checked[0].startswith(".step-0000002.tmp")
 
 
-@pytest.mark.parametrize("stop", ["ctrl-c", "error"])
+@pytest.mark.parametrize("stop", ["ctrl-c", "error", "stuck"])
 def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path, monkeypatch, stop):
     """Ctrl-C (and SIGTERM, the same KeyboardInterrupt) while step-2 is being written: the write is finished and
-    named as the last checkpoint. An error (a guard) instead: the write never becomes COMPLETE, so the checkpoint
-    the error names stays the newest."""
-    held = Held(2)
+    named as the last checkpoint. An error (a guard) instead: the write is abandoned, stops before its next file and
+    is gone (never COMPLETE, no temporary left) when the error leaves the trainer, so the checkpoint the error names
+    stays the newest. A write that does not stop (stuck: held with its files written, not synced) is left behind
+    after checkpoint.ABANDON_WAIT_S, and never becomes COMPLETE either."""
+    held = Held(2, "written" if stop == "stuck" else "start")
     monkeypatch.setattr(C, "WRITE_HOOK", held)
+    monkeypatch.setattr(C, "ABANDON_WAIT_S", 0.5 if stop == "stuck" else HOLD_S)
+    written, real_save_file = [], C.save_file
+    if stop == "error":  # the held writer goes on once the trainer has abandoned it
+        abandon = C.CommitGate.abandon
+
+        def abandon_then_release(gate) -> None:
+            abandon(gate)
+            held.release()
+
+        def save_file(tensors, path, *a, **k):
+            written.append(Path(path).name)
+            return real_save_file(tensors, path, *a, **k)
+        monkeypatch.setattr(C.CommitGate, "abandon", abandon_then_release)
+        monkeypatch.setattr(C, "save_file", save_file)
+    raised = []
 
     def step3_done(trainer) -> None:
         assert held.reached.wait(HOLD_S)
         if stop == "ctrl-c":
             threading.Timer(0.2, held.release).start()  # the write ends while the stop waits for it
             raise KeyboardInterrupt
+        raised.append(time.monotonic())
         raise GuardError("GUARD-TEST", "stop")
     after_step_at(monkeypatch, 3, step3_done)
     with pytest.raises(TrainingInterrupted if stop == "ctrl-c" else GuardError) as e:
@@ -147,10 +166,15 @@ def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path,
         assert e.value.last_checkpoint == root / "step-0000002" and (root / "step-0000002" / "COMPLETE").is_file()
         assert os.readlink(root / "latest") == "step-0000002"
         return
-    held.release()  # the abandoned writer goes on to its commit, which refuses it, and removes its temporary
-    for thread in [t for t in threading.enumerate() if t.name.startswith("entrenar-checkpoint-")]:
-        thread.join(HOLD_S)
-    assert not root.exists() or sorted(p.name for p in root.iterdir()) == []
+    if stop == "stuck":
+        assert time.monotonic() - raised[0] < 0.5 + 5.0  # the abandon wait, not the write, bounds the error's exit
+        (writer,) = C.writers_running()
+        (tmp,) = root.iterdir()  # the half-written temporary, without COMPLETE
+        assert tmp.name.startswith(".step-0000002.tmp") and not (tmp / C.COMPLETE).exists()
+        held.release()  # it goes on to its next check, which stops it, and removes its temporary
+        writer.join(HOLD_S)
+    assert not C.writers_running() and not held.timed_out
+    assert sorted(p.name for p in root.iterdir()) == [] and written == []  # error: stopped before its first file
 
 
 KILL = """

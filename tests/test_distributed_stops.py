@@ -8,7 +8,9 @@
     uninterrupted one;
   - a rank SIGKILLed (the OOM killer's way): the survivor names the lost rank, the last complete checkpoint
     and the resume command, exit 4 (rank 1 speaks when rank 0 is the one lost);
-  - SIGTERM to the launcher (docker stop, SLURM): as Ctrl-C, exit 143.
+  - SIGTERM to the launcher (docker stop, SLURM): as Ctrl-C, exit 143;
+  - a guard while a checkpoint write is stuck (one rank's writer never comes, the other's waits in a collective of
+    the writers' group): every process exits 3 within EXIT_BOUND_S, none aborts at exit, no COMPLETE.
 
 The runs reuse test_distributed's tiny model, data and its uninterrupted 2-rank run (`fsdp`) as the reference.
 Each costs a torchrun start (seconds on 2 cores): few, and a slowed step so a signal lands mid-run.
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import signal
 import subprocess
@@ -29,6 +32,7 @@ import pytest
 import torch
 
 from entrenar import cli
+from entrenar.train import checkpoint as C
 from entrenar.train.runlock import LOCK_FILE
 from tests import test_distributed as td
 from tests.helpers.cli import free_port
@@ -194,3 +198,92 @@ def test_a_rank_killed_is_named_by_the_survivor(lost, tmp_path, base_model, sft_
     assert result["exit_code"] == 143 and result["checkpoint"].endswith("step-0000005"), err[-3000:]
     assert [(tmp_path / f"exit-rank{r}").read_text() for r in (0, 1)] == ["143", "143"]  # rank 1 quietly
     assert "stopped by SIGTERM" in result["error"] and result["resume_command"].startswith("torchrun ")
+
+
+# A guard fires on every rank at step 3 while checkpoint 2 is written in the background, and rank 0's writer never
+# gets past the start of its shard files (a disk that hangs), so rank 1's writer waits for it in a collective of the
+# writers' gloo group. Then the exits are ordered as the race goes when it goes wrong: rank 0's process ends while
+# rank 1's interpreter is being torn down (past its atexit handlers; `Teardown` holds it there), so rank 1's
+# collective fails only then. torchrun's SIGTERM to the other worker once one has exited is ignored after
+# cli.main (the rank exits on its own). ABANDON_WAIT_S is cut to 1 s here (the writers are not coming back).
+HELD_WRITE = """
+import os, signal, sys, threading, time
+from pathlib import Path
+from entrenar.errors import GuardError
+from entrenar.train import checkpoint, loop
+rank = os.environ["RANK"]
+here = Path(__file__).parent
+(here / f"pid-rank{rank}").write_text(str(os.getpid()))
+def ended(rank, bound_s, also=None, sleep=time.sleep, monotonic=time.monotonic, exists=os.path.exists,
+          open=open, OSError=OSError, IndexError=IndexError, stat=None):
+    # until process RANK has ended (or the file `also` exists), at most bound_s; usable in a teardown
+    stat = stat or f"/proc/{(here / f'pid-rank{rank}').read_text()}/stat"
+    deadline = monotonic() + bound_s
+    while monotonic() < deadline and not (also and exists(also)):
+        try:
+            with open(stat) as f:
+                if f.read().rsplit(")", 1)[1].split()[0] in "ZX":
+                    return
+        except (OSError, IndexError):
+            return
+        sleep(0.05)
+class Teardown:  # rank 1's interpreter teardown, past the atexit handlers, waits here for rank 0 to exit
+    def __init__(self):
+        self.stat0, self.mark = f"/proc/{(here / 'pid-rank0').read_text()}/stat", str(here / "rank1-teardown")
+    def __del__(self, ended=ended, sleep=time.sleep, open=open):
+        open(self.mark, "w").close()
+        ended(0, 10, stat=self.stat0)
+        sleep(1.0)  # rank 1's writer learns that its collective failed
+started = threading.Event()
+def hook(stage, where):
+    if stage == "start" and checkpoint.step_dir_name(2) in where.name:
+        started.set()
+        if rank == "0":
+            threading.Event().wait()
+checkpoint.WRITE_HOOK, checkpoint.ABANDON_WAIT_S = hook, 1.0
+orig = loop.Trainer.after_step
+def after_step(self, step):
+    if step == 3:
+        assert started.wait(120) and self.checkpointer.in_flight == 2
+        (here / f"stop-rank{rank}").write_text(str(time.time()))
+        raise GuardError("GUARD-TEST", "planted while checkpoint 2 is being written")
+    orig(self, step)
+loop.Trainer.after_step = after_step
+from entrenar import cli
+code = cli.main(sys.argv[1:])
+(here / f"exit-rank{rank}").write_text(str(code))  # what each rank returned
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+if rank == "0":
+    ended(1, 25, also=str(here / "rank1-teardown"))
+else:
+    teardown = Teardown()
+sys.exit(code)
+"""
+EXIT_BOUND_S = 20.0  # from the guard to the launcher's end: well under torchrun's 30 s before it SIGKILLs a worker
+
+
+def test_an_error_exit_while_a_checkpoint_write_is_stuck_exits_every_rank_with_its_code(tmp_path, base_model,
+                                                                                         sft_data):
+    """Every rank's process ends with the guard's exit 3 (as torchrun reports them) soon after the guard, and the
+    abandoned checkpoint never becomes COMPLETE. Before checkpoint.leave_past_writers rank 1, its writer inside the
+    gloo collective, aborted at exit instead ("terminate called without an active exception", exit -6)."""
+    run = tmp_path / "run"
+    script = tmp_path / "job.py"
+    script.write_text(HELD_WRITE)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
+           "--master-port", str(free_port()), str(script),
+           *finetune_args(base_model, sft_data, run, 2, ("--save-every", "2"))]
+    logs = tmp_path / "job"
+    proc = launch(cmd, logs)
+    records, err = outputs(proc, logs)
+    took = time.time() - min(float((tmp_path / f"stop-rank{r}").read_text()) for r in (0, 1))
+    result = one_json(records, err)
+    assert result["exit_code"] == 3 and result["guard"] == "GUARD-TEST", err[-3000:]
+    assert [(tmp_path / f"exit-rank{r}").read_text() for r in (0, 1)] == ["3", "3"], err[-3000:]
+    codes = re.findall(r"^ +exitcode +: (-?\d+)", err, re.MULTILINE)  # the launcher's summary: every process
+    assert codes == ["3", "3"] and "terminate called" not in err, err[-3000:]
+    assert took < EXIT_BOUND_S, f"the job took {took:.1f} s to end after the guard"
+    assert err.count("a checkpoint write abandoned by this error exit did not stop") == 2, err[-3000:]
+    root = run / "checkpoints"
+    assert C.complete_checkpoints(root) == [] and not (root / "step-0000002").exists()
+    assert not (root / "latest").exists()

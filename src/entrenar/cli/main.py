@@ -123,6 +123,7 @@ def main(argv: list[str] | None = None) -> int:
             code = _main(argv)
         finally:
             _announce_end(code)
+    _leave_past_writers(code)
     return code
 
 
@@ -191,6 +192,14 @@ def _settle_ranks() -> None:
 def _error_details(e: Exception) -> dict[str, Any]:
     details = getattr(e, "details", None)
     return {**({"details": details} if details else {}), **_interrupt_details(e)}
+
+
+def _leave_past_writers(code: int) -> None:
+    """A checkpoint write that an error exit abandoned and that did not stop must not turn this process's exit
+    (a torchrun rank's above all) into a crash (train/checkpoint.py leave_past_writers)."""
+    checkpoint = sys.modules.get("entrenar.train.checkpoint")  # loaded only by commands that train
+    if checkpoint is not None:
+        checkpoint.leave_past_writers(code)
 
 
 def _announce_end(code: int) -> None:

@@ -32,6 +32,7 @@ kind into the model and optimizer as they are now (one process, or DDP/FSDP2 at 
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import dataclasses
@@ -45,7 +46,9 @@ import pickle
 import random
 import re
 import shutil
+import sys
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from datetime import timedelta
@@ -164,7 +167,9 @@ class Abandoned(Exception):
 class CommitGate:
     """The point of no return of one checkpoint write: COMPLETE, the rename to step-N, `latest` and the prune
     happen inside it. After `abandon()` (from the training thread) returns, the write has either committed
-    (`committed`) or never will: entering the gate then raises Abandoned and the temporary directory goes."""
+    (`committed`) or never will: entering the gate then raises Abandoned and the temporary directory goes. A
+    local write also stops between its files once abandoned (`check`), so an error exit need not wait for all
+    of them."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -183,6 +188,11 @@ class CommitGate:
     def abandon(self) -> None:
         with self._lock:
             self.abandoned = True
+
+    def check(self) -> None:
+        """Abandoned from the training thread: stop here (before the next file)."""
+        if self.abandoned:
+            raise Abandoned()
 
 
 class HostBuffers:
@@ -271,13 +281,17 @@ def _sync_tree(path: Path) -> None:
     _fsync_dir(path)
 
 
-def _write_contents(tmp: Path, snap: Snapshot) -> None:
-    """Every file of a local checkpoint but meta.json and COMPLETE (written, not yet synced)."""
+def _write_contents(tmp: Path, snap: Snapshot, gate: CommitGate) -> None:
+    """Every file of a local checkpoint but meta.json and COMPLETE (written, not yet synced); an abandoned write
+    stops before its next large file."""
     if snap.files is not None:  # config/adapter files, generation_config.json, tokenizer: a runnable MODEL
         snap.files(tmp)
+    gate.check()
     save_file(snap.model, str(tmp / MODEL))
+    gate.check()
     with open(tmp / OPTIMIZER, "wb") as f:
         torch.save(snap.optimizer, f)
+    gate.check()
     save_file(snap.rng, str(tmp / RNG))
     (tmp / STATE).write_bytes(snap.state_json)
     (tmp / RUN_CONFIG).write_bytes(snap.run_config_json)
@@ -300,6 +314,7 @@ def write_snapshot(ckpt_root: Path, snap: Snapshot, keep: int, gate: CommitGate 
     step-N without every file on disk. `gate`: the commit of a background write (an abandoned one stops there)."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
     final = ckpt_root / step_dir_name(snap.step)
+    gate = gate or CommitGate()
     for stale in stale_tmp_dirs(ckpt_root, max_step=snap.step, min_step=snap.step):  # a killed earlier save of step N
         shutil.rmtree(stale)
     with contextlib.ExitStack() as committing:
@@ -307,8 +322,10 @@ def write_snapshot(ckpt_root: Path, snap: Snapshot, keep: int, gate: CommitGate 
             if snap.copied is not None:  # the device-to-host copies of the snapshot have landed
                 snap.copied.synchronize()
             _reached("start", tmp)
-            _write_contents(tmp, snap)
+            gate.check()
+            _write_contents(tmp, snap, gate)
             _reached("written", tmp)
+            gate.check()
             _sync_tree(tmp)  # every file durable before meta.json and COMPLETE say it is there
             # every file, the MODEL files of extra_files (config or adapter, tokenizer) too: read-only commands verify
             # what they load (fileio.verify_recorded); resume verifies HASHED
@@ -316,7 +333,7 @@ def write_snapshot(ckpt_root: Path, snap: Snapshot, keep: int, gate: CommitGate 
             meta = {"step": snap.step, "tokens": snap.tokens,
                     "sha256": {name: sha256_file(tmp / name) for name in names}}
             _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
-            committing.enter_context(gate or contextlib.nullcontext())  # abandoned: no COMPLETE, the temporary goes
+            committing.enter_context(gate)  # abandoned: no COMPLETE, the temporary goes
             _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
             _fsync_dir(tmp)
             if final.exists():  # re-saving a step after resuming from an earlier checkpoint
@@ -930,6 +947,43 @@ def _writer_thread_priority() -> None:
         pass
 
 
+# How long an error exit waits for the checkpoint write it abandoned to stop (Trainer.drop_write): a local write
+# stops before its next file, a sharded one once its ranks' collectives are done. A write still running after
+# that (a disk that hangs, a peer's writer that never arrives) is left behind (leave_past_writers).
+ABANDON_WAIT_S = 10.0
+WRITER_THREAD = "entrenar-checkpoint-"  # the name of each writer thread, then its step
+
+
+def writers_running() -> list[threading.Thread]:
+    """The background checkpoint writer threads of this process still running."""
+    return [t for t in threading.enumerate() if t.name.startswith(WRITER_THREAD) and t.is_alive()]
+
+
+def _leave(code: int) -> None:
+    running = writers_running()
+    if not running:
+        return
+    print(f"note: {', '.join(t.name[len(WRITER_THREAD):] for t in running)}: a checkpoint write abandoned by this "
+          f"error exit did not stop; leaving without it (it has no {COMPLETE} marker, --resume ignores it)",
+          file=sys.stderr, flush=True)
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
+
+
+def leave_past_writers(code: int) -> None:
+    """At the end of a command (cli.main): when a checkpoint writer thread is still running (an abandoned write
+    that did not stop within ABANDON_WAIT_S), the process ends with `code` at exit through os._exit, before the
+    interpreter's teardown. Under torchrun a process whose writer thread is inside a gloo collective when the
+    peer's exit fails it during that teardown aborts in C++ ("terminate called without an active exception",
+    SIGABRT) instead of exiting with its code, and torchrun reports a crash (or SIGTERMs the other ranks before
+    they exit with theirs); one process's writer returning from C++ I/O then would do the same. Registered last,
+    the check runs first among the atexit handlers, and again: a writer that ended meanwhile changes nothing."""
+    if writers_running():
+        atexit.register(_leave, code)
+
+
 class _Write:
     """One checkpoint being written by a background thread: its step, its commit gate, and how it ended."""
 
@@ -937,7 +991,7 @@ class _Write:
         self.step, self.gate = step, CommitGate()
         self.result: Path | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(write,), name=f"entrenar-checkpoint-{step}",
+        self.thread = threading.Thread(target=self._run, args=(write,), name=f"{WRITER_THREAD}{step_dir_name(step)}",
                                        daemon=True)
         self.thread.start()
 
@@ -952,9 +1006,15 @@ class _Write:
     def done(self) -> bool:
         return not self.thread.is_alive()
 
-    def join(self) -> None:
-        while self.thread.is_alive():  # in slices: a signal (a second Ctrl-C) reaches the training thread
-            self.thread.join(0.25)
+    def join(self, timeout_s: float | None = None) -> None:
+        """Until the write ended (or `timeout_s` passed), in slices: a signal (a second Ctrl-C) reaches the
+        training thread."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self.thread.is_alive():
+            left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
+            if left <= 0:
+                return
+            self.thread.join(left)
 
 
 class Checkpointer:
@@ -1050,13 +1110,19 @@ class Checkpointer:
         if write is not None:
             self.last_complete = write.result
 
-    def abandon(self) -> BaseException | None:
+    def abandon(self, wait_s: float = 0.0) -> BaseException | None:
         """Give up the background write (the run ends on an error, or a second Ctrl-C): it never writes COMPLETE
-        from here on (a write that already committed stays). Returns its own error if it had failed."""
+        from here on (a write that already committed stays). Waits up to `wait_s` for its thread to stop (a local
+        write stops before its next file; a sharded one ends its collectives with the other ranks' writers, which
+        their own error exits abandon too) so that the process does not exit with it inside a gloo collective (see
+        leave_past_writers); a stop signal meanwhile (Ctrl-C, torchrun's SIGTERM) ends the wait, not the error
+        exit. Returns its own error if it had failed."""
         write, self._write = self._write, None
         if write is None:
             return None
         write.gate.abandon()
+        with contextlib.suppress(KeyboardInterrupt):
+            write.join(wait_s)
         if write.gate.committed or (write.done and write.error is None):  # it had finished (another rank's commit)
             self.last_complete = self.root / step_dir_name(write.step)
         return write.error if write.done and not isinstance(write.error, Abandoned) else None

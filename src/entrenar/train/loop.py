@@ -53,6 +53,7 @@ import torch
 from ..errors import GuardError, InputError
 from ..fileio import atomic_write
 from ..tensors import JOB_COUNTS
+from . import checkpoint as checkpoints
 from . import guards
 from .checkpoint import (
     Checkpointer,
@@ -781,11 +782,12 @@ class Trainer:
 
     def drop_write(self) -> None:
         """The run ends on an error: a checkpoint still being written in the background by this process is
-        abandoned (it never becomes COMPLETE from here on); an error of that write is said. What the end then
-        names as the last checkpoint (a lost rank's exit 4) is the newest COMPLETE one on disk: under torchrun
-        rank 0 may have committed one this rank had not heard of yet."""
+        abandoned (it never becomes COMPLETE from here on) and given checkpoint.ABANDON_WAIT_S to stop (so the
+        process does not exit while its thread writes, or waits in a collective of the writers' group); an error
+        of that write is said. What the end then names as the last checkpoint (a lost rank's exit 4) is the newest
+        COMPLETE one on disk: under torchrun rank 0 may have committed one this rank had not heard of yet."""
         step = self.checkpointer.in_flight
-        error = self.checkpointer.abandon()
+        error = self.checkpointer.abandon(wait_s=checkpoints.ABANDON_WAIT_S)
         if error is not None:
             self.log(f"checkpoint {step_dir_name(step)} was not written: {error}")
         done = complete_checkpoints(self.ckpt_root)
