@@ -15,6 +15,7 @@ A full disk in the background writer is exit 2 with the synchronous save's messa
 
 from __future__ import annotations
 
+import _thread
 import json
 import os
 import signal
@@ -43,14 +44,14 @@ class Held:
     """WRITE_HOOK holding the write of checkpoint `step` at `stage` until `release()`; `reached` is set when the
     writer got there."""
 
-    def __init__(self, step: int, stage: str = "start"):
-        self.name, self.stage = C.step_dir_name(step), stage
+    def __init__(self, step: int, stage: str = "start", hold_s: float = HOLD_S):
+        self.name, self.stage, self.hold_s = C.step_dir_name(step), stage, hold_s
         self.reached, self.go, self.timed_out = threading.Event(), threading.Event(), False
 
     def __call__(self, stage: str, where: Path) -> None:
         if stage == self.stage and self.name in where.name:
             self.reached.set()
-            self.timed_out = not self.go.wait(HOLD_S)
+            self.timed_out = not self.go.wait(self.hold_s)
 
     def release(self) -> None:
         self.go.set()
@@ -175,6 +176,63 @@ def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path,
         writer.join(HOLD_S)
     assert not C.writers_running() and not held.timed_out
     assert sorted(p.name for p in root.iterdir()) == [] and written == []  # error: stopped before its first file
+
+
+def test_a_second_ctrl_c_abandons_the_write_the_first_waits_for(tmp_path, monkeypatch):
+    """Ctrl-C while step-2 is being written waits for it; a second Ctrl-C during that wait abandons it: the stop
+    names no checkpoint (none is complete) and the write never becomes COMPLETE. The second signal interrupts the
+    wait itself: on Python 3.11 a Thread.join interrupted so marked the running writer thread stopped, and the stop
+    named step-2, which was never written."""
+    held, armed = Held(2), threading.Event()
+    monkeypatch.setattr(C, "WRITE_HOOK", held)
+    wait = C.Checkpointer.wait
+
+    def wait_then_second_ctrl_c(self, *a, **k) -> bool:
+        if armed.is_set():  # the stop's wait for the write in flight (the saves' waits come before)
+            armed.clear()
+            threading.Timer(0.1, _thread.interrupt_main).start()
+        return wait(self, *a, **k)
+    monkeypatch.setattr(C.Checkpointer, "wait", wait_then_second_ctrl_c)
+
+    def step3_done(trainer) -> None:
+        assert held.reached.wait(HOLD_S)
+        armed.set()
+        raise KeyboardInterrupt
+    after_step_at(monkeypatch, 3, step3_done)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupt_main raises KeyboardInterrupt
+    try:
+        with pytest.raises(TrainingInterrupted) as e:
+            run(tmp_path, 4, save_every=2)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert e.value.last_checkpoint is None
+    (writer,) = C.writers_running()  # still held at its start
+    held.release()  # it stops at its next check and removes its temporary
+    writer.join(HOLD_S)
+    assert not C.writers_running() and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
+
+
+def test_a_stop_waiting_for_the_write_gives_it_up_once_a_rank_is_gone(tmp_path, monkeypatch):
+    """Under torchrun the survivors of a lost rank are SIGTERMed by the launcher, possibly before their own collective
+    failed: the stop's wait for the checkpoint being written, which cannot complete without that rank's shards, ends
+    once a rank is found gone (Trainer.ranks_gone, jobwatch's; planted here), the write abandoned: no COMPLETE, and
+    the stop names no checkpoint (the command then reports the lost rank, exit 4)."""
+    held = Held(2, hold_s=10.0)  # a stop that waited for the write instead sees it written after 10 s
+    monkeypatch.setattr(C, "WRITE_HOOK", held)
+    monkeypatch.setattr(loop, "SETTLE_POLL_S", 0.05)
+    monkeypatch.setattr(loop.Trainer, "ranks_gone", lambda self: [1])
+
+    def step3_done(trainer) -> None:
+        assert held.reached.wait(HOLD_S)
+        raise KeyboardInterrupt  # torchrun's SIGTERM
+    after_step_at(monkeypatch, 3, step3_done)
+    with pytest.raises(TrainingInterrupted) as e:
+        run(tmp_path, 4, save_every=2)
+    assert e.value.last_checkpoint is None and not held.timed_out
+    (writer,) = C.writers_running()  # still held at its start
+    held.release()
+    writer.join(HOLD_S)
+    assert not C.writers_running() and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
 
 
 KILL = """

@@ -50,6 +50,7 @@ import sys
 import threading
 import time
 import warnings
+import weakref
 from collections.abc import Callable, Iterator
 from datetime import timedelta
 from pathlib import Path
@@ -952,18 +953,19 @@ def _writer_thread_priority() -> None:
 # that (a disk that hangs, a peer's writer that never arrives) is left behind (leave_past_writers).
 ABANDON_WAIT_S = 10.0
 WRITER_THREAD = "entrenar-checkpoint-"  # the name of each writer thread, then its step
+_WRITES: weakref.WeakSet[_Write] = weakref.WeakSet()  # every background write not yet garbage
 
 
-def writers_running() -> list[threading.Thread]:
-    """The background checkpoint writer threads of this process still running."""
-    return [t for t in threading.enumerate() if t.name.startswith(WRITER_THREAD) and t.is_alive()]
+def writers_running() -> list[_Write]:
+    """The background checkpoint writes of this process whose thread has not ended."""
+    return sorted((w for w in list(_WRITES) if not w.done), key=lambda w: w.step)
 
 
 def _leave(code: int) -> None:
     running = writers_running()
     if not running:
         return
-    print(f"note: {', '.join(t.name[len(WRITER_THREAD):] for t in running)}: a checkpoint write abandoned by this "
+    print(f"note: {', '.join(step_dir_name(w.step) for w in running)}: a checkpoint write abandoned by this "
           f"error exit did not stop; leaving without it (it has no {COMPLETE} marker, --resume ignores it)",
           file=sys.stderr, flush=True)
     for stream in (sys.stdout, sys.stderr):
@@ -985,36 +987,51 @@ def leave_past_writers(code: int) -> None:
 
 
 class _Write:
-    """One checkpoint being written by a background thread: its step, its commit gate, and how it ended."""
+    """One checkpoint being written by a background thread: its step, its commit gate, and how it ended. Its end
+    is its own event (`finished`) and then its thread's: on Python 3.11 a Thread.join interrupted by a signal's
+    KeyboardInterrupt (Ctrl-C, torchrun's SIGTERM) can mark the still-running thread stopped (threading's
+    bpo-45274 handling), so a write in flight looked finished and was named as the last checkpoint; and a process
+    that exits while the writer thread is still ending (its last references dropped, in C++ destructors) can
+    abort at exit ("terminate called without an active exception"), so the thread's end is waited for too."""
 
     def __init__(self, step: int, write: Callable[[CommitGate], Path]):
         self.step, self.gate = step, CommitGate()
         self.result: Path | None = None
         self.error: BaseException | None = None
-        self.thread = threading.Thread(target=self._run, args=(write,), name=f"{WRITER_THREAD}{step_dir_name(step)}",
-                                       daemon=True)
+        self.finished = threading.Event()
+        self._pending: Callable[[CommitGate], Path] | None = write  # the thread's only reference to it
+        _WRITES.add(self)
+        self.thread = threading.Thread(target=self._run, name=f"{WRITER_THREAD}{step_dir_name(step)}", daemon=True)
         self.thread.start()
 
-    def _run(self, write: Callable[[CommitGate], Path]) -> None:
-        _writer_thread_priority()
+    def _run(self) -> None:
+        write, self._pending = self._pending, None
         try:
+            _writer_thread_priority()
             self.result = write(self.gate)
         except BaseException as e:  # noqa: BLE001 -- raised on the training thread (Checkpointer.poll / wait)
             self.error = e
+        finally:
+            write = None  # the snapshot (host buffers, DCP's staged copy) let go here, before the end is told
+            self.finished.set()
 
     @property
     def done(self) -> bool:
-        return not self.thread.is_alive()
+        """The write ended, and its thread with it."""
+        return self.finished.is_set() and not self.thread.is_alive()
 
     def join(self, timeout_s: float | None = None) -> None:
-        """Until the write ended (or `timeout_s` passed), in slices: a signal (a second Ctrl-C) reaches the
-        training thread."""
+        """Until the write and its thread ended (or `timeout_s` passed), in slices: a signal (a second Ctrl-C)
+        reaches the training thread."""
         deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self.thread.is_alive():
+        while not self.done:
             left = 0.25 if deadline is None else min(0.25, deadline - time.monotonic())
             if left <= 0:
                 return
-            self.thread.join(left)
+            if self.finished.is_set():
+                self.thread.join(left)  # its last moments
+            else:
+                self.finished.wait(left)
 
 
 class Checkpointer:
@@ -1097,11 +1114,15 @@ class Checkpointer:
         if self._write is not None and self._write.done and (raise_errors or self._write.error is None):
             self._outcome()
 
-    def wait(self) -> None:
-        """Wait for the background write, if any, and take its outcome (raising its error)."""
+    def wait(self, timeout_s: float | None = None) -> bool:
+        """Wait for the background write, if any, and take its outcome (raising its error). With `timeout_s`: False
+        (the write still running, its outcome not taken) when it has not ended by then."""
         if self._write is not None:
-            self._write.join()
+            self._write.join(timeout_s)
+            if not self._write.done:
+                return False
             self._outcome()
+        return True
 
     def _outcome(self) -> None:
         write, self._write = self._write, None

@@ -156,6 +156,16 @@ def lost_ranks(wait_s: float = 0.0) -> list[int]:
         time.sleep(0.05)
 
 
+def ranks_gone(ctx: DistContext) -> list[int]:
+    """The ranks of the job found gone now, without waiting or calling a roll: those whose process died on this
+    host, and those of the other nodes recorded lost (nodes_gone; all of node 0 when its store cannot be reached)."""
+    lost = set(lost_ranks(0.0))
+    if ctx.nodes > 1:
+        gone = nodes_gone(ctx, 0.0)
+        lost.update(_node_ranks(0) if gone is None else [r for n in gone for r in _node_ranks(n)])
+    return sorted(lost)
+
+
 def _store() -> Any:
     import torch.distributed as dist
 

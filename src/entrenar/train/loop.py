@@ -256,6 +256,8 @@ def read_later(values: torch.Tensor) -> Callable[[], list[float]]:
 # collection alone.
 GC_EVERY = 50
 GC_FULL_EVERY = 1000
+# A stop waiting for the checkpoint being written looks this often for a rank of the job gone (settle_write)
+SETTLE_POLL_S = 0.5
 
 
 @contextlib.contextmanager
@@ -767,18 +769,33 @@ class Trainer:
     def settle_write(self, why: str) -> None:
         """Finish the checkpoint being written in the background, if any, before `why` (a stop): a write error
         is said, not raised (what stops the run is reported instead); a Ctrl-C while waiting abandons the write
-        (it is never made COMPLETE)."""
+        (it is never made COMPLETE), and so does a rank of the job found gone meanwhile (its shards never come:
+        torchrun SIGTERMs the survivors of a lost rank, and the write must not hold back their exit 4)."""
         step = self.checkpointer.in_flight
         if step is None:
             return
         self.log(f"{why}: waiting for checkpoint {step_dir_name(step)} being written (Ctrl-C abandons it)")
         try:
-            self.checkpointer.wait()
+            while not self.checkpointer.wait(timeout_s=SETTLE_POLL_S):
+                gone = self.ranks_gone()
+                if gone:
+                    self.checkpointer.abandon()
+                    self.log(f"checkpoint {step_dir_name(step)} abandoned: rank {', '.join(map(str, gone))} of the "
+                             f"job is gone, so it cannot be completed; it has no COMPLETE marker, --resume ignores it")
+                    return
         except KeyboardInterrupt:
             self.checkpointer.abandon()
             self.log(f"checkpoint {step_dir_name(step)} abandoned: it has no COMPLETE marker, --resume ignores it")
         except Exception as e:  # noqa: BLE001 -- said here; the stop is what the command reports
             self.log(f"checkpoint {step_dir_name(step)} was not written: {e}")
+
+    def ranks_gone(self) -> list[int]:
+        """Under torchrun, the ranks of the job found gone now (jobwatch.ranks_gone); none in one process."""
+        if not self.ctx.active:
+            return []
+        from .jobwatch import ranks_gone
+
+        return ranks_gone(self.ctx)
 
     def drop_write(self) -> None:
         """The run ends on an error: a checkpoint still being written in the background by this process is
