@@ -208,7 +208,9 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     if run_json.is_file():
         config = json.loads(run_json.read_text()).get("config", {})
         values.setdefault("extra", {}).update({"dtype_run": config.get("dtype"),
-                                               "dtype_reason": config.get("dtype_reason")})
+                                               "dtype_reason": config.get("dtype_reason"),
+                                               "cuda_graphs": config.get("cuda_graphs"),
+                                               "cuda_graphs_reason": config.get("cuda_graphs_reason")})
     if (run / "profile.json").is_file():  # --profile in the scenario's flags: where the step goes
         values.setdefault("extra", {})["profile"] = json.loads((run / "profile.json").read_text())
     if code == 0 and records:

@@ -88,6 +88,31 @@ def _mfu() -> list[Scenario]:
     ]
 
 
+def _graphs() -> list[Scenario]:
+    """Issue 36 goal 2: the CLI with CUDA graphs of the step (the default where they apply) against the same row
+    eager (--cuda-graphs off), the Liger peer before and after; llama-370m's default at batch 8 (55% MFU goal)."""
+    q, l7 = "qwen2.5-0.5b", "llama-370m"
+    off = ("--cuda-graphs", "off")
+    liger = Scenario("q05-liger-bf16", "transformers + Liger, bf16 weights, Qwen2.5-0.5B shapes", "liger", LIGER, q,
+                     "bf16", 8, 2048, timeout_s=240)
+    return [
+        liger,
+        Scenario("q05-cli-default-graphs", "CLI pretrain, no --dtype, CUDA graphs (auto)", "cli", CLI, q, "auto", 8,
+                 2048, baseline="q05-liger-bf16"),
+        Scenario("q05-cli-default-eager", "CLI pretrain, no --dtype, --cuda-graphs off", "cli", CLI, q, "auto", 8,
+                 2048, baseline="q05-liger-bf16", flags=off),
+        Scenario("q05-cli-bf16-pure-graphs", "CLI pretrain --dtype bf16-pure, CUDA graphs (auto)", "cli", CLI, q,
+                 "bf16-pure", 8, 2048, baseline="q05-liger-bf16"),
+        Scenario("q05-cli-bf16-pure-eager", "CLI pretrain --dtype bf16-pure, --cuda-graphs off", "cli", CLI, q,
+                 "bf16-pure", 8, 2048, baseline="q05-liger-bf16", flags=off),
+        Scenario("l370-cli-default-graphs", "CLI pretrain llama-370m, no --dtype, batch 8, CUDA graphs (MFU)", "cli",
+                 CLI, l7, "auto", 8, 2048),
+        Scenario("l370-cli-default-eager", "CLI pretrain llama-370m, no --dtype, batch 8, --cuda-graphs off", "cli",
+                 CLI, l7, "auto", 8, 2048, baseline="l370-cli-default-graphs", flags=off),
+        dataclasses.replace(liger, name="q05-liger-bf16-after", title=liger.title + " (after the CLI rows)"),
+    ]
+
+
 def _fp8() -> list[Scenario]:
     l7, q7 = "llama-370m", "qwen2.5-coder-7b"
     return [
@@ -174,7 +199,8 @@ def _profiled(scenarios: list[Scenario]) -> list[Scenario]:
 
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in
-                                  _profiled(_speed() + _mfu() + _fp8() + _multi()) + _qlora() + _long() + _generate()}
+                                  _profiled(_speed() + _mfu() + _fp8() + _multi()) + _qlora() + _long() + _generate()
+                                  + [sc for sc in _profiled(_graphs()) if sc.name not in ("q05-liger-bf16",)]}
 
 GROUPS: dict[str, list[str]] = {
     "issue25-speed": [s.name for s in _speed()],
@@ -193,6 +219,7 @@ GROUPS: dict[str, list[str]] = {
                                  "l370-ddp-4gpu", "l370-ddp-4gpu-bf16reduce"],
     "issue25-7b-fsdp": ["fsdp7b-4gpu"],
     "issue25-generate": [s.name for s in _generate()],
+    "issue36-graphs": [s.name for s in _graphs()],
 }
 GROUPS["issue25"] = list(dict.fromkeys(n for g in list(GROUPS) for n in GROUPS[g]))
 

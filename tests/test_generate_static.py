@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
 
 import entrenar.static_decode as sd
 from entrenar.generate import Rows, generate, generate_batch
 from entrenar.tensors import rel_l2
+from tests.helpers.graphs import ReplayedStep
 from tests.helpers.models import make_hf_model
 from tests.test_generate import PROMPT, tiny_model
 from tests.test_generate_batch import PROMPTS, _hf_batch_greedy
@@ -26,70 +25,6 @@ from tests.test_tokenizer import QWEN, SMOLLM, tiny_tokenizer
 @pytest.fixture(scope="module")
 def tok():
     return tiny_tokenizer()
-
-
-# ---- a CPU stand-in for a CUDA graph --------------------------------------------------------------------
-HOST_SYNC = {torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default,
-             torch.ops.aten.is_nonzero.default}
-
-
-def _written(func, args, kwargs) -> list[torch.Tensor]:
-    """The tensors `func` writes in place (its mutable arguments)."""
-    out = []
-    for i, a in enumerate(func._schema.arguments):
-        if a.alias_info is not None and a.alias_info.is_write:
-            value = args[i] if i < len(args) else kwargs.get(a.name)
-            out += [t for t in tree_flatten(value)[0] if isinstance(t, torch.Tensor)]
-    return out
-
-
-class _Recorder(TorchDispatchMode):
-    def __init__(self):
-        super().__init__()
-        self.ops: list = []
-        self.before: list[tuple[torch.Tensor, torch.Tensor]] = []  # (tensor, its value before the capture)
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func in HOST_SYNC:
-            raise RuntimeError(f"host sync inside the captured step: {func}")
-        if torch.Tag.dynamic_output_shape in func.tags:
-            raise RuntimeError(f"data-dependent output shape inside the captured step: {func}")
-        # a graph would freeze the generator's offset (attention is tagged for its dropout, 0 here)
-        if torch.Tag.nondeterministic_seeded in func.tags and "scaled_dot_product" not in func.name():
-            raise RuntimeError(f"random draw inside the captured step: {func}")
-        written = _written(func, args, kwargs)
-        self.before += [(t, t.clone()) for t in written]
-        out = func(*args, **kwargs)
-        self.ops.append((func, args, kwargs, out, bool(written)))
-        return out
-
-
-class ReplayedStep:
-    """torch.cuda.CUDAGraph's contract on the CPU: capture records the ops and leaves memory as it was;
-    replay() re-runs the recorded ops on the recorded tensors and returns the recorded output."""
-
-    captures = 0
-
-    def __init__(self, fn):
-        rec = _Recorder()
-        with rec:
-            self.out = fn()
-        for t, value in reversed(rec.before):  # a capture executes nothing
-            t.copy_(value)
-        self.ops = rec.ops
-        ReplayedStep.captures += 1
-
-    def replay(self) -> torch.Tensor:
-        for func, args, kwargs, out, in_place in self.ops:
-            new = func(*args, **kwargs)
-            if in_place:
-                continue  # wrote its recorded arguments
-            # into the recorded output (a view onto the same memory is copied onto itself: harmless)
-            for dst, src in zip(tree_flatten(out)[0], tree_flatten(new)[0]):
-                if isinstance(dst, torch.Tensor) and dst is not src:
-                    dst.copy_(src)
-        return self.out
 
 
 @pytest.fixture

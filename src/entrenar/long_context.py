@@ -142,12 +142,19 @@ def _keep_attention(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> Any:
     return CheckpointPolicy.MUST_SAVE if op in _ATTENTION_OPS else CheckpointPolicy.PREFER_RECOMPUTE
 
 
+def checkpoint_options() -> dict[str, Any]:
+    """Non-reentrant checkpoints; inside a CUDA graph capture (train/cuda_graphs.py) without saving the RNG
+    state, which reads the generator from the host: a captured step has no random op (graph_decision)."""
+    capturing = torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+    return {"use_reentrant": False, "preserve_rng_state": not capturing}
+
+
 def checkpoint_block(block: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any,
                      offload: ActivationOffload | None = None, save_attention: bool = False) -> torch.Tensor:
     """``block(x, *args)`` recomputed in the backward (non-reentrant checkpoint); with ``offload``, the
     saved input ``x`` waits in host memory until then; with ``save_attention`` the recompute reuses the
     forward's attention output instead of running the attention kernel again (it stays on the device)."""
-    kwargs: dict[str, Any] = {"use_reentrant": False}
+    kwargs = checkpoint_options()
     if save_attention:
         from torch.utils.checkpoint import create_selective_checkpoint_contexts
 
@@ -166,7 +173,7 @@ def chunked_rows(fn: Callable[..., torch.Tensor], x: torch.Tensor, *args: Any, c
     intermediates are rebuilt one piece at a time in the backward."""
     rows = x.reshape(-1, x.shape[-1]).split(chunk)  # split, not slicing: one gradient buffer for x
     if torch.is_grad_enabled():
-        outs = [torch.utils.checkpoint.checkpoint(fn, r, *args, use_reentrant=False) for r in rows]
+        outs = [torch.utils.checkpoint.checkpoint(fn, r, *args, **checkpoint_options()) for r in rows]
     else:
         outs = [fn(r, *args) for r in rows]
     return torch.cat(outs).view(*x.shape[:-1], -1)

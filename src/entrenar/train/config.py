@@ -195,6 +195,14 @@ class TrainConfig:
                                       "bytes on the wire; each rank's gradient rounded to bf16, 8 mantissa bits, "
                                       "before the sum). Gradients already bf16 (--dtype bf16-pure) are reduced "
                                       "in bf16 either way; one process: ignored", choices=GRAD_REDUCE_DTYPES)
+    cuda_graphs: str = option("auto", "capture each micro-batch's forward+backward as a CUDA graph per batch shape "
+                                      "and replay it (one launch instead of thousands: the GPU no longer waits "
+                                      "for Python between kernels). auto: on for one CUDA process training a "
+                                      "causal LM in fp32/bf16/bf16-pure without dropout or activation offload, "
+                                      "else off (the reason is logged and in run.json); on: the same, exit 2 "
+                                      "where it cannot; the first steps and each new shape's first micro-batch "
+                                      "run eagerly", choices=("auto", "on", "off"))
+    cuda_graphs_reason: str = ""  # how --cuda-graphs was resolved: logged, in run.json
     activation_checkpointing: bool = option(False, "recompute each decoder block in the backward: activation "
                                                    "memory of one block instead of all, ~1/3 more compute")
     save_attention: bool = option(False, "with --activation-checkpointing (or --offload-activations): keep each "

@@ -36,6 +36,7 @@ unequal length. Train and eval both take the loss from the objective, through th
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import json
 import math
@@ -64,6 +65,7 @@ from .checkpoint import (
     step_dir_name,
 )
 from .config import RESUME_SENSITIVE, TrainConfig
+from .cuda_graphs import StepGraphs, graph_decision, loss_scale
 from .distributed import DistContext, DistReduce, global_batch, shard_loader
 from .distributed import current as job_context
 from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
@@ -157,19 +159,32 @@ def evaluate(model: torch.nn.Module, batches: Iterable[dict], device: torch.devi
 def backward_micro_batches(model: torch.nn.Module, micro_batches: list[dict], device: torch.device,
                            dtype: str | Precision, total_tokens: int, objective: Objective | None = None,
                            sync: Callable[[bool], contextlib.AbstractContextManager] | None = None,
-                           metrics: dict[str, torch.Tensor] | None = None) -> torch.Tensor:
-    """The one forward/backward of training: every micro-batch backpropagates its loss_sum / total_tokens
-    (of the whole step, over every rank), under the precision's autocast and `sync(last_micro_batch)` (the
-    strategy's: DDP reduces only in the last backward). Returns the step's summed loss as a float64 device
-    scalar (read back once per step by the caller); the objective's metrics are summed into `metrics`."""
+                           metrics: dict[str, torch.Tensor] | None = None,
+                           graphs: StepGraphs | None = None) -> torch.Tensor:
+    """The one forward/backward of training: every micro-batch backpropagates its loss_sum x (1 / total_tokens)
+    (of the whole step, over every rank; loss_scale: a device scalar, as a CUDA graph's replay reads it),
+    under the precision's autocast and `sync(last_micro_batch)` (the strategy's: DDP reduces only in the
+    last backward); with `graphs` (--cuda-graphs) a micro-batch of a captured shape is one graph replay.
+    Returns the step's summed loss as a float64 device scalar (read back once per step by the caller); the
+    objective's metrics are summed into `metrics`."""
     precision, objective = as_precision(dtype), objective or CausalLMLoss()
     acc = torch.zeros((), dtype=torch.float64, device=device)
+    inv_total = 1.0 / total_tokens
     for j, b in enumerate(micro_batches):
-        with sync(j == len(micro_batches) - 1) if sync is not None else contextlib.nullcontext():
-            with precision.autocast(device):
-                s, _, found = objective.loss(model, b, device)
-            (s / total_tokens).backward()
-        acc += s.detach().double()
+        found: dict[str, torch.Tensor] = {}
+
+        def eager(b: dict = b, last: bool = j == len(micro_batches) - 1, found: dict = found) -> torch.Tensor:
+            with sync(last) if sync is not None else contextlib.nullcontext():
+                with precision.autocast(device):
+                    s, _, got = objective.loss(model, b, device)
+                (s * loss_scale(inv_total, s)).backward()
+            found.update(got)
+            return s.detach()
+
+        s = graphs.micro_batch(b, inv_total, eager) if graphs is not None else None
+        if s is None:
+            s = eager()
+        acc += s.double()
         if metrics is not None:
             for k, v in found.items():
                 metrics[k] = metrics[k] + v.detach().double() if k in metrics else v.detach().double()
@@ -346,6 +361,15 @@ class Trainer:
         self.update_queued = False  # this step's update already queued on the device (queue_update)
         self.final_step: int | None = None  # --keep-best task: the step whose weights final/ holds, if not the last
         self._local_loss = 0.0  # this rank's own loss sum of the last step (names a rank that went non-finite)
+        self.graphs: StepGraphs | None = None  # --cuda-graphs: the step's graphs (train/cuda_graphs.py)
+        if not cfg.cuda_graphs_reason:  # a library caller's config (the commands resolve and log it first)
+            on, cfg.cuda_graphs_reason = graph_decision(cfg.cuda_graphs, self.device, self.reduce.world_size,
+                                                        cfg.dtype, objective.name, model, cfg.offload_activations)
+            cfg.cuda_graphs = self.run_config["cuda_graphs"] = "on" if on else "off"
+            self.run_config["cuda_graphs_reason"] = cfg.cuda_graphs_reason
+        if cfg.cuda_graphs == "on":
+            self.graphs = StepGraphs(functools.partial(objective.loss_sum, strategy.forward_module), precision,
+                                     self.device, self.message)
         self.task: TaskTracker | None = None  # --eval-task: the task metric of the run (train/task_tracking.py)
         if task_eval is not None:
             if strategy.kind == "fsdp":  # generation under FSDP2 would need every rank in the same forwards
@@ -516,7 +540,8 @@ class Trainer:
         sums: dict[str, torch.Tensor] = {}
         with self.precision.step_weights(self.model):  # forward AND backward on the same (bf16 copy) weights
             local = backward_micro_batches(self.strategy.forward_module, micro, self.device, self.precision,
-                                           total_tokens, self.objective, self.strategy.sync_context, sums)
+                                           total_tokens, self.objective, self.strategy.sync_context, sums,
+                                           self.graphs)
         loss_sum = self.reduce.all_reduce_sum(local)
         max_norm = self.cfg.clip if self.cfg.clip > 0 else float("inf")
         grad_norm = self.strategy.clip_grad_norm(self.params, max_norm)
@@ -584,6 +609,8 @@ class Trainer:
         self.count_empty_samples(empty, step)
         lr = self.schedule.apply(self.optimizer)
         self.update_queued = False  # forward_backward may queue the update (queue_update)
+        if self.graphs is not None:
+            self.graphs.begin_step()
         loss, grad_norm, objective_metrics = self.forward_backward(micro, total_tokens)
         t_read = time.perf_counter()  # the device has finished this step's backward
         if step == 1 and self.start_step == 0:  # the gradient at the start, before any update is applied or saved
@@ -592,7 +619,8 @@ class Trainer:
         skip = self.guard_step(loss, grad_norm, step, sample_ids, pre_step) != "ok"
         if not skip and not self.update_queued:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        # a captured backward accumulates into the gradients it was recorded with: zeroed in place from then on
+        self.optimizer.zero_grad(set_to_none=self.graphs is None or not self.graphs.static_grads)
         self.schedule.advance()
         self.tokens += step_tokens
         dt = self.step_time(step, t0, t_read)

@@ -1,0 +1,197 @@
+"""CUDA graphs of the training step (--cuda-graphs auto|on|off; docs/design.md "CUDA graphs of the step").
+
+A micro-batch's forward AND backward are captured once per batch shape in a torch.cuda.CUDAGraph and then
+replayed: one launch instead of ~40 kernels per block in each pass, which is what the GPU idled on between
+kernels (bench/RESULTS.md, "Where the steps go": 20-36 ms of a 118-144 ms step). What a replay needs:
+
+- the batch's tensors are copied into static device buffers of the captured shape (pinned host -> device);
+- the loss sum is scaled by a device scalar (1 / the step's loss-token total, `loss_scale`), not a Python
+  number a capture would freeze; the eager path multiplies by the same kind of scalar, so both compute the
+  same bits;
+- the gradients exist before the capture and are accumulated in place (AccumulateGrad's `grad += g`), so
+  from the first capture on they are zeroed in place between steps, never set to None (`static_grads`);
+- nothing in the step reads the device from the host, draws random numbers, or changes shape with the data:
+  refused up front (`graph_decision`) for dropout, preference objectives, several processes, bf16-weights'
+  swapped copies, fp8's compiled blocks and activation offload; a capture that fails anyway is logged and
+  that shape runs eagerly.
+
+The first WARMUP_STEPS steps run eagerly (lazy initialisations, autotuning, the step-1 checks); the capture
+step's micro-batch itself runs eagerly on a side stream (torch's recipe), then the graph is recorded (a capture
+executes nothing) and every later micro-batch of that shape replays it. Graphs of different shapes (SFT length
+buckets) share one memory pool: each replay's output is read before the next replay is queued.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..errors import InputError
+from .precision import Precision
+
+WARMUP_STEPS = 2  # eager steps before the first capture
+MAX_SHAPES = 8  # batch shapes captured at most; others run eagerly (a log line says so once)
+GRAPHABLE_DTYPES = ("fp32", "bf16", "bf16-pure")
+CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
+
+
+def graph_decision(requested: str, device: torch.device, world_size: int, dtype: str, objective: str,
+                   model: nn.Module, offload: bool) -> tuple[bool, str]:
+    """(on, why) for --cuda-graphs `requested`: on where the step can be captured (one CUDA process, a
+    causal-LM objective, a precision that computes on the parameters, no random op, no host-staged
+    activations). `on` where it cannot is an InputError naming the reason (exit 2)."""
+    if requested == "off":
+        return False, "--cuda-graphs off as given"
+    why_not = None
+    dropout = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+    if device.type != "cuda":
+        why_not = f"device {device} is not CUDA"
+    elif world_size > 1:
+        why_not = f"{world_size} processes (DDP/FSDP2 steps are not captured yet)"
+    elif objective != "causal-lm":
+        why_not = f"objective {objective} (its reference forward and pair metrics are not captured yet)"
+    elif dtype not in GRAPHABLE_DTYPES:
+        why_not = f"--dtype {dtype} (captured: {', '.join(GRAPHABLE_DTYPES)})"
+    elif dropout:
+        why_not = f"dropout in {dropout[0]} draws random numbers each step (--lora-dropout 0 to capture)"
+    elif offload:
+        why_not = "--offload-activations copies through host memory"
+    if why_not is None:
+        return True, f"--cuda-graphs {requested}: one CUDA process, forward+backward replayed per batch shape"
+    if requested == "on":
+        raise InputError(f"--cuda-graphs on: cannot capture the training step: {why_not}; use --cuda-graphs auto "
+                         f"or off")
+    return False, f"--cuda-graphs auto: {why_not}"
+
+
+def loss_scale(inv_total: float, like: torch.Tensor) -> torch.Tensor:
+    """`inv_total` (1 / the step's loss tokens) as a 0-d tensor of `like`'s dtype and device: what every
+    micro-batch's loss sum is multiplied by before its backward (a fill kernel on CUDA, no host copy)."""
+    return torch.full((), inv_total, dtype=like.dtype, device=like.device)
+
+
+def signature(batch: dict) -> tuple:
+    """What a graph is captured for: the batch's tensor entries with their shapes and dtypes."""
+    return tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)))
+
+
+def _shapes(sig: tuple) -> str:
+    return ", ".join(f"{k} {list(shape)}" for k, shape, _ in sig)
+
+
+def warmup(fn: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
+    """fn() on a side stream, as torch's capture recipe asks; the current stream then waits for it."""
+    here, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        out = fn()
+    here.wait_stream(side)
+    return out
+
+
+class CapturedGraph:
+    """fn() captured in a torch.cuda.CUDAGraph (in `pool`, shared by the run's graphs); replay() re-runs it."""
+
+    def __init__(self, fn: Callable[[], torch.Tensor], pool: Any = None):
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph, pool=pool):
+            self.out = fn()
+
+    def pool(self) -> Any:
+        return self.graph.pool()
+
+    def replay(self) -> torch.Tensor:
+        self.graph.replay()
+        return self.out
+
+
+class StepGraphs:
+    """The training step's graphs, one per micro-batch shape (see the module docstring).
+
+    `micro_batch(batch, scale)` returns the micro-batch's loss sum after its forward and backward ran (a
+    replay, or the eager run of a capture step), or None: run it eagerly (`loss_sum` is the eager call).
+    """
+
+    def __init__(self, loss_sum: Callable[[dict], torch.Tensor], precision: Precision, device: torch.device,
+                 log: Callable[[str], None]):
+        self.loss_sum, self.precision, self.device, self.log = loss_sum, precision, device, log
+        self.graphs: dict[tuple, tuple[Any, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.refused: set[tuple] = set()  # shapes whose capture failed or came after MAX_SHAPES
+        self.pool: Any = None
+        self.steps = 0
+        self.replays = 0
+        self.static_grads = False  # True from the first capture: gradients zeroed in place, never None
+
+    def begin_step(self) -> None:
+        self.steps += 1
+
+    def _autocast(self) -> Any:
+        # autocast's cache of cast weights is freed when autocast exits, under a live graph: off in the capture
+        return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision.compute_bf16,
+                              cache_enabled=False)
+
+    def _forward_backward(self, static: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+        with self._autocast():
+            s = self.loss_sum(static)
+        (s * scale).backward()
+        return s.detach()
+
+    def micro_batch(self, batch: dict, inv_total: float, eager: Callable[[], torch.Tensor]) -> torch.Tensor | None:
+        """The micro-batch's loss sum, its gradients accumulated (each multiplied by `inv_total`, 1 / the
+        step's loss tokens); None: the caller runs it eagerly. `eager()` is that eager run (returns the sum)."""
+        sig = signature(batch)
+        if sig in self.graphs:
+            graph, static, static_scale = self.graphs[sig]
+            for k, buf in static.items():
+                src = batch[k]
+                buf.copy_(src.pin_memory() if src.device.type == "cpu" and self.device.type == "cuda" else src,
+                          non_blocking=True)
+            self.set_scale(static_scale, inv_total)
+            self.replays += 1
+            return graph.replay()
+        if self.steps <= WARMUP_STEPS or sig in self.refused:
+            return None
+        if len(self.graphs) >= MAX_SHAPES:
+            self.refused.add(sig)
+            self.log(f"cuda graphs: a batch of a new shape after {MAX_SHAPES} captured ones runs eagerly "
+                     f"({_shapes(sig)}); pad to fewer lengths (--pad-buckets) to replay it")
+            return None
+        # the capture step: this micro-batch runs eagerly on a side stream (lazy inits there), which also
+        # makes every gradient exist, so the captured backward accumulates into them in place
+        s = warmup(eager, self.device)
+        # the buffers hold this batch (valid token ids) while the capture records (it reads nothing on CUDA)
+        static = {k: v.to(self.device, copy=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        static_scale = torch.zeros((), dtype=s.dtype, device=self.device)
+        self.set_scale(static_scale, inv_total)
+        try:
+            graph = capture(lambda: self._forward_backward(static, static_scale), self.pool)
+        except Exception as e:  # noqa: BLE001 - any capture failure: logged, this shape stays eager
+            self.refused.add(sig)
+            self.log(f"cuda graphs: capture of shape {_shapes(sig)} failed, it runs eagerly: "
+                     f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}")
+            return s
+        self.pool = self.pool if self.pool is not None else graph.pool()
+        self.graphs[sig] = (graph, static, static_scale)
+        self.static_grads = True
+        self.log(f"cuda graphs: captured the forward+backward of a {_shapes(sig)} micro-batch "
+                 f"at step {self.steps} ({len(self.graphs)} shape(s))")
+        return s
+
+    @staticmethod
+    def set_scale(static_scale: torch.Tensor, inv_total: float) -> None:
+        """This step's 1 / loss tokens into the scalar the graph reads (as loss_scale fills the eager path's)."""
+        static_scale.fill_(inv_total)
+
+    def state(self) -> dict[str, Any]:
+        return {"shapes": len(self.graphs), "replays": self.replays, "refused_shapes": len(self.refused)}
+
+
+def capture(fn: Callable[[], torch.Tensor], pool: Any) -> CapturedGraph:
+    """The capture (a seam: the CPU tests put their stand-in here)."""
+    return CapturedGraph(fn, pool)
+
+
+__all__ = ["CUDA_GRAPHS_CHOICES", "MAX_SHAPES", "WARMUP_STEPS", "StepGraphs", "graph_decision", "loss_scale"]
