@@ -133,8 +133,8 @@ def test_seed_failure_long_system_prompt_trains_every_answer_token(tok, tmp_path
     # Mutation 2: a 512 clamp in batching -> the batch carries 0 loss tokens, not 41.
     real_collate = sft.collate_padded
 
-    def clamped_collate(examples, pad_id):
-        batch = real_collate(examples, pad_id)
+    def clamped_collate(examples, pad_id, pad_to=()):
+        batch = real_collate(examples, pad_id, pad_to)
         return {**batch, "input_ids": batch["input_ids"][:, :512], "labels": batch["labels"][:, :512]}
 
     with monkeypatch.context() as m:
@@ -225,8 +225,8 @@ def test_pad_equals_eos_still_trains_end_of_turn(smol, tmp_path, monkeypatch):
     # Mutation (the classic bug): mask labels by comparing ids with pad_id.
     real_collate = sft.collate_padded
 
-    def pad_id_masking(examples, pad_id):
-        batch = real_collate(examples, pad_id)
+    def pad_id_masking(examples, pad_id, pad_to=()):
+        batch = real_collate(examples, pad_id, pad_to)
         batch["labels"][batch["labels"] == pad_id] = IGNORE_INDEX
         return batch
 

@@ -47,6 +47,7 @@ DEFAULT_MAX_SKIP_FRACTION = 0.5
 CHAT_TEMPLATE_HELP = "a jinja chat template file used instead of the model's (e.g. one that renders tools)"
 MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is logged at the end
 ARGUMENT_PROBLEMS_NAMED = 5  # tool-argument problems a GUARD-DATA message names (data check lists the first 20)
+BUCKET_MULTIPLE = 64  # length buckets (bucket_lengths) are multiples of this, except the last (max_seq_len)
 
 # Skip reasons (stable keys of DataReport.skipped).
 INVALID_REASONS = ("malformed_json", "not_an_object", "unknown_format", "unknown_role", "empty_content",
@@ -549,6 +550,34 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
 
 
 # ---- batching --------------------------------------------------------------------------------------
+def bucket_lengths(max_seq_len: int, buckets: int) -> tuple[int, ...]:
+    """``buckets`` fixed batch lengths evenly spaced up to ``max_seq_len``: i * max_seq_len / buckets rounded up
+    to a multiple of BUCKET_MULTIPLE, the last exactly max_seq_len, duplicates dropped. 0 -> () ("pad to the
+    longest"). Batches padded to these see a few shapes only (e.g. one CUDA graph per shape): (2048, 4) ->
+    (512, 1024, 1536, 2048); (1000, 3) -> (384, 704, 1000)."""
+    if isinstance(buckets, bool) or not isinstance(buckets, int) or buckets < 0:
+        raise ValueError(f"the number of length buckets must be an integer >= 0 (0 = pad to the longest), "
+                         f"got {buckets!r}")
+    if isinstance(max_seq_len, bool) or not isinstance(max_seq_len, int) or max_seq_len < 1:
+        raise ValueError(f"length buckets need max_seq_len >= 1, got {max_seq_len!r}")
+    out: list[int] = []
+    for i in range(1, buckets + 1):
+        m = BUCKET_MULTIPLE
+        length = max_seq_len if i == buckets else min(-(-i * max_seq_len // (buckets * m)) * m, max_seq_len)
+        if not out or length > out[-1]:
+            out.append(length)
+    return tuple(out)
+
+
+def padded_length(longest: int, pad_to: Sequence[int] = ()) -> int:
+    """T of a batch whose longest row has ``longest`` tokens: itself without buckets, else the smallest bucket
+    that holds it (never shorter: a row is never cut)."""
+    if not pad_to:
+        return longest
+    assert longest <= pad_to[-1], f"a batch row of {longest} tokens does not fit the last length bucket {pad_to[-1]}"
+    return next(b for b in pad_to if b >= longest)
+
+
 class SFTLoader:
     """Batches of SFT examples: padded (one sample per row) or packed (several per row).
 
@@ -559,12 +588,15 @@ class SFTLoader:
 
     ``next_batch`` runs endlessly over epochs, each in an order drawn from ``(seed, epoch)``; a batch
     may take samples from two epochs. ``iter_epoch`` is one pass in file order (for eval).
+
+    ``buckets`` (``bucket_lengths``): each batch's T is padded up to the smallest bucket that holds its longest
+    row, so a run sees len(buckets) shapes; () pads to the longest row (T changes every batch).
     """
 
     kind = "sft"
 
     def __init__(self, examples: Sequence[SFTExample], batch_size: int, seed: int = 0, pack: bool = False,
-                 max_seq_len: int | None = None, pad_id: int | None = 0):
+                 max_seq_len: int | None = None, pad_id: int | None = 0, buckets: Sequence[int] = ()):
         if not examples:
             raise InputError("SFT loader: no examples (every row was skipped?)")
         if batch_size < 1:
@@ -575,6 +607,14 @@ class SFTLoader:
         if max_seq_len is not None and longest > max_seq_len:
             raise InputError(f"an example has {longest} tokens, more than max_seq_len {max_seq_len}; load the "
                              f"data with the same --max-seq-len as training")
+        buckets = tuple(int(b) for b in buckets)
+        if buckets and (list(buckets) != sorted(set(buckets)) or buckets[0] < 1):
+            raise InputError(f"SFT length buckets must be increasing positive lengths, got {buckets}")
+        need = max_seq_len if pack else longest  # a packed row holds up to max_seq_len tokens
+        if buckets and buckets[-1] < need:
+            raise InputError(f"the last SFT length bucket {buckets[-1]} is shorter than a batch row can be ({need} "
+                             f"tokens); the last bucket must be max_seq_len (bucket_lengths)")
+        self.buckets = buckets
         self.examples = list(examples)
         self.batch_size, self.seed, self.pack = batch_size, seed, pack
         # The pad id only fills input positions whose labels are -100 (any valid id works; 0 if None).
@@ -604,7 +644,7 @@ class SFTLoader:
             for _ in range(self.batch_size):
                 chosen.append(self._peek())
                 self._advance()
-            return collate_padded(chosen, self.pad_id)
+            return collate_padded(chosen, self.pad_id, self.buckets)
         rows = []
         for _ in range(self.batch_size):
             row, used = [], 0
@@ -614,13 +654,13 @@ class SFTLoader:
                 used += len(ex)
                 self._advance()
             rows.append(row)
-        return collate_packed(rows, self.pad_id)
+        return collate_packed(rows, self.pad_id, self.buckets)
 
     def iter_epoch(self) -> Iterator[dict[str, Any]]:
         """One pass over all examples in file order; the last batch may be smaller. State untouched."""
         if not self.pack:
             for i in range(0, len(self.examples), self.batch_size):
-                yield collate_padded(self.examples[i:i + self.batch_size], self.pad_id)
+                yield collate_padded(self.examples[i:i + self.batch_size], self.pad_id, self.buckets)
             return
         rows, row, used = [], [], 0
         for ex in self.examples:
@@ -628,17 +668,18 @@ class SFTLoader:
                 rows.append(row)
                 row, used = [], 0
                 if len(rows) == self.batch_size:
-                    yield collate_packed(rows, self.pad_id)
+                    yield collate_packed(rows, self.pad_id, self.buckets)
                     rows = []
             row.append(ex)
             used += len(ex)
         rows.append(row)
-        yield collate_packed(rows, self.pad_id)
+        yield collate_packed(rows, self.pad_id, self.buckets)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **self.cursor.state_dict(), "pack": self.pack,
                 "batch_size": self.batch_size, "max_seq_len": self.max_seq_len,
-                "num_examples": len(self.examples), "fingerprint": self.fingerprint}
+                "num_examples": len(self.examples), "fingerprint": self.fingerprint,
+                "buckets": list(self.buckets)}  # for information: batch shapes only, not which samples
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         for key in ("kind", "num_examples", "fingerprint"):
@@ -659,9 +700,10 @@ def _fingerprint(examples: Sequence[SFTExample]) -> str:
     return h.hexdigest()[:16]
 
 
-def collate_padded(examples: Sequence[SFTExample], pad_id: int) -> dict[str, Any]:
-    """One sample per row, right-padded to the longest; padding has label -100 (by position)."""
-    T = max(len(e) for e in examples)
+def collate_padded(examples: Sequence[SFTExample], pad_id: int, pad_to: Sequence[int] = ()) -> dict[str, Any]:
+    """One sample per row, right-padded to the longest (or to the smallest of ``pad_to`` that holds it, see
+    bucket_lengths); padding has label -100 (by position)."""
+    T = padded_length(max(len(e) for e in examples), pad_to)
     input_ids = torch.full((len(examples), T), pad_id, dtype=torch.long)
     labels = torch.full((len(examples), T), IGNORE_INDEX, dtype=torch.long)
     for i, ex in enumerate(examples):
@@ -670,9 +712,10 @@ def collate_padded(examples: Sequence[SFTExample], pad_id: int) -> dict[str, Any
     return {"input_ids": input_ids, "labels": labels, "sample_ids": [e.line for e in examples]}
 
 
-def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int) -> dict[str, Any]:
-    """Several samples per row; doc_ids keep attention inside a sample, positions restart per sample."""
-    T = max(sum(len(e) for e in row) for row in rows)
+def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int, pad_to: Sequence[int] = ()) -> dict[str, Any]:
+    """Several samples per row; doc_ids keep attention inside a sample, positions restart per sample. T: the
+    longest row, or the smallest of ``pad_to`` that holds it (bucket_lengths)."""
+    T = padded_length(max(sum(len(e) for e in row) for row in rows), pad_to)
     B = len(rows)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)

@@ -533,6 +533,25 @@ def _rows_kind(objective: str, pack: bool) -> tuple[Any, Any, str]:
     return load_preference, PreferenceLoader, "preference"
 
 
+def resolve_pad_buckets(requested: int | None, max_seq_len: int, kind: str = "sft") -> tuple[int, ...]:
+    """The one place finetune's batch length buckets are decided (--pad-buckets; SFTLoader's ``buckets``).
+
+    requested: --pad-buckets as given (None: not given, the default: pad to the longest row). () pads each
+    batch to its longest row; else the bucket_lengths of max_seq_len. Preference pairs have no buckets."""
+    from ..data.sft import bucket_lengths
+
+    n = 0 if requested is None else requested
+    if kind != "sft":
+        if n:
+            raise InputError(f"--pad-buckets pads SFT batches; preference pairs (--objective dpo|ipo|dpo-norm) are "
+                             f"padded to their longest pair: drop --pad-buckets {n}")
+        return ()
+    try:
+        return bucket_lengths(max_seq_len, n)
+    except ValueError as e:
+        raise InputError(f"--pad-buckets: {e}") from None
+
+
 def cmd_finetune(args: Any) -> dict[str, Any]:
     from ..formats import load_model, resolve_model
     from ..tokenizer import load_tokenizer, use_chat_template_file
@@ -541,6 +560,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     out = Path(args.out)
     cfg, lora, data = _configs(args, "finetune")
     load_rows, Loader, kind = _rows_kind(cfg.objective, args.pack)
+    buckets = resolve_pad_buckets(data.pad_buckets, data.max_seq_len, kind)
     join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)
     expected = ("finetune reads a JSONL file of SFT rows (messages, prompt/completion or instruction/output), or "
@@ -568,10 +588,13 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     data_report["train_examples"], data_report["val_examples"] = len(examples), len(val_examples)
     _check_batch(cfg.batch_size, len(examples), f"training samples left in {args.data}")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
+    shapes = {"buckets": buckets} if buckets else {}  # preference loaders take none (resolve_pad_buckets)
+    if buckets:
+        _log(f"--pad-buckets {len(buckets)}: batches padded to one of {', '.join(map(str, buckets))} tokens")
     train_loader = Loader(examples, cfg.batch_size, seed=cfg.seed, pack=args.pack, max_seq_len=args.max_seq_len,
-                          pad_id=pad_id)
+                          pad_id=pad_id, **shapes)
     eval_loader = Loader(val_examples, cfg.batch_size, seed=cfg.seed, pack=False, max_seq_len=args.max_seq_len,
-                         pad_id=pad_id) if val_examples else None
+                         pad_id=pad_id, **shapes) if val_examples else None
 
     model = load_model(args.model, dtype=torch.float32, kernels=args.kernels)
     if args.mode in ("lora", "qlora"):  # the adapter wraps the model before the optimizer is built
@@ -623,4 +646,4 @@ def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:
              f"full fine-tuning (--mode full) trains fewer")
 
 
-__all__ = ["cmd_finetune", "cmd_pretrain"]
+__all__ = ["cmd_finetune", "cmd_pretrain", "resolve_pad_buckets"]

@@ -353,6 +353,10 @@ class DataConfig:
                                                              "(--task loss) and --task humaneval's chat prompts"}})
     pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
                                "--batch-size then counts rows, not samples", commands=("finetune",))
+    pad_buckets: int = option(0, "pad each batch to the smallest of N lengths evenly spaced up to --max-seq-len "
+                                 "(multiples of 64, the last --max-seq-len) instead of its longest row, so the "
+                                 "training step sees N shapes (e.g. for CUDA graphs); 0 = pad to the longest row",
+                              commands=("finetune",), metavar="N")
 
     def validate(self) -> None:
         if not (math.isfinite(self.val_fraction) and 0.0 <= self.val_fraction < 1.0):
@@ -363,6 +367,9 @@ class DataConfig:
             raise InputError(f"--max-skip-fraction must be in [0, 1], got {self.max_skip_fraction}")
         if self.truncation not in TRUNCATION_POLICIES:
             raise InputError(f"--truncation {self.truncation!r} not in {'|'.join(TRUNCATION_POLICIES)}")
+        if not isinstance(self.pad_buckets, int) or self.pad_buckets < 0:
+            raise InputError(f"--pad-buckets must be an integer >= 0 (0 = pad to the longest row), got "
+                             f"{self.pad_buckets}")
 
 
 CONFIGS = (TrainConfig, LoRAConfig, DataConfig)
