@@ -110,6 +110,16 @@ def _graphs() -> list[Scenario]:
         Scenario("l370-cli-default-eager", "CLI pretrain llama-370m, no --dtype, batch 8, --cuda-graphs off", "cli",
                  CLI, l7, "auto", 8, 2048, baseline="l370-cli-default-graphs", flags=off),
         dataclasses.replace(liger, name="q05-liger-bf16-after", title=liger.title + " (after the CLI rows)"),
+        # where the step is many small kernels: short batches (SFT-like) and recomputed blocks
+        Scenario("l370-cli-b2x512-graphs", "CLI pretrain llama-370m, batch 2 x 512, CUDA graphs (auto)", "cli", CLI,
+                 l7, "auto", 2, 512),
+        Scenario("l370-cli-b2x512-eager", "CLI pretrain llama-370m, batch 2 x 512, --cuda-graphs off", "cli", CLI,
+                 l7, "auto", 2, 512, baseline="l370-cli-b2x512-graphs", flags=off),
+        Scenario("q05-cli-ckpt-graphs", "CLI pretrain, no --dtype, --activation-checkpointing, CUDA graphs (auto)",
+                 "cli", CLI, q, "auto", 8, 2048, flags=("--activation-checkpointing",)),
+        Scenario("q05-cli-ckpt-eager", "CLI pretrain, no --dtype, --activation-checkpointing, --cuda-graphs off",
+                 "cli", CLI, q, "auto", 8, 2048, baseline="q05-cli-ckpt-graphs",
+                 flags=("--activation-checkpointing", *off)),
     ]
 
 
@@ -219,7 +229,9 @@ GROUPS: dict[str, list[str]] = {
                                  "l370-ddp-4gpu", "l370-ddp-4gpu-bf16reduce"],
     "issue25-7b-fsdp": ["fsdp7b-4gpu"],
     "issue25-generate": [s.name for s in _generate()],
-    "issue36-graphs": [s.name for s in _graphs()],
+    "issue36-graphs": [s.name for s in _graphs()][:8],
+    "issue36-graphs-b": ["q05-liger-bf16", "q05-cli-default-graphs", "q05-cli-bf16-pure-graphs", "l370-cli-b2x512-graphs",
+                         "l370-cli-b2x512-eager", "q05-cli-ckpt-graphs", "q05-cli-ckpt-eager", "q05-liger-bf16-after"],
 }
 GROUPS["issue25"] = list(dict.fromkeys(n for g in list(GROUPS) for n in GROUPS[g]))
 

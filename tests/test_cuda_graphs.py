@@ -144,3 +144,15 @@ def test_a_library_trainer_on_the_cpu_resolves_auto_to_off_and_records_why(tmp_p
                             tmp_path / "r", log=lambda text: None)
     assert trainer.graphs is None and cfg.cuda_graphs == "off"
     assert trainer.run_config["cuda_graphs_reason"] == "--cuda-graphs auto: device cpu is not CUDA"
+
+
+def test_auto_is_off_for_batches_of_ever_new_shapes_and_on_still_captures_them():
+    """finetune without --pad-buckets pads each batch to its longest row: auto says so and stays off; on captures
+    (the first MAX_SHAPES shapes, the rest eagerly)."""
+    varying = "finetune batches are padded to their longest row"
+    on, reason = cg.graph_decision("auto", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)
+    assert not on and reason == f"--cuda-graphs auto: {varying}"
+    assert cg.graph_decision("on", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)[0]
+    # a reason the step cannot be captured at all comes first
+    assert "not CUDA" in cg.graph_decision("auto", torch.device("cpu"), 1, "bf16", "causal-lm", tiny_model(), False,
+                                           varying)[1]

@@ -472,8 +472,13 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     if not cfg.cuda_graphs_reason:  # resolved once, before run.json records it
         from .cuda_graphs import graph_decision
 
+        varying = None
+        if command == "finetune" and not getattr(args, "pad_buckets", 0):
+            varying = ("finetune batches are padded to their longest row, a new shape almost every step "
+                       "(--pad-buckets N pads to N lengths, each captured once)")
         on, cfg.cuda_graphs_reason = graph_decision(cfg.cuda_graphs, torch.device(cfg.device), ctx.world, cfg.dtype,
-                                                    objective.name if objective else "causal-lm", model, cfg.offload_activations)
+                                                    objective.name if objective else "causal-lm", model,
+                                                    cfg.offload_activations, varying)
         cfg.cuda_graphs = "on" if on else "off"
         _log(f"cuda graphs: {cfg.cuda_graphs} ({cfg.cuda_graphs_reason})")
     if ctx.is_main:

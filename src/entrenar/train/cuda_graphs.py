@@ -39,10 +39,12 @@ CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
 
 
 def graph_decision(requested: str, device: torch.device, world_size: int, dtype: str, objective: str,
-                   model: nn.Module, offload: bool) -> tuple[bool, str]:
+                   model: nn.Module, offload: bool, varying_shapes: str | None = None) -> tuple[bool, str]:
     """(on, why) for --cuda-graphs `requested`: on where the step can be captured (one CUDA process, a
     causal-LM objective, a precision that computes on the parameters, no random op, no host-staged
-    activations). `on` where it cannot is an InputError naming the reason (exit 2)."""
+    activations) and batches come in a few shapes (`varying_shapes`: why they do not, e.g. finetune batches
+    padded to their longest row; auto is then off). `on` where it cannot is an InputError naming the reason
+    (exit 2); `on` with varying shapes captures the first MAX_SHAPES shapes and runs the others eagerly."""
     if requested == "off":
         return False, "--cuda-graphs off as given"
     why_not = None
@@ -56,9 +58,11 @@ def graph_decision(requested: str, device: torch.device, world_size: int, dtype:
     elif dtype not in GRAPHABLE_DTYPES:
         why_not = f"--dtype {dtype} (captured: {', '.join(GRAPHABLE_DTYPES)})"
     elif dropout:
-        why_not = f"dropout in {dropout[0]} draws random numbers each step (--lora-dropout 0 to capture)"
+        why_not = f"dropout in {dropout[0]} draws random numbers each step (--dropout 0 to capture)"
     elif offload:
         why_not = "--offload-activations copies through host memory"
+    if why_not is None and varying_shapes and requested == "auto":
+        return False, f"--cuda-graphs auto: {varying_shapes}"
     if why_not is None:
         return True, f"--cuda-graphs {requested}: one CUDA process, forward+backward replayed per batch shape"
     if requested == "on":
