@@ -85,7 +85,27 @@ def run_entrenar(args) -> dict:
         opt.zero_grad(set_to_none=True)
         return float(loss)
 
+    if args.only == "entrenar-graphs":  # the trainer's step: backward_micro_batches with CUDA graphs
+        from entrenar.train.cuda_graphs import StepGraphs
+        from entrenar.train.loop import backward_micro_batches
+        from entrenar.train.objective import CausalLMLoss
+        from entrenar.train.precision import precision_policy
+
+        precision, dev = precision_policy("bf16"), torch.device("cuda")
+        graphs = StepGraphs(lambda b: CausalLMLoss.loss_sum(model, b), precision, dev, print)
+        batch = {"input_ids": input_ids, "labels": labels}
+
+        def step() -> float:  # the graphed variant of the step above
+            graphs.begin_step()
+            total = labels.numel()
+            loss = backward_micro_batches(model, [batch], dev, precision, total, graphs=graphs) / total
+            opt.step()
+            opt.zero_grad(set_to_none=not graphs.static_grads)
+            return float(loss)
+
     result = _time(step, args, {"trainable": counts["trainable"], "total": counts["total"]})
+    if args.only == "entrenar-graphs":
+        result["graphs"] = graphs.state()
     if args.profile:
         result["profile"] = _profile(step)
     return result
@@ -195,14 +215,15 @@ def main() -> int:
     ap.add_argument("--lora-unfused", action="store_true",
                     help="entrenar: the LoRA update as a separate mul + add (before e9a5d8b), for an A/B")
     ap.add_argument("--tag", default="", help="suffix of the result files (several settings in one --out)")
-    ap.add_argument("--only", choices=("entrenar", "peer"), help="run one side in this process (internal)")
+    ap.add_argument("--only", choices=("entrenar", "entrenar-graphs", "peer"),
+                    help="run one side in this process (internal); entrenar-graphs: the trainer's step with CUDA graphs")
     ap.add_argument("--out", default="bench/out")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("qlora_throughput needs a CUDA GPU", file=sys.stderr)
         return 2
     if args.only:
-        result = run_entrenar(args) if args.only == "entrenar" else run_peer(args)
+        result = run_peer(args) if args.only == "peer" else run_entrenar(args)
         print(json.dumps(result))
         return 0
 
