@@ -149,10 +149,42 @@ def test_a_library_trainer_on_the_cpu_resolves_auto_to_off_and_records_why(tmp_p
 def test_auto_is_off_for_batches_of_ever_new_shapes_and_on_still_captures_them():
     """finetune without --pad-buckets pads each batch to its longest row: auto says so and stays off; on captures
     (the first MAX_SHAPES shapes, the rest eagerly)."""
-    varying = "finetune batches are padded to their longest row"
+    varying = cg.varying_shapes("finetune", 0)
+    assert "longest row" in varying and cg.varying_shapes("finetune", 4) is None
+    assert cg.varying_shapes("pretrain", 0) is None
     on, reason = cg.graph_decision("auto", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)
     assert not on and reason == f"--cuda-graphs auto: {varying}"
     assert cg.graph_decision("on", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)[0]
     # a reason the step cannot be captured at all comes first
     assert "not CUDA" in cg.graph_decision("auto", torch.device("cpu"), 1, "bf16", "causal-lm", tiny_model(), False,
                                            varying)[1]
+
+
+def test_lora_finetune_with_pad_buckets_replays_and_equals_the_eager_run(tmp_path, cpu_step_graphs, monkeypatch,
+                                                                          capsys):
+    """The finetune command's path: LoRA adapters (frozen base), SFT batches padded to --pad-buckets lengths, the
+    step captured per bucket (graph_decision forced on: the CPU is never on by itself)."""
+    import json
+
+    from entrenar.cli.main import main
+    from tests.test_peft_seed import tiny_base_and_data
+
+    base, data = tiny_base_and_data(tmp_path / "base")
+
+    def losses(name: str, graphs: str) -> list[tuple[float, float]]:
+        out = tmp_path / name
+        code = main(["finetune", "--model", str(base), "--data", str(data), "--out", str(out), "--mode", "lora",
+                     "--steps", "6", "--batch-size", "2", "--max-seq-len", "128", "--pad-buckets", "2",
+                     "--cuda-graphs", graphs, "--no-preflight", "--json"])
+        assert code == 0, capsys.readouterr().err[-2000:]
+        run_json = json.loads((out / "run.json").read_text())["config"]
+        assert run_json["cuda_graphs"] == graphs
+        rows = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        return [(r["loss"], r["grad_norm"]) for r in rows if "loss" in r and "step" in r]
+
+    eager = losses("eager", "off")
+    monkeypatch.setattr(cg, "graph_decision", lambda requested, *a, **k: (requested == "on", "forced by the test"))
+    replayed = losses("graphs", "on")
+    (graphs,) = cpu_step_graphs[-1:]
+    assert graphs.replays > 0 and len(graphs.graphs) >= 1, graphs.state()
+    assert replayed == eager

@@ -470,12 +470,9 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
                 trainers: list, objective=None, task_eval=None) -> dict:
     ctx = current()
     if not cfg.cuda_graphs_reason:  # resolved once, before run.json records it
-        from .cuda_graphs import graph_decision
+        from .cuda_graphs import graph_decision, varying_shapes
 
-        varying = None
-        if command == "finetune" and not getattr(args, "pad_buckets", 0):
-            varying = ("finetune batches are padded to their longest row, a new shape almost every step "
-                       "(--pad-buckets N pads to N lengths, each captured once)")
+        varying = varying_shapes(command, getattr(args, "pad_buckets", 0))
         on, cfg.cuda_graphs_reason = graph_decision(cfg.cuda_graphs, torch.device(cfg.device), ctx.world, cfg.dtype,
                                                     objective.name if objective else "causal-lm", model,
                                                     cfg.offload_activations, varying)

@@ -35,7 +35,6 @@ from .precision import Precision
 WARMUP_STEPS = 2  # eager steps before the first capture
 MAX_SHAPES = 8  # batch shapes captured at most; others run eagerly (a log line says so once)
 GRAPHABLE_DTYPES = ("fp32", "bf16", "bf16-pure")
-CUDA_GRAPHS_CHOICES = ("auto", "on", "off")
 
 
 def graph_decision(requested: str, device: torch.device, world_size: int, dtype: str, objective: str,
@@ -69,6 +68,14 @@ def graph_decision(requested: str, device: torch.device, world_size: int, dtype:
         raise InputError(f"--cuda-graphs on: cannot capture the training step: {why_not}; use --cuda-graphs auto "
                          f"or off")
     return False, f"--cuda-graphs auto: {why_not}"
+
+
+def varying_shapes(command: str, pad_buckets: int) -> str | None:
+    """Why a command's batches come in ever new shapes (graph_decision's `varying_shapes`), or None."""
+    if command == "finetune" and not pad_buckets:
+        return ("finetune batches are padded to their longest row, a new shape almost every step (--pad-buckets N "
+                "pads to N lengths, each captured once)")
+    return None
 
 
 def loss_scale(inv_total: float, like: torch.Tensor) -> torch.Tensor:
@@ -198,4 +205,5 @@ def capture(fn: Callable[[], torch.Tensor], pool: Any) -> CapturedGraph:
     return CapturedGraph(fn, pool)
 
 
-__all__ = ["CUDA_GRAPHS_CHOICES", "MAX_SHAPES", "WARMUP_STEPS", "StepGraphs", "graph_decision", "loss_scale"]
+__all__ = ["MAX_SHAPES", "WARMUP_STEPS", "StepGraphs", "graph_decision", "loss_scale",
+           "varying_shapes"]
