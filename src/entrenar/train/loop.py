@@ -734,12 +734,20 @@ class Trainer:
     def task_evaluate(self, step: int) -> dict[str, Any]:
         """The --eval-task metric of the weights after step `step` (0: the base) and GUARD-TASK-REGRESSION."""
         assert self.task is not None
-        return self.task.evaluate(step, self.strategy.module, self.params,
-                                  lambda s: checkpoint_of_step(self.ckpt_root, s))
+        return self.task.evaluate(step, self.strategy.module, self.params, self.checkpoint_of)
+
+    def checkpoint_of(self, step: int) -> Path | None:
+        """The complete checkpoint of `step` on disk; the one being written in the background is finished
+        first (what a message names must exist)."""
+        if self.checkpointer.in_flight == step:
+            self.settle_write(f"naming checkpoint {step_dir_name(step)}")
+        return checkpoint_of_step(self.ckpt_root, step)
 
     def best_checkpoint(self) -> tuple[Path, int, float] | None:
         """(path, step, eval loss) of the complete checkpoint on disk whose step's eval is the lowest of
-        the run, or None: a checkpoint without an eval at its step is not known to be good."""
+        the run, or None: a checkpoint without an eval at its step is not known to be good. Called when a
+        guard stops the run: a checkpoint being written is finished first (it may be the best one)."""
+        self.settle_write("the run stops")
         on_disk = {d.name: d for d in complete_checkpoints(self.ckpt_root)}
         evaluated = [(loss, step) for step, loss in self.eval_losses.items() if step_dir_name(step) in on_disk]
         if not evaluated:
@@ -896,6 +904,9 @@ class Trainer:
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: a checkpoint being written is finished first
             self.settle_write("stopping")
             raise TrainingInterrupted(self.step_now, self.last_saved, self.resume_command) from e
+        except GuardError:  # a guard stops the run (every rank at once): the state being written predates it
+            self.settle_write("the run stops")
+            raise
         except BaseException:
             self.drop_write()
             raise
