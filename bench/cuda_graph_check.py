@@ -1,9 +1,13 @@
-"""--cuda-graphs on vs off through the real CLI on one GPU: the same losses, gradient norms and final weights
-(expected bit for bit: a replay runs the eager step's kernels on the same inputs), and the tokens/s of each.
+"""--cuda-graphs on vs off through the real CLI on one GPU: the loss trajectories, the final weights and the
+tokens/s of each. Not bit for bit on a GPU: the eager step itself is not (attention's backward accumulates in a
+nondeterministic order; two eager bf16-pure runs already differ at step 2), and AdamW turns a 1e-3 gradient
+difference into a different update of the elements whose gradient is near zero. A pair passes when every step's
+loss is within 1e-4 relative (measured <= 1e-5 on an H200, session 13); bench/cuda_graph_grads.py compares one
+step's gradients against the eager step's own spread.
 
     PYTHONPATH=src python bench/cuda_graph_check.py --out /tmp/cg [--layers 4] [--steps 10]
 
-One JSON line per case (graphs on/off pair) and a summary line; exit 1 when a pair differs or a run failed.
+One JSON line per case (graphs on/off pair) and a summary line; exit 1 when a pair is apart or a run failed.
 """
 
 from __future__ import annotations
@@ -92,7 +96,8 @@ def main() -> int:
                        loss_off=lo[-1][0] if lo else None, loss_on=ln[-1][0] if ln else None,
                        mem_mb_off=max(r.get("mem_mb") or 0 for r in off["rows"]),
                        mem_mb_on=max(r.get("mem_mb") or 0 for r in on["rows"]))
-            bad += not (row["identical_steps"] and diff == 0.0)
+            row["max_step_loss_rel_diff"] = max((abs(x[0] - y[0]) / abs(x[0]) for x, y in zip(lo, ln)), default=None)
+            bad += not (len(lo) == len(ln) == a.steps and row["max_step_loss_rel_diff"] <= 1e-4)
         else:
             bad += 1
         print(json.dumps(row), flush=True)

@@ -5,7 +5,8 @@ tests (tests/test_cuda_graphs.py) show the replay bit-identical where the kernel
 
     PYTHONPATH=src python bench/cuda_graph_grads.py [--preset qwen2.5-0.5b --layers 4 --batch 4 --seq 1024]
 
-One JSON line per case; the summary says whether every replay is within max(4 x the eager spread, 1e-6).
+One JSON line per case; a case passes when the replay's loss equals the eager step's and its gradients are
+bit-identical in fp32 and within 1e-2 relL2 (the bf16 kernel bound) in the bf16 paths.
 """
 
 from __future__ import annotations
@@ -72,13 +73,13 @@ def case(name: str, dtype: str, checkpointing: bool, a: argparse.Namespace) -> d
     spread, spread_max = rel(g2, g1)
     replay, replay_max = rel(g3, g1)
     replays, _ = rel(g4, g3)
-    bound = max(4 * spread, 1e-6)
+    bound = 0.0 if dtype == "fp32" else 1e-2
     return {"case": name, "dtype": dtype, "checkpointing": checkpointing, "loss_eager": [l1, l2],
             "loss_capture_step": lc, "loss_replays": [l3, l4],
             "grad_relL2_eager_vs_eager": spread, "grad_relL2_eager_vs_eager_max_tensor": spread_max,
             "grad_relL2_replay_vs_eager": replay, "grad_relL2_replay_vs_eager_max_tensor": replay_max,
             "grad_relL2_replay_vs_replay": replays, "loss_rel_replay_vs_eager": abs(l3 - l1) / abs(l1),
-            "bound": bound, "ok": replay <= bound and abs(l3 - l1) / abs(l1) <= max(4 * abs(l2 - l1) / abs(l1), 1e-6)}
+            "bound": bound, "ok": replay <= bound and l3 == l1}
 
 
 def main() -> int:
