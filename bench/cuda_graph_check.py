@@ -56,7 +56,7 @@ def one_run(model: str, data: Path, run: Path, steps: int, batch: int, seq: int,
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--layers", type=int, default=4)

@@ -83,7 +83,7 @@ def case(name: str, dtype: str, checkpointing: bool, a: argparse.Namespace) -> d
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser()
+    ap = argparse.ArgumentParser(allow_abbrev=False)
     ap.add_argument("--preset", default="qwen2.5-0.5b")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batch", type=int, default=4)

@@ -98,7 +98,7 @@ def test_stops_at_the_first_destroyed_eval_and_names_the_best_checkpoint_across_
     fake_evals(monkeypatch, {0: 4.2, 1: 3.7, 2: 4.1, 3: 4.0, 4: 6.0})  # the n-th eval of both runs together
     written = []
     cfg = {"batch_size": 2, "seq_len": 32, "lr": 1e-3, "warmup": 0, "eval_every": 2, "save_every": 2, "keep": 0,
-           "seed": 5}
+           "seed": 5, "save_mode": "sync"}  # all on disk when the guard stops (async stops: test_async_checkpoint)
     train(T.tiny_model(), T.ListLoader(T.make_samples(16), 2), T.ListLoader(T.make_samples(8, 99), 4),
           TrainConfig(steps=4, **cfg), tmp_path, save_final=lambda m, p: written.append(p), log=T.quiet)
     written.clear()

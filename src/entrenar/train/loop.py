@@ -746,8 +746,11 @@ class Trainer:
     def best_checkpoint(self) -> tuple[Path, int, float] | None:
         """(path, step, eval loss) of the complete checkpoint on disk whose step's eval is the lowest of
         the run, or None: a checkpoint without an eval at its step is not known to be good. Called when a
-        guard stops the run: a checkpoint being written is finished first (it may be the best one)."""
-        self.settle_write("the run stops")
+        guard stops the run; the checkpoint being written is finished first when its eval is the lowest (the
+        one to name); any other write in flight is abandoned by the stop, as on every error end."""
+        writing = self.checkpointer.in_flight
+        if writing in self.eval_losses and self.eval_losses[writing] <= min(self.eval_losses.values()):
+            self.settle_write(f"naming checkpoint {step_dir_name(writing)}")
         on_disk = {d.name: d for d in complete_checkpoints(self.ckpt_root)}
         evaluated = [(loss, step) for step, loss in self.eval_losses.items() if step_dir_name(step) in on_disk]
         if not evaluated:
@@ -904,9 +907,6 @@ class Trainer:
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: a checkpoint being written is finished first
             self.settle_write("stopping")
             raise TrainingInterrupted(self.step_now, self.last_saved, self.resume_command) from e
-        except GuardError:  # a guard stops the run (every rank at once): the state being written predates it
-            self.settle_write("the run stops")
-            raise
         except BaseException:
             self.drop_write()
             raise
