@@ -122,8 +122,9 @@ class CapturedGraph:
 class StepGraphs:
     """The training step's graphs, one per micro-batch shape (see the module docstring).
 
-    `micro_batch(batch, scale)` returns the micro-batch's loss sum after its forward and backward ran (a
-    replay, or the eager run of a capture step), or None: run it eagerly (`loss_sum` is the eager call).
+    `micro_batch(batch, inv_total, eager)` returns the micro-batch's loss sum after its forward and backward ran
+    (a replay, or the eager run of a capture step), or None: the caller runs it eagerly. `loss_sum(batch on the
+    device)` is what a graph captures: the objective's summed loss, with no host read.
     """
 
     def __init__(self, loss_sum: Callable[[dict], torch.Tensor], precision: Precision, device: torch.device,
