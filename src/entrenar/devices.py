@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -103,3 +105,16 @@ def resolve_dtype(requested: str, device: str) -> tuple[str, str]:
                                 f"bf16 matmuls, inside the 2e-2 logits bound; --dtype fp32 for full precision")
     where = "the CPU" if not str(device).startswith("cuda") else f"{device} (no native bf16)"
     return "fp32", f"--dtype auto: fp32 on {where}"
+
+
+def on_side_stream(fn: Callable[[], Any], device: torch.device) -> Any:
+    """fn() on a fresh CUDA side stream, the current stream then waiting for it: torch's recipe for the eager run
+    before a CUDA graph capture (lazy initialisations -- cuBLAS workspaces, Triton kernel loads -- happen
+    there, not in the capture). Used by the decode step's and the training step's graphs."""
+    here, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
+    side.wait_stream(here)
+    with torch.cuda.stream(side):
+        out = fn()
+    here.wait_stream(side)
+    return out
+

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from .devices import on_side_stream
 from .model import CausalLM, KVCache, StaticKVCache, padded_positions, padding_mask
 
 WARMUP_STEPS = 2  # eager decode steps (on a side stream) before the capture: lazy inits happen outside it
@@ -163,12 +164,5 @@ def decode_static(model: CausalLM, ids: torch.Tensor, mask: torch.Tensor | None,
     return "cuda_graph" if graph is not None else "static"
 
 
-def warmup_step(step: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
-    """One eager step on a side stream, as torch's capture recipe asks (lazy initialisations -- cuBLAS
-    workspaces, Triton kernel loads -- happen there, not in the capture); the current stream then waits."""
-    here, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    side.wait_stream(here)
-    with torch.cuda.stream(side):
-        logits = step()
-    here.wait_stream(side)
-    return logits
+# one eager step on a side stream before the capture (a seam: the CPU tests replace it)
+warmup_step = on_side_stream

@@ -469,14 +469,10 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
 def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
                 trainers: list, objective=None, task_eval=None) -> dict:
     ctx = current()
-    if not cfg.cuda_graphs_reason:  # resolved once, before run.json records it
-        from .cuda_graphs import graph_decision, varying_shapes
+    from .cuda_graphs import resolve_cuda_graphs, varying_shapes
 
-        varying = varying_shapes(command, getattr(args, "pad_buckets", 0))
-        on, cfg.cuda_graphs_reason = graph_decision(cfg.cuda_graphs, torch.device(cfg.device), ctx.world, cfg.dtype,
-                                                    objective.name if objective else "causal-lm", model,
-                                                    cfg.offload_activations, varying)
-        cfg.cuda_graphs = "on" if on else "off"
+    if resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name if objective else "causal-lm",
+                           model, varying_shapes(command, getattr(args, "pad_buckets", 0))):  # before run.json
         _log(f"cuda graphs: {cfg.cuda_graphs} ({cfg.cuda_graphs_reason})")
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)

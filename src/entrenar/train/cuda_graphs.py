@@ -29,6 +29,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..devices import on_side_stream
 from ..errors import InputError
 from .precision import Precision
 
@@ -70,6 +71,18 @@ def graph_decision(requested: str, device: torch.device, world_size: int, dtype:
     return False, f"--cuda-graphs auto: {why_not}"
 
 
+def resolve_cuda_graphs(cfg: Any, device: torch.device, world_size: int, objective: str, model: nn.Module,
+                        varying: str | None = None) -> bool:
+    """cfg.cuda_graphs (auto|on|off) resolved to on/off with cfg.cuda_graphs_reason by graph_decision, once: True
+    when it resolved now, False when a reason was already there (the command resolved it before run.json)."""
+    if cfg.cuda_graphs_reason:
+        return False
+    on, cfg.cuda_graphs_reason = graph_decision(cfg.cuda_graphs, device, world_size, cfg.dtype, objective, model,
+                                                cfg.offload_activations, varying)
+    cfg.cuda_graphs = "on" if on else "off"
+    return True
+
+
 def varying_shapes(command: str, pad_buckets: int) -> str | None:
     """Why a command's batches come in ever new shapes (graph_decision's `varying_shapes`), or None."""
     if command == "finetune" and not pad_buckets:
@@ -93,14 +106,8 @@ def _shapes(sig: tuple) -> str:
     return ", ".join(f"{k} {list(shape)}" for k, shape, _ in sig)
 
 
-def warmup(fn: Callable[[], torch.Tensor], device: torch.device) -> torch.Tensor:
-    """fn() on a side stream, as torch's capture recipe asks; the current stream then waits for it."""
-    here, side = torch.cuda.current_stream(device), torch.cuda.Stream(device)
-    side.wait_stream(here)
-    with torch.cuda.stream(side):
-        out = fn()
-    here.wait_stream(side)
-    return out
+# the capture step's eager micro-batch on a side stream (a seam: the CPU tests replace it)
+warmup = on_side_stream
 
 
 class CapturedGraph:
@@ -206,5 +213,5 @@ def capture(fn: Callable[[], torch.Tensor], pool: Any) -> CapturedGraph:
     return CapturedGraph(fn, pool)
 
 
-__all__ = ["MAX_SHAPES", "WARMUP_STEPS", "StepGraphs", "graph_decision", "loss_scale",
+__all__ = ["MAX_SHAPES", "WARMUP_STEPS", "StepGraphs", "graph_decision", "loss_scale", "resolve_cuda_graphs",
            "varying_shapes"]

@@ -65,7 +65,7 @@ from .checkpoint import (
     step_dir_name,
 )
 from .config import RESUME_SENSITIVE, TrainConfig
-from .cuda_graphs import StepGraphs, graph_decision, loss_scale
+from .cuda_graphs import StepGraphs, loss_scale, resolve_cuda_graphs
 from .distributed import DistContext, DistReduce, global_batch, shard_loader
 from .distributed import current as job_context
 from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
@@ -362,11 +362,9 @@ class Trainer:
         self.final_step: int | None = None  # --keep-best task: the step whose weights final/ holds, if not the last
         self._local_loss = 0.0  # this rank's own loss sum of the last step (names a rank that went non-finite)
         self.graphs: StepGraphs | None = None  # --cuda-graphs: the step's graphs (train/cuda_graphs.py)
-        if not cfg.cuda_graphs_reason:  # a library caller's config (the commands resolve and log it first)
-            on, cfg.cuda_graphs_reason = graph_decision(cfg.cuda_graphs, self.device, self.reduce.world_size,
-                                                        cfg.dtype, objective.name, model, cfg.offload_activations)
-            cfg.cuda_graphs = self.run_config["cuda_graphs"] = "on" if on else "off"
-            self.run_config["cuda_graphs_reason"] = cfg.cuda_graphs_reason
+        # a library caller's config (the commands resolve and log it before run.json)
+        if resolve_cuda_graphs(cfg, self.device, self.reduce.world_size, objective.name, model):
+            self.run_config.update(cuda_graphs=cfg.cuda_graphs, cuda_graphs_reason=cfg.cuda_graphs_reason)
         if cfg.cuda_graphs == "on":
             self.graphs = StepGraphs(functools.partial(objective.loss_sum, strategy.forward_module), precision,
                                      self.device, self.message)
