@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
+import shutil
 import signal
 import socket
 import statistics
@@ -162,16 +163,22 @@ def summarize_metrics(records: list[dict[str, Any]], warmup: int, tokens_per_ste
                       "loss_last": records[-1]["loss"] if records else None}}
 
 
-def failure_reason(code: Any, out: str, err: str) -> str:
-    """The CLI's own error (its --json line) where it printed one, else the ranks' error lines."""
+def _summary_line(out: str) -> dict[str, Any]:
+    """The CLI's --json summary (its last JSON line on stdout), {} when there is none."""
     for line in reversed(out.strip().splitlines()):
         if line.startswith("{"):
             try:
-                obj = json.loads(line)
+                return json.loads(line)
             except json.JSONDecodeError:
                 continue
-            if obj.get("ok") is False:
-                return f"exit {code}: {obj.get('error', obj)}"
+    return {}
+
+
+def failure_reason(code: Any, out: str, err: str) -> str:
+    """The CLI's own error (its --json line) where it printed one, else the ranks' error lines."""
+    obj = _summary_line(out)
+    if obj.get("ok") is False:
+        return f"exit {code}: {obj.get('error', obj)}"
     causes = [ln for ln in err.splitlines() if ("Error" in ln or "error:" in ln or "out of memory" in ln)
               and "ChildFailedError" not in ln and "elastic" not in ln and not ln.startswith("[W")]
     tail = causes[-3:] or [ln for ln in err.splitlines() if ln.strip()][-4:]
@@ -194,6 +201,7 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
         mpe, layers = sc.params.get("max_position_embeddings"), sc.params.get("num_layers")
         model = str(arch_dir(ctx.work / f"arch-{sc.model}-{mpe}-{layers}", sc.model, mpe, layers))
     run = ctx.work / f"run-{sc.name}"
+    shutil.rmtree(run, ignore_errors=True)  # an earlier round's (--repeat): the CLI starts a run in a new folder
     cmd = cli_command(sc, data, run, ctx.device, model)
     t0 = time.perf_counter()
     code, out, err = run_command(cmd, sc.timeout_s)
@@ -211,8 +219,14 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
                                                "dtype_reason": config.get("dtype_reason"),
                                                "cuda_graphs": config.get("cuda_graphs"),
                                                "cuda_graphs_reason": config.get("cuda_graphs_reason")})
+    summary = _summary_line(out)
+    if summary.get("end_save_s") is not None:  # the end-of-run checkpoint + final/ (after the measured steps)
+        values.setdefault("extra", {})["end_save_s"] = summary["end_save_s"]
     if (run / "profile.json").is_file():  # --profile in the scenario's flags: where the step goes
         values.setdefault("extra", {})["profile"] = json.loads((run / "profile.json").read_text())
+    if not os.environ.get("BENCH_KEEP_WORK"):  # a 7B row leaves ~100 GB of checkpoint and final/ behind
+        for written in ("checkpoints", "final"):
+            shutil.rmtree(run / written, ignore_errors=True)
     if code == 0 and records:
         values["status"] = "ok"
     else:

@@ -12,6 +12,7 @@ import json
 import os
 import platform
 import socket
+import statistics
 import subprocess
 import sys
 from datetime import datetime, timezone
@@ -140,6 +141,30 @@ def _num(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def repeats_table(rows: list[dict[str, Any]]) -> list[str]:
+    """Where a scenario ran more than once (suite --repeat): the median per-GPU tokens/s of its ok rounds, every
+    round's value, and the ratio of the medians to its baseline scenario's; [] when nothing repeated."""
+    per: dict[str, list[dict[str, Any]]] = {}
+    for r in rows:
+        per.setdefault(r["scenario"], []).append(r)
+    if all(len(v) < 2 for v in per.values()):
+        return []
+
+    def values(name: str) -> list[float]:
+        return [r["tokens_per_s_per_gpu"] for r in per.get(name, []) if r["status"] == "ok"
+                and r["tokens_per_s_per_gpu"]]
+
+    out = ["", "Median of the rounds (per GPU tokens/s; every ok round listed in run order):", "",
+           "| scenario | rounds ok | median per GPU | rounds | vs baseline (medians) |", "|---|---:|---:|---|---:|"]
+    for name, group in per.items():
+        mine, base_name = values(name), group[0]["baseline"]
+        base = values(base_name) if base_name else []
+        ratio = f"{statistics.median(mine) / statistics.median(base):.3f} of {base_name}" if mine and base else "-"
+        out.append(f"| {name} | {len(mine)}/{len(group)} | {_num(statistics.median(mine) if mine else None, ',.0f')}"
+                   f" | {', '.join(format(v, ',.0f') for v in mine)} | {ratio} |")
+    return out
+
+
 def table(rows: list[dict[str, Any]], run: dict[str, Any]) -> str:
     """table.md of one suite run: one line per row, a ratio against its baseline row (a row id: the
     scenario's name for one-row scenarios) where both ran in this folder, then why each row that is not ok is not."""
@@ -161,6 +186,7 @@ def table(rows: list[dict[str, Any]], run: dict[str, Any]) -> str:
                    f"{r['gpus']} | {_num(r['tokens_per_s'], ',.0f')} | {_num(r['tokens_per_s_per_gpu'], ',.0f')} | "
                    f"{_num(r['seconds_per_step'], '.3f')} | {_num(r['peak_gib'], '.2f')} | {mfu} | {ratio} | "
                    f"{r['status']} |")
+    out += repeats_table(rows)
     notes = [f"- `{r['row']}` {r['status']}: {r['reason'][:400]}".replace("\n", " ") for r in rows
              if r["status"] != "ok"]
     commands = [f"- `{r['row']}`: `{r['command']}`" for r in rows if r["command"]]

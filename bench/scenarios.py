@@ -181,6 +181,20 @@ def _multi() -> list[Scenario]:
         out.append(Scenario(f"{short}-ddp-4gpu-bf16reduce", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, DDP with "
                             "--grad-reduce bf16 (the all-reduce in bf16)", "cli", CLI, model, "bf16", 8, 2048, gpus=4,
                             timeout_s=200, flags=("--grad-reduce", "bf16"), baseline=f"{short}-ddp-1gpu"))
+        # issue 36 item 4: buckets launched later in the backward (fewer all-reduces beside the matmuls), bf16 wire
+        for mb in (400, 4096):
+            out.append(Scenario(f"{short}-ddp-4gpu-bf16-b{mb}", f"torchrun CLI pretrain --dtype bf16 on 4 GPUs, DDP "
+                                f"--grad-reduce bf16 --ddp-bucket-mb {mb}", "cli", CLI, model, "bf16", 8, 2048,
+                                gpus=4, timeout_s=200, flags=("--grad-reduce", "bf16", "--ddp-bucket-mb", str(mb)),
+                                baseline=f"{short}-ddp-1gpu"))
+        out.append(Scenario(f"{short}-ddp-1gpu-eager", "CLI pretrain --dtype bf16 on 1 GPU, --cuda-graphs off (the "
+                            "step the 4-GPU rows run: DDP steps are not captured)", "cli", CLI, model, "bf16", 8, 2048,
+                            timeout_s=200, flags=("--cuda-graphs", "off"), baseline=f"{short}-ddp-1gpu"))
+    out.append(Scenario("fsdp7b-4gpu-bf16-nockpt", "torchrun CLI pretrain qwen2.5-coder-7b shapes, 4 GPUs FSDP2, "
+                        "bf16, --grad-reduce bf16, no activation checkpointing (end_save_s: the end-of-run "
+                        "checkpoint and final/, after the measured steps)", "cli", CLI, "qwen2.5-coder-7b", "bf16",
+                        2, 2048, gpus=4, steps=8, warmup=3, flags=("--parallel", "fsdp", "--grad-reduce", "bf16"),
+                        timeout_s=560))
     out.append(Scenario("fsdp7b-4gpu", "torchrun CLI pretrain qwen2.5-coder-7b shapes, 4 GPUs FSDP2, bf16, "
                         "activation checkpointing (the CLI's end-of-run checkpoint and final/ are written after the "
                         "measured steps)", "cli", CLI, "qwen2.5-coder-7b", "bf16", 2, 2048, gpus=4,
@@ -224,10 +238,16 @@ GROUPS: dict[str, list[str]] = {
     "issue25-long-1m": ["long-1m-cli-save"],
     "issue25-long-1m-min": ["long-1m-cli"],
     "issue25-long-1m-liger": ["long-1m-liger"],
-    "issue25-multi": [s.name for s in _multi() if not s.name.startswith("fsdp7b") and "bf16reduce" not in s.name],
+    "issue25-multi": [s.name for s in _multi() if s.name.split("-")[-1] in ("1gpu", "2gpu", "4gpu")
+                      and not s.name.startswith("fsdp7b")],
     "issue25-multi-bf16reduce": ["q05-ddp-1gpu", "q05-ddp-4gpu", "q05-ddp-4gpu-bf16reduce", "l370-ddp-1gpu",
                                  "l370-ddp-4gpu", "l370-ddp-4gpu-bf16reduce"],
     "issue25-7b-fsdp": ["fsdp7b-4gpu"],
+    # issue 36 item 4, each with --repeat 3 in one call (~8 min): the 1-GPU row and three bucket sizes, bf16 wire
+    "issue36-ddp-l370": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "l370-ddp-4gpu-bf16-b400",
+                         "l370-ddp-4gpu-bf16-b4096"],
+    "issue36-ddp-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-b400", "q05-ddp-4gpu-bf16-b4096"],
+    "issue36-7b": ["fsdp7b-4gpu-bf16-nockpt", "l370-ddp-1gpu-eager", "q05-ddp-1gpu-eager"],
     "issue25-generate": [s.name for s in _generate()],
     "issue36-graphs": [s.name for s in _graphs()][:8],
     "issue36-graphs-b": ["q05-liger-bf16", "q05-cli-default-graphs", "q05-cli-bf16-pure-graphs", "l370-cli-b2x512-graphs",

@@ -75,8 +75,14 @@ def list_text() -> str:
     return "\n".join(out)
 
 
+def repeated(scenarios: list[Scenario], repeat: int) -> list[tuple[Scenario, str]]:
+    """(scenario, row suffix) for `repeat` rounds of the scenarios in order, round after round (a drift of the
+    machine then touches every scenario alike); rounds after the first name their rows NAME-r2, NAME-r3, ..."""
+    return [(sc, "" if r == 0 else f"-r{r + 1}") for r in range(repeat) for sc in scenarios]
+
+
 def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, argv: list[str],
-        budget_s: float | None = None) -> Path:
+        budget_s: float | None = None, repeat: int = 1) -> Path:
     scenarios = resolve(names)
     probe = {"device": "cpu", "gpus": 0} if smoke else R.probe_device()
     env = {"device": probe["device"], "gpus": probe["gpus"], "versions": R.package_versions(),
@@ -91,7 +97,7 @@ def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, a
     done: list[dict[str, Any]] = []
     t0 = time.monotonic()
     try:
-        for sc in scenarios:
+        for sc, suffix in repeated(scenarios, repeat):
             left = None if budget_s is None else budget_s - (time.monotonic() - t0)
             if left is not None and left < 30:  # the device call's limit: what is left is said, not cut off
                 rows = [ctx.row(sc, status="skipped", reason=f"--budget-s {budget_s:.0f} spent ({left:.0f} s left)")]
@@ -101,6 +107,9 @@ def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, a
                 print(f"[bench] {sc.name} ...", file=sys.stderr, flush=True)
                 rows = run_scenario(sc, ctx)
             for row in rows:
+                if suffix:  # a later round: its own row, compared with its round's baseline
+                    row["row"] += suffix
+                    row["baseline"] = row["baseline"] and row["baseline"] + suffix
                 R.write_row(folder, row)
                 done.append(row)
                 shown = f"{row['tokens_per_s']:,.0f} tok/s" if row["tokens_per_s"] else row["reason"][:200]
@@ -127,6 +136,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="wall seconds for the whole run: a scenario gets at most what is left (minus 20 s), and "
                         "once less than 30 s is left the rest are skipped rows saying so (e.g. 540 in a 10-minute "
                         "device call)")
+    r.add_argument("--repeat", type=int, default=1, metavar="N",
+                   help="run the scenarios N times, round after round (rows of later rounds are NAME-r2, ...); "
+                        "table.md adds the median of each scenario's rounds")
     r.add_argument("--work", type=Path, default=None, help="scratch folder for shards and run directories "
                    "(default: a temporary one, removed at the end unless BENCH_KEEP_WORK=1)")
     args = ap.parse_args(argv)
@@ -134,7 +146,10 @@ def main(argv: list[str] | None = None) -> int:
         print(list_text())
         return 0
     try:
-        folder = run(args.names, smoke=args.smoke, out=args.out, work=args.work, argv=argv, budget_s=args.budget_s)
+        if args.repeat < 1:
+            ap.error(f"--repeat must be >= 1, got {args.repeat}")
+        folder = run(args.names, smoke=args.smoke, out=args.out, work=args.work, argv=argv, budget_s=args.budget_s,
+                     repeat=args.repeat)
     except KeyError as e:
         print(f"unknown scenario or group {e}; `python -m bench --list` names them", file=sys.stderr)
         return 2

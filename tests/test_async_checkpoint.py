@@ -106,6 +106,25 @@ def test_a_checkpoint_written_while_training_goes_on_holds_its_own_step(tmp_path
     assert losses(tmp_path / "sync") == losses(tmp_path / "async")
 
 
+def test_the_end_of_run_waits_for_its_checkpoint_and_says_how_long(tmp_path, monkeypatch):
+    """The run's end holds it until the last checkpoint is COMPLETE, and end_save counts that wait: the write of the
+    last step is held ~0.5 s; the summary's end_save_s and the `end of run` line include it."""
+    held, lines = Held(3), []
+    monkeypatch.setattr(C, "WRITE_HOOK", held)
+    after_step_at(monkeypatch, 3, lambda trainer: threading.Timer(0.5, held.release).start())
+    model = tiny_model()
+    cfg = TrainConfig(steps=3, batch_size=2, seq_len=32, lr=1e-2, warmup=1, keep=2, seed=5, save_mode="async")
+    trainer = build_trainer(model, ListLoader(make_samples(8), 2, seed=3), None, cfg, tmp_path, log=lines.append)
+    trainer.begin(None)
+    result = trainer.fit()
+    assert held.reached.is_set() and not held.timed_out
+    assert (tmp_path / "checkpoints" / "step-0000003" / "COMPLETE").is_file()
+    end = trainer.end_save
+    assert set(end) == {"checkpoint_s", "final_s", "write_wait_s", "total_s"}
+    assert end["write_wait_s"] >= 0.3 and result["end_save_s"] == end["total_s"] >= end["write_wait_s"]
+    assert any(ln.startswith("end of run: checkpoint and final/ held the run") for ln in lines), lines
+
+
 def test_complete_is_written_after_every_file_is_synced(tmp_path, monkeypatch):
     synced: set[str] = set()
     checked: list[str] = []

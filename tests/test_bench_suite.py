@@ -48,6 +48,7 @@ def test_smoke_cli_row_and_skipped_peer_row(tmp_path):
     assert cli["extra"]["steps_measured"] == 1
     assert "--profile 3:1" in cli["command"] and cli["extra"]["profile"]["steps"] == [3, 3]
     assert cli["extra"]["dtype_run"] == "fp32"  # --dtype auto on a CPU
+    assert cli["extra"]["end_save_s"] > 0  # the CLI's summary: the end-of-run checkpoint and final/
 
     peer = rows["q05-liger-bf16"]
     assert peer["status"] == "skipped" and peer["runner"] == "transformers+liger"
@@ -111,3 +112,35 @@ def test_table_ratio_against_the_baseline_row():
     table = R.table([peer, ours], env)
     line = next(ln for ln in table.splitlines() if ln.startswith("| q05-cli-bf16-pure "))
     assert "| 1.30x transformers+liger |" in line
+
+
+def test_repeat_runs_rounds_and_the_table_gives_each_scenarios_median():
+    """--repeat 3: round after round (a drift touches every scenario alike), later rounds' rows named -r2/-r3 and
+    compared with their own round's baseline in the rows' table; the medians' table takes the ok rounds only."""
+    from bench.suite import repeated
+
+    one, four = SCENARIOS["l370-ddp-1gpu"], SCENARIOS["l370-ddp-4gpu-bf16-b4096"]
+    assert [(sc.name, suffix) for sc, suffix in repeated([one, four], 3)] == [
+        ("l370-ddp-1gpu", ""), ("l370-ddp-4gpu-bf16-b4096", ""), ("l370-ddp-1gpu", "-r2"),
+        ("l370-ddp-4gpu-bf16-b4096", "-r2"), ("l370-ddp-1gpu", "-r3"), ("l370-ddp-4gpu-bf16-b4096", "-r3")]
+    env = {"device": "cpu", "gpus": 4, "versions": {"torch": "x"}, "commit": "c", "smoke": False,
+           "started_utc": "t"}
+    rows = []
+    for suffix, base, per_gpu in (("", 100.0, 90.0), ("-r2", 120.0, 96.0), ("-r3", 110.0, None)):
+        a = R.new_row(one, env, row="l370-ddp-1gpu" + suffix, status="ok", tokens_per_s=base,
+                      tokens_per_s_per_gpu=base)
+        b = R.new_row(four, env, row="l370-ddp-4gpu-bf16-b4096" + suffix, status="ok" if per_gpu else "failed",
+                      reason="" if per_gpu else "exit 1: boom", tokens_per_s=4 * per_gpu if per_gpu else None,
+                      tokens_per_s_per_gpu=per_gpu)
+        b["baseline"] = b["baseline"] + suffix
+        rows += [a, b]
+    table = R.table(rows, env)
+    line = next(ln for ln in table.splitlines() if ln.startswith("| l370-ddp-4gpu-bf16-b4096-r2 "))
+    assert "| 3.20x entrenar-cli |" in line  # 384 / 120: its own round's baseline
+    medians = {ln.split("|")[1].strip(): ln for ln in table.split("Median of the rounds")[1].splitlines()
+               if ln.startswith("| l370")}
+    assert medians["l370-ddp-1gpu"].split("|")[2:5] == [" 3/3 ", " 110 ", " 100, 120, 110 "]
+    # median of the ok rounds 90, 96 = 93 over the baseline's median 110
+    assert medians["l370-ddp-4gpu-bf16-b4096"].split("|")[2:6] == [" 2/3 ", " 93 ", " 90, 96 ",
+                                                                   f" {93 / 110:.3f} of l370-ddp-1gpu "]
+    assert "Median of the rounds" not in R.table(rows[:2], env)  # one round: no medians' table

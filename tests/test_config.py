@@ -257,3 +257,13 @@ def test_data_config_shares_the_data_modules_constants():
 
     assert DataConfig().max_skip_fraction == sft.DEFAULT_MAX_SKIP_FRACTION
     assert DataConfig.__dataclass_fields__["truncation"].metadata["cli"]["choices"] == sft.TRUNCATION_POLICIES
+
+
+@pytest.mark.parametrize("mb", [0, -5])
+def test_ddp_bucket_mb_must_be_positive(mb):
+    """--ddp-bucket-mb 0 would give DDP a bucket per parameter tensor (hundreds of all-reduces a step): exit 2."""
+    from entrenar.train.config import DDP_BUCKET_MB, TrainConfig
+
+    assert TrainConfig().ddp_bucket_mb == DDP_BUCKET_MB
+    with pytest.raises(InputError, match="^--ddp-bucket-mb must be a positive integer"):
+        TrainConfig(ddp_bucket_mb=mb).validate()

@@ -464,6 +464,12 @@ def spy_policy(self, reduce_bf16=False):
     seen.append("fsdp-reduce:" + str(mp.reduce_dtype))
     return mp
 precision.Precision.fsdp_policy = spy_policy
+apply_ddp = parallel.apply_ddp
+def spy_ddp(*args, **kwargs):
+    ddp = apply_ddp(*args, **kwargs)
+    seen.append(f"bucket-bytes:{ddp.bucket_bytes_cap}")
+    return ddp
+parallel.apply_ddp = spy_ddp
 from entrenar import cli
 code = cli.main(sys.argv[1:])
 Path(__file__).with_name(f"reduce-rank{os.environ.get('RANK', '0')}").write_text(" ".join(sorted(set(seen))))
@@ -471,18 +477,20 @@ sys.exit(code)
 """
 
 
-@pytest.mark.parametrize("parallel, expect", [("ddp", "ddp-bf16:torch.float32"),
+@pytest.mark.parametrize("parallel, expect", [("ddp", f"bucket-bytes:{3 << 20} ddp-bf16:torch.float32"),
                                               ("fsdp", "fsdp-reduce:torch.bfloat16")])
 def test_grad_reduce_bf16_reaches_the_reduction(tmp_path, base_model, sft_data, parallel, expect):
-    """`finetune --grad-reduce bf16` on two gloo ranks: DDP's buckets (fp32 gradients, --dtype bf16) go through
-    the bf16 hook, FSDP2's policy reduces in bf16, on each rank; run.json records the flag."""
+    """`finetune --grad-reduce bf16 --ddp-bucket-mb 3` on two gloo ranks: DDP's buckets (fp32 gradients, --dtype
+    bf16) go through the bf16 hook and are 3 MB, FSDP2's policy reduces in bf16 (no DDP), on each rank; run.json
+    records both flags."""
     script = tmp_path / "record.py"
     script.write_text(GRAD_REDUCE)
     out = tmp_path / "run"
     args = finetune_args(base_model, sft_data, out, 2, ("--dtype", "bf16", "--parallel", parallel,
-                                                        "--grad-reduce", "bf16"))
+                                                        "--grad-reduce", "bf16", "--ddp-bucket-mb", "3"))
     args[args.index("--steps") + 1] = "2"
     ok(run_cli(args, nproc=2, script=str(script)))
-    assert json.loads((out / "run.json").read_text())["config"]["grad_reduce"] == "bf16"
+    config = json.loads((out / "run.json").read_text())["config"]
+    assert config["grad_reduce"] == "bf16" and config["ddp_bucket_mb"] == 3
     for rank in (0, 1):
         assert (tmp_path / f"reduce-rank{rank}").read_text() == expect, (parallel, rank)

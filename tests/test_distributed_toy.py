@@ -23,6 +23,7 @@ from entrenar.model import CausalLM
 from entrenar.tensors import IGNORE_INDEX, rel_l2
 from entrenar.train import distributed as D
 from entrenar.train import parallel as P
+from entrenar.train.config import DDP_BUCKET_MB
 from tests.helpers.cli import child_env, run_torchrun
 from tests.helpers.models import tiny_causal_lm, tiny_config
 
@@ -115,7 +116,7 @@ results = {{}}
 for avg in (False, True):  # the rule, then the mutation: each rank divides by its own token count
     par, losses = manual_steps(ctx, "fsdp", 2, 2, 3, tie=True, average_per_rank=avg)
     results["avg" if avg else "global"] = {{"losses": losses, "params": par.full_state()}}
-# DDP with its options (P.DDP_OPTIONS: 100 MB buckets, gradients as bucket views), with accumulation 2
+# DDP with its options (DDP_BUCKET_MB buckets, P.DDP_OPTIONS: gradients as bucket views), with accumulation 2
 # under no_sync and without (then also a static graph)
 for accum, batch in ((2, 2), (1, 4)):
     dpar, dlosses = manual_steps(ctx, "ddp", batch, accum, 3, tie=True)
@@ -242,11 +243,12 @@ def test_averaging_per_rank_is_detected(two_ranks):
 
 @pytest.mark.parametrize("accum", [2, 1])
 def test_ddp_with_its_options_equals_one_process(two_ranks, accum):
-    """DDP as apply_ddp builds it (100 MB buckets, gradients as bucket views, a static graph when a step
+    """DDP as apply_ddp builds it (DDP_BUCKET_MB buckets, gradients as bucket views, a static graph when a step
     is one micro-batch: the options measured fastest on 4 GPUs) trains the same math as one process:
     accumulation under no_sync, the set_to_none zero_grad between steps, clipping on the bucket views."""
     got = torch.load(two_ranks[0] / "result.pt")[f"ddp{accum}"]
-    assert got["options"] == {"static_graph": accum == 1, "gradient_as_bucket_view": True, "bucket_cap_mb": 100.0}
+    assert got["options"] == {"static_graph": accum == 1, "gradient_as_bucket_view": True,
+                               "bucket_cap_mb": float(DDP_BUCKET_MB)}
     torch.manual_seed(0)
     ref_params, ref_losses = _single_ddp_reference(accum)
     for a, b in zip(got["losses"], ref_losses, strict=True):

@@ -249,6 +249,7 @@ def _summary(result: dict, out: Path) -> dict:
     ev = result["eval"]
     return {"run_dir": str(out), "steps": result["steps"], "start_step": result["start_step"],
             "tokens": result["tokens"], "final_train_loss": result["final_train_loss"], "seconds": result["seconds"],
+            "end_save_s": result.get("end_save_s"),
             "eval_loss_start": ev[0]["loss"] if ev and ev[0]["step"] == 0 else None,
             "eval_loss_final": ev[-1]["loss"] if ev else None, "tok_s": result["tok_s"],
             "counters": result["counters"], "final": str(out / "final"),

@@ -41,6 +41,8 @@ DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")  # --dtype; what e
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
 
 TRAIN_COMMANDS = ("pretrain", "finetune")
+# DDP's gradient bucket (MB; --ddp-bucket-mb): measured on 4x H200, bench/RESULTS.md (issue 36)
+DDP_BUCKET_MB = 100
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the data-parallel gradient reduction's precision (train/parallel.py)
 PARALLEL_MODES = ("auto", "fsdp", "ddp", "hsdp")  # train/parallel.py (not imported here: it loads torch.distributed)
 MODES = ("full", "lora", "qlora")
@@ -195,6 +197,11 @@ class TrainConfig:
                                       "bytes on the wire; each rank's gradient rounded to bf16, 8 mantissa bits, "
                                       "before the sum). Gradients already bf16 (--dtype bf16-pure) are reduced "
                                       "in bf16 either way; one process: ignored", choices=GRAD_REDUCE_DTYPES)
+    ddp_bucket_mb: int = option(DDP_BUCKET_MB, "DDP's gradient bucket size in MB under torchrun: a bucket's "
+                                               "all-reduce starts once all its gradients exist; larger buckets "
+                                               "start later in the backward (fewer all-reduces beside the "
+                                               "matmuls, more of the last one after it); FSDP2 and one "
+                                               "process: ignored", metavar="MB")
     cuda_graphs: str = option("auto", "capture each micro-batch's forward+backward as a CUDA graph per batch shape "
                                       "and replay it (one launch instead of thousands: the GPU no longer waits "
                                       "for Python between kernels). auto: on for one CUDA process training a "
@@ -241,7 +248,7 @@ class TrainConfig:
         def name(f: str) -> str:
             return flag_of(TrainConfig, f, self.command)
 
-        for f in ("steps", "batch_size", "grad_accum", "seq_len"):
+        for f in ("steps", "batch_size", "grad_accum", "seq_len", "ddp_bucket_mb"):
             if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
                 raise InputError(f"{name(f)} must be a positive integer, got {getattr(self, f)}")
         for f in ("eval_every", "eval_batches", "save_every", "keep", "warmup", "mlp_chunk", "eval_task_every",

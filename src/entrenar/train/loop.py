@@ -355,6 +355,7 @@ class Trainer:
         # largest |w| of the trainable weights at the start: what "exploded" is measured against
         self.weights_ref = self.weights_max_abs()
         self.step_seconds = 0.0
+        self.end_save: dict[str, float] = {}  # seconds the end of the run spent saving (finish)
         self.progress: Progress | None = None
         # ((step, evals so far, last checkpoint), wall time) of the last step's readback: see step_time
         self._timing: tuple[tuple, float] | None = None
@@ -863,12 +864,17 @@ class Trainer:
         if self.task is not None and self.task.due(step):
             self.task_evaluate(step)
         if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+            t0 = time.perf_counter()
             self.save(step)
+            if step == cfg.steps:  # what the last checkpoint held the run for (async: the snapshot)
+                self.end_save = {"checkpoint_s": time.perf_counter() - t0}
 
     def finish(self) -> None:
         """final/ through save_final: one consolidated directory written by rank 0 whatever the world size,
         only from weights checked finite (GUARD-NONFINITE otherwise); meanwhile the end-of-run checkpoint is
-        written in the background (--save-mode async), and waited for (also when final/ fails)."""
+        written in the background (--save-mode async), and waited for (also when final/ fails). The seconds
+        each part took are logged and kept in `end_save` (the summary's end_save_s is their total)."""
+        t0 = time.perf_counter()
         try:
             if self.save_final is not None:
                 problem = self.weights_problem()
@@ -880,7 +886,14 @@ class Trainer:
         except BaseException:
             self.settle_write("final/ was not written")
             raise
+        t1 = time.perf_counter()
         self.checkpointer.wait()
+        end = self.end_save
+        end.update(final_s=t1 - t0, write_wait_s=time.perf_counter() - t1)
+        end["total_s"] = sum(end.values())
+        self.log(f"end of run: checkpoint and final/ held the run {end['total_s']:.1f} s (checkpoint "
+                 f"{end.get('checkpoint_s', 0.0):.1f} s, final/ {end['final_s']:.1f} s, waiting for the "
+                 f"checkpoint's background write {end['write_wait_s']:.1f} s)")
 
     def fit(self) -> dict[str, Any]:
         """Steps start_step+1 .. cfg.steps with their evals and checkpoints, then final/. Returns a summary."""
@@ -914,6 +927,7 @@ class Trainer:
                 # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
                 "tok_s": (self.tokens - tokens_at_start) / self.step_seconds if self.step_seconds > 0 else None,
                 "seconds": time.perf_counter() - t_train, "eval": self.eval_history,
+                "end_save_s": self.end_save.get("total_s"),
                 "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir),
                 **({"task": self.task.summary(self.final_step)} if self.task is not None else {})}
 
@@ -982,7 +996,7 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
     apply_memory_options(model, cfg)
     strategy = apply_parallel(model, ctx, cfg.parallel, precision, cfg.mode in ("lora", "qlora"), cfg.grad_accum,
-                              cfg.grad_reduce)
+                              cfg.grad_reduce, cfg.ddp_bucket_mb)
     checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files, mode=cfg.save_mode)
     return Trainer(strategy, shard_loader(train_loader, ctx, objective.counts),
                    shard_loader(eval_loader, ctx, objective.counts), cfg, run_dir,

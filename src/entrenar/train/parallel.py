@@ -54,7 +54,7 @@ import torch.distributed as dist
 
 from ..errors import InputError
 from . import guards
-from .config import GRAD_REDUCE_DTYPES, PARALLEL_MODES
+from .config import DDP_BUCKET_MB, GRAD_REDUCE_DTYPES, PARALLEL_MODES
 from .distributed import DistContext, DistReduce
 from .precision import Precision
 
@@ -173,11 +173,12 @@ def _bf16_sum_hook(process_group, bucket):  # no annotations: DDP rejects any bu
 # its per-step search for unused parameters); torch's reducer fails an internal assert when no_sync
 # (accumulation) runs before the first synchronised backward of a static graph. The math is the same
 # (CPU tests compare losses with one process).
-DDP_OPTIONS: dict[str, Any] = {"bucket_cap_mb": 100, "gradient_as_bucket_view": True}
+# The bucket size is --ddp-bucket-mb (DDP_BUCKET_MB by default).
+DDP_OPTIONS: dict[str, Any] = {"gradient_as_bucket_view": True}
 
 
 def apply_ddp(model: torch.nn.Module, ctx: DistContext, static_graph: bool = False,
-              grad_reduce: str = "fp32") -> torch.nn.Module:
+              grad_reduce: str = "fp32", bucket_mb: int = DDP_BUCKET_MB) -> torch.nn.Module:
     import inspect
 
     from torch.nn.parallel import DistributedDataParallel as DDP
@@ -186,7 +187,8 @@ def apply_ddp(model: torch.nn.Module, ctx: DistContext, static_graph: bool = Fal
     # Same behaviour: init_sync=False below skips the init sync the new flag would otherwise keep.
     no_sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
         else "broadcast_buffers"
-    kwargs: dict[str, Any] = {no_sync: False, "static_graph": static_graph, **DDP_OPTIONS}
+    kwargs: dict[str, Any] = {no_sync: False, "static_graph": static_graph, "bucket_cap_mb": bucket_mb,
+                              **DDP_OPTIONS}
     if ctx.device.type == "cuda":
         kwargs["device_ids"] = [ctx.device.index]
     try:
@@ -276,11 +278,13 @@ class HSDPStrategy(FSDPStrategy):
 
 
 def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto", precision: Precision | None = None,
-                   adapters: bool = False, grad_accum: int = 1, grad_reduce: str = "fp32") -> Strategy:
+                   adapters: bool = False, grad_accum: int = 1, grad_reduce: str = "fp32",
+                   ddp_bucket_mb: int = DDP_BUCKET_MB) -> Strategy:
     """The one place parallelism is applied: wrap `model` for data parallelism over ctx's mesh (nothing in
     one process). `precision` (its prepare_model already applied) gives FSDP2 its MixedPrecisionPolicy;
     `grad_accum` micro-batches per step: DDP declares its graph static only without accumulation (see
-    DDP_OPTIONS); `grad_reduce` (fp32 | bf16) is the precision of the gradient reduction."""
+    DDP_OPTIONS); `grad_reduce` (fp32 | bf16) is the precision of the gradient reduction; `ddp_bucket_mb` DDP's
+    bucket size."""
     assert grad_reduce in GRAD_REDUCE_DTYPES, grad_reduce
     if not ctx.active:
         return Strategy(model, ctx)
@@ -290,7 +294,8 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
                                        mesh=ctx.hsdp_mesh()), ctx)
     if kind == "fsdp":
         return FSDPStrategy(apply_fsdp(model, ctx, precision or Precision(), grad_reduce=grad_reduce), ctx)
-    return DDPStrategy(model, ctx, apply_ddp(model, ctx, static_graph=grad_accum == 1, grad_reduce=grad_reduce))
+    return DDPStrategy(model, ctx, apply_ddp(model, ctx, static_graph=grad_accum == 1, grad_reduce=grad_reduce,
+                                                     bucket_mb=ddp_bucket_mb))
 
 
 def clip_grad_norm_tensor(params: Iterable[torch.nn.Parameter], max_norm: float) -> torch.Tensor:
