@@ -219,6 +219,9 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
                                                "dtype_reason": config.get("dtype_reason"),
                                                "cuda_graphs": config.get("cuda_graphs"),
                                                "cuda_graphs_reason": config.get("cuda_graphs_reason")})
+    graph_lines = [ln.strip() for ln in err.splitlines() if "cuda graphs:" in ln]
+    if graph_lines:  # what the step's capture did (captured shapes, a failed capture)
+        values.setdefault("extra", {})["cuda_graphs_log"] = graph_lines[:8]
     summary = _summary_line(out)
     if summary.get("end_save_s") is not None:  # the end-of-run checkpoint + final/ (after the measured steps)
         values.setdefault("extra", {})["end_save_s"] = summary["end_save_s"]

@@ -178,14 +178,20 @@ def _multi() -> list[Scenario]:
             out.append(Scenario(f"{short}-ddp-{gpus}gpu", f"torchrun CLI pretrain --dtype bf16 on {gpus} GPU(s), "
                                 f"--parallel auto", "cli", CLI, model, "bf16", 8, 2048, gpus=gpus, timeout_s=200,
                                 baseline=f"{short}-ddp-1gpu" if gpus > 1 else None))
-        out.append(Scenario(f"{short}-ddp-4gpu-bf16reduce", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, DDP with "
-                            "--grad-reduce bf16 (the all-reduce in bf16)", "cli", CLI, model, "bf16", 8, 2048, gpus=4,
-                            timeout_s=200, flags=("--grad-reduce", "bf16"), baseline=f"{short}-ddp-1gpu"))
+        out.append(Scenario(f"{short}-ddp-4gpu-bf16reduce", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, "
+                            "--grad-reduce bf16 (the all-reduce in bf16; since issue 36 --cuda-graphs auto captures "
+                            "the step: replicas all-reduced after the replay)", "cli", CLI, model, "bf16", 8, 2048,
+                            gpus=4, timeout_s=200, flags=("--grad-reduce", "bf16"), baseline=f"{short}-ddp-1gpu"))
+        out.append(Scenario(f"{short}-ddp-4gpu-bf16-eager", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, DDP "
+                            "--grad-reduce bf16 --cuda-graphs off (the eager DDP step, 100 MB buckets)", "cli", CLI,
+                            model, "bf16", 8, 2048, gpus=4, timeout_s=200,
+                            flags=("--grad-reduce", "bf16", "--cuda-graphs", "off"), baseline=f"{short}-ddp-1gpu"))
         # issue 36 item 4: buckets launched later in the backward (fewer all-reduces beside the matmuls), bf16 wire
         for mb in (400, 4096):
             out.append(Scenario(f"{short}-ddp-4gpu-bf16-b{mb}", f"torchrun CLI pretrain --dtype bf16 on 4 GPUs, DDP "
-                                f"--grad-reduce bf16 --ddp-bucket-mb {mb}", "cli", CLI, model, "bf16", 8, 2048,
-                                gpus=4, timeout_s=200, flags=("--grad-reduce", "bf16", "--ddp-bucket-mb", str(mb)),
+                                f"--grad-reduce bf16 --ddp-bucket-mb {mb} --cuda-graphs off", "cli", CLI, model,
+                                "bf16", 8, 2048, gpus=4, timeout_s=200,
+                                flags=("--grad-reduce", "bf16", "--ddp-bucket-mb", str(mb), "--cuda-graphs", "off"),
                                 baseline=f"{short}-ddp-1gpu"))
         out.append(Scenario(f"{short}-ddp-1gpu-eager", "CLI pretrain --dtype bf16 on 1 GPU, --cuda-graphs off (the "
                             "step the 4-GPU rows run: DDP steps are not captured)", "cli", CLI, model, "bf16", 8, 2048,
@@ -248,6 +254,9 @@ GROUPS: dict[str, list[str]] = {
                          "l370-ddp-4gpu-bf16-b4096"],
     "issue36-ddp-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-b400", "q05-ddp-4gpu-bf16-b4096"],
     "issue36-7b": ["fsdp7b-4gpu-bf16-nockpt", "l370-ddp-1gpu-eager", "q05-ddp-1gpu-eager"],
+    # the step captured on 4 GPUs (replicas, all-reduce after the replay): --repeat 3 in one call
+    "issue36-ddp-graphs": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce"],
+    "issue36-ddp-once": ["l370-ddp-4gpu-bf16-eager", "q05-ddp-4gpu-bf16-eager", "l370-ddp-4gpu", "q05-ddp-4gpu"],
     "issue25-generate": [s.name for s in _generate()],
     "issue36-graphs": [s.name for s in _graphs()][:8],
     "issue36-graphs-b": ["q05-liger-bf16", "q05-cli-default-graphs", "q05-cli-bf16-pure-graphs", "l370-cli-b2x512-graphs",

@@ -77,8 +77,20 @@ def list_text() -> str:
 
 def repeated(scenarios: list[Scenario], repeat: int) -> list[tuple[Scenario, str]]:
     """(scenario, row suffix) for `repeat` rounds of the scenarios in order, round after round (a drift of the
-    machine then touches every scenario alike); rounds after the first name their rows NAME-r2, NAME-r3, ..."""
-    return [(sc, "" if r == 0 else f"-r{r + 1}") for r in range(repeat) for sc in scenarios]
+    machine then touches every scenario alike); rounds after the first name their rows NAME-r2, NAME-r3, ... and
+    run without --profile (the first round's profile says where the step goes; its trace costs seconds a row)."""
+    return [(sc if r == 0 else unprofiled(sc), "" if r == 0 else f"-r{r + 1}") for r in range(repeat)
+            for sc in scenarios]
+
+
+def unprofiled(sc: Scenario) -> Scenario:
+    """`sc` without its --profile START:COUNT flags (a CLI row's) or profiled steps (the Liger peer's)."""
+    flags = list(sc.flags)
+    if "--profile" in flags:
+        i = flags.index("--profile")
+        del flags[i:i + 2]
+    params = {k: v for k, v in sc.params.items() if k != "profile_steps"}
+    return dataclasses.replace(sc, flags=tuple(flags), params=params)
 
 
 def run(names: list[str], *, smoke: bool, out: Path | None, work: Path | None, argv: list[str],

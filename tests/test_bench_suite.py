@@ -123,6 +123,9 @@ def test_repeat_runs_rounds_and_the_table_gives_each_scenarios_median():
     assert [(sc.name, suffix) for sc, suffix in repeated([one, four], 3)] == [
         ("l370-ddp-1gpu", ""), ("l370-ddp-4gpu-bf16-b4096", ""), ("l370-ddp-1gpu", "-r2"),
         ("l370-ddp-4gpu-bf16-b4096", "-r2"), ("l370-ddp-1gpu", "-r3"), ("l370-ddp-4gpu-bf16-b4096", "-r3")]
+    flags = [sc.flags for sc, _ in repeated([four], 2)]  # the profile in the first round only
+    assert "--profile" in flags[0] and flags[1] == ("--grad-reduce", "bf16", "--ddp-bucket-mb", "4096", "--cuda-graphs",
+                                                    "off")
     env = {"device": "cpu", "gpus": 4, "versions": {"torch": "x"}, "commit": "c", "smoke": False,
            "started_utc": "t"}
     rows = []

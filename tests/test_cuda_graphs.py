@@ -106,7 +106,8 @@ CUDA = torch.device("cuda", 0)
 
 @pytest.mark.parametrize(("kw", "why"), [
     ({"device": torch.device("cpu")}, "not CUDA"),
-    ({"world_size": 2}, "2 processes"),
+    ({"world_size": 2, "parallel": "fsdp"}, "2 processes under FSDP"),
+    ({"world_size": 4, "parallel": "hsdp"}, "4 processes under HSDP"),
     ({"objective": "dpo"}, "objective dpo"),
     ({"dtype": "bf16-weights"}, "--dtype bf16-weights"),
     ({"dtype": "fp8"}, "--dtype fp8"),
@@ -133,6 +134,13 @@ def test_auto_is_on_for_one_cuda_process_training_a_causal_lm(dtype):
     on, reason = cg.graph_decision("auto", CUDA, 1, dtype, "causal-lm", tiny_model(), False)
     assert on and "one CUDA process" in reason
     assert cg.graph_decision("on", CUDA, 1, dtype, "causal-lm", tiny_model(), False)[0]
+
+
+def test_auto_is_on_for_replicas_under_torchrun():
+    """--parallel ddp (or auto resolving to it) under torchrun: the step is captured, the replicas' gradients are
+    all-reduced after the replay (ReplicaStrategy)."""
+    on, reason = cg.graph_decision("auto", CUDA, 4, "bf16", "causal-lm", tiny_model(), False, parallel="ddp")
+    assert on and "4 replicas, gradients all-reduced after the replayed backward" in reason
 
 
 def test_a_library_trainer_on_the_cpu_resolves_auto_to_off_and_records_why(tmp_path):

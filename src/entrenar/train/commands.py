@@ -471,16 +471,16 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
                 trainers: list, objective=None, task_eval=None) -> dict:
     ctx = current()
     from .cuda_graphs import resolve_cuda_graphs, varying_shapes
+    from .parallel import parallel_for
 
+    kind = parallel_for(model, ctx.device, cfg.parallel, cfg.mode in ("lora", "qlora"), ctx.nodes) \
+        if ctx.active else "single"
     if resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name if objective else "causal-lm",
-                           model, varying_shapes(command, getattr(args, "pad_buckets", 0))):  # before run.json
+                           model, varying_shapes(command, getattr(args, "pad_buckets", 0)), kind):  # before run.json
         _log(f"cuda graphs: {cfg.cuda_graphs} ({cfg.cuda_graphs_reason})")
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
         if ctx.active:  # the job's shape (resuming on another world size keeps the global batch)
-            from .parallel import parallel_for
-
-            kind = parallel_for(model, ctx.device, cfg.parallel, cfg.mode in ("lora", "qlora"), ctx.nodes)
             run_json["distributed"] = {
                 "world_size": ctx.world, "parallel": kind,
                 "global_batch": ctx.world * cfg.batch_size * cfg.grad_accum}

@@ -11,7 +11,8 @@ kernels (bench/RESULTS.md, "Where the steps go": 20-36 ms of a 118-144 ms step).
 - the gradients exist before the capture and are accumulated in place (AccumulateGrad's `grad += g`), so
   from the first capture on they are zeroed in place between steps, never set to None (`static_grads`);
 - nothing in the step reads the device from the host, draws random numbers, or changes shape with the data:
-  refused up front (`graph_decision`) for dropout, preference objectives, several processes, bf16-weights'
+  refused up front (`graph_decision`) for dropout, preference objectives, sharded steps (FSDP2/HSDP: under
+  torchrun only replicas are captured, their gradients all-reduced after the replay), bf16-weights'
   swapped copies, fp8's compiled blocks and activation offload; a capture that fails anyway is logged and
   that shape runs eagerly.
 
@@ -39,20 +40,24 @@ GRAPHABLE_DTYPES = ("fp32", "bf16", "bf16-pure")
 
 
 def graph_decision(requested: str, device: torch.device, world_size: int, dtype: str, objective: str,
-                   model: nn.Module, offload: bool, varying_shapes: str | None = None) -> tuple[bool, str]:
-    """(on, why) for --cuda-graphs `requested`: on where the step can be captured (one CUDA process, a
-    causal-LM objective, a precision that computes on the parameters, no random op, no host-staged
-    activations) and batches come in a few shapes (`varying_shapes`: why they do not, e.g. finetune batches
-    padded to their longest row; auto is then off). `on` where it cannot is an InputError naming the reason
-    (exit 2); `on` with varying shapes captures the first MAX_SHAPES shapes and runs the others eagerly."""
+                   model: nn.Module, offload: bool, varying_shapes: str | None = None,
+                   parallel: str = "single") -> tuple[bool, str]:
+    """(on, why) for --cuda-graphs `requested`: on where the step can be captured (CUDA, one process or
+    replicas under torchrun: `parallel` is the resolved data parallelism, "ddp" then trains with
+    ReplicaStrategy, whose all-reduce runs after the replayed backward; sharded FSDP2/HSDP steps are not
+    captured; a causal-LM objective, a precision that computes on the parameters, no random op, no
+    host-staged activations) and batches come in a few shapes (`varying_shapes`: why they do not, e.g.
+    finetune batches padded to their longest row; auto is then off). `on` where it cannot is an InputError
+    naming the reason (exit 2); `on` with varying shapes captures the first MAX_SHAPES shapes and runs the
+    others eagerly."""
     if requested == "off":
         return False, "--cuda-graphs off as given"
     why_not = None
     dropout = [n for n, m in model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
     if device.type != "cuda":
         why_not = f"device {device} is not CUDA"
-    elif world_size > 1:
-        why_not = f"{world_size} processes (DDP/FSDP2 steps are not captured yet)"
+    elif world_size > 1 and parallel != "ddp":
+        why_not = f"{world_size} processes under {parallel.upper()} (sharded steps are not captured yet)"
     elif objective != "causal-lm":
         why_not = f"objective {objective} (its reference forward and pair metrics are not captured yet)"
     elif dtype not in GRAPHABLE_DTYPES:
@@ -64,7 +69,9 @@ def graph_decision(requested: str, device: torch.device, world_size: int, dtype:
     if why_not is None and varying_shapes and requested == "auto":
         return False, f"--cuda-graphs auto: {varying_shapes}"
     if why_not is None:
-        return True, f"--cuda-graphs {requested}: one CUDA process, forward+backward replayed per batch shape"
+        where = "one CUDA process" if world_size <= 1 else \
+            f"{world_size} replicas, gradients all-reduced after the replayed backward"
+        return True, f"--cuda-graphs {requested}: {where}, forward+backward replayed per batch shape"
     if requested == "on":
         raise InputError(f"--cuda-graphs on: cannot capture the training step: {why_not}; use --cuda-graphs auto "
                          f"or off")
@@ -72,13 +79,13 @@ def graph_decision(requested: str, device: torch.device, world_size: int, dtype:
 
 
 def resolve_cuda_graphs(cfg: Any, device: torch.device, world_size: int, objective: str, model: nn.Module,
-                        varying: str | None = None) -> bool:
+                        varying: str | None = None, parallel: str = "single") -> bool:
     """cfg.cuda_graphs (auto|on|off) resolved to on/off with cfg.cuda_graphs_reason by graph_decision, once: True
     when it resolved now, False when a reason was already there (the command resolved it before run.json)."""
     if cfg.cuda_graphs_reason:
         return False
     on, cfg.cuda_graphs_reason = graph_decision(cfg.cuda_graphs, device, world_size, cfg.dtype, objective, model,
-                                                cfg.offload_activations, varying)
+                                                cfg.offload_activations, varying, parallel)
     cfg.cuda_graphs = "on" if on else "off"
     return True
 
@@ -115,7 +122,9 @@ class CapturedGraph:
 
     def __init__(self, fn: Callable[[], torch.Tensor], pool: Any = None):
         self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph, pool=pool):
+        # thread_local: another thread's CUDA calls (NCCL's watchdog polling its events, a checkpoint writer)
+        # during the capture must not invalidate it, as the default global mode would
+        with torch.cuda.graph(self.graph, pool=pool, capture_error_mode="thread_local"):
             self.out = fn()
 
     def pool(self) -> Any:

@@ -71,7 +71,7 @@ from .distributed import current as job_context
 from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
 from .objective import CausalLMLoss, Objective
 from .optim import Schedule, build_optimizer
-from .parallel import Strategy, apply_parallel
+from .parallel import Strategy, apply_parallel, parallel_for
 from .precision import Precision, precision_policy
 from .profiling import StepProfiler
 from .task_tracking import TaskTracker, checkpoint_of_step
@@ -363,9 +363,7 @@ class Trainer:
         self.final_step: int | None = None  # --keep-best task: the step whose weights final/ holds, if not the last
         self._local_loss = 0.0  # this rank's own loss sum of the last step (names a rank that went non-finite)
         self.graphs: StepGraphs | None = None  # --cuda-graphs: the step's graphs (train/cuda_graphs.py)
-        # a library caller's config (the commands resolve and log it before run.json)
-        if resolve_cuda_graphs(cfg, self.device, self.reduce.world_size, objective.name, model):
-            self.run_config.update(cuda_graphs=cfg.cuda_graphs, cuda_graphs_reason=cfg.cuda_graphs_reason)
+        assert cfg.cuda_graphs in ("on", "off"), "build_trainer resolves --cuda-graphs"
         if cfg.cuda_graphs == "on":
             self.graphs = StepGraphs(functools.partial(objective.loss_sum, strategy.forward_module), precision,
                                      self.device, self.message)
@@ -541,6 +539,7 @@ class Trainer:
             local = backward_micro_batches(self.strategy.forward_module, micro, self.device, self.precision,
                                            total_tokens, self.objective, self.strategy.sync_context, sums,
                                            self.graphs)
+        self.strategy.after_backward()  # ReplicaStrategy's gradient all-reduce (DDP/FSDP2 reduced inside)
         loss_sum = self.reduce.all_reduce_sum(local)
         max_norm = self.cfg.clip if self.cfg.clip > 0 else float("inf")
         grad_norm = self.strategy.clip_grad_norm(self.params, max_norm)
@@ -619,7 +618,9 @@ class Trainer:
         if not skip and not self.update_queued:
             self.optimizer.step()
         # a captured backward accumulates into the gradients it was recorded with: zeroed in place from then on
-        self.optimizer.zero_grad(set_to_none=self.graphs is None or not self.graphs.static_grads)
+        # and ReplicaStrategy's gradients are views into its flat buffers
+        self.optimizer.zero_grad(set_to_none=not (self.strategy.grads_in_place
+                                                  or (self.graphs is not None and self.graphs.static_grads)))
         self.schedule.advance()
         self.tokens += step_tokens
         dt = self.step_time(step, t0, t_read)
@@ -995,8 +996,13 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     objective.bind(model)  # a frozen reference copy (preference objectives, --mode full) of what training starts from
     # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
     apply_memory_options(model, cfg)
-    strategy = apply_parallel(model, ctx, cfg.parallel, precision, cfg.mode in ("lora", "qlora"), cfg.grad_accum,
-                              cfg.grad_reduce, cfg.ddp_bucket_mb)
+    adapters = cfg.mode in ("lora", "qlora")
+    # a library caller's --cuda-graphs (the commands resolve and log it before run.json): before the parallel
+    # strategy, which is replicas without DDP for a captured step
+    kind = parallel_for(model, ctx.device, cfg.parallel, adapters, ctx.nodes) if ctx.active else "single"
+    resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name, model, parallel=kind)
+    strategy = apply_parallel(model, ctx, cfg.parallel, precision, adapters, cfg.grad_accum, cfg.grad_reduce,
+                              cfg.ddp_bucket_mb, graphs=cfg.cuda_graphs == "on")
     checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files, mode=cfg.save_mode)
     return Trainer(strategy, shard_loader(train_loader, ctx, objective.counts),
                    shard_loader(eval_loader, ctx, objective.counts), cfg, run_dir,

@@ -4,8 +4,8 @@ place (`apply_parallel`, the parallelize function): one process, DDP, FSDP2 or H
 `apply_parallel` takes the built `CausalLM` (its precision already prepared, LoRA already applied) and
 returns a `Strategy`: `.module` is the model (its config, parameter names, saving), `.forward_module` is
 what the trainer calls, `.reduce` the job's reductions; `sync_context`, `clip_grad_norm`,
-`weights_max_abs` and `final_model` are what differ between the three (`Strategy` for one process,
-`DDPStrategy`, `FSDPStrategy`, `HSDPStrategy`). The mesh is torchrun's named 1-D ("dp") DeviceMesh
+`weights_max_abs`, `after_backward` and `final_model` are what differ between them (`Strategy` for one process,
+`DDPStrategy`, `ReplicaStrategy`, `FSDPStrategy`, `HSDPStrategy`). The mesh is torchrun's named 1-D ("dp") DeviceMesh
 (train/distributed.py), or for HSDP the 2-D (dp_replicate x dp_shard = nodes x processes per node) one; a
 further dimension (tensor or context parallel) would be applied here too, after the data-parallel one is chosen.
 
@@ -37,7 +37,11 @@ further dimension (tensor or context parallel) would be applied here too, after 
   alone: DDP all-reduces only parameters with requires_grad, so the frozen (NF4) base is
   never communicated. `init_sync=False`: every rank loads the same base and seeds LoRA alike.
 
-Both reduce gradients with a plain SUM (FSDP: divide factor 1 with sum reduction; DDP: a SUM
+- Replicas reduced after the backward (`ReplicaStrategy`): what `--parallel ddp` becomes when the step is captured
+  in a CUDA graph (--cuda-graphs): DDP's per-bucket hooks are host work inside the backward, which a replay
+  does not run; gradients live in flat buffers, one all-reduce per buffer after the step's last backward.
+
+All reduce gradients with a plain SUM (FSDP: divide factor 1 with sum reduction; DDP: a SUM
 comm hook), because every rank already backpropagates loss_sum / global_loss_tokens: an
 averaging reduction would divide the update by the world size a second time.
 """
@@ -233,6 +237,13 @@ class Strategy:
         """The model final/ is written from, on rank 0 (a collective: every rank calls it)."""
         return self.module
 
+    # the gradients must stay the tensors the strategy gave them (ReplicaStrategy's views): zeroed in place
+    grads_in_place = False
+
+    def after_backward(self) -> None:
+        """After the step's last micro-batch's backward: what reduces the gradients when the backward itself
+        does not (ReplicaStrategy); nothing here or under DDP/FSDP2 (their hooks reduce inside it)."""
+
 
 class DDPStrategy(Strategy):
     """Full replicas; gradients SUM-reduced in buckets by DDP (apply_ddp) during the last micro-batch's
@@ -242,6 +253,54 @@ class DDPStrategy(Strategy):
 
     def sync_context(self, last_micro_batch: bool) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext() if last_micro_batch else self.forward_module.no_sync()
+
+
+class ReplicaStrategy(Strategy):
+    """Full replicas without DDP's hooks, for a backward captured in a CUDA graph under torchrun (--cuda-graphs,
+    train/cuda_graphs.py): every trainable gradient is a view into one flat buffer per dtype (as DDP's
+    gradient_as_bucket_view), set before the first backward and zeroed in place between steps, so a replayed
+    backward accumulates into them; after the step's last backward `after_backward` SUM-reduces each buffer in
+    one all-reduce (`grad_reduce` bf16: an fp32 buffer goes as a bf16 copy, as _bf16_sum_hook's buckets).
+    The reduction does not overlap the backward as DDP's buckets do; what it buys is a step with no host work
+    inside it: on 4 GPUs the eager DDP step's host time varies from rank to rank and every all-reduce waits
+    for the slowest (bench/RESULTS.md, issue 36 item 4)."""
+
+    kind = "ddp"
+    grads_in_place = True
+
+    def __init__(self, model: torch.nn.Module, ctx: DistContext, grad_reduce: str = "fp32"):
+        super().__init__(model, ctx)
+        self.grad_reduce = grad_reduce
+        self.buffers: list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
+        by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
+        for p in model.parameters():
+            if p.requires_grad:
+                by_dtype.setdefault(p.dtype, []).append(p)
+        for dtype, params in by_dtype.items():
+            flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
+            views, start = [], 0
+            for p in params:
+                view = flat[start:start + p.numel()].view_as(p)
+                p.grad = view
+                views.append((p, view))
+                start += p.numel()
+            self.buffers.append((flat, views))
+
+    def after_backward(self) -> None:
+        for flat, views in self.buffers:
+            for p, view in views:  # a gradient that is not its view any more (set to None by a stop's cleanup)
+                if p.grad is None:
+                    view.zero_()
+                    p.grad = view
+                elif p.grad.data_ptr() != view.data_ptr():
+                    view.copy_(p.grad)
+                    p.grad = view
+            if self.grad_reduce == "bf16" and flat.dtype == torch.float32:
+                wire = flat.to(torch.bfloat16)
+                dist.all_reduce(wire)
+                flat.copy_(wire)
+            else:
+                dist.all_reduce(flat)
 
 
 class FSDPStrategy(Strategy):
@@ -279,12 +338,13 @@ class HSDPStrategy(FSDPStrategy):
 
 def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto", precision: Precision | None = None,
                    adapters: bool = False, grad_accum: int = 1, grad_reduce: str = "fp32",
-                   ddp_bucket_mb: int = DDP_BUCKET_MB) -> Strategy:
+                   ddp_bucket_mb: int = DDP_BUCKET_MB, graphs: bool = False) -> Strategy:
     """The one place parallelism is applied: wrap `model` for data parallelism over ctx's mesh (nothing in
     one process). `precision` (its prepare_model already applied) gives FSDP2 its MixedPrecisionPolicy;
     `grad_accum` micro-batches per step: DDP declares its graph static only without accumulation (see
     DDP_OPTIONS); `grad_reduce` (fp32 | bf16) is the precision of the gradient reduction; `ddp_bucket_mb` DDP's
-    bucket size."""
+    bucket size; `graphs` (the step is captured, --cuda-graphs on): replicas reduced after the backward
+    (ReplicaStrategy) instead of DDP, whose hooks would run at capture only."""
     assert grad_reduce in GRAD_REDUCE_DTYPES, grad_reduce
     if not ctx.active:
         return Strategy(model, ctx)
@@ -294,6 +354,8 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
                                        mesh=ctx.hsdp_mesh()), ctx)
     if kind == "fsdp":
         return FSDPStrategy(apply_fsdp(model, ctx, precision or Precision(), grad_reduce=grad_reduce), ctx)
+    if graphs:
+        return ReplicaStrategy(model, ctx, grad_reduce)
     return DDPStrategy(model, ctx, apply_ddp(model, ctx, static_graph=grad_accum == 1, grad_reduce=grad_reduce,
                                                      bucket_mb=ddp_bucket_mb))
 
@@ -354,5 +416,6 @@ def consolidated_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
 
 
 __all__ = ["DDP_OPTIONS", "FSDP_UNIT_PARAMS", "PARALLEL_MODES", "DDPStrategy", "FSDPStrategy", "HSDPStrategy",
+           "ReplicaStrategy",
            "Strategy", "apply_ddp", "apply_fsdp", "apply_parallel", "clip_grad_norm_tensor", "consolidated_copy",
            "fsdp_units", "parallel_for", "resolve_parallel"]

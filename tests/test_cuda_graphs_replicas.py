@@ -1,0 +1,109 @@
+"""CUDA graphs of the step under torchrun (issue 36 item 4): with --parallel ddp and the step captured, the replicas
+train without DDP's hooks (parallel.ReplicaStrategy: gradients as views into one flat buffer, one all-reduce after
+the replayed backward). On two gloo ranks, with the CPU stand-in for a CUDA graph (tests/helpers/graphs.py), such a
+run equals the eager DDP run bit for bit (a SUM of two ranks' gradients does not depend on how they are bucketed)
+and one process on the whole batch within float tolerance, with and without gradient accumulation; a run whose
+all-reduce is skipped is caught."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from entrenar.tensors import rel_l2
+from entrenar.train.metrics import read_jsonl
+from tests.test_distributed_toy import torchrun
+from tests.test_train_loop import make_samples, run, tiny_model
+
+SAMPLES = {"n": 32, "seed": 4, "min_len": 9, "max_len": 12}  # T = 12 in almost every batch: few shapes
+STEPS = 6
+
+WORKER = """
+import sys, torch
+from pathlib import Path
+from entrenar.model import CausalLM
+from entrenar.train import cuda_graphs as cg, distributed as D, loop as L, parallel as P
+from tests.helpers.graphs import ReplayedStep
+from tests.test_cuda_graphs_replicas import trained
+
+D.init_from_env("cpu")
+cg.capture = lambda fn, pool: ReplayedStep(fn)  # the CPU stand-in for torch.cuda.CUDAGraph
+cg.warmup = lambda fn, device: fn()
+CausalLM._check_ids = lambda self, ids: None  # a host read the model makes for CPU inputs only
+out, rank = Path(sys.argv[1]), D.current().rank
+captured = []
+original = cg.StepGraphs.__init__
+def remember(self, *a, **kw):
+    original(self, *a, **kw)
+    captured.append(self)
+cg.StepGraphs.__init__ = remember
+strategies = []
+apply_parallel = P.apply_parallel
+def spy(*a, **kw):
+    strategy = apply_parallel(*a, **kw)
+    strategies.append(type(strategy).__name__)
+    return strategy
+L.apply_parallel = spy  # build_trainer's
+for accum in (1, 2):
+    for name, graphs in (("ddp", "off"), ("replicas", "on")):
+        trained(out / f"{name}{accum}", graphs, rank, grad_accum=accum, batch_size=4 // accum)
+    torch.save({"replays": captured[-1].replays, "strategies": list(strategies)}, out / f"replays{accum}-rank{rank}.pt")
+    strategies.clear()
+P.ReplicaStrategy.after_backward = lambda self: None  # the mutation: each rank keeps its own gradients
+trained(out / "unreduced1", "on", rank, grad_accum=1, batch_size=4)
+"""
+
+
+def trained(run_dir: Path, graphs: str, rank: int = 0, **kw) -> None:
+    """A run of the tiny model with the step captured (`graphs` on) or not; its weights saved per rank."""
+    model = tiny_model()
+    run(run_dir, STEPS, model=model, cuda_graphs=graphs, cuda_graphs_reason="as the test sets it", parallel="ddp",
+        train_samples=make_samples(**SAMPLES), **kw)
+    torch.save(model.state_dict(), run_dir / f"weights-rank{rank}.pt")
+
+
+def rows(run_dir: Path) -> list[tuple[int, float, float]]:
+    return [(r["step"], r["loss"], r["grad_norm"]) for r in read_jsonl(run_dir / "metrics.jsonl")
+            if "loss" in r and "step" in r]
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("replicas")
+    script = out / "worker.py"
+    script.write_text(WORKER)
+    proc = torchrun(script, [str(out)], timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.mark.parametrize("accum", [1, 2])
+def test_replicas_replaying_the_step_equal_eager_ddp_bit_for_bit(two_ranks, accum):
+    seen = torch.load(two_ranks / f"replays{accum}-rank0.pt")
+    assert seen["strategies"] == ["DDPStrategy", "ReplicaStrategy"]  # the eager run, the captured one
+    assert seen["replays"] >= (STEPS - 3) * accum, "no graph replayed: the comparison would be eager vs eager"
+    assert rows(two_ranks / f"replicas{accum}") == rows(two_ranks / f"ddp{accum}")
+    for rank in (0, 1):
+        ddp = torch.load(two_ranks / f"ddp{accum}" / f"weights-rank{rank}.pt")
+        replicas = torch.load(two_ranks / f"replicas{accum}" / f"weights-rank{rank}.pt")
+        for k, v in ddp.items():
+            assert torch.equal(replicas[k], v), (rank, k)
+
+
+def test_replicas_equal_one_process_on_the_whole_batch(two_ranks, tmp_path):
+    trained(tmp_path / "one", "off", grad_accum=1, batch_size=8)
+    one = torch.load(tmp_path / "one" / "weights-rank0.pt")
+    replicas = torch.load(two_ranks / "replicas1" / "weights-rank0.pt")
+    # the sums of two ranks' gradients round differently from one process's; six AdamW steps carry that on
+    assert max(rel_l2(replicas[k], v) for k, v in one.items()) <= 1e-4
+    for (s1, l1, g1), (s2, l2, g2) in zip(rows(two_ranks / "replicas1"), rows(tmp_path / "one"), strict=True):
+        assert s1 == s2 and abs(l1 - l2) <= 1e-5 * abs(l2) and abs(g1 - g2) <= 1e-4 * abs(g2)
+
+
+def test_replicas_without_the_all_reduce_are_caught(two_ranks):
+    """The mutation: ReplicaStrategy.after_backward skipped, each rank steps on its own half of the batch."""
+    assert rows(two_ranks / "unreduced1") != rows(two_ranks / "ddp1")
+    a, b = (torch.load(two_ranks / "unreduced1" / f"weights-rank{r}.pt") for r in (0, 1))
+    assert any(not torch.equal(a[k], b[k]) for k in a)  # the replicas drifted apart
