@@ -222,6 +222,9 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     graph_lines = [ln.strip() for ln in err.splitlines() if "cuda graphs:" in ln]
     if graph_lines:  # what the step's capture did (captured shapes, a failed capture)
         values.setdefault("extra", {})["cuda_graphs_log"] = graph_lines[:8]
+    end_lines = [ln.strip() for ln in err.splitlines() if "end of run:" in ln]
+    if end_lines:  # where the end-of-run seconds went (checkpoint snapshot, final/, the background write)
+        values.setdefault("extra", {})["end_log"] = end_lines[-1]
     summary = _summary_line(out)
     if summary.get("end_save_s") is not None:  # the end-of-run checkpoint + final/ (after the measured steps)
         values.setdefault("extra", {})["end_save_s"] = summary["end_save_s"]

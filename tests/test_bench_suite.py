@@ -49,6 +49,7 @@ def test_smoke_cli_row_and_skipped_peer_row(tmp_path):
     assert "--profile 3:1" in cli["command"] and cli["extra"]["profile"]["steps"] == [3, 3]
     assert cli["extra"]["dtype_run"] == "fp32"  # --dtype auto on a CPU
     assert cli["extra"]["end_save_s"] > 0  # the CLI's summary: the end-of-run checkpoint and final/
+    assert cli["extra"]["end_log"].startswith("end of run: checkpoint and final/ held the run")
 
     peer = rows["q05-liger-bf16"]
     assert peer["status"] == "skipped" and peer["runner"] == "transformers+liger"

@@ -107,3 +107,30 @@ def test_replicas_without_the_all_reduce_are_caught(two_ranks):
     assert rows(two_ranks / "unreduced1") != rows(two_ranks / "ddp1")
     a, b = (torch.load(two_ranks / "unreduced1" / f"weights-rank{r}.pt") for r in (0, 1))
     assert any(not torch.equal(a[k], b[k]) for k in a)  # the replicas drifted apart
+
+
+def test_a_gradient_replaced_or_freed_goes_back_into_its_view(tmp_path):
+    """ReplicaStrategy's gradients are views into its flat buffer; one set to None (a stop's zero_grad(set_to_none))
+    or replaced by another tensor is put back into its view before the all-reduce (a world of one: the identity)."""
+    import torch.distributed as dist
+
+    from entrenar.train import distributed as D
+    from entrenar.train.parallel import ReplicaStrategy
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        model = tiny_model()
+        strategy = ReplicaStrategy(model, D.DistContext())
+        (flat, views), = strategy.buffers
+        params = [p for p, _ in views]
+        assert all(p.grad is v for p, v in views) and flat.numel() == sum(p.numel() for p in params)
+        params[0].grad = None
+        params[1].grad = torch.full_like(params[1], 3.0)
+        params[2].grad.fill_(2.0)  # written in place: stays the view
+        strategy.after_backward()
+        assert all(p.grad is v for p, v in views)
+        assert torch.equal(views[0][1], torch.zeros_like(params[0]))
+        assert torch.equal(views[1][1], torch.full_like(params[1], 3.0))
+        assert torch.equal(views[2][1], torch.full_like(params[2], 2.0))
+    finally:
+        dist.destroy_process_group()

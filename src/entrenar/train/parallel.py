@@ -289,12 +289,14 @@ class ReplicaStrategy(Strategy):
     def after_backward(self) -> None:
         for flat, views in self.buffers:
             for p, view in views:  # a gradient that is not its view any more (set to None by a stop's cleanup)
-                if p.grad is None:
+                grad = p.grad
+                if grad is view:  # the same tensor object while nothing replaced it: no per-step device work
+                    continue
+                if grad is None:
                     view.zero_()
-                    p.grad = view
-                elif p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad)
-                    p.grad = view
+                else:
+                    view.copy_(grad)
+                p.grad = view
             if self.grad_reduce == "bf16" and flat.dtype == torch.float32:
                 wire = flat.to(torch.bfloat16)
                 dist.all_reduce(wire)
