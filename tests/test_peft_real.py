@@ -149,7 +149,7 @@ def test_lora_smollm2_finetune_resume_eval_generate(code_data, smollm_model, tmp
 def test_qlora_qwen_coder_finetune_generate(code_data, qwen_model, tmp_path, capsys):
     spec = "qwen2.5-coder-0.5b-instruct"
     run = tmp_path / "run"
-    evals = finetune(spec, code_data, run, "qlora", 4, "5e-4", capsys)
+    evals = finetune(spec, code_data, run, "qlora", 2, "5e-4", capsys)
     assert evals[0]["loss"] < math.log(qwen_model.cfg.vocab_size)
     assert evals[-1]["loss"] < evals[0]["loss"]
     print(f"qwen2.5-coder QLoRA: held-out eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
