@@ -118,18 +118,18 @@ def greedy_before_after(base_model, spec: str, run: Path, nf4_base: bool,
 def test_lora_smollm2_finetune_resume_eval_generate(code_data, smollm_model, tmp_path, capsys):
     spec = "smollm2-135m-instruct"
     run = tmp_path / "run"
-    evals = finetune(spec, code_data, run, "lora", 6, "5e-4", capsys)
+    evals = finetune(spec, code_data, run, "lora", 4, "5e-4", capsys)
     assert evals[0]["step"] == 0 and evals[0]["loss"] < math.log(smollm_model.cfg.vocab_size)
     assert evals[-1]["loss"] < 0.8 * evals[0]["loss"]
     print(f"smollm2 LoRA: held-out eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")
 
-    # resume from the step-3 checkpoint of a copy: same adapter bits, same losses
+    # resume from the step-2 checkpoint of a copy: same adapter bits, same losses
     resumed = tmp_path / "resumed"
     shutil.copytree(run, resumed, symlinks=True)
     shutil.rmtree(resumed / "final")
-    shutil.rmtree(resumed / "checkpoints" / "step-0000006")
+    shutil.rmtree(resumed / "checkpoints" / "step-0000004")
     (resumed / "checkpoints" / "latest").unlink()
-    code, _ = run_json([*finetune_args(spec, code_data, resumed, "lora", 6, "5e-4"), "--resume", "auto"], capsys)
+    code, _ = run_json([*finetune_args(spec, code_data, resumed, "lora", 4, "5e-4"), "--resume", "auto"], capsys)
     assert code == 0
     a = load_file(str(run / "final" / "adapter_model.safetensors"))
     b = load_file(str(resumed / "final" / "adapter_model.safetensors"))
@@ -149,7 +149,7 @@ def test_lora_smollm2_finetune_resume_eval_generate(code_data, smollm_model, tmp
 def test_qlora_qwen_coder_finetune_generate(code_data, qwen_model, tmp_path, capsys):
     spec = "qwen2.5-coder-0.5b-instruct"
     run = tmp_path / "run"
-    evals = finetune(spec, code_data, run, "qlora", 4, "5e-4", capsys)
+    evals = finetune(spec, code_data, run, "qlora", 2, "5e-4", capsys)
     assert evals[0]["loss"] < math.log(qwen_model.cfg.vocab_size)
     assert evals[-1]["loss"] < evals[0]["loss"]
     print(f"qwen2.5-coder QLoRA: held-out eval loss {evals[0]['loss']:.4f} -> {evals[-1]['loss']:.4f}")

@@ -1,8 +1,8 @@
 """Real-model training on the CPU (run under `flock /tmp/entrenar-real.lock`).
 
 - full fine-tune of smollm2-135m-instruct on sft-from-code data from the standard library at
-  --max-seq-len 512 for 30 steps: step-0 eval loss < ln V, the last 10 train losses average >= 10%
-  below the first 10, no guard fires;
+  --max-seq-len 512 for 15 steps: step-0 eval loss < ln V, the last 5 train losses average at most half
+  the first 5 (a learning rate zeroed after the 3 warm-up steps: 0.61 of it), no guard fires;
 - pretraining the `tiny` preset from scratch on standard-library shards for 200 steps brings the
   loss below 60% of ln(vocab).
 """
@@ -46,21 +46,23 @@ def short_sft(tmp_path_factory) -> tuple[Path, Path]:
     return d / "train.jsonl", d / "val.jsonl"
 
 
-def test_finetune_smollm2_30_steps_loss_falls(tmp_path, short_sft, capsys):
+def test_finetune_smollm2_15_steps_loss_falls(tmp_path, short_sft, capsys):
     train, val = short_sft
     out = tmp_path / "run"
     result = run_cli(["finetune", "--model", "smollm2-135m-instruct", "--data", str(train), "--val", str(val),
-                      "--out", str(out), "--mode", "full", "--max-seq-len", "512", "--steps", "30",
+                      "--out", str(out), "--mode", "full", "--max-seq-len", "512", "--steps", "15",
                       "--batch-size", "2", "--lr", "5e-5", "--warmup", "3", "--eval-batches", "0",
                       "--keep", "1", "--json"], capsys)
     ln_v = math.log(49152)
     assert result["eval_loss_start"] < ln_v
     losses = [r["loss"] for r in read_jsonl(out / "metrics.jsonl")]
-    assert len(losses) == 30
-    first, last = sum(losses[:10]) / 10, sum(losses[-10:]) / 10
+    assert len(losses) == 15
+    first, last = sum(losses[:5]) / 5, sum(losses[-5:]) / 5
     print(f"\nfinetune smollm2: step-0 eval {result['eval_loss_start']:.4f}, final eval {result['eval_loss_final']:.4f}, "
-          f"train first10 {first:.4f} last10 {last:.4f}, {result['tok_s']:.0f} tok/s")
-    assert last <= 0.9 * first, (first, last)
+          f"train first5 {first:.4f} last5 {last:.4f}, {result['tok_s']:.0f} tok/s")
+    # measured: 1.258 -> 0.365 (0.29); with no learning after warm-up 1.262 -> 0.766 (0.61), which the 30-step
+    # test's ">= 10% lower" let pass (0.999 -> 0.791)
+    assert last <= 0.5 * first, (first, last)
     assert result["counters"] == {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0,
                                   "spikes": 0}
     assert result["eval_loss_final"] < result["eval_loss_start"]
