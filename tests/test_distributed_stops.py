@@ -172,6 +172,41 @@ def test_launcher_killed_then_resume_then_ctrl_c_then_the_printed_command(tmp_pa
     assert a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
 
 
+def test_a_survivor_whose_launcher_is_gone_says_so_not_that_its_peer_died(monkeypatch):
+    """The race behind a flaky CI run: the launcher SIGKILLed, rank 1's watcher saw it first and stopped itself; rank
+    0's collective then failed and it named rank 1 as killed by the OS (exit 4), with no word of the launcher (rank
+    1's line had gone to the /dev/null that sys.stderr is on ranks other than 0 while they train). Now the survivor
+    checks its own launcher first, and the line goes to the process's real stderr whatever sys.stderr is."""
+    import contextlib
+    import io
+
+    from entrenar.train import jobwatch
+    from entrenar.train.distributed import DistContext
+
+    class Killed(Exception):
+        pass
+
+    def kill(pid, sig):
+        raise Killed(pid, sig)
+
+    real = io.StringIO()
+    ctx = DistContext(rank=0, world=2, node=0, nodes=1, local_world=2)
+    monkeypatch.setattr(jobwatch, "current", lambda: ctx)
+    monkeypatch.setattr(ctx.__class__, "active", property(lambda self: True))
+    monkeypatch.setattr(jobwatch, "lost_ranks", lambda wait_s=0.0: [1])  # rank 1 is gone: it saw the launcher first
+    monkeypatch.setattr(jobwatch.os, "kill", kill)
+    monkeypatch.setattr(jobwatch.sys, "__stderr__", real)
+    monkeypatch.setattr(jobwatch, "_launcher", os.getppid())  # the launcher is alive: rank 1's death is named
+    lost = jobwatch.judge_failure(RuntimeError("Connection reset by peer"), None, None)
+    assert isinstance(lost, jobwatch.RankLost) and lost.lost_ranks == [1]
+    monkeypatch.setattr(jobwatch, "_launcher", os.getppid() + 100000)  # re-parented: the launcher is gone
+    with contextlib.redirect_stderr(io.StringIO()) as devnull, pytest.raises(Killed) as stopped:
+        jobwatch.judge_failure(RuntimeError("Connection reset by peer"), None, None)
+    assert stopped.value.args == (os.getpid(), signal.SIGKILL)
+    assert real.getvalue() == f"entrenar: rank 0: the launcher (pid {os.getppid() + 100000}) is gone; this worker " \
+                              f"stops\n" and devnull.getvalue() == ""
+
+
 @pytest.mark.parametrize("lost", [1, 0])
 def test_a_rank_killed_is_named_by_the_survivor(lost, tmp_path, base_model, sft_data):
     run = tmp_path / "run"

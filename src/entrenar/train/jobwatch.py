@@ -105,26 +105,41 @@ class JobEnded(EntrenarError):
         super().__init__(f"rank 0 ended the job (exit {exit_code})")
 
 
+_launcher: int | None = None  # this worker's launcher (its parent when it joined the job)
+
+
+def launcher_gone() -> bool:
+    """True once this worker's launcher is gone (the worker was re-parented)."""
+    return _launcher is not None and os.getppid() != _launcher
+
+
+def leave_without_launcher(ctx: Any) -> None:
+    """This worker's launcher is gone: say so and stop at once (SIGKILL to itself, no further writes). The line goes to
+    the process's own stderr (sys.__stderr__), not sys.stderr, which ranks other than 0 point at /dev/null while they
+    train: the first rank to notice may be any rank (issue 29)."""
+    try:
+        print(f"entrenar: rank {ctx.rank}: the launcher (pid {_launcher}) is gone; this worker stops",
+              file=sys.__stderr__, flush=True)
+    except (OSError, AttributeError):  # the launcher's terminal or pipe may be gone with it: stop regardless
+        pass
+    if ctx.nodes > 1:  # tell the other nodes which node is gone (they cannot see this host's processes)
+        _tell(f"{GONE_KEY}/{ctx.node}", socket.gethostname(), timeout_s=1.0)
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
 def start(ctx: Any) -> None:
     """At join time, on every rank (a collective): record the peers and watch the launcher."""
-    global _peers
+    global _peers, _launcher
     _peers = [tuple(p) for p in ctx.all_gather_object((socket.gethostname(), os.getpid(), ctx.node))]
-    launcher = os.getppid()
+    _launcher = os.getppid()
 
     def watch() -> None:
         answered = ctx.nodes <= 1  # several nodes: this thread answers a roll call (roll_call)
-        while os.getppid() == launcher:
+        while not launcher_gone():
             time.sleep(WATCH_INTERVAL_S)
             if not answered:
                 answered = _answer_roll_call(ctx.rank)
-        try:
-            print(f"entrenar: rank {ctx.rank}: the launcher (pid {launcher}) is gone; this worker stops",
-                  file=sys.stderr, flush=True)
-        except OSError:  # the launcher's terminal or pipe may be gone with it: stop regardless
-            pass
-        if ctx.nodes > 1:  # tell the other nodes which node is gone (they cannot see this host's processes)
-            _tell(f"{GONE_KEY}/{ctx.node}", socket.gethostname(), timeout_s=1.0)
-        os.kill(os.getpid(), signal.SIGKILL)
+        leave_without_launcher(ctx)
 
     threading.Thread(target=watch, name="entrenar-launcher-watch", daemon=True).start()
 
@@ -298,6 +313,8 @@ def judge_failure(e: BaseException, checkpoint: Path | None, resume_command: str
     # except block called it first too: a signal landing while the failure unwinds must not replace the verdict)
     if ctx.rank != 0 and _rank0_ended():
         return JobEnded(_rank0_code())
+    if launcher_gone():  # a peer that saw it first is gone already: the launcher is the cause, not that rank
+        leave_without_launcher(ctx)
     if ctx.nodes > 1:
         lost = _lost_across_nodes(ctx, signalled=isinstance(e, KeyboardInterrupt))
     else:
@@ -348,5 +365,6 @@ def launcher_words() -> list[str]:
     return [*words, "-m", "entrenar"]
 
 
-__all__ = ["EXIT_RANK_LOST", "JobEnded", "RankLost", "announce_end", "join_job", "judge_failure", "launcher_words",
+__all__ = ["EXIT_RANK_LOST", "JobEnded", "RankLost", "announce_end", "join_job", "judge_failure", "launcher_gone",
+           "launcher_words", "leave_without_launcher",
            "lost_nodes", "lost_ranks", "nodes_gone", "roll_call", "start"]
