@@ -471,10 +471,9 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
                 trainers: list, objective=None, task_eval=None) -> dict:
     ctx = current()
     from .cuda_graphs import resolve_cuda_graphs, varying_shapes
-    from .parallel import parallel_for
+    from .parallel import job_parallel
 
-    kind = parallel_for(model, ctx.device, cfg.parallel, cfg.mode in ("lora", "qlora"), ctx.nodes) \
-        if ctx.active else "single"
+    kind = job_parallel(model, ctx, cfg.parallel, cfg.mode in ("lora", "qlora"))
     if resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name if objective else "causal-lm",
                            model, varying_shapes(command, getattr(args, "pad_buckets", 0)), kind):  # before run.json
         _log(f"cuda graphs: {cfg.cuda_graphs} ({cfg.cuda_graphs_reason})")

@@ -71,7 +71,7 @@ from .distributed import current as job_context
 from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
 from .objective import CausalLMLoss, Objective
 from .optim import Schedule, build_optimizer
-from .parallel import Strategy, apply_parallel, parallel_for
+from .parallel import Strategy, apply_parallel, job_parallel
 from .precision import Precision, precision_policy
 from .profiling import StepProfiler
 from .task_tracking import TaskTracker, checkpoint_of_step
@@ -999,8 +999,8 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     adapters = cfg.mode in ("lora", "qlora")
     # a library caller's --cuda-graphs (the commands resolve and log it before run.json): before the parallel
     # strategy, which is replicas without DDP for a captured step
-    kind = parallel_for(model, ctx.device, cfg.parallel, adapters, ctx.nodes) if ctx.active else "single"
-    resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name, model, parallel=kind)
+    resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name, model,
+                        parallel=job_parallel(model, ctx, cfg.parallel, adapters))
     strategy = apply_parallel(model, ctx, cfg.parallel, precision, adapters, cfg.grad_accum, cfg.grad_reduce,
                               cfg.ddp_bucket_mb, graphs=cfg.cuda_graphs == "on")
     checkpointer = Checkpointer(run_dir, cfg.keep, ctx, extra_files=checkpoint_files, mode=cfg.save_mode)

@@ -101,6 +101,12 @@ def parallel_for(model: torch.nn.Module, device: torch.device, mode: str, adapte
     return resolve_parallel(mode, adapters, trainable, memory, nodes)
 
 
+def job_parallel(model: torch.nn.Module, ctx: DistContext, mode: str, adapters: bool) -> str:
+    """The data parallelism this job trains `model` with: "single" in one process, else parallel_for's kind
+    (what run.json records, what --cuda-graphs decides on, what apply_parallel applies)."""
+    return parallel_for(model, ctx.device, mode, adapters, ctx.nodes) if ctx.active else "single"
+
+
 # Parameters per FSDP unit of decoder blocks. Big enough that FSDP2's per-group host work is paid a
 # handful of times per step on small models (see the module docstring), small enough that a unit's
 # unsharded bf16 weights + fp32 gradients (~0.6 GB at 1e8) are a small part of a card's memory.
@@ -348,9 +354,9 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
     bucket size; `graphs` (the step is captured, --cuda-graphs on): replicas reduced after the backward
     (ReplicaStrategy) instead of DDP, whose hooks would run at capture only."""
     assert grad_reduce in GRAD_REDUCE_DTYPES, grad_reduce
-    if not ctx.active:
+    kind = job_parallel(model, ctx, mode, adapters)
+    if kind == "single":
         return Strategy(model, ctx)
-    kind = parallel_for(model, ctx.device, mode, adapters, ctx.nodes)
     if kind == "hsdp":
         return HSDPStrategy(apply_fsdp(model, ctx, precision or Precision(), grad_reduce=grad_reduce,
                                        mesh=ctx.hsdp_mesh()), ctx)
@@ -420,4 +426,4 @@ def consolidated_copy(model: torch.nn.Module, state: dict[str, torch.Tensor]) ->
 __all__ = ["DDP_OPTIONS", "FSDP_UNIT_PARAMS", "PARALLEL_MODES", "DDPStrategy", "FSDPStrategy", "HSDPStrategy",
            "ReplicaStrategy",
            "Strategy", "apply_ddp", "apply_fsdp", "apply_parallel", "clip_grad_norm_tensor", "consolidated_copy",
-           "fsdp_units", "parallel_for", "resolve_parallel"]
+           "fsdp_units", "job_parallel", "parallel_for", "resolve_parallel"]
