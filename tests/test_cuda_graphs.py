@@ -140,7 +140,7 @@ def test_auto_is_on_for_replicas_under_torchrun():
     """--parallel ddp (or auto resolving to it) under torchrun: the step is captured, the replicas' gradients are
     all-reduced after the replay (ReplicaStrategy)."""
     on, reason = cg.graph_decision("auto", CUDA, 4, "bf16", "causal-lm", tiny_model(), False, parallel="ddp")
-    assert on and "4 replicas, gradients all-reduced after the replayed backward" in reason
+    assert on and "4 replicas, gradients all-reduced in buckets by the replayed backward" in reason
 
 
 def test_a_library_trainer_on_the_cpu_resolves_auto_to_off_and_records_why(tmp_path):

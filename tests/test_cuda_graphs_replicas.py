@@ -51,7 +51,16 @@ for accum in (1, 2):
         trained(out / f"{name}{accum}", graphs, rank, grad_accum=accum, batch_size=4 // accum)
     torch.save({"replays": captured[-1].replays, "strategies": list(strategies)}, out / f"replays{accum}-rank{rank}.pt")
     strategies.clear()
-P.ReplicaStrategy.after_backward = lambda self: None  # the mutation: each rank keeps its own gradients
+init = P.ReplicaStrategy.__init__
+buckets = []
+def small_buckets(self, *a, **kw):
+    kw["bucket_mb"] = 2e-3  # ~2 KB: many buckets in the tiny model, each reduced from inside the backward
+    init(self, *a, **kw)
+    buckets.append(len(self.buckets))
+P.ReplicaStrategy.__init__ = small_buckets
+trained(out / "buckets1", "on", rank, grad_accum=1, batch_size=4)
+torch.save({"buckets": buckets, "replays": captured[-1].replays}, out / f"buckets-rank{rank}.pt")
+P.ReplicaStrategy.reduce_bucket = lambda self, bucket: None  # the mutation: each rank keeps its own gradients
 trained(out / "unreduced1", "on", rank, grad_accum=1, batch_size=4)
 """
 
@@ -92,6 +101,18 @@ def test_replicas_replaying_the_step_equal_eager_ddp_bit_for_bit(two_ranks, accu
             assert torch.equal(replicas[k], v), (rank, k)
 
 
+def test_many_buckets_reduced_inside_the_replayed_backward_equal_eager_ddp(two_ranks):
+    """Buckets of ~2 KB (dozens in the tiny model), each all-reduced by the backward as its last gradient lands
+    (recorded by the capture, re-issued by every replay): the same bits as eager DDP."""
+    seen = torch.load(two_ranks / "buckets-rank0.pt")
+    assert seen["buckets"][0] >= 10 and seen["replays"] >= STEPS - 3
+    assert rows(two_ranks / "buckets1") == rows(two_ranks / "ddp1")
+    for rank in (0, 1):
+        ddp = torch.load(two_ranks / "ddp1" / f"weights-rank{rank}.pt")
+        buckets = torch.load(two_ranks / "buckets1" / f"weights-rank{rank}.pt")
+        assert all(torch.equal(buckets[k], v) for k, v in ddp.items()), rank
+
+
 def test_replicas_equal_one_process_on_the_whole_batch(two_ranks, tmp_path):
     trained(tmp_path / "one", "off", grad_accum=1, batch_size=8)
     one = torch.load(tmp_path / "one" / "weights-rank0.pt")
@@ -108,6 +129,38 @@ def test_replicas_without_the_all_reduce_are_caught(two_ranks):
     assert rows(two_ranks / "unreduced1") != rows(two_ranks / "ddp1")
     a, b = (torch.load(two_ranks / "unreduced1" / f"weights-rank{r}.pt") for r in (0, 1))
     assert any(not torch.equal(a[k], b[k]) for k in a)  # the replicas drifted apart
+
+
+@pytest.fixture
+def world_of_one(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_buckets_are_reduced_while_the_backward_runs(world_of_one):
+    """With `overlap` each bucket's all-reduce is issued as soon as its last gradient is accumulated: the head's
+    bucket goes before the embedding's gradient exists, and every bucket has gone when backward() returns (the
+    step's after_backward then has nothing to reduce)."""
+    from entrenar.train import distributed as D
+    from entrenar.train.parallel import ReplicaStrategy
+
+    model = tiny_model()
+    strategy = ReplicaStrategy(model, D.DistContext(), bucket_mb=2e-3, overlap=True)
+    embedding = model.model.embed_tokens.weight
+    seen = []
+    strategy.reduce_bucket = lambda bucket: seen.append(bool(embedding.grad.abs().sum() > 0))
+    ids = torch.randint(1, 60, (2, 9))
+    model(ids).float().pow(2).mean().backward()
+    assert len(seen) == len(strategy.buckets) >= 10
+    assert seen[0] is False and seen[-1] is True  # the first went out before the backward reached the embedding
+    strategy.after_backward()
+    assert len(seen) == len(strategy.buckets)  # nothing reduced twice
+    ids = torch.randint(1, 60, (2, 9))  # the next backward reduces every bucket again
+    model(ids).float().pow(2).mean().backward()
+    assert len(seen) == 2 * len(strategy.buckets)
 
 
 def test_a_gradient_replaced_or_freed_goes_back_into_its_view(tmp_path):

@@ -73,6 +73,9 @@ class ReplayedStep:
     def _run(self) -> None:
         for func, args, kwargs, out, in_place in self.ops:
             new = func(*args, **kwargs)
+            for x in tree_flatten(new)[0]:
+                if isinstance(x, torch.ScriptObject):  # a collective's Work (c10d runs them asynchronously):
+                    x.wait()  # what a replayed NCCL kernel's stream order gives
             if in_place:
                 continue  # wrote its recorded arguments
             # into the recorded output (a view onto the same memory is copied onto itself: harmless)

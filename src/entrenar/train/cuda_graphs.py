@@ -12,7 +12,7 @@ kernels (bench/RESULTS.md, "Where the steps go": 20-36 ms of a 118-144 ms step).
   from the first capture on they are zeroed in place between steps, never set to None (`static_grads`);
 - nothing in the step reads the device from the host, draws random numbers, or changes shape with the data:
   refused up front (`graph_decision`) for dropout, preference objectives, sharded steps (FSDP2/HSDP: under
-  torchrun only replicas are captured, their gradients all-reduced after the replay), bf16-weights'
+  torchrun only replicas are captured, their gradients all-reduced by the replayed backward), bf16-weights'
   swapped copies, fp8's compiled blocks and activation offload; a capture that fails anyway is logged and
   that shape runs eagerly.
 
@@ -44,7 +44,7 @@ def graph_decision(requested: str, device: torch.device, world_size: int, dtype:
                    parallel: str = "single") -> tuple[bool, str]:
     """(on, why) for --cuda-graphs `requested`: on where the step can be captured (CUDA, one process or
     replicas under torchrun: `parallel` is the resolved data parallelism, "ddp" then trains with
-    ReplicaStrategy, whose all-reduce runs after the replayed backward; sharded FSDP2/HSDP steps are not
+    ReplicaStrategy, whose bucket all-reduces the replayed backward issues; sharded FSDP2/HSDP steps are not
     captured; a causal-LM objective, a precision that computes on the parameters, no random op, no
     host-staged activations) and batches come in a few shapes (`varying_shapes`: why they do not, e.g.
     finetune batches padded to their longest row; auto is then off). `on` where it cannot is an InputError
@@ -70,7 +70,7 @@ def graph_decision(requested: str, device: torch.device, world_size: int, dtype:
         return False, f"--cuda-graphs auto: {varying_shapes}"
     if why_not is None:
         where = "one CUDA process" if world_size <= 1 else \
-            f"{world_size} replicas, gradients all-reduced after the replayed backward"
+            f"{world_size} replicas, gradients all-reduced in buckets by the replayed backward"
         return True, f"--cuda-graphs {requested}: {where}, forward+backward replayed per batch shape"
     if requested == "on":
         raise InputError(f"--cuda-graphs on: cannot capture the training step: {why_not}; use --cuda-graphs auto "

@@ -37,9 +37,10 @@ further dimension (tensor or context parallel) would be applied here too, after 
   alone: DDP all-reduces only parameters with requires_grad, so the frozen (NF4) base is
   never communicated. `init_sync=False`: every rank loads the same base and seeds LoRA alike.
 
-- Replicas reduced after the backward (`ReplicaStrategy`): what `--parallel ddp` becomes when the step is captured
-  in a CUDA graph (--cuda-graphs): DDP's per-bucket hooks are host work inside the backward, which a replay
-  does not run; gradients live in flat buffers, one all-reduce per buffer after the step's last backward.
+- Replicas reduced by the captured backward (`ReplicaStrategy`): what `--parallel ddp` becomes when the step is
+  captured in a CUDA graph (--cuda-graphs): DDP's reducer is host work inside the backward, which a replay does
+  not run; gradients live in flat buffers cut into buckets whose all-reduces the backward itself issues on a
+  side stream (recorded by the capture), or after the step's last backward with gradient accumulation.
 
 All reduce gradients with a plain SUM (FSDP: divide factor 1 with sum reduction; DDP: a SUM
 comm hook), because every rank already backpropagates loss_sum / global_loss_tokens: an
@@ -261,54 +262,131 @@ class DDPStrategy(Strategy):
         return contextlib.nullcontext() if last_micro_batch else self.forward_module.no_sync()
 
 
+class GradBucket:
+    """A contiguous slice of a ReplicaStrategy flat gradient buffer, SUM-reduced in one all-reduce; `wire` is its
+    bf16 copy when an fp32 buffer is reduced in bf16 (--grad-reduce bf16), preallocated: an allocation inside a
+    captured backward on the reduction's stream would be one more thing the capture must get right."""
+
+    def __init__(self, grads: torch.Tensor, params: int, wire: torch.Tensor | None):
+        self.grads, self.params, self.wire = grads, params, wire
+
+
 class ReplicaStrategy(Strategy):
     """Full replicas without DDP's hooks, for a backward captured in a CUDA graph under torchrun (--cuda-graphs,
     train/cuda_graphs.py): every trainable gradient is a view into one flat buffer per dtype (as DDP's
     gradient_as_bucket_view), set before the first backward and zeroed in place between steps, so a replayed
-    backward accumulates into them; after the step's last backward `after_backward` SUM-reduces each buffer in
-    one all-reduce (`grad_reduce` bf16: an fp32 buffer goes as a bf16 copy, as _bf16_sum_hook's buckets).
-    The reduction does not overlap the backward as DDP's buckets do; what it buys is a step with no host work
-    inside it: on 4 GPUs the eager DDP step's host time varies from rank to rank and every all-reduce waits
-    for the slowest (bench/RESULTS.md, issue 36 item 4)."""
+    backward accumulates into them. The buffers are cut into buckets of about `bucket_mb` (--ddp-bucket-mb), the
+    parameters in reverse order, i.e. roughly in the order the backward produces their gradients.
+
+    `overlap` (no gradient accumulation): each bucket is SUM-reduced as soon as the backward has accumulated its
+    last gradient (a post-accumulate-grad hook per parameter), on a side stream, so the all-reduces run under the
+    rest of the backward; the backward's end (an autograd final callback) reduces any bucket whose parameters got
+    no gradient and joins that stream. All of it is device work issued from inside the backward, so a captured
+    backward records it and every replay reduces the gradients with no host work (measured without overlap in
+    session 14: the all-reduce after the backward cost 3.3 / 8.3 ms of a 92% step, bench/RESULTS.md).
+    Without `overlap` (accumulation: only the last micro-batch's backward may reduce, and a graph is captured
+    for whichever micro-batch comes first) `after_backward` reduces every bucket after the step's last backward.
+    `grad_reduce` bf16: an fp32 bucket goes as a bf16 copy, as _bf16_sum_hook's DDP buckets."""
 
     kind = "ddp"
     grads_in_place = True
 
-    def __init__(self, model: torch.nn.Module, ctx: DistContext, grad_reduce: str = "fp32"):
+    def __init__(self, model: torch.nn.Module, ctx: DistContext, grad_reduce: str = "fp32",
+                 bucket_mb: float = DDP_BUCKET_MB, overlap: bool = False):
         super().__init__(model, ctx)
-        self.grad_reduce = grad_reduce
+        self.grad_reduce, self.overlap = grad_reduce, overlap
         self.buffers: list[tuple[torch.Tensor, list[tuple[torch.nn.Parameter, torch.Tensor]]]] = []
+        self.buckets: list[GradBucket] = []
+        self._bucket_of: dict[torch.nn.Parameter, int] = {}
         by_dtype: dict[torch.dtype, list[torch.nn.Parameter]] = {}
-        for p in model.parameters():
+        for p in reversed(list(model.parameters())):  # the backward's order, roughly: the head's first
             if p.requires_grad:
                 by_dtype.setdefault(p.dtype, []).append(p)
+        cap = bucket_mb * 2**20
         for dtype, params in by_dtype.items():
             flat = torch.zeros(sum(p.numel() for p in params), dtype=dtype, device=params[0].device)
-            views, start = [], 0
-            for p in params:
+            wire = (torch.zeros(flat.numel(), dtype=torch.bfloat16, device=flat.device)
+                    if grad_reduce == "bf16" and dtype == torch.float32 else None)
+            views, start, first, members = [], 0, 0, 0
+            for k, p in enumerate(params):
                 view = flat[start:start + p.numel()].view_as(p)
                 p.grad = view
                 views.append((p, view))
+                self._bucket_of[p] = len(self.buckets)
                 start += p.numel()
+                members += 1
+                if (start - first) * flat.element_size() >= cap or k == len(params) - 1:
+                    self.buckets.append(GradBucket(flat[first:start], members,
+                                                   None if wire is None else wire[first:start]))
+                    first, members = start, 0
             self.buffers.append((flat, views))
+        self._views = {p: view for _, views in self.buffers for p, view in views}
+        device = next(iter(self._views)).device if self._views else torch.device("cpu")
+        self._stream = torch.cuda.Stream(device) if overlap and device.type == "cuda" else None
+        self._waiting = [b.params for b in self.buckets]  # this backward's gradients still to come, per bucket
+        self._launched = [False] * len(self.buckets)
+        self._armed = False  # the backward's final callback is queued
+        if overlap:
+            for p in self._views:
+                p.register_post_accumulate_grad_hook(self._grad_ready)
+
+    def reduce_bucket(self, bucket: GradBucket) -> None:
+        """SUM over the replicas, in place (a bf16 wire copy for --grad-reduce bf16)."""
+        if bucket.wire is None:
+            dist.all_reduce(bucket.grads)
+        else:
+            bucket.wire.copy_(bucket.grads)
+            dist.all_reduce(bucket.wire)
+            bucket.grads.copy_(bucket.wire)
+
+    def _grad_ready(self, p: torch.nn.Parameter) -> None:
+        view = self._views[p]
+        if p.grad is not view:  # AccumulateGrad made a new tensor: the gradient was None (a stop's cleanup)
+            view.copy_(p.grad)
+            p.grad = view
+        if not self._armed:
+            self._armed = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._backward_done)
+        i = self._bucket_of[p]
+        self._waiting[i] -= 1
+        if self._waiting[i] == 0:
+            self._launch(i)
+
+    def _launch(self, i: int) -> None:
+        self._launched[i] = True
+        if self._stream is None:
+            self.reduce_bucket(self.buckets[i])
+            return
+        self._stream.wait_stream(torch.cuda.current_stream(self._stream.device))  # its gradients are written
+        with torch.cuda.stream(self._stream):
+            self.reduce_bucket(self.buckets[i])
+
+    def _backward_done(self) -> None:
+        for i, launched in enumerate(self._launched):
+            if not launched:  # parameters this backward gave no gradient (their zeros are reduced all the same)
+                self._launch(i)
+        if self._stream is not None:  # what runs after the backward reads the reduced gradients
+            torch.cuda.current_stream(self._stream.device).wait_stream(self._stream)
+        self._waiting = [b.params for b in self.buckets]
+        self._launched = [False] * len(self.buckets)
+        self._armed = False
 
     def after_backward(self) -> None:
-        for flat, views in self.buffers:
-            for p, view in views:  # a gradient that is not its view any more (set to None by a stop's cleanup)
-                grad = p.grad
-                if grad is view:  # the same tensor object while nothing replaced it: no per-step device work
-                    continue
-                if grad is None:
-                    view.zero_()
-                else:
-                    view.copy_(grad)
+        for p, view in self._views.items():
+            grad = p.grad
+            if grad is view:  # the same tensor object while nothing replaced it: no per-step device work
+                continue
+            if self.overlap:  # a replayed backward wrote into the view it was captured with
                 p.grad = view
-            if self.grad_reduce == "bf16" and flat.dtype == torch.float32:
-                wire = flat.to(torch.bfloat16)
-                dist.all_reduce(wire)
-                flat.copy_(wire)
+                continue
+            if grad is None:
+                view.zero_()
             else:
-                dist.all_reduce(flat)
+                view.copy_(grad)
+            p.grad = view
+        if not self.overlap:
+            for bucket in self.buckets:
+                self.reduce_bucket(bucket)
 
 
 class FSDPStrategy(Strategy):
@@ -363,7 +441,7 @@ def apply_parallel(model: torch.nn.Module, ctx: DistContext, mode: str = "auto",
     if kind == "fsdp":
         return FSDPStrategy(apply_fsdp(model, ctx, precision or Precision(), grad_reduce=grad_reduce), ctx)
     if graphs:
-        return ReplicaStrategy(model, ctx, grad_reduce)
+        return ReplicaStrategy(model, ctx, grad_reduce, bucket_mb=ddp_bucket_mb, overlap=grad_accum == 1)
     return DDPStrategy(model, ctx, apply_ddp(model, ctx, static_graph=grad_accum == 1, grad_reduce=grad_reduce,
                                                      bucket_mb=ddp_bucket_mb))
 
