@@ -180,7 +180,7 @@ def _multi() -> list[Scenario]:
                                 baseline=f"{short}-ddp-1gpu" if gpus > 1 else None))
         out.append(Scenario(f"{short}-ddp-4gpu-bf16reduce", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, "
                             "--grad-reduce bf16 (the all-reduce in bf16; since issue 36 --cuda-graphs auto captures "
-                            "the step: replicas all-reduced after the replay)", "cli", CLI, model, "bf16", 8, 2048,
+                            "the step: replicas all-reduced in 100 MB buckets by the replayed backward)", "cli", CLI, model, "bf16", 8, 2048,
                             gpus=4, timeout_s=200, flags=("--grad-reduce", "bf16"), baseline=f"{short}-ddp-1gpu"))
         out.append(Scenario(f"{short}-ddp-4gpu-bf16-eager", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, DDP "
                             "--grad-reduce bf16 --cuda-graphs off (the eager DDP step, 100 MB buckets)", "cli", CLI,
@@ -193,6 +193,10 @@ def _multi() -> list[Scenario]:
                                 "bf16", 8, 2048, gpus=4, timeout_s=200,
                                 flags=("--grad-reduce", "bf16", "--ddp-bucket-mb", str(mb), "--cuda-graphs", "off"),
                                 baseline=f"{short}-ddp-1gpu"))
+        out.append(Scenario(f"{short}-ddp-4gpu-bf16-g25", "torchrun CLI pretrain --dtype bf16 on 4 GPUs, "
+                            "--grad-reduce bf16 --ddp-bucket-mb 25 (the captured replicas' buckets, all-reduced "
+                            "inside the replayed backward)", "cli", CLI, model, "bf16", 8, 2048, gpus=4, timeout_s=200,
+                            flags=("--grad-reduce", "bf16", "--ddp-bucket-mb", "25"), baseline=f"{short}-ddp-1gpu"))
         out.append(Scenario(f"{short}-ddp-1gpu-eager", "CLI pretrain --dtype bf16 on 1 GPU, --cuda-graphs off (the "
                             "step the 4-GPU rows run: DDP steps are not captured)", "cli", CLI, model, "bf16", 8, 2048,
                             timeout_s=200, flags=("--cuda-graphs", "off"), baseline=f"{short}-ddp-1gpu"))
@@ -255,6 +259,8 @@ GROUPS: dict[str, list[str]] = {
     "issue36-ddp-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-b400", "q05-ddp-4gpu-bf16-b4096"],
     "issue36-7b": ["fsdp7b-4gpu-bf16-nockpt", "l370-ddp-1gpu-eager", "q05-ddp-1gpu-eager"],
     # the step captured on 4 GPUs (replicas, all-reduce after the replay): --repeat 3 in one call
+    "issue36-graphs-l370": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "l370-ddp-4gpu-bf16-g25"],
+    "issue36-graphs-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-g25"],
     "issue36-ddp-graphs": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce"],
     "issue36-ddp-once": ["l370-ddp-4gpu-bf16-eager", "q05-ddp-4gpu-bf16-eager", "l370-ddp-4gpu", "q05-ddp-4gpu"],
     "issue25-generate": [s.name for s in _generate()],
