@@ -205,6 +205,11 @@ def _multi() -> list[Scenario]:
                         "checkpoint and final/, after the measured steps)", "cli", CLI, "qwen2.5-coder-7b", "bf16",
                         2, 2048, gpus=4, steps=8, warmup=3, flags=("--parallel", "fsdp", "--grad-reduce", "bf16"),
                         timeout_s=560))
+    out.append(Scenario("fsdp7b-4gpu-bf16-nockpt-b8", "torchrun CLI pretrain qwen2.5-coder-7b shapes, 4 GPUs FSDP2, "
+                        "bf16, --grad-reduce bf16, no activation checkpointing, batch 8 x 2048 per GPU (the per-step "
+                        "all-gathers, reduce-scatters and AdamW amortized over 4x the tokens of the b2 row)", "cli",
+                        CLI, "qwen2.5-coder-7b", "bf16", 8, 2048, gpus=4, steps=8, warmup=3,
+                        flags=("--parallel", "fsdp", "--grad-reduce", "bf16"), timeout_s=560))
     out.append(Scenario("fsdp7b-4gpu", "torchrun CLI pretrain qwen2.5-coder-7b shapes, 4 GPUs FSDP2, bf16, "
                         "activation checkpointing (the CLI's end-of-run checkpoint and final/ are written after the "
                         "measured steps)", "cli", CLI, "qwen2.5-coder-7b", "bf16", 2, 2048, gpus=4,

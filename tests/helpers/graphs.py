@@ -65,6 +65,9 @@ class ReplayedStep:
     def pool(self) -> None:
         return None  # a CUDA graph's memory pool: nothing to share on the CPU
 
+    def reset(self) -> None:
+        self.ops = None  # a replay after it fails, as on a freed graph
+
     def replay(self) -> torch.Tensor:
         with torch.no_grad():  # a graph replays kernels; no autograd records anything
             self._run()

@@ -134,6 +134,9 @@ class CapturedGraph:
         self.graph.replay()
         return self.out
 
+    def reset(self) -> None:
+        self.graph.reset()
+
 
 class StepGraphs:
     """The training step's graphs, one per micro-batch shape (see the module docstring).
@@ -151,6 +154,8 @@ class StepGraphs:
         self.pool: Any = None
         self.steps = 0
         self.replays = 0
+        self.captured = 0  # shapes captured over the run (the graphs themselves are freed by release())
+        self.released = False
         self.static_grads = False  # True from the first capture: gradients zeroed in place, never None
 
     def begin_step(self) -> None:
@@ -180,7 +185,7 @@ class StepGraphs:
             self.set_scale(static_scale, inv_total)
             self.replays += 1
             return graph.replay()
-        if self.steps <= WARMUP_STEPS or sig in self.refused:
+        if self.released or self.steps <= WARMUP_STEPS or sig in self.refused:
             return None
         if len(self.graphs) >= MAX_SHAPES:
             self.refused.add(sig)
@@ -203,6 +208,7 @@ class StepGraphs:
             return s
         self.pool = self.pool if self.pool is not None else graph.pool()
         self.graphs[sig] = (graph, static, static_scale)
+        self.captured += 1
         self.static_grads = True
         self.log(f"cuda graphs: captured the forward+backward of a {_shapes(sig)} micro-batch "
                  f"at step {self.steps} ({len(self.graphs)} shape(s))")
@@ -213,8 +219,20 @@ class StepGraphs:
         """This step's 1 / loss tokens into the scalar the graph reads (as loss_scale fills the eager path's)."""
         static_scale.fill_(inv_total)
 
+    def release(self) -> None:
+        """Free the graphs at the end of training (later micro-batches would run eagerly): a live graph that
+        recorded NCCL kernels (ReplicaStrategy's all-reduces) makes destroy_process_group hang at exit
+        (pytorch#115388; measured on 4 H200s: every rank hung after final/ was written)."""
+        if self.graphs and self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)  # no replay still running
+        for graph, _, _ in self.graphs.values():
+            graph.reset()
+        self.graphs.clear()
+        self.pool = None
+        self.released = True  # nothing is captured again
+
     def state(self) -> dict[str, Any]:
-        return {"shapes": len(self.graphs), "replays": self.replays, "refused_shapes": len(self.refused)}
+        return {"shapes": self.captured, "replays": self.replays, "refused_shapes": len(self.refused)}
 
 
 def capture(fn: Callable[[], torch.Tensor], pool: Any) -> CapturedGraph:

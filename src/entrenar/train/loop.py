@@ -898,10 +898,14 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Steps start_step+1 .. cfg.steps with their evals and checkpoints, then final/. Returns a summary."""
-        if self.ctx.is_main:
-            return self._fit()
-        with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):  # one progress bar per job
-            return self._fit()
+        try:
+            if self.ctx.is_main:
+                return self._fit()
+            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):  # one progress bar per job
+                return self._fit()
+        finally:
+            if self.graphs is not None:  # before the command leaves the process group (StepGraphs.release)
+                self.graphs.release()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg
