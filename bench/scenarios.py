@@ -263,6 +263,7 @@ GROUPS: dict[str, list[str]] = {
                          "l370-ddp-4gpu-bf16-b4096"],
     "issue36-ddp-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-b400", "q05-ddp-4gpu-bf16-b4096"],
     "issue36-7b": ["fsdp7b-4gpu-bf16-nockpt", "l370-ddp-1gpu-eager", "q05-ddp-1gpu-eager"],
+    "issue36-7b-b8": ["fsdp7b-4gpu-bf16-nockpt-b8"],
     # the step captured on 4 GPUs (replicas, all-reduce after the replay): --repeat 3 in one call
     "issue36-graphs-l370": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "l370-ddp-4gpu-bf16-g25"],
     "issue36-graphs-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-g25"],
