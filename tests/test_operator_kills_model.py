@@ -150,6 +150,18 @@ def test_init_weights_follows_the_scaled_residual_formula():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))  # seeded
 
 
+def test_from_scratch_skips_the_default_init_and_equals_init_weights():
+    """CausalLM.from_scratch (what pretrain builds) is allocated without torch's default init and equals a model
+    built normally then init_weights(seed), bit for bit: init_weights sets every parameter."""
+    cfg = tiny_config("qwen2", num_layers=2)
+    built = CausalLM(cfg)
+    built.init_weights(seed=5)
+    fresh = CausalLM.from_scratch(cfg, seed=5)
+    assert all(p.device.type == "cpu" for p in fresh.parameters())
+    assert fresh.state_dict().keys() == built.state_dict().keys()
+    assert all(torch.equal(a, b) for a, b in zip(fresh.state_dict().values(), built.state_dict().values()))
+
+
 # ---- KV cache: a prompt fed in pieces (T > 1 after a cache) -------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])
 def test_chunked_prefill_with_the_cache_equals_transformers(arch, tmp_path):

@@ -364,8 +364,7 @@ def cmd_pretrain(args: Any) -> dict[str, Any]:
                 _log(f"note: {note}")
         else:
             mcfg = _model_config_of(args.model)
-        model = CausalLM(mcfg, kernels=args.kernels)
-        model.init_weights(cfg.seed)
+        model = CausalLM.from_scratch(mcfg, cfg.seed, kernels=args.kernels)
         tok_spec, flag = (None, None) if _is_preset(args.model) else (args.model, "--model")
     own_tok = tokenizer_or_none(tok_spec, _log)
     check_same_tokenizer(args.data, shards_tok, own_tok, tok_spec, flag)
