@@ -150,6 +150,29 @@ def test_init_weights_follows_the_scaled_residual_formula():
     assert all(torch.equal(a, b) for a, b in zip(model.parameters(), again.parameters()))  # seeded
 
 
+def test_init_weights_chunks_are_distinct_and_independent_of_the_threads(monkeypatch):
+    """init_weights draws each INIT_CHUNK numbers from its own generator on INIT_THREADS threads: the same weights
+    on 1 thread as on 4, and no two chunks of a tensor repeat each other (a seed without the chunk index would
+    tile every large matrix with one block of numbers)."""
+    from entrenar import model as M
+
+    cfg = tiny_config("llama", num_layers=2)
+    monkeypatch.setattr(M, "INIT_CHUNK", 1000)
+    weights = []
+    for threads in (1, 4):
+        monkeypatch.setattr(M, "INIT_THREADS", threads)
+        m = CausalLM(cfg)
+        m.init_weights(seed=3)
+        weights.append(m.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    big = weights[0]["model.embed_tokens.weight"].view(-1)
+    assert big.numel() >= 3000
+    assert not torch.equal(big[:1000], big[1000:2000]) and not torch.equal(big[1000:2000], big[2000:3000])
+    other = CausalLM(cfg)
+    other.init_weights(seed=4)
+    assert not torch.equal(other.model.embed_tokens.weight, weights[0]["model.embed_tokens.weight"])
+
+
 def test_from_scratch_skips_the_default_init_and_equals_init_weights():
     """CausalLM.from_scratch (what pretrain builds) is allocated without torch's default init and equals a model
     built normally then init_weights(seed), bit for bit: init_weights sets every parameter."""

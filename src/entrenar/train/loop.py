@@ -883,6 +883,7 @@ class Trainer:
                     raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
                 self.final_step = self.task.restore_best(self.params) if self.task is not None else None
                 model = self.strategy.final_model()  # a collective under FSDP: the tensors land on rank 0
+                gathered = time.perf_counter()
                 self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
         except BaseException:
             self.settle_write("final/ was not written")
@@ -892,9 +893,10 @@ class Trainer:
         end = self.end_save
         end.update(final_s=t1 - t0, write_wait_s=time.perf_counter() - t1)
         end["total_s"] = sum(end.values())
+        gather = f"gathering the weights {gathered - t0:.1f} s, " if self.save_final is not None else ""
         self.log(f"end of run: checkpoint and final/ held the run {end['total_s']:.1f} s (checkpoint "
-                 f"{end.get('checkpoint_s', 0.0):.1f} s, final/ {end['final_s']:.1f} s, waiting for the "
-                 f"checkpoint's background write {end['write_wait_s']:.1f} s)")
+                 f"{end.get('checkpoint_s', 0.0):.1f} s, final/ {end['final_s']:.1f} s ({gather}then writing), "
+                 f"waiting for the checkpoint's background write {end['write_wait_s']:.1f} s)")
 
     def fit(self) -> dict[str, Any]:
         """Steps start_step+1 .. cfg.steps with their evals and checkpoints, then final/. Returns a summary."""
