@@ -136,6 +136,10 @@ def _fp8() -> list[Scenario]:
                  CLI, q7, "bf16-pure", 2, 2048, steps=10, warmup=4, timeout_s=420),
         Scenario("q7b-cli-fp8", "CLI pretrain --dtype fp8, Qwen2.5-Coder-7B (all 28 blocks), 1 GPU", "cli", CLI, q7,
                  "fp8", 2, 2048, steps=10, warmup=4, baseline="q7b-cli-bf16-pure", timeout_s=420),
+        Scenario("q7b-cli-bf16-pure-b4", "CLI pretrain --dtype bf16-pure, Qwen2.5-Coder-7B (28 blocks), batch 4, 1 GPU",
+                 "cli", CLI, q7, "bf16-pure", 4, 2048, steps=10, warmup=4, timeout_s=420),
+        Scenario("q7b-cli-fp8-b4", "CLI pretrain --dtype fp8, Qwen2.5-Coder-7B (28 blocks), batch 4, 1 GPU", "cli", CLI,
+                 q7, "fp8", 4, 2048, steps=10, warmup=4, baseline="q7b-cli-bf16-pure-b4", timeout_s=420),
         Scenario("l370-titan-bf16", "torchtitan Llama3 model, bf16 autocast + torch.compile per block", "titan",
                  TITAN, l7, "bf16", 8, 2048, params={"float8": False}, timeout_s=300,
                  baseline="l370-cli-bf16-pure"),
@@ -271,6 +275,7 @@ GROUPS: dict[str, list[str]] = {
     "issue36-7b": ["fsdp7b-4gpu-bf16-nockpt", "l370-ddp-1gpu-eager", "q05-ddp-1gpu-eager"],
     "issue36-7b-b8": ["fsdp7b-4gpu-bf16-nockpt-b8"],
     "issue36-fp8-7b": ["q7b-cli-bf16-pure", "q7b-cli-fp8"],
+    "issue36-fp8-7b-b4": ["q7b-cli-bf16-pure-b4", "q7b-cli-fp8-b4"],
     # the step captured on 4 GPUs (replicas, all-reduce after the replay): --repeat 3 in one call
     "issue36-graphs-l370": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "l370-ddp-4gpu-bf16-g25"],
     "issue36-graphs-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-g25"],
