@@ -205,13 +205,17 @@ class HostBuffers:
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
         self._pending = False
+        self.pin = True  # False: new buffers are pageable (a last save: nothing reuses them, see Checkpointer.save)
+
+    def allocated(self) -> bool:
+        return bool(self._bufs)
 
     def copy(self, key: str, t: torch.Tensor) -> torch.Tensor:
         t = t.detach()
         gpu = t.device.type == "cuda"
         buf = self._bufs.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
-            buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=gpu)
+            buf = self._bufs[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=gpu and self.pin)
         buf.copy_(t, non_blocking=gpu)
         self._pending |= gpu
         return buf
@@ -1074,11 +1078,15 @@ class Checkpointer:
         return None if self._write is None else self._write.step
 
     def save(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-             trainer_state: dict[str, Any], run_config: dict[str, Any]) -> Path:
+             trainer_state: dict[str, Any], run_config: dict[str, Any], last: bool = False) -> Path:
         """step-N, atomically (a collective under torchrun); returns the path it has (async: will have once
         written). A write that fails (a full disk, a file-size limit) is exit 2 naming the path and the cause;
-        the previous checkpoints stay."""
+        the previous checkpoints stay. `last`: the run's last save; when no earlier save made the snapshot's host
+        buffers, it copies into pageable memory: pinning is what lets later snapshots queue their copies behind
+        the step, and allocating ~45 GB of it for a 7B model's first snapshot held the end of a run 45 s
+        (bench/RESULTS.md, session 15)."""
         target = self.root / step_dir_name(step)
+        self._buffers.pin = not (last and not self._buffers.allocated() and self._dcp_writer is None)
         if self.mode == "sync":
             with write_errors(target, self.root):
                 self.last_complete = self._start(step, model, optimizer, trainer_state, run_config, False)(None)
@@ -1095,7 +1103,7 @@ class Checkpointer:
         """The snapshot (copied into host memory when `copy`), and the function that writes it."""
         if self.ctx.active:
             if copy and self._dcp_writer is None:
-                self._dcp_writer = dcp_writer(self.root, pinned=torch.cuda.is_available()
+                self._dcp_writer = dcp_writer(self.root, pinned=torch.cuda.is_available() and self._buffers.pin
                                               and self.ctx.device.type == "cuda")
             return start_sharded_checkpoint(self.root, step, model, optimizer, trainer_state, run_config, self.keep,
                                             self.ctx, self._dcp_writer if copy else None, self._group if copy else None)

@@ -800,7 +800,8 @@ class Trainer:
         state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
                                    rng if rng is not None else rng_state())
         self.saves += 1
-        path = self.checkpointer.save(step, self.model, self.optimizer, state, self.run_config)
+        path = self.checkpointer.save(step, self.model, self.optimizer, state, self.run_config,
+                                      last=step == self.cfg.steps)
         if wait:
             self.checkpointer.wait()
         return path
