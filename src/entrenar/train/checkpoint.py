@@ -61,7 +61,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import EntrenarError, InputError
-from ..fileio import atomic_dir, sha256_file
+from ..fileio import atomic_dir, files_sha256, sha256_file
 from .distributed import DistContext
 
 COMPLETE = "COMPLETE"
@@ -443,10 +443,16 @@ def _hooked_writer_class() -> type:
     return HookedWriter
 
 
+# Files (and threads) a rank's shards are written in by a background sharded save: one writer and one sha256 pass
+# per file (files_sha256 hashes them at once), where one file per rank made both single-threaded
+DCP_WRITE_THREADS = 4
+
+
 def dcp_writer(path: Path, pinned: bool) -> Any:
     """The writer of a background sharded save: its stage() is the snapshot (a copy in host memory, pinned and
-    reused from save to save on a GPU), and it writes that copy later (DCP's FileSystemWriter)."""
-    return _hooked_writer_class()(str(path), cache_staged_state_dict=pinned)
+    reused from save to save on a GPU), and it writes that copy later (DCP's FileSystemWriter), each rank's
+    shards in DCP_WRITE_THREADS files by as many threads."""
+    return _hooked_writer_class()(str(path), cache_staged_state_dict=pinned, thread_count=DCP_WRITE_THREADS)
 
 
 def _gather(ctx: DistContext, obj: Any, group: Any) -> list[Any]:
@@ -532,17 +538,20 @@ def start_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module,
 
     def finish(gate: CommitGate | None = None) -> Path:
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemWriter
 
         found: dict[str, str] = {}
         problem: dict[str, Any] | None = None
         try:
             with write_errors(final, ckpt_root):
-                dcp.save(shards, checkpoint_id=str(tmp / SHARDED), storage_writer=writer, process_group=group)
+                dcp.save(shards, checkpoint_id=str(tmp / SHARDED), process_group=group,
+                         storage_writer=writer if writer is not None else FileSystemWriter(  # the same files as async
+                             str(tmp / SHARDED), thread_count=DCP_WRITE_THREADS))
                 # each rank hashes the shard files it wrote itself (DCP names them __{rank}_{n}.distcp), all ranks
                 # at once: for a 7B run that is 85 GiB, which rank 0 alone took a minute or more to hash; rank 0
                 # hashes whatever no rank claimed (.metadata, the files it writes, any other naming)
-                found = {f"{SHARDED}/{f.name}": sha256_file(f)
-                         for f in sorted((tmp / SHARDED).glob(f"__{ctx.rank}_*.distcp"))}
+                found = {f"{SHARDED}/{name}": digest for name, digest in
+                         files_sha256(sorted((tmp / SHARDED).glob(f"__{ctx.rank}_*.distcp"))).items()}
                 _reached("written", tmp)
         except Exception as e:  # noqa: BLE001 -- every rank learns it (below) and raises it
             problem = _encoded(e, ctx.rank)
