@@ -179,7 +179,7 @@ def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path,
     held = Held(2, "written" if stop == "stuck" else "start")
     monkeypatch.setattr(C, "WRITE_HOOK", held)
     monkeypatch.setattr(C, "ABANDON_WAIT_S", 0.5 if stop == "stuck" else HOLD_S)
-    written, real_save_file = [], C.save_file
+    written, real_save_file, real_write = [], C.save_file, C.write_safetensors
     if stop == "error":  # the held writer goes on once the trainer has abandoned it
         abandon = C.CommitGate.abandon
 
@@ -190,8 +190,13 @@ def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path,
         def save_file(tensors, path, *a, **k):
             written.append(Path(path).name)
             return real_save_file(tensors, path, *a, **k)
+
+        def write_safetensors(tensors, path, *a, **k):  # the weights' writer
+            written.append(Path(path).name)
+            return real_write(tensors, path, *a, **k)
         monkeypatch.setattr(C.CommitGate, "abandon", abandon_then_release)
         monkeypatch.setattr(C, "save_file", save_file)
+        monkeypatch.setattr(C, "write_safetensors", write_safetensors)
     raised = []
 
     def step3_done(trainer) -> None:

@@ -57,16 +57,16 @@ def test_a_full_disk_during_a_checkpoint_is_exit_2_and_keeps_the_previous_one(tm
     as the same exit 2 a synchronous save gives."""
     from entrenar.train import checkpoint
 
-    real, calls = checkpoint.save_file, []
+    real, calls = checkpoint.write_safetensors, []
 
     def writer(tensors, path, *a, **k):
         calls.append(path)
-        if Path(path).name == "model.safetensors" and ".step-0000002" in path:  # the second checkpoint's weights
+        if Path(path).name == "model.safetensors" and ".step-0000002" in str(path):  # the second checkpoint's
             Path(path).write_bytes(b"\0" * 100)  # part of it reached the disk
             raise full_disk(kind)
         return real(tensors, path, *a, **k)
 
-    monkeypatch.setattr(checkpoint, "save_file", writer)
+    monkeypatch.setattr(checkpoint, "write_safetensors", writer)
     out = tmp_path / "run"
     code, result, err = run_cli(finetune(base_model, sft_data, out, "--save-mode", mode), capsys)
     assert code == 2 and result["exit_code"] == 2 and "please report" not in result["error"], (result, err[-1500:])
@@ -84,16 +84,16 @@ def test_a_full_disk_during_a_checkpoint_is_exit_2_and_keeps_the_previous_one(tm
 
 
 def test_a_full_disk_while_writing_final_is_exit_2(tmp_path, base_model, sft_data, capsys, monkeypatch):  # noqa: F811
-    import safetensors.torch
+    from entrenar import fileio
 
-    real = safetensors.torch.save_file
+    real = fileio.write_safetensors
 
     def writer(tensors, path, *a, **k):
         if "final" in str(path):
             raise full_disk("oserror")
         return real(tensors, path, *a, **k)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", writer)
+    monkeypatch.setattr(fileio, "write_safetensors", writer)
     out = tmp_path / "run"
     code, result, err = run_cli(finetune(base_model, sft_data, out), capsys)
     assert code == 2 and str(out / "final") in result["error"] and "No space left" in result["error"], err[-1500:]

@@ -385,7 +385,7 @@ def test_convert_gguf_to_hf_dir_and_dtypes(tmp_path, capsys):
 
 
 def test_convert_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
-    import safetensors.torch
+    from entrenar import fileio
 
     hf_model = make_hf_model("llama")
     path = write_gguf(tmp_path / "m.gguf", hf_model)
@@ -393,7 +393,7 @@ def test_convert_failure_leaves_nothing(tmp_path, capsys, monkeypatch):
     def failing_save(*a, **k):
         raise InputError("disk full (simulated)")
 
-    monkeypatch.setattr(safetensors.torch, "save_file", failing_save)
+    monkeypatch.setattr(fileio, "write_safetensors", failing_save)
     rc, _, err = _run_cli(capsys, "convert", str(path), str(tmp_path / "out"))
     assert rc == 2 and "disk full" in err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.gguf"]

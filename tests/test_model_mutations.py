@@ -112,15 +112,15 @@ def test_causal_mask_removed_is_caught(tiny_hf_dir, monkeypatch):
 
 def test_bf16_written_as_f16_is_caught(tmp_path, tiny_hf_dir, monkeypatch):
     """Saving casts BF16 tensors to F16: the bit-exact BF16 round trip fails."""
-    import safetensors.torch
+    from entrenar import fileio
 
     assert bf16_hf_roundtrip_ok(tmp_path / "ok", tiny_hf_dir)
-    real_save = safetensors.torch.save_file
+    real_save = fileio.write_safetensors
 
     def save_as_f16(tensors, *a, **k):
         return real_save({n: t.half() if t.dtype == torch.bfloat16 else t for n, t in tensors.items()}, *a, **k)
 
-    monkeypatch.setattr(safetensors.torch, "save_file", save_as_f16)
+    monkeypatch.setattr(fileio, "write_safetensors", save_as_f16)
     assert not bf16_hf_roundtrip_ok(tmp_path / "mutated", tiny_hf_dir)
 
 

@@ -528,9 +528,11 @@ def test_lora_plugs_into_the_same_loop_and_resumes_exactly(tmp_path):
     train(lora_model(), ListLoader(samples, 2, seed=3), ListLoader(evals, 4), settings, part, resume="auto",
           preflight={}, save_final=save_final, log=quiet)
     assert losses(straight) == losses(part)
-    assert losses(straight)[-1] < losses(straight)[0]
     ckpt = ckpt_mod.load_checkpoint(part / "checkpoints" / "latest")
     assert ckpt["model"] and all("lora_" in k for k in ckpt["model"])  # only the adapter is checkpointed
+    # the adapters trained (B starts at zero); the loss itself says little here: uniform random tokens start at
+    # ln(vocab), where 4 steps move it by noise either way (it rose with one init, fell with another)
+    assert any(v.abs().max() > 0 for k, v in ckpt["model"].items() if "lora_B" in k)
     assert (saved[0] / "adapter_config.json").is_file()
 
 

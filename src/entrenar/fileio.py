@@ -10,7 +10,10 @@ import os
 import shutil
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from typing_extensions import Self  # typing.Self is 3.11+
 
 
 def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
@@ -20,6 +23,107 @@ def sha256_file(path: str | Path, chunk: int = 1 << 22) -> str:
         while block := f.read(chunk):
             h.update(block)
     return h.hexdigest()
+
+
+# sha256 of files this process wrote, computed while writing them (HashingFile): keyed by the file's identity and
+# state (device, inode, size, mtime), so a file changed or replaced since is hashed again; taken once
+_WRITTEN: dict[tuple[int, int, int, int], str] = {}
+
+
+def _identity(path: str | Path) -> tuple[int, int, int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+class HashingFile:
+    """A binary file open for writing (`with HashingFile(path) as f`) that computes the sha256 of what is written
+    to it, so a file of GBs is not read back to be hashed: `background` (the caller keeps every buffer it writes
+    unchanged until close) hashes on a second thread while the next buffer is written, else inline. On close
+    the digest is remembered for written_sha256."""
+
+    def __init__(self, path: str | Path, background: bool = False):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.path, self._f, self._h = Path(path), open(path, "wb"), hashlib.sha256()  # noqa: SIM115
+        self._pool = ThreadPoolExecutor(max_workers=1) if background else None
+        self._pending: list[Any] = []
+        self.digest: str | None = None
+
+    def write(self, data: Any) -> int:
+        if self._pool is not None:
+            self._pending.append(self._pool.submit(self._h.update, data))
+        else:
+            self._h.update(data)
+        return self._f.write(data)
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return self._f.fileno()
+
+    def close(self) -> None:
+        if self._f.closed:
+            return
+        try:
+            for done in self._pending:
+                done.result()
+        finally:
+            if self._pool is not None:
+                self._pool.shutdown()
+            self._f.close()
+        self.digest = self._h.hexdigest()
+        _WRITTEN[_identity(self.path)] = self.digest
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def written_sha256(path: str | Path) -> str:
+    """sha256 of `path`: the one HashingFile computed while this process wrote it, when the file is still that
+    file (same inode, size and mtime), else read and hashed. For the records written right after a file (a
+    checkpoint's meta.json, final/'s MANIFEST); verification reads the files (sha256_file)."""
+    return _WRITTEN.pop(_identity(path), None) or sha256_file(path)
+
+
+SAFETENSORS_DTYPES = {name: code for name, code in (
+    ("float64", "F64"), ("float32", "F32"), ("float16", "F16"), ("bfloat16", "BF16"), ("int64", "I64"),
+    ("int32", "I32"), ("int16", "I16"), ("int8", "I8"), ("uint8", "U8"), ("bool", "BOOL"),
+    ("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2"))}
+
+
+def write_safetensors(tensors: dict[str, Any], path: str | Path, metadata: dict[str, str] | None = None) -> str:
+    """`tensors` (CPU torch tensors) as a safetensors file at `path` (safetensors.torch.save_file's arguments) (the format: a little-endian u64 header size,
+    the JSON header padded to 8 bytes, then each tensor's bytes at its data_offsets), written straight from the
+    tensors' memory (safetensors.torch.save_file first copies every tensor into a bytes object) and hashed while
+    it is written. Returns the sha256 (also remembered for written_sha256)."""
+    import struct
+
+    import torch
+
+    header: dict[str, Any] = {"__metadata__": metadata} if metadata else {}
+    views, offset = [], 0
+    for name in sorted(tensors):
+        t = tensors[name].detach()
+        assert t.device.type == "cpu", f"{name} is on {t.device}: write_safetensors takes CPU tensors"
+        code = SAFETENSORS_DTYPES[str(t.dtype).removeprefix("torch.")]
+        raw = t.contiguous().reshape(-1).view(torch.uint8).numpy()  # the tensor's own bytes, no copy
+        header[name] = {"dtype": code, "shape": list(t.shape), "data_offsets": [offset, offset + raw.nbytes]}
+        views.append(memoryview(raw))
+        offset += raw.nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    chunk = 1 << 26  # 64 MiB: the hash of one chunk runs while the next is written
+    with HashingFile(path, background=True) as f:
+        f.write(struct.pack("<Q", len(text)) + text)
+        for view in views:
+            for start in range(0, len(view), chunk):
+                f.write(view[start:start + chunk])
+    assert f.digest is not None
+    return f.digest
 
 
 def files_sha256(paths: list[Path], threads: int = 4) -> dict[str, str]:
@@ -41,7 +145,7 @@ NOT_READ_AS_MODEL = ("optimizer.pt",)  # a checkpoint file no model load reads (
 def write_manifest(directory: str | Path) -> Path:
     """MANIFEST of `directory`: the sha256 of every file in it (subdirectories included), written last."""
     d = Path(directory)
-    digests = {str(f.relative_to(d)): sha256_file(f) for f in sorted(d.rglob("*")) if f.is_file() and f.name != MANIFEST}
+    digests = {str(f.relative_to(d)): written_sha256(f) for f in sorted(d.rglob("*")) if f.is_file() and f.name != MANIFEST}
     return atomic_write(d / MANIFEST, json.dumps({"written_by": "entrenar", "sha256": digests}, indent=2) + "\n")
 
 

@@ -137,7 +137,7 @@ def save_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], out_dir: str | Pat
             tokenizer: Any = None) -> Path:
     """Write config.json, model.safetensors (dtypes as given), generation_config.json and, when a
     tokenizer is given, its files. `state` must already be check_state-clean."""
-    from safetensors.torch import save_file
+    from ..fileio import write_safetensors
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -149,8 +149,8 @@ def save_hf(cfg: ModelConfig, state: dict[str, torch.Tensor], out_dir: str | Pat
     d["dtype"] = str(dtypes.pop()).removeprefix("torch.") if len(dtypes) == 1 else "float32"
     (out_dir / "config.json").write_text(json.dumps(d, indent=2) + "\n")
     tmp = out_dir / (WEIGHTS_NAME + f".tmp{os.getpid()}")
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    os.chmod(tmp, 0o644)  # safetensors creates it owner-only
+    write_safetensors(tensors, tmp, metadata={"format": "pt"})  # hashed as written: final/'s MANIFEST takes it
+    os.chmod(tmp, 0o644)
     os.replace(tmp, out_dir / WEIGHTS_NAME)
     gen = {k: getattr(cfg, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")
            if getattr(cfg, k) is not None}

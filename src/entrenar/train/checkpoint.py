@@ -61,7 +61,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from ..errors import EntrenarError, InputError
-from ..fileio import atomic_dir, files_sha256, sha256_file
+from ..fileio import HashingFile, atomic_dir, files_sha256, sha256_file, write_safetensors, written_sha256
 from .distributed import DistContext
 
 COMPLETE = "COMPLETE"
@@ -292,9 +292,9 @@ def _write_contents(tmp: Path, snap: Snapshot, gate: CommitGate) -> None:
     if snap.files is not None:  # config/adapter files, generation_config.json, tokenizer: a runnable MODEL
         snap.files(tmp)
     gate.check()
-    save_file(snap.model, str(tmp / MODEL))
+    write_safetensors(snap.model, tmp / MODEL)  # hashed as written (written_sha256: meta.json takes it)
     gate.check()
-    with open(tmp / OPTIMIZER, "wb") as f:
+    with HashingFile(tmp / OPTIMIZER) as f:
         torch.save(snap.optimizer, f)
     gate.check()
     save_file(snap.rng, str(tmp / RNG))
@@ -336,7 +336,7 @@ def write_snapshot(ckpt_root: Path, snap: Snapshot, keep: int, gate: CommitGate 
             # what they load (fileio.verify_recorded); resume verifies HASHED
             names = sorted({*HASHED, *(str(f.relative_to(tmp)) for f in tmp.rglob("*") if f.is_file())})
             meta = {"step": snap.step, "tokens": snap.tokens,
-                    "sha256": {name: sha256_file(tmp / name) for name in names}}
+                    "sha256": {name: written_sha256(tmp / name) for name in names}}
             _write_bytes(tmp / META, (json.dumps(meta, indent=2) + "\n").encode())
             committing.enter_context(gate)  # abandoned: no COMPLETE, the temporary goes
             _write_bytes(tmp / COMPLETE, b"ok\n")  # last: its presence means every file above is on disk
