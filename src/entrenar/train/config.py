@@ -197,7 +197,8 @@ class TrainConfig:
                                       "bytes on the wire; each rank's gradient rounded to bf16, 8 mantissa bits, "
                                       "before the sum). Gradients already bf16 (--dtype bf16-pure) are reduced "
                                       "in bf16 either way; one process: ignored", choices=GRAD_REDUCE_DTYPES)
-    ddp_bucket_mb: int = option(DDP_BUCKET_MB, "DDP's gradient bucket size in MB under torchrun: a bucket's "
+    ddp_bucket_mb: int = option(DDP_BUCKET_MB, "gradient bucket size in MB of DDP and of the replicas of a "
+                                               "captured step (--cuda-graphs) under torchrun: a bucket's "
                                                "all-reduce starts once all its gradients exist; larger buckets "
                                                "start later in the backward (fewer all-reduces beside the "
                                                "matmuls, more of the last one after it); FSDP2 and one "
