@@ -163,6 +163,40 @@ def test_buckets_are_reduced_while_the_backward_runs(world_of_one):
     assert len(seen) == 2 * len(strategy.buckets)
 
 
+def test_a_closed_strategy_leaves_the_model_to_the_next_one(world_of_one):
+    """Trainer.fit closes its strategy: ReplicaStrategy's hooks come off the parameters, so the same model trained
+    again under a new strategy reduces each of its buckets once per backward, not once per strategy it ever had."""
+    from entrenar.train import distributed as D
+    from entrenar.train.parallel import ReplicaStrategy
+
+    model = tiny_model()
+    first = ReplicaStrategy(model, D.DistContext(), bucket_mb=2e-3, overlap=True)
+    first.close()
+    second = ReplicaStrategy(model, D.DistContext(), bucket_mb=2e-3, overlap=True)
+    seen = []
+    first.reduce_bucket = lambda bucket: seen.append("first")
+    second.reduce_bucket = lambda bucket: seen.append("second")
+    model(torch.randint(1, 60, (2, 9))).float().pow(2).mean().backward()
+    assert seen == ["second"] * len(second.buckets)
+
+
+def test_fit_closes_its_strategy_also_on_an_error(tmp_path, monkeypatch):
+    from entrenar.train import loop
+    from entrenar.train.parallel import Strategy
+
+    closed = []
+    monkeypatch.setattr(Strategy, "close", lambda self: closed.append(type(self).__name__))
+    run(tmp_path / "ok", 2)
+    assert closed == ["Strategy"]
+
+    def fail(self, step):
+        raise RuntimeError("a step that fails")
+    monkeypatch.setattr(loop.Trainer, "after_step", fail)
+    with pytest.raises(RuntimeError, match="a step that fails"):
+        run(tmp_path / "error", 2)
+    assert closed == ["Strategy", "Strategy"]
+
+
 def test_a_gradient_replaced_or_freed_goes_back_into_its_view(tmp_path):
     """ReplicaStrategy's gradients are views into its flat buffer; one set to None (a stop's zero_grad(set_to_none))
     or replaced by another tensor is put back into its view before the all-reduce (a world of one: the identity)."""

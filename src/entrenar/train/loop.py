@@ -909,6 +909,7 @@ class Trainer:
         finally:
             if self.graphs is not None:  # before the command leaves the process group (StepGraphs.release)
                 self.graphs.release()
+            self.strategy.close()
 
     def _fit(self) -> dict[str, Any]:
         cfg = self.cfg

@@ -251,6 +251,10 @@ class Strategy:
         """After the step's last micro-batch's backward: what reduces the gradients when the backward itself
         does not (ReplicaStrategy); nothing here or under DDP/FSDP2 (their hooks reduce inside it)."""
 
+    def close(self) -> None:
+        """At the end of training (Trainer.fit): take off what the strategy put on the model's parameters
+        (ReplicaStrategy's hooks), so the model can train again under another strategy."""
+
 
 class DDPStrategy(Strategy):
     """Full replicas; gradients SUM-reduced in buckets by DDP (apply_ddp) during the last micro-batch's
@@ -326,9 +330,7 @@ class ReplicaStrategy(Strategy):
         self._waiting = [b.params for b in self.buckets]  # this backward's gradients still to come, per bucket
         self._launched = [False] * len(self.buckets)
         self._armed = False  # the backward's final callback is queued
-        if overlap:
-            for p in self._views:
-                p.register_post_accumulate_grad_hook(self._grad_ready)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._views] if overlap else []
 
     def reduce_bucket(self, bucket: GradBucket) -> None:
         """SUM over the replicas, in place (a bf16 wire copy for --grad-reduce bf16)."""
@@ -370,6 +372,11 @@ class ReplicaStrategy(Strategy):
         self._waiting = [b.params for b in self.buckets]
         self._launched = [False] * len(self.buckets)
         self._armed = False
+
+    def close(self) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
 
     def after_backward(self) -> None:
         for p, view in self._views.items():
