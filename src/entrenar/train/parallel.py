@@ -4,7 +4,7 @@ place (`apply_parallel`, the parallelize function): one process, DDP, FSDP2 or H
 `apply_parallel` takes the built `CausalLM` (its precision already prepared, LoRA already applied) and
 returns a `Strategy`: `.module` is the model (its config, parameter names, saving), `.forward_module` is
 what the trainer calls, `.reduce` the job's reductions; `sync_context`, `clip_grad_norm`,
-`weights_max_abs`, `after_backward` and `final_model` are what differ between them (`Strategy` for one process,
+`weights_max_abs`, `after_backward`, `close` and `final_model` are what differ between them (`Strategy` for one process,
 `DDPStrategy`, `ReplicaStrategy`, `FSDPStrategy`, `HSDPStrategy`). The mesh is torchrun's named 1-D ("dp") DeviceMesh
 (train/distributed.py), or for HSDP the 2-D (dp_replicate x dp_shard = nodes x processes per node) one; a
 further dimension (tensor or context parallel) would be applied here too, after the data-parallel one is chosen.
