@@ -483,6 +483,21 @@ def _encoded(e: BaseException, rank: int) -> dict[str, Any]:
     return {"cls": RuntimeError, "message": f"rank {rank}: {type(e).__name__}: {e}"}
 
 
+def _write_own_shards(shards: dict[str, Any], tmp: Path, rank: int, writer: Any, group: Any) -> dict[str, str]:
+    """This rank's part of a sharded checkpoint's write (dcp.save over `group`; `writer` None: a synchronous
+    writer of the same DCP_WRITE_THREADS files) and the sha256 of the shard files it wrote itself (DCP names them
+    __{rank}_{n}.distcp): all ranks hash at once (a 7B run's 85 GiB took rank 0 alone a minute or more); rank 0's
+    commit hashes whatever no rank claimed (.metadata, the files it writes, any other naming)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    dcp.save(shards, checkpoint_id=str(tmp / SHARDED), process_group=group,
+             storage_writer=writer if writer is not None else FileSystemWriter(str(tmp / SHARDED),
+                                                                               thread_count=DCP_WRITE_THREADS))
+    own = files_sha256(sorted((tmp / SHARDED).glob(f"__{rank}_*.distcp")))
+    return {f"{SHARDED}/{name}": digest for name, digest in own.items()}
+
+
 def start_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
                              trainer_state: dict[str, Any], run_config: dict[str, Any], keep: int,
                              ctx: DistContext, writer: Any = None, group: Any = None
@@ -537,21 +552,11 @@ def start_sharded_checkpoint(ckpt_root: Path, step: int, model: torch.nn.Module,
         return final
 
     def finish(gate: CommitGate | None = None) -> Path:
-        import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import FileSystemWriter
-
         found: dict[str, str] = {}
         problem: dict[str, Any] | None = None
         try:
             with write_errors(final, ckpt_root):
-                dcp.save(shards, checkpoint_id=str(tmp / SHARDED), process_group=group,
-                         storage_writer=writer if writer is not None else FileSystemWriter(  # the same files as async
-                             str(tmp / SHARDED), thread_count=DCP_WRITE_THREADS))
-                # each rank hashes the shard files it wrote itself (DCP names them __{rank}_{n}.distcp), all ranks
-                # at once: for a 7B run that is 85 GiB, which rank 0 alone took a minute or more to hash; rank 0
-                # hashes whatever no rank claimed (.metadata, the files it writes, any other naming)
-                found = {f"{SHARDED}/{name}": digest for name, digest in
-                         files_sha256(sorted((tmp / SHARDED).glob(f"__{ctx.rank}_*.distcp"))).items()}
+                found = _write_own_shards(shards, tmp, ctx.rank, writer, group)
                 _reached("written", tmp)
         except Exception as e:  # noqa: BLE001 -- every rank learns it (below) and raises it
             problem = _encoded(e, ctx.rank)
