@@ -280,6 +280,8 @@ GROUPS: dict[str, list[str]] = {
     "issue36-graphs-l370": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "l370-ddp-4gpu-bf16-g25"],
     "issue36-graphs-q05": ["q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce", "q05-ddp-4gpu-bf16-g25"],
     "issue36-ddp-graphs": ["l370-ddp-1gpu", "l370-ddp-4gpu-bf16reduce", "q05-ddp-1gpu", "q05-ddp-4gpu-bf16reduce"],
+    # the captured replicas with the default fp32 all-reduce: no bf16 wire copies (session 15: +2.4 ms on llama-370m)
+    "issue36-ddp-graphs-fp32": ["l370-ddp-1gpu", "l370-ddp-4gpu", "q05-ddp-1gpu", "q05-ddp-4gpu"],
     "issue36-ddp-once": ["l370-ddp-4gpu-bf16-eager", "q05-ddp-4gpu-bf16-eager", "l370-ddp-4gpu", "q05-ddp-4gpu"],
     "issue25-generate": [s.name for s in _generate()],
     "issue36-graphs": [s.name for s in _graphs()][:8],
