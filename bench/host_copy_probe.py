@@ -32,6 +32,36 @@ def _timed(fn) -> tuple[float, object]:
     return time.perf_counter() - t0, out
 
 
+def _bounced(dev, chunk: int = 256 * 2**20):
+    """Device -> two pinned chunks (alternating, on a side stream) -> the fresh pageable destination."""
+    import torch
+
+    out = torch.empty(dev.numel(), dtype=dev.dtype)
+    bounce = [torch.empty(chunk, dtype=dev.dtype, pin_memory=True) for _ in range(2)]
+    done = [torch.cuda.Event(), torch.cuda.Event()]
+    stream = torch.cuda.Stream()
+    starts = list(range(0, dev.numel(), chunk))
+    for i, a in enumerate(starts + [None]):
+        if a is not None:
+            b = min(a + chunk, dev.numel())
+            with torch.cuda.stream(stream):
+                bounce[i % 2][: b - a].copy_(dev[a:b], non_blocking=True)
+                done[i % 2].record(stream)
+        if i:  # the previous chunk: wait for it, then copy it out on the CPU while the next one flies
+            p = starts[i - 1]
+            q = min(p + chunk, dev.numel())
+            done[(i - 1) % 2].synchronize()
+            out[p:q].copy_(bounce[(i - 1) % 2][: q - p])
+    return out
+
+
+def _threads(dev, k: int):
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(k) as pool:
+        return list(pool.map(lambda t: t.cpu(), dev.chunk(k)))
+
+
 def probe(gib: float) -> dict[str, float]:
     """GB/s of each way to host memory for one `gib` GiB device tensor (this process's setting)."""
     import torch
@@ -51,6 +81,12 @@ def probe(gib: float) -> dict[str, float]:
     s, touched = _timed(lambda: torch.empty(n, dtype=torch.uint8).fill_(1))
     out["fresh pageable first touch (fill, no copy)"] = gb / s
     del touched
+    s, _ = _timed(lambda: torch.empty(n, dtype=torch.uint8).zero_().copy_(dev))
+    out["fresh pageable, zero_() then copy_"] = gb / s
+    s, _ = _timed(lambda: _bounced(dev))
+    out["fresh pageable via a 2 x 256 MiB pinned bounce"] = gb / s
+    s, _ = _timed(lambda: _threads(dev, 4))
+    out["fresh pageable .cpu() of 4 slices on 4 threads"] = gb / s
     s, pinned = _timed(lambda: torch.empty(n, dtype=torch.uint8, pin_memory=True))
     out["pinned allocation"] = gb / s
     s, _ = _timed(lambda t=pinned: t.copy_(dev))
