@@ -198,6 +198,26 @@ def test_cli_finetune_eval_task_rows_files_and_summary(tmp_path, sft_rows, capsy
     assert code == 0, err
 
 
+@pytest.mark.parametrize("limit", [1, -1])
+def test_cli_eval_task_limit_takes_the_first_problems(tmp_path, sft_rows, capsys, limit):
+    model = _tiny_dir(tmp_path, "m")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({**GOOD, "task_id": f"t{i}"}) + "\n" for i in range(3)))
+    out = tmp_path / "run"
+    code, js, err = main(["finetune", "--model", str(model), "--data", str(sft_rows), "--out", str(out),
+                          "--mode", "lora", "--steps", "1", "--batch-size", "2", "--eval-task", str(tasks),
+                          "--eval-task-limit", str(limit), "--eval-task-max-new-tokens", "2", "--no-preflight",
+                          "--json"], capsys)
+    if limit < 0:
+        assert code == 2 and "--eval-task-limit must be >= 0" in err, err
+        assert not (out / "metrics.jsonl").exists()
+        return
+    assert code == 0, err
+    assert js["task"]["start"]["problems"] == 1 and js["task"]["end"]["problems"] == 1
+    rows = read_jsonl(out / "task_eval" / "step-0000000.jsonl")
+    assert [r["task_id"] for r in rows] == ["t0"]  # the first N of the file, in its order
+
+
 @pytest.mark.parametrize("flags,expect", [
     (["--eval-task-every", "2"], "needs --eval-task"),
     (["--keep-best", "task"], "needs --eval-task"),
