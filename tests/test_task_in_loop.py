@@ -172,15 +172,22 @@ def sft_rows(tmp_path) -> Path:
     return f
 
 
-def test_cli_finetune_eval_task_rows_files_and_summary(tmp_path, sft_rows, capsys):
+def _finetune_with_task(tmp_path: Path, rows: Path, capsys, problems: int, *flags: str):
+    """A tiny LoRA finetune with --eval-task on a file of `problems` passing problems t0, t1, ...:
+    (exit code, --json summary, stderr, run directory)."""
     model = _tiny_dir(tmp_path, "m")
     tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({**GOOD, "task_id": f"t{i}"}) + "\n" for i in range(2)))
+    tasks.write_text("".join(json.dumps({**GOOD, "task_id": f"t{i}"}) + "\n" for i in range(problems)))
     out = tmp_path / "run"
-    code, js, err = main(["finetune", "--model", str(model), "--data", str(sft_rows), "--out", str(out),
-                          "--mode", "lora", "--steps", "2", "--batch-size", "2", "--eval-task", str(tasks),
-                          "--eval-task-every", "1", "--eval-task-max-new-tokens", "4", "--val-fraction", "0.25",
-                          "--no-preflight", "--json"], capsys)
+    code, js, err = main(["finetune", "--model", str(model), "--data", str(rows), "--out", str(out),
+                          "--mode", "lora", "--batch-size", "2", "--eval-task", str(tasks), "--no-preflight",
+                          "--json", *flags], capsys)
+    return code, js, err, out
+
+
+def test_cli_finetune_eval_task_rows_files_and_summary(tmp_path, sft_rows, capsys):
+    code, js, err, out = _finetune_with_task(tmp_path, sft_rows, capsys, 2, "--steps", "2", "--eval-task-every",
+                                             "1", "--eval-task-max-new-tokens", "4", "--val-fraction", "0.25")
     assert code == 0, err
     task = js["task"]
     assert task["task"] == "tasks.jsonl" and task["metric"] == "pass@1" and task["start"]["problems"] == 2
@@ -200,14 +207,8 @@ def test_cli_finetune_eval_task_rows_files_and_summary(tmp_path, sft_rows, capsy
 
 @pytest.mark.parametrize("limit", [1, -1])
 def test_cli_eval_task_limit_takes_the_first_problems(tmp_path, sft_rows, capsys, limit):
-    model = _tiny_dir(tmp_path, "m")
-    tasks = tmp_path / "tasks.jsonl"
-    tasks.write_text("".join(json.dumps({**GOOD, "task_id": f"t{i}"}) + "\n" for i in range(3)))
-    out = tmp_path / "run"
-    code, js, err = main(["finetune", "--model", str(model), "--data", str(sft_rows), "--out", str(out),
-                          "--mode", "lora", "--steps", "1", "--batch-size", "2", "--eval-task", str(tasks),
-                          "--eval-task-limit", str(limit), "--eval-task-max-new-tokens", "2", "--no-preflight",
-                          "--json"], capsys)
+    code, js, err, out = _finetune_with_task(tmp_path, sft_rows, capsys, 3, "--steps", "1", "--eval-task-limit",
+                                             str(limit), "--eval-task-max-new-tokens", "2")
     if limit < 0:
         assert code == 2 and "--eval-task-limit must be >= 0" in err, err
         assert not (out / "metrics.jsonl").exists()
