@@ -19,6 +19,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -52,34 +53,48 @@ def _descendants(pid: int) -> list[int]:
     return out
 
 
-def stop_job(proc: subprocess.Popen) -> str:
+def stop_job(proc: subprocess.Popen, grace_s: float = 30.0) -> str:
     """A job past its time: SIGTERM (the CLI and torchrun stop cleanly on it), then SIGKILL to whatever is
-    left; an orphaned worker would keep its GPU memory and make every later row run out of it."""
+    left after `grace_s` (0: SIGKILL at once); an orphaned worker would keep its GPU memory and make every
+    later row run out of it."""
     workers = _descendants(proc.pid)
-    proc.send_signal(signal.SIGTERM)
-    try:
-        _, err = proc.communicate(timeout=30)
-    except subprocess.TimeoutExpired:
-        err = ""
+    err = ""
+    if grace_s > 0:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            _, err = proc.communicate(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            err = ""
     for pid in [proc.pid, *workers]:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass  # already gone: what we wanted
-    proc.communicate()
-    return err or ""
+    _, rest = proc.communicate()  # what the job wrote until it died (all of stderr when there was no grace)
+    return err or rest or ""
 
 
-def run_command(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None) -> tuple[Any, str, str]:
-    """(exit code or "timeout after N s", stdout, stderr) of `cmd`, stopped with its workers at the timeout."""
+STOPPED = "stopped once measured"  # run_command's code when `done` said the job had given what was wanted
+
+
+def run_command(cmd: list[str], timeout_s: float, env: dict[str, str] | None = None,
+                done: Callable[[], bool] | None = None, poll_s: float = 1.0) -> tuple[Any, str, str]:
+    """(exit code -- or "timeout after N s", or STOPPED --, stdout, stderr) of `cmd`, stopped with its workers at
+    the timeout, or killed at once when `done()` (asked every `poll_s`) turns true: a 7B speed row need not wait
+    minutes for the end-of-run checkpoint it does not measure."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO,
                             env=env or child_env())
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-        return proc.returncode, out, err
-    except subprocess.TimeoutExpired:
-        err = stop_job(proc)
-        return f"timeout after {timeout_s:.0f} s", "", err
+    deadline = time.monotonic() + timeout_s
+    while True:
+        wait = deadline - time.monotonic() if done is None else min(poll_s, deadline - time.monotonic())
+        try:
+            out, err = proc.communicate(timeout=max(wait, 0.01))  # a retry after TimeoutExpired loses no output
+            return proc.returncode, out, err
+        except subprocess.TimeoutExpired:
+            if time.monotonic() >= deadline:
+                return f"timeout after {timeout_s:.0f} s", "", stop_job(proc)
+            if done is not None and done():
+                return STOPPED, "", stop_job(proc, grace_s=0)
 
 
 def child_env(**extra: str) -> dict[str, str]:
@@ -185,6 +200,19 @@ def failure_reason(code: Any, out: str, err: str) -> str:
     return f"exit {code}: " + " | ".join(tail)[-800:]
 
 
+def _measured(metrics: Path, run: Path, sc: Any) -> Callable[[], bool]:
+    """True once metrics.jsonl holds step sc.steps (and --profile's profile.json is written, if asked)."""
+    def done() -> bool:
+        if "--profile" in sc.flags and not (run / "profile.json").is_file():
+            return False
+        try:
+            lines = metrics.read_text().splitlines()
+            return any(json.loads(ln).get("step") == sc.steps for ln in lines if ln.strip())
+        except (OSError, json.JSONDecodeError):
+            return False  # not there yet, or a line being written
+    return done
+
+
 def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     """One CLI row of scenario `sc` (ctx: suite.Context)."""
     from entrenar.config import preset
@@ -204,9 +232,10 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     shutil.rmtree(run, ignore_errors=True)  # an earlier round's (--repeat): the CLI starts a run in a new folder
     cmd = cli_command(sc, data, run, ctx.device, model)
     t0 = time.perf_counter()
-    code, out, err = run_command(cmd, sc.timeout_s)
-    wall = time.perf_counter() - t0
     metrics = run / "metrics.jsonl"
+    code, out, err = run_command(cmd, sc.timeout_s, child_env(),
+                                 done=_measured(metrics, run, sc) if sc.params.get("stop_after_steps") else None)
+    wall = time.perf_counter() - t0
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
         if metrics.is_file() else []
     values: dict[str, Any] = {"command": shlex.join(cmd), "wall_s": wall, "steps": sc.steps, "warmup": sc.warmup}
@@ -233,7 +262,10 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     if not os.environ.get("BENCH_KEEP_WORK"):  # a 7B row leaves ~100 GB of checkpoint and final/ behind
         for written in ("checkpoints", "final"):
             shutil.rmtree(run / written, ignore_errors=True)
-    if code == 0 and records:
+    if code == STOPPED:
+        values.setdefault("extra", {})["stopped"] = (f"killed once its {sc.steps} steps were logged: the end-of-run "
+                                                     f"checkpoint and final/ were not written or timed")
+    if (code == 0 or code == STOPPED) and records:
         values["status"] = "ok"
     else:
         values["status"], values["reason"] = "failed", failure_reason(code, out, err) if code != 0 else \

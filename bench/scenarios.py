@@ -137,9 +137,11 @@ def _fp8() -> list[Scenario]:
         Scenario("q7b-cli-fp8", "CLI pretrain --dtype fp8, Qwen2.5-Coder-7B (all 28 blocks), 1 GPU", "cli", CLI, q7,
                  "fp8", 2, 2048, steps=10, warmup=4, baseline="q7b-cli-bf16-pure", timeout_s=420),
         Scenario("q7b-cli-bf16-pure-b4", "CLI pretrain --dtype bf16-pure, Qwen2.5-Coder-7B (28 blocks), batch 4, 1 GPU",
-                 "cli", CLI, q7, "bf16-pure", 4, 2048, steps=10, warmup=4, timeout_s=420),
+                 "cli", CLI, q7, "bf16-pure", 4, 2048, steps=10, warmup=4, timeout_s=420,
+                 params={"stop_after_steps": True}),  # the b2 rows time the end of run; these only the steps
         Scenario("q7b-cli-fp8-b4", "CLI pretrain --dtype fp8, Qwen2.5-Coder-7B (28 blocks), batch 4, 1 GPU", "cli", CLI,
-                 q7, "fp8", 4, 2048, steps=10, warmup=4, baseline="q7b-cli-bf16-pure-b4", timeout_s=420),
+                 q7, "fp8", 4, 2048, steps=10, warmup=4, baseline="q7b-cli-bf16-pure-b4", timeout_s=420,
+                 params={"stop_after_steps": True}),
         Scenario("l370-titan-bf16", "torchtitan Llama3 model, bf16 autocast + torch.compile per block", "titan",
                  TITAN, l7, "bf16", 8, 2048, params={"float8": False}, timeout_s=300,
                  baseline="l370-cli-bf16-pure"),

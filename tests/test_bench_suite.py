@@ -148,3 +148,26 @@ def test_repeat_runs_rounds_and_the_table_gives_each_scenarios_median():
     assert medians["l370-ddp-4gpu-bf16-b4096"].split("|")[2:6] == [" 2/3 ", " 93 ", " 90, 96 ",
                                                                    f" {93 / 110:.3f} of l370-ddp-1gpu "]
     assert "Median of the rounds" not in R.table(rows[:2], env)  # one round: no medians' table
+
+
+def test_a_row_that_stops_once_measured_kills_the_job_after_its_last_step(tmp_path):
+    """stop_after_steps: the job is killed once metrics.jsonl logs the scenario's last step (a 7B speed row does
+    not wait minutes for an end-of-run save it does not measure); without it the job runs to its end."""
+    import time
+    from types import SimpleNamespace
+
+    from bench.cli_run import STOPPED, _measured, run_command
+
+    metrics = tmp_path / "metrics.jsonl"
+    job = [sys.executable, "-c", ("import json, sys, time\nprint('started', file=sys.stderr, flush=True)\n"
+           f"for s in (1, 2, 3):\n    open({str(metrics)!r}, 'a').write(json.dumps({{'step': s}}) + '\\n')\n"
+           "    time.sleep(0.2)\ntime.sleep(60)")]
+    t0 = time.monotonic()
+    code, _, err = run_command(job, 50, done=_measured(metrics, tmp_path, SimpleNamespace(steps=3, flags=())),
+                               poll_s=0.2)
+    assert code == STOPPED and time.monotonic() - t0 < 20 and "started" in err  # its stderr kept
+    metrics.unlink()
+    code, _, _ = run_command(job, 3, done=_measured(metrics, tmp_path, SimpleNamespace(steps=4, flags=())),
+                             poll_s=0.2)
+    assert code == "timeout after 3 s"  # step 4 never came: the timeout still applies
+    assert SCENARIOS["q7b-cli-fp8-b4"].params.get("stop_after_steps") is True
