@@ -7,6 +7,8 @@ tests build streams of known length (one word = one token, one EOS per document)
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -93,3 +95,52 @@ def test_an_id_at_or_over_the_vocabulary_is_guard_data_exit_2(tmp_path, bad_offs
     assert err.value.guard_id == "GUARD-DATA" and err.value.exit_code == 2
     assert f"token id {index['vocab_size'] + bad_offset}" in str(err.value) and "window 0" in str(err.value)
     loader.window(1)  # the windows without it are fine
+
+
+@pytest.mark.parametrize("doc_mask", [False, True])
+def test_a_batch_equals_its_windows_read_from_the_whole_stream(tmp_path, doc_mask):
+    """_collate reads every window of a batch straight into one array (shards of 7 tokens: most windows cross
+    borders); against the concatenated stream and its document starts, window by window: inputs, labels
+    (-100 where the next token starts another document), doc ids and the positions that restart with them."""
+    src = tmp_path / "docs.jsonl"  # one document a row
+    rng = np.random.default_rng(0)
+    src.write_text("".join(json.dumps({"text": " ".join(WORDS[j % len(WORDS)] for j in rng.integers(0, 50, size=n))})
+                           + "\n" for n in rng.integers(1, 12, size=40)))
+    pack([str(src)], WordTokenizer(), tmp_path / "s", shard_tokens=7, val_fraction=0.0)
+    shards = tmp_path / "s"
+    info = read_index(shards)["splits"]["train"]
+    stream = np.concatenate([np.fromfile(shards / s["file"], dtype="<u2") for s in info["shards"]]).astype(np.int64)
+    starts = np.fromfile(shards / info["doc_offsets"], dtype="<u8").astype(np.int64)
+    T = 9
+    loader = PretrainLoader(shards, "train", seq_len=T, batch_size=5, doc_mask=doc_mask)
+    assert len(starts) > 5 and len(info["shards"]) > 10
+    windows = [0, len(loader) - 1, *rng.integers(0, len(loader), size=6).tolist()]
+    batch = loader._collate(windows)
+    assert batch["sample_ids"] == windows
+    for row, w in enumerate(windows):
+        toks = stream[w * T:w * T + T + 1]
+        doc = np.searchsorted(starts, np.arange(w * T, w * T + T + 1), side="right") - 1
+        labels = np.where(doc[1:] != doc[:-1], -100, toks[1:]) if doc_mask else toks[1:]
+        assert batch["input_ids"][row].tolist() == toks[:-1].tolist()
+        assert batch["labels"][row].tolist() == labels.tolist()
+        if doc_mask:
+            assert batch["doc_ids"][row].tolist() == (doc[:-1] - doc[0]).tolist()
+            pos = [i - max(j for j in range(i + 1) if j == 0 or doc[j] != doc[j - 1]) for i in range(T)]
+            assert batch["position_ids"][row].tolist() == pos
+        assert {k: v.tolist() for k, v in loader.window(w).items()} == \
+            {k: batch[k][row].tolist() for k in loader.window(w)}
+    assert batch["input_ids"].is_contiguous() and batch["labels"].is_contiguous()
+    assert doc_mask == bool((batch["labels"] == -100).any())  # the documents are short: windows cross them
+
+
+def test_guard_data_names_the_window_of_a_batch_that_holds_the_bad_id(tmp_path):
+    shards = one_doc_shards(tmp_path, 40)
+    index = read_index(shards)
+    first = shards / index["splits"]["train"]["shards"][1]["file"]  # stream tokens 7..13
+    ids = np.fromfile(first, dtype="<u2")
+    ids[4] = index["vocab_size"]  # stream position 11: windows 1 (8..16) of seq_len 8
+    ids.tofile(first)
+    loader = PretrainLoader(shards, "train", seq_len=8, batch_size=3)
+    with pytest.raises(GuardError, match="window 1 holds token id"):
+        loader._collate([0, 3, 1, 2])
+    loader._collate([0, 3, 2])

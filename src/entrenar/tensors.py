@@ -1,12 +1,13 @@
 """Small tensor helpers shared by the model, the data loaders and verification.
 
-A leaf module (imports only torch) so that `data` does not depend on `model`.
+A leaf module (imports only torch and numpy) so that `data` does not depend on `model`.
 """
 
 from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
 # Label value that contributes no loss (the convention of torch's cross_entropy and HF).
@@ -21,6 +22,9 @@ def batch_counts(batch: dict) -> tuple[int, int, int]:
     """(loss tokens, samples without any loss token, tokens) of one batch, counted on the loader's
     (CPU) tensors: no device sync. One row is one sample here (padded or windowed rows)."""
     labels = batch["labels"]
+    if labels.device.type == "cpu":  # numpy: a third of torch's time on one thread (a step's host time)
+        per_row = np.count_nonzero(labels.numpy() != IGNORE_INDEX, axis=-1)
+        return int(per_row.sum()), int(np.count_nonzero(per_row == 0)), int(batch["input_ids"].numel())
     per_row = (labels != IGNORE_INDEX).sum(dim=-1)
     return int(per_row.sum()), int((per_row == 0).sum()), int(batch["input_ids"].numel())
 
