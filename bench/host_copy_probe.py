@@ -95,7 +95,8 @@ def probe(gib: float) -> dict[str, float]:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--gib", type=float, default=8.0)
     ap.add_argument("--one", action="store_true", help="measure in this process (the parent runs both settings)")
     args = ap.parse_args()
