@@ -592,16 +592,15 @@ class PretrainLoader:
             self._read(w * T, toks[row])
         self._check_ids(windows, toks)
         labels = toks[:, 1:].copy()  # copies: for one row numpy calls the views contiguous, and -100 goes in
-        batch: dict[str, Any] = {"input_ids": torch.from_numpy(toks[:, :-1].copy())}
-        if self.doc_mask:
+        doc = None
+        if self.doc_mask:  # each token's document, by stream position
             at = np.asarray(windows, dtype=np.int64)[:, None] * T + np.arange(T + 1)
             doc = np.searchsorted(self.doc_starts, at, side="right") - 1
             labels[doc[:, 1:] != doc[:, :-1]] = IGNORE_INDEX  # never predict across a document boundary
-            batch["labels"] = torch.from_numpy(labels)
+        batch: dict[str, Any] = {"input_ids": torch.from_numpy(toks[:, :-1].copy()), "labels": torch.from_numpy(labels)}
+        if doc is not None:
             batch["doc_ids"] = torch.from_numpy(doc[:, :-1] - doc[:, :1])
             batch["position_ids"] = positions_from_doc_ids(batch["doc_ids"])
-        else:
-            batch["labels"] = torch.from_numpy(labels)
         batch["sample_ids"] = list(windows)
         return batch
 
