@@ -233,7 +233,7 @@ def run_cli(sc: Any, ctx: Any) -> list[dict[str, Any]]:
     cmd = cli_command(sc, data, run, ctx.device, model)
     t0 = time.perf_counter()
     metrics = run / "metrics.jsonl"
-    code, out, err = run_command(cmd, sc.timeout_s, child_env(),
+    code, out, err = run_command(cmd, sc.timeout_s,
                                  done=_measured(metrics, run, sc) if sc.params.get("stop_after_steps") else None)
     wall = time.perf_counter() - t0
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] \
