@@ -282,6 +282,38 @@ def test_a_stop_waiting_for_the_write_gives_it_up_once_a_rank_is_gone(tmp_path, 
     assert not C.writers_running() and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
 
 
+@pytest.mark.parametrize("committed_here", [True, False], ids=["rank0", "another-rank"])
+def test_a_stop_names_the_checkpoint_committed_before_the_write_failed(tmp_path, monkeypatch, committed_here):
+    """Under torchrun rank 0's writer commits step-2 (COMPLETE) and then broadcasts the outcome to the other ranks'
+    writers; a node lost in between fails that broadcast (rank0), or the other ranks never hear of the commit
+    (another-rank). Either way step-2 is COMPLETE on disk, and the stop that follows (torchrun's SIGTERM, a
+    KeyboardInterrupt) must name it: the survivors' exit 4 names the checkpoint to resume from. Before the fix the
+    write's error hid the commit and the stop named none (CI, tests/test_multinode.py[launcher], KeyError)."""
+    start = C.Checkpointer._start
+
+    def start_then_fail(self, step, *a, **k):
+        write = start(self, step, *a, **k)
+
+        def write_then_fail(gate):
+            write(gate if committed_here else C.CommitGate())  # another rank: the commit is not this gate's
+            raise ConnectionResetError("the peers' writers are gone")
+        return write_then_fail
+    monkeypatch.setattr(C.Checkpointer, "_start", start_then_fail)
+
+    def step3_done(trainer) -> None:
+        if committed_here:  # the write's error is raised, and its commit is known all the same
+            with pytest.raises(ConnectionResetError):
+                trainer.checkpointer.wait()
+            assert trainer.last_saved == tmp_path / "checkpoints" / "step-0000002"
+        raise KeyboardInterrupt  # torchrun's SIGTERM
+    after_step_at(monkeypatch, 3, step3_done)
+    with pytest.raises(TrainingInterrupted) as e:
+        run(tmp_path, 4, save_every=2)
+    root = tmp_path / "checkpoints"
+    assert (root / "step-0000002" / C.COMPLETE).is_file()
+    assert e.value.last_checkpoint == root / "step-0000002"
+
+
 KILL = """
 import os, signal, threading
 from tests import test_train_loop as T

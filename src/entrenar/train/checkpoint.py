@@ -1148,10 +1148,13 @@ class Checkpointer:
 
     def _outcome(self) -> None:
         write, self._write = self._write, None
-        if write is not None and write.error is not None:
+        if write is None:
+            return
+        if write.gate.committed:  # COMPLETE even when what follows the commit failed (rank 0's broadcast of it)
+            self.last_complete = self.root / step_dir_name(write.step)
+        if write.error is not None:
             raise write.error
-        if write is not None:
-            self.last_complete = write.result
+        self.last_complete = write.result
 
     def abandon(self, wait_s: float = 0.0) -> BaseException | None:
         """Give up the background write (the run ends on an error, or a second Ctrl-C): it never writes COMPLETE

@@ -847,6 +847,11 @@ class Trainer:
         error = self.checkpointer.abandon(wait_s=checkpoints.ABANDON_WAIT_S)
         if error is not None:
             self.log(f"checkpoint {step_dir_name(step)} was not written: {error}")
+        self.adopt_committed()
+
+    def adopt_committed(self) -> None:
+        """The newest COMPLETE checkpoint on disk becomes the last one named: under torchrun rank 0 may have
+        committed one that this rank's writer never heard of (the node lost before the outcome's broadcast)."""
         done = complete_checkpoints(self.ckpt_root)
         if done and (self.last_saved is None or done[-1].name > self.last_saved.name):
             self.last_saved = done[-1]
@@ -926,6 +931,7 @@ class Trainer:
             self.finish()
         except KeyboardInterrupt as e:  # Ctrl-C, SIGTERM: a checkpoint being written is finished first
             self.settle_write("stopping")
+            self.adopt_committed()
             raise TrainingInterrupted(self.step_now, self.last_saved, self.resume_command) from e
         except BaseException:
             self.drop_write()
