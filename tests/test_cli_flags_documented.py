@@ -609,6 +609,27 @@ def test_on_spike_policy_through_pretrain(policy, tmp_path, byte_model_dir, smal
     assert result["counters"].get("spike_skipped", 0) == (1 if policy == "skip" else 0)
 
 
+
+@pytest.mark.parametrize("policy", ["stop", "skip"])
+def test_on_nonfinite_policy_through_pretrain(policy, tmp_path, byte_model_dir, small_shards, capsys, monkeypatch):
+    """--on-nonfinite: a NaN loss at step 3 is GUARD-NONFINITE. stop (the default) exits 3 naming the step, with
+    the last good checkpoint (step 2) kept and no final/; skip drops that update, marks its metrics row, counts
+    it and ends with exit 0."""
+    from tests.test_train_loop import _scale_loss_at_call
+
+    _scale_loss_at_call(monkeypatch, 3, float("nan"))
+    extra = () if policy == "stop" else ("--on-nonfinite", policy)
+    out = tmp_path / "r"
+    code, result, err = pretrain(byte_model_dir, small_shards, out, "--steps", "4", "--eval-batches", "1", *extra,
+                                 capsys=capsys)
+    if policy == "stop":
+        assert code == 3 and result["guard"] == "GUARD-NONFINITE" and "step 3" in result["error"], err
+        assert checkpoint_steps(out) == [2] and not (out / "final").exists()
+        return
+    assert code == 0, err
+    assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["skipped"]] == [3]
+    assert result["counters"]["nonfinite_skipped"] == 1 and (out / "final").is_dir()
+
 # ---- export gguf --type: the stored type of the 2-D weights, read back with the gguf package -----------------
 @pytest.mark.parametrize(("typ", "stored"), [(None, "F16"), ("f32", "F32"), ("bf16", "BF16"), ("q4_0", "Q4_0")])
 def test_export_type_is_the_stored_type_of_2d_weights(typ, stored, tmp_path, capsys):

@@ -232,3 +232,31 @@ def test_cli_eval_task_flags_are_checked_before_training(tmp_path, sft_rows, cap
                          capsys)
     assert code == 2 and expect in err, err
     assert not (out / "metrics.jsonl").exists()
+
+
+@pytest.mark.parametrize("policy", ["warn", "stop"])
+def test_cli_on_task_regression_warns_by_default_and_stops_with_stop(tmp_path, sft_rows, capsys, monkeypatch,
+                                                                   policy):
+    """`--on-task-regression` reaches the run through the command line: a drop of 12 -> 2 problems (p = 2/2^10) at
+    step 2 is a warning in the summary by default (exit 0, final/ written) and GUARD-TASK-REGRESSION, exit 3 before
+    final/, with stop. The verdicts are seeded (TaskEvaluator.run); the rest is the real command."""
+    from entrenar.evaluate.in_loop import TaskEvaluator
+
+    measured = []
+
+    def seeded_run(self, model, rank=0, world=1, log=None):
+        verdicts = ALL if not measured else DROP
+        measured.append(len(measured))
+        return [{"task_id": t, "passed": ok} for t, ok in list(zip(self.task_ids, verdicts))[rank::world]]
+    monkeypatch.setattr(TaskEvaluator, "run", seeded_run)
+    flags = ["--steps", "2", "--eval-task-every", "2"] + ([] if policy == "warn" else ["--on-task-regression", "stop"])
+    code, js, err, out = _finetune_with_task(tmp_path, sft_rows, capsys, 12, *flags)
+    assert measured == [0, 1]  # step 0 and step 2
+    if policy == "warn":
+        assert code == 0, err
+        assert [w["guard"] for w in js["task"]["warnings"]] == ["GUARD-TASK-REGRESSION"]
+        assert js["task"]["change"]["verdict"] == "regressed" and (out / "final").is_dir()
+        return
+    assert code == 3 and js["guard"] == "GUARD-TASK-REGRESSION", err
+    assert js["details"]["passed_before"] == 12 and js["details"]["passed_after"] == 2
+    assert not (out / "final").exists()
