@@ -609,7 +609,6 @@ def test_on_spike_policy_through_pretrain(policy, tmp_path, byte_model_dir, smal
     assert result["counters"].get("spike_skipped", 0) == (1 if policy == "skip" else 0)
 
 
-
 @pytest.mark.parametrize("policy", ["stop", "skip"])
 def test_on_nonfinite_policy_through_pretrain(policy, tmp_path, byte_model_dir, small_shards, capsys, monkeypatch):
     """--on-nonfinite: a NaN loss at step 3 is GUARD-NONFINITE. stop (the default) exits 3 naming the step, with
@@ -629,6 +628,7 @@ def test_on_nonfinite_policy_through_pretrain(policy, tmp_path, byte_model_dir, 
     assert code == 0, err
     assert [r["step"] for r in read_jsonl(out / "metrics.jsonl") if r["skipped"]] == [3]
     assert result["counters"]["nonfinite_skipped"] == 1 and (out / "final").is_dir()
+
 
 # ---- export gguf --type: the stored type of the 2-D weights, read back with the gguf package -----------------
 @pytest.mark.parametrize(("typ", "stored"), [(None, "F16"), ("f32", "F32"), ("bf16", "BF16"), ("q4_0", "Q4_0")])

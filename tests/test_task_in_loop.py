@@ -242,16 +242,15 @@ def test_cli_on_task_regression_warns_by_default_and_stops_with_stop(tmp_path, s
     final/, with stop. The verdicts are seeded (TaskEvaluator.run); the rest is the real command."""
     from entrenar.evaluate.in_loop import TaskEvaluator
 
-    measured = []
+    seeded = SeededTask([ALL, DROP])
 
     def seeded_run(self, model, rank=0, world=1, log=None):
-        verdicts = ALL if not measured else DROP
-        measured.append(len(measured))
-        return [{"task_id": t, "passed": ok} for t, ok in list(zip(self.task_ids, verdicts))[rank::world]]
+        seeded.task_ids = self.task_ids  # the task file's problems, with the seeded verdicts
+        return seeded.run(model, rank, world, log)
     monkeypatch.setattr(TaskEvaluator, "run", seeded_run)
     flags = ["--steps", "2", "--eval-task-every", "2"] + ([] if policy == "warn" else ["--on-task-regression", "stop"])
     code, js, err, out = _finetune_with_task(tmp_path, sft_rows, capsys, 12, *flags)
-    assert measured == [0, 1]  # step 0 and step 2
+    assert seeded.calls == 2  # step 0 and step 2
     if policy == "warn":
         assert code == 0, err
         assert [w["guard"] for w in js["task"]["warnings"]] == ["GUARD-TASK-REGRESSION"]
