@@ -160,28 +160,30 @@ def _get_kernel():
     import triton.language as tl
 
     @triton.jit
-    def nf4_dequant_kernel(packed_ptr, qscale_ptr, factor_ptr, mean_ptr, table_ptr, out_ptr, n,
-                           BLOCK: tl.constexpr, QBLOCK: tl.constexpr, SBLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        offs = pid.to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < n
-        byte = tl.load(packed_ptr + offs // 2, mask=mask, other=0).to(tl.int32)
-        shift = (1 - (offs % 2)) * 4  # even element: high nibble
-        code = (byte >> shift.to(tl.int32)) & 0xF
-        level = tl.load(table_ptr + code, mask=mask, other=0.0)
-        block = offs // QBLOCK
-        q = tl.load(qscale_ptr + block, mask=mask, other=0).to(tl.float32)
-        f = tl.load(factor_ptr + block // SBLOCK, mask=mask, other=1.0)
-        mean = tl.load(mean_ptr)
-        scale = q / f + mean
-        tl.store(out_ptr + offs, (level * scale).to(out_ptr.dtype.element_ty), mask=mask)
+    def nf4_dequant_kernel(packed_ptr, qscale_ptr, factor_ptr, mean_ptr, table_ptr, out_ptr, n, n_blocks,
+                           BLOCKS: tl.constexpr, QBLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+        # BLOCKS whole blocks of 64 values a program: each byte is read once and gives its two values (high
+        # nibble first), each block's scale is computed once, and the values are stored contiguously.
+        blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        blk_ok = blk < n_blocks
+        byte = tl.load(packed_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :],
+                       mask=blk_ok[:, None], other=0).to(tl.int32)
+        hi = tl.load(table_ptr + (byte >> 4))
+        lo = tl.load(table_ptr + (byte & 0xF))
+        q = tl.load(qscale_ptr + blk, mask=blk_ok, other=0).to(tl.float32)
+        f = tl.load(factor_ptr + blk // SBLOCK, mask=blk_ok, other=1.0)
+        scale = q / f + tl.load(mean_ptr)
+        values = tl.reshape(tl.join(hi, lo), (BLOCKS, QBLOCK)) * scale[:, None]
+        offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+        tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=offs < n)
 
     _triton_kernel = nf4_dequant_kernel
     return _triton_kernel
 
 
 def dequantize_triton(w: NF4Weight, dtype: torch.dtype = torch.float32, out: torch.Tensor | None = None,
-                      block: int = 1024) -> torch.Tensor:
+                      blocks: int = 32) -> torch.Tensor:
+    """The Triton dequantization; ``blocks`` blocks of 64 values per program (2,048 values)."""
     from ._common import check_device, empty
 
     check_device(w.packed, w.qscale, w.factor, w.mean)
@@ -189,11 +191,11 @@ def dequantize_triton(w: NF4Weight, dtype: torch.dtype = torch.float32, out: tor
     if out is None:
         out = empty((w.numel,), dtype, device)
     assert out.numel() == w.numel and out.is_contiguous() and out.dtype == dtype
-    table = nf4_table(device)
+    n_blocks = (w.numel + BLOCK_SIZE - 1) // BLOCK_SIZE
     kernel = _get_kernel()
-    grid = ((w.numel + block - 1) // block,)
-    kernel[grid](w.packed, w.qscale, w.factor, w.mean.reshape(1), table, out, w.numel,
-                 BLOCK=block, QBLOCK=BLOCK_SIZE, SBLOCK=SCALE_BLOCK_SIZE)
+    grid = ((n_blocks + blocks - 1) // blocks,)
+    kernel[grid](w.packed, w.qscale, w.factor, w.mean.reshape(1), nf4_table(device), out, w.numel, n_blocks,
+                 BLOCKS=blocks, QBLOCK=BLOCK_SIZE, SBLOCK=SCALE_BLOCK_SIZE)
     return out.view(w.shape)
 
 
