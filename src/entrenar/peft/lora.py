@@ -25,7 +25,7 @@ from torch import nn
 
 from ..errors import InputError
 from .identity import base_fingerprint
-from .nf4_linear import NF4Linear, fused_rows
+from .nf4_linear import NF4Linear
 
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 ONTO = ("trained", "original")
@@ -56,23 +56,16 @@ class LoRALinear(nn.Module):
         self.lora_A.to(device)
         self.lora_B.to(device)
 
-    def _down(self, x: torch.Tensor) -> torch.Tensor:
-        """lora_A(dropout(x)) [..., rank]: in autocast's dtype where it is on, else the adapters' (fp32)."""
-        h = self.lora_dropout(x)
-        if not torch.is_autocast_enabled(x.device.type):
-            h = h.to(self.lora_A.weight.dtype)
-        return self.lora_A(h)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        base = self.base_layer
+        y = self.base_layer(x)
         if self.disabled:
-            return base(x)
-        if isinstance(base, NF4Linear) and not torch.is_grad_enabled() and fused_rows(x, base.nf4_weight):
-            # decoding a QLoRA model: the base matmul reads the packed codes, the update in its epilogue
-            return base.forward_with_lora(x, self._down(x), self.lora_B.weight, self.scaling)
-        y = base(x)
+            return y
+        a = self.lora_A.weight
+        h = self.lora_dropout(x)
         autocast = torch.is_autocast_enabled(x.device.type)
-        down = self._down(x)
+        if not autocast:
+            h = h.to(a.dtype)
+        down = self.lora_A(h)  # [..., rank]
         if autocast or down.dtype == y.dtype:
             # y + scaling * down @ B^T as ONE matmul: the scale and the add run in the GEMM's epilogue
             # (alpha, beta = 1), so neither makes its own pass over the [tokens, out] output (18,944 wide

@@ -17,28 +17,13 @@ from torch import nn
 from ..kernels import nf4
 
 
-def fused_rows(x: torch.Tensor, weight: nf4.NF4Weight) -> bool:
-    """Whether ``x @ W^T`` takes the fused NF4 matmul (kernels.nf4_matmul): on CUDA, for up to FUSED_MAX_ROWS
-    rows (decoding), where reading the packed codes (0.5 byte a weight) beats dequantizing to bf16 first and
-    reading that back (4.5). More rows are bound by arithmetic, where cuBLAS is faster."""
-    if not x.is_cuda:
-        return False
-    from ..kernels import nf4_matmul
-
-    return x.numel() <= nf4_matmul.FUSED_MAX_ROWS * x.shape[-1] and nf4_matmul.supported(weight)
-
-
 class _NF4LinearFn(torch.autograd.Function):
     """x @ W^T + b with W dequantized on the fly; backward re-dequantizes instead of keeping W."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: nf4.NF4Weight, bias: torch.Tensor | None):
-        ctx.weight = weight
-        if fused_rows(x, weight):
-            from ..kernels.nf4_matmul import nf4_linear
-
-            return nf4_linear(x, weight, bias)
         w = nf4.dequantize(weight, x.dtype)
+        ctx.weight = weight
         return F.linear(x, w, None if bias is None else bias.to(x.dtype))
 
     @staticmethod
@@ -78,22 +63,9 @@ class NF4Linear(nn.Module):
             self._dequantized = (key, nf4.dequantize(self.nf4_weight, dtype))
         return self._dequantized[1]
 
-    def compute_input(self, x: torch.Tensor) -> torch.Tensor:
-        """x in the dtype the matmul runs in: autocast's where it is on."""
-        if torch.is_autocast_enabled(x.device.type):
-            return x.to(torch.get_autocast_dtype(x.device.type))
-        return x
-
-    def forward_with_lora(self, x: torch.Tensor, down: torch.Tensor, lora_b: torch.Tensor,
-                          scaling: float) -> torch.Tensor:
-        """Inference on few CUDA rows (``fused_rows``): x @ W^T + b + scaling * down @ B^T in one kernel."""
-        from ..kernels.nf4_matmul import nf4_linear
-
-        assert not torch.is_grad_enabled(), "the fused LoRA epilogue has no backward"
-        return nf4_linear(self.compute_input(x), self.nf4_weight, self.bias, (down, lora_b, scaling))
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = self.compute_input(x)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
         if self.dequantize_once and not torch.is_grad_enabled():
             return F.linear(x, self._kept_weight(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
         return _NF4LinearFn.apply(x, self.nf4_weight, self.bias)
