@@ -14,7 +14,10 @@
    (0.22x at batch 1, 0.24x at batch 16: bench/RESULTS.md).
 
 Timing: CUDA events around each call, median of --reps, a 256 MiB write before each to evict the L2 (a
-decoder streams every weight once a token: none of it is in the L2 when its matmul starts). Prints JSON lines
+decoder streams every weight once a token: none of it is in the L2 when its matmul starts); the dequantize
+rows also time --reps calls back to back, and --reps calls captured in one CUDA graph (the step's sum uses
+those: a kernel of 20-90 us timed alone, or back to back, measures the host's launches when the host is slower
+than the kernel, as in session 18's second and third calls). Prints JSON lines
 and writes DIR/nf4_ab.json and DIR/nf4_ab.md.
 """
 
@@ -73,6 +76,37 @@ def _old_dequant_kernel():
         old_kernel[(triton.cdiv(w.numel, 1024),)](w.packed, w.qscale, w.factor, w.mean.reshape(1),
                                                   nf4.nf4_table(w.packed.device), out, w.numel, BLOCK=1024,
                                                   QBLOCK=nf4.BLOCK_SIZE, SBLOCK=nf4.SCALE_BLOCK_SIZE)
+        return out.view(w.shape)
+
+    return run
+
+
+def _approx_div_kernel():
+    """kernels/nf4.py's block-wise kernel with Triton's default fp32 division (approximate, ~1 ulp) in place of
+    tl.math.div_rn: what the exact division costs."""
+
+    @triton.jit
+    def approx_kernel(packed_ptr, qscale_ptr, factor_ptr, mean_ptr, table_ptr, out_ptr, n, n_blocks,
+                      BLOCKS: tl.constexpr, QBLOCK: tl.constexpr, SBLOCK: tl.constexpr):
+        blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
+        blk_ok = blk < n_blocks
+        byte = tl.load(packed_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :],
+                       mask=blk_ok[:, None], other=0).to(tl.int32)
+        hi = tl.load(table_ptr + (byte >> 4))
+        lo = tl.load(table_ptr + (byte & 0xF))
+        q = tl.load(qscale_ptr + blk, mask=blk_ok, other=0).to(tl.float32)
+        f = tl.load(factor_ptr + blk // SBLOCK, mask=blk_ok, other=1.0)
+        scale = q / f + tl.load(mean_ptr)
+        values = tl.reshape(tl.join(hi, lo), (BLOCKS, QBLOCK)) * scale[:, None]
+        offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
+        tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=offs < n)
+
+    def run(w: nf4.NF4Weight, dtype: torch.dtype, blocks: int = 32) -> torch.Tensor:
+        out = torch.empty(w.numel, dtype=dtype, device=w.packed.device)
+        n_blocks = triton.cdiv(w.numel, BLOCK_SIZE)
+        approx_kernel[(triton.cdiv(n_blocks, blocks),)](w.packed, w.qscale, w.factor, w.mean.reshape(1),
+                                                        nf4_table(w.packed.device), out, w.numel, n_blocks,
+                                                        BLOCKS=blocks, QBLOCK=BLOCK_SIZE, SBLOCK=SCALE_BLOCK_SIZE)
         return out.view(w.shape)
 
     return run
@@ -217,9 +251,43 @@ class Timer:
             times.append(start.elapsed_time(end))
         return statistics.median(times)
 
+    def graph_ms(self, fn) -> float:
+        """Per call of ``reps`` calls captured in one CUDA graph and replayed: the kernels' own time, no
+        launches (the QLoRA step runs its dequantizations inside a graph)."""
+        fn()
+        if self.device != "cuda":
+            return self.ms(fn)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for _ in range(self.reps):
+                fn()
+        graph.replay()
+        self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / self.reps
+
+    def loop_ms(self, fn) -> float:
+        """Per call of ``reps`` calls back to back between two events: the GPU's time, not the host's launch
+        gaps (a small kernel timed alone measures the host when the host is slower than the kernel)."""
+        fn()
+        if self.device != "cuda":
+            return self.ms(fn)
+        self.flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(self.reps):
+            fn()
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / self.reps
+
 
 def dequant_ab(shapes: dict, timer: Timer, device: str) -> list[dict]:
-    old = _old_dequant_kernel()
+    old, approx = _old_dequant_kernel(), _approx_div_kernel()
     rows = []
     for name, (n, k) in shapes.items():
         w = nf4.quantize(torch.randn(n, k, device=device) * 0.02)
@@ -228,7 +296,14 @@ def dequant_ab(shapes: dict, timer: Timer, device: str) -> list[dict]:
         t_old = timer.ms(lambda w=w: old(w, torch.bfloat16))
         t_new = timer.ms(lambda w=w: nf4.dequantize_triton(w, torch.bfloat16))
         moved = w.nbytes() + w.numel * 2
+        t_old_loop = timer.loop_ms(lambda w=w: old(w, torch.bfloat16))
+        t_new_loop = timer.loop_ms(lambda w=w: nf4.dequantize_triton(w, torch.bfloat16))
+        graphed = {label: timer.graph_ms(lambda w=w, f=f: f(w, torch.bfloat16)) for label, f in
+                   (("old", old), ("new", nf4.dequantize_triton), ("new_approx_div", approx))}
         rows.append({"stage": "dequant", "shape": name, "n": n, "k": k, "old_ms": t_old, "new_ms": t_new,
+                     "old_loop_ms": t_old_loop, "new_loop_ms": t_new_loop, "loop_speedup": t_old_loop / t_new_loop,
+                     "graph_ms": graphed, "graph_speedup": graphed["old"] / graphed["new"],
+                     "approx_equals_reference": bool(torch.equal(approx(w, torch.bfloat16), ref)),
                      "speedup": t_old / t_new, "new_gb_s": moved / t_new / 1e6, "old_gb_s": moved / t_old / 1e6,
                      "new_equals_reference": bool(torch.equal(new_out, ref)),
                      "old_equals_reference": bool(torch.equal(old_out, ref)),
@@ -273,15 +348,19 @@ def linear_ab(shapes: dict, rows_list, timer: Timer, device: str, dtype: torch.d
 
 
 def table(rows: list[dict], card: str) -> str:
-    lines = [f"NF4 A/B on {card}", "", "| dequantize | old ms | new ms | speed-up | new GB/s | equal to reference |",
-             "|---|---:|---:|---:|---:|---|"]
+    head = ("| dequantize | old ms | new ms | speed-up | new GB/s | back to back: old / new ms, speed-up | in a CUDA "
+            "graph: old / new / new with approximate division ms | equal to reference |")
+    lines = [f"NF4 A/B on {card}", "", head, "|---|---:|---:|---:|---:|---|---|---|"]
     step_old = step_new = 0.0
     for r in rows:
         if r["stage"] == "dequant":
+            g = r["graph_ms"]
             lines.append(f"| {r['shape']} | {r['old_ms']:.3f} | {r['new_ms']:.3f} | {r['speedup']:.2f}x | "
-                         f"{r['new_gb_s']:.0f} | {r['new_equals_reference']} |")
-            step_old += 3 * 28 * PER_BLOCK.get(r["shape"], 1) * r["old_ms"]
-            step_new += 3 * 28 * PER_BLOCK.get(r["shape"], 1) * r["new_ms"]
+                         f"{r['new_gb_s']:.0f} | {r['old_loop_ms']:.3f} / {r['new_loop_ms']:.3f}, "
+                         f"{r['loop_speedup']:.2f}x | {g['old']:.4f} / {g['new']:.4f} / {g['new_approx_div']:.4f} | "
+                         f"{r['new_equals_reference']} |")
+            step_old += 3 * 28 * PER_BLOCK.get(r["shape"], 1) * g["old"]
+            step_new += 3 * 28 * PER_BLOCK.get(r["shape"], 1) * g["new"]
     lines += ["", (f"One QLoRA 7B step's dequantizations (28 blocks x 7 linears x 3): old {step_old:.1f} ms, "
                    f"new {step_new:.1f} ms"), "", "| linear | rows | unfused ms | fused ms | speed-up | relL2 | tiles |",
               "|---|---:|---:|---:|---:|---:|---|"]

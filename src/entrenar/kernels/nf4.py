@@ -16,9 +16,12 @@ Codes are computed from the exact fp32 absmax (as both peers do); only the store
 
 ``dequantize_reference`` is the torch path (any device); ``dequantize`` uses the Triton kernel on CUDA
 (or on CPU under TRITON_INTERPRET=1) and the torch path elsewhere. The kernel works a block of 64 at a time:
-each byte is read once for its two values and each block's scale is computed once (1.4-1.6x the
-element-wise kernel it replaced on the 7B linears, H200: bench/nf4_matmul_ab.py, bench/RESULTS.md).
-Dequantizing inside the matmul instead was tried and measured slower at every row count (same files).
+each byte is read once for its two values and each block's scale is computed once: 1.23x the element-wise
+kernel it replaced on the 7B MLP linears, 1.48x on q_proj (H200, in a CUDA graph). Its scales are divided
+with IEEE rounding, as the torch path does, so both give the same values (a QLoRA adapter merged or evaluated
+on the CPU sees exactly the weights it was trained on); Triton's default division would be 1.18x faster and
+off by an ulp on ~1e-5 of the weights. Dequantizing inside the matmul instead was tried and measured slower at
+every row count. bench/nf4_matmul_ab.py, bench/RESULTS.md (session 18).
 """
 
 from __future__ import annotations
