@@ -81,37 +81,6 @@ def _old_dequant_kernel():
     return run
 
 
-def _approx_div_kernel():
-    """kernels/nf4.py's block-wise kernel with Triton's default fp32 division (approximate, ~1 ulp) in place of
-    tl.math.div_rn: what the exact division costs."""
-
-    @triton.jit
-    def approx_kernel(packed_ptr, qscale_ptr, factor_ptr, mean_ptr, table_ptr, out_ptr, n, n_blocks,
-                      BLOCKS: tl.constexpr, QBLOCK: tl.constexpr, SBLOCK: tl.constexpr):
-        blk = tl.program_id(0).to(tl.int64) * BLOCKS + tl.arange(0, BLOCKS)
-        blk_ok = blk < n_blocks
-        byte = tl.load(packed_ptr + blk[:, None] * (QBLOCK // 2) + tl.arange(0, QBLOCK // 2)[None, :],
-                       mask=blk_ok[:, None], other=0).to(tl.int32)
-        hi = tl.load(table_ptr + (byte >> 4))
-        lo = tl.load(table_ptr + (byte & 0xF))
-        q = tl.load(qscale_ptr + blk, mask=blk_ok, other=0).to(tl.float32)
-        f = tl.load(factor_ptr + blk // SBLOCK, mask=blk_ok, other=1.0)
-        scale = q / f + tl.load(mean_ptr)
-        values = tl.reshape(tl.join(hi, lo), (BLOCKS, QBLOCK)) * scale[:, None]
-        offs = blk[:, None] * QBLOCK + tl.arange(0, QBLOCK)[None, :]
-        tl.store(out_ptr + offs, values.to(out_ptr.dtype.element_ty), mask=offs < n)
-
-    def run(w: nf4.NF4Weight, dtype: torch.dtype, blocks: int = 32) -> torch.Tensor:
-        out = torch.empty(w.numel, dtype=dtype, device=w.packed.device)
-        n_blocks = triton.cdiv(w.numel, BLOCK_SIZE)
-        approx_kernel[(triton.cdiv(n_blocks, blocks),)](w.packed, w.qscale, w.factor, w.mean.reshape(1),
-                                                        nf4_table(w.packed.device), out, w.numel, n_blocks,
-                                                        BLOCKS=blocks, QBLOCK=BLOCK_SIZE, SBLOCK=SCALE_BLOCK_SIZE)
-        return out.view(w.shape)
-
-    return run
-
-
 # ---- the candidate: the weight dequantized inside the matmul (tried in session 18, measured slower: not
 # shipped). Few rows read 0.5 byte a weight instead of dequantize's 2.5 + the matmul's 2; in registers each tile
 # is unpacked, scaled, rounded to x's dtype (the values nf4.dequantize gives) and fed to tl.dot. An optional
@@ -287,7 +256,10 @@ class Timer:
 
 
 def dequant_ab(shapes: dict, timer: Timer, device: str) -> list[dict]:
-    old, approx = _old_dequant_kernel(), _approx_div_kernel()
+    old = _old_dequant_kernel()
+
+    def approx(w: NF4Weight, dtype: torch.dtype) -> torch.Tensor:
+        return nf4.dequantize_triton(w, dtype, exact_division=False)
     rows = []
     for name, (n, k) in shapes.items():
         w = nf4.quantize(torch.randn(n, k, device=device) * 0.02)
