@@ -17,8 +17,8 @@ Timing: CUDA events around each call, median of --reps, a 256 MiB write before e
 decoder streams every weight once a token: none of it is in the L2 when its matmul starts); the dequantize
 rows also time --reps calls back to back, and --reps calls captured in one CUDA graph (the step's sum uses
 those: a kernel of 20-90 us timed alone, or back to back, measures the host's launches when the host is slower
-than the kernel, as in session 18's second and third calls). Prints JSON lines
-and writes DIR/nf4_ab.json and DIR/nf4_ab.md.
+than the kernel, as in session 18's calls 5 and 6). Prints JSON lines and writes DIR/nf4_ab.json and
+DIR/nf4_ab.md.
 """
 
 from __future__ import annotations
@@ -52,8 +52,6 @@ SWEEP_LARGE = [(128, 128, 64, 8, 1), (128, 128, 128, 8, 1), (128, 256, 64, 8, 1)
 
 def _old_dequant_kernel():
     """Session 17's kernels/nf4.py kernel, kept here as the A/B's 'before'."""
-    import triton
-    import triton.language as tl
 
     @triton.jit
     def old_kernel(packed_ptr, qscale_ptr, factor_ptr, mean_ptr, table_ptr, out_ptr, n,
