@@ -56,7 +56,9 @@ def run_entrenar(args) -> dict:
 
     cfg = preset(args.preset)
     torch.manual_seed(0)
-    torch.set_default_dtype(torch.bfloat16)
+    # --base fp32/bf16: plain LoRA on an fp32 model (the CLI's --dtype bf16: fp32 masters), its frozen linears
+    # kept fp32 (before session 18) or stored bf16 (precision.frozen_linears_in_bf16, the bf16 policy now)
+    torch.set_default_dtype(torch.bfloat16 if args.base == "nf4" else torch.float32)
     with torch.device("cuda"):
         model = CausalLM(cfg, kernels="triton")
     torch.set_default_dtype(torch.float32)
@@ -66,7 +68,11 @@ def run_entrenar(args) -> dict:
             y = self.base_layer(x)
             return y + (self.lora_B(self.lora_A(self.lora_dropout(x))) * self.scaling).to(y.dtype)
         ep.LoRALinear.forward = unfused
-    ep.apply_lora(model, rank=args.rank, alpha=2 * args.rank, targets=TARGETS, quantize_nf4=True)
+    ep.apply_lora(model, rank=args.rank, alpha=2 * args.rank, targets=TARGETS, quantize_nf4=args.base == "nf4")
+    if args.base == "bf16":
+        from entrenar.train.precision import frozen_linears_in_bf16
+
+        frozen_linears_in_bf16(model)
     model.activation_checkpointing = args.checkpointing == "full"
     model.train()
     gc.collect()
@@ -108,7 +114,31 @@ def run_entrenar(args) -> dict:
         result["graphs"] = graphs.state()
     if args.profile:
         result["profile"] = _profile(step)
+    if args.memory:
+        result["memory"] = memory_report()
     return result
+
+
+def memory_report() -> dict:
+    """The caching allocator's segments by pool (0: the default pool; others: CUDA graphs' private pools):
+    reserved, in tensors, and the largest free blocks, in MiB. Where a graph's pool exceeds the step's transient
+    peak, this says whether it is fragmentation (free blocks) or memory the replay holds (active)."""
+    pools: dict[str, dict] = {}
+    for seg in torch.cuda.memory._snapshot()["segments"]:
+        pool = pools.setdefault(str(tuple(seg.get("segment_pool_id", (0, 0)))),
+                                {"segments": 0, "reserved_mib": 0.0, "active_mib": 0.0, "free_blocks_mib": []})
+        pool["segments"] += 1
+        pool["reserved_mib"] += seg["total_size"] / 2**20
+        for block in seg["blocks"]:
+            if block["state"] == "active_allocated":
+                pool["active_mib"] += block["size"] / 2**20
+            elif block["state"] == "inactive":
+                pool["free_blocks_mib"].append(round(block["size"] / 2**20, 1))
+    for pool in pools.values():
+        free = sorted(pool.pop("free_blocks_mib"), reverse=True)
+        pool.update(free_mib=round(sum(free), 1), largest_free_mib=free[:12], free_blocks=len(free),
+                    reserved_mib=round(pool["reserved_mib"], 1), active_mib=round(pool["active_mib"], 1))
+    return pools
 
 
 def _profile(step, steps: int = 2) -> dict:
@@ -219,6 +249,11 @@ def main() -> int:
                     help="activation checkpointing of every block (full, the peer's setting) or none")
     ap.add_argument("--sides", default="entrenar,peer", help="which sides to run (comma-separated)")
     ap.add_argument("--profile", action="store_true", help="entrenar: kernel classes of 2 more steps")
+    ap.add_argument("--memory", action="store_true",
+                    help="entrenar: the allocator's pools after the run (reserved, active, free blocks)")
+    ap.add_argument("--base", choices=("nf4", "fp32", "bf16"), default="nf4",
+                    help="entrenar: the frozen base (nf4: QLoRA; fp32 / bf16: LoRA on an fp32 model, its frozen "
+                         "linears kept fp32 or stored bf16)")
     ap.add_argument("--lora-unfused", action="store_true",
                     help="entrenar: the LoRA update as a separate mul + add (before e9a5d8b), for an A/B")
     ap.add_argument("--tag", default="", help="suffix of the result files (several settings in one --out)")
@@ -239,6 +274,7 @@ def main() -> int:
         cmd = [sys.executable, "-m", "bench.qlora_throughput", "--only", side] + [
             f"--{k}={getattr(args, k)}" for k in ("preset", "batch", "seq", "rank", "steps", "warmup",
                                                    "checkpointing")] + (["--profile"] if args.profile else []) \
+            + (["--memory"] if args.memory else []) + [f"--base={args.base}"] \
             + (["--lora-unfused"] if args.lora_unfused else [])
         proc = subprocess.run(cmd, check=False, capture_output=True, text=True, cwd=Path(__file__).resolve().parents[1])
         if proc.returncode != 0:

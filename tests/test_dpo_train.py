@@ -174,3 +174,30 @@ def test_two_gloo_ranks_equal_one_process(mode, accum, tmp_path, base_model, pre
     assert close([e["loss"] for e in records(two / "eval.jsonl")], [e["loss"] for e in records(one / "eval.jsonl")])
     name = "adapter_model.safetensors" if mode == "lora" else "model.safetensors"
     assert worst_rel(weights(two / "final" / name), weights(one / "final" / name)) <= 1e-4
+
+
+def test_full_dpo_under_bf16_keeps_its_reference_linears_in_bf16_and_starts_at_ln2(tmp_path, base_model,  # noqa: F811
+                                                                                  pref_data, capsys, monkeypatch):
+    """--mode full --dtype bf16: the frozen reference copy's linears are stored in bf16 (half its memory) and the
+    step-0 loss is still ln 2 exactly: autocast rounds the policy's fp32 linears to the same bf16 values."""
+    import torch
+
+    from entrenar.train import precision as precision_mod
+
+    seen = []
+    prepare_frozen = precision_mod.Precision.prepare_frozen
+
+    def record(self, model):
+        out = prepare_frozen(self, model)
+        seen.append({p.dtype for path, m in out.named_modules() if type(m) is torch.nn.Linear
+                     and ".layers." in f".{path}" for p in m.parameters(recurse=False)})
+        return out
+
+    monkeypatch.setattr(precision_mod.Precision, "prepare_frozen", record)
+    out = tmp_path / "run"
+    extra = ("--mode", "full", "--steps", "2", "--dtype", "bf16")
+    code, result, err = run_cli(dpo_args(base_model, pref_data, out, extra=extra), capsys)
+    assert code == 0, (result, err)
+    assert seen == [{torch.bfloat16}]
+    assert records(out / "eval.jsonl")[0]["loss"] == pytest.approx(math.log(2), rel=1e-6)
+    assert "GUARD-INIT-LOSS ok" in err

@@ -322,3 +322,51 @@ def test_the_trainer_computes_on_bf16_copies_only_for_bf16_weights(tmp_path, dty
     tr.fit()
     assert seen and set(seen) == {compute}
     assert all(p.dtype == torch.float32 for p in tr.model.parameters())
+
+
+def _lora_model() -> torch.nn.Module:
+    from entrenar.peft import apply_lora
+
+    return apply_lora(T.tiny_model(3), rank=4, alpha=8, targets="q_proj,v_proj", seed=1)
+
+
+def _frozen_linear_dtypes(model: torch.nn.Module) -> set:
+    return {p.dtype for path, m in model.named_modules() if type(m) is torch.nn.Linear and ".layers." in f".{path}"
+            for p in m.parameters(recurse=False) if not p.requires_grad}
+
+
+def test_bf16_stores_a_lora_base_in_bf16_and_trains_the_same(tmp_path, monkeypatch):
+    """--dtype bf16: the frozen linears (the LoRA base_layers and the linears --targets leaves out) are stored in
+    bf16, the adapters, embedding and norms stay fp32, and the run's losses and adapters equal those of a run
+    that keeps the frozen linears fp32 (autocast rounded them to bf16 at every use): half their memory, the
+    same training."""
+    from entrenar.train import precision as precision_mod
+
+    stored = _lora_model()
+    T.run(tmp_path / "bf16", 4, model=stored, dtype="bf16", mode="lora", save_every=2)
+    assert _frozen_linear_dtypes(stored) == {torch.bfloat16}
+    trainable = {p.dtype for p in stored.parameters() if p.requires_grad}
+    assert trainable == {torch.float32}
+    assert stored.model.embed_tokens.weight.dtype == torch.float32
+    assert stored.model.norm.weight.dtype == torch.float32
+
+    monkeypatch.setattr(precision_mod, "frozen_linears_in_bf16", lambda model: 0)  # the fp32 base of before
+    kept = _lora_model()
+    T.run(tmp_path / "fp32-base", 4, model=kept, dtype="bf16", mode="lora", save_every=2)
+    assert _frozen_linear_dtypes(kept) == {torch.float32}
+    losses = [[r["loss"] for r in read_jsonl(tmp_path / run / "metrics.jsonl")] for run in ("bf16", "fp32-base")]
+    assert losses[0] == losses[1]
+    adapters = [{n: p for n, p in m.named_parameters() if p.requires_grad} for m in (stored, kept)]
+    assert all(torch.equal(adapters[0][n], adapters[1][n]) for n in adapters[0])
+
+
+def test_bf16_frozen_cast_leaves_fp32_runs_and_trainable_linears_alone():
+    model = T.tiny_model(3)
+    precision_policy("bf16").prepare_model(model)  # a full fine-tune: nothing frozen
+    assert {p.dtype for p in model.parameters()} == {torch.float32}
+    lora = _lora_model()
+    precision_policy("fp32").prepare_model(lora)
+    assert _frozen_linear_dtypes(lora) == {torch.float32}
+    assert precision_policy("fp32").prepare_frozen(lora) is lora and _frozen_linear_dtypes(lora) == {torch.float32}
+    precision_policy("bf16").prepare_frozen(lora)
+    assert _frozen_linear_dtypes(lora) == {torch.bfloat16}

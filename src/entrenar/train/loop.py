@@ -1008,6 +1008,8 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
     model = precision.prepare_model(model)
     objective = objective or CausalLMLoss()
     objective.bind(model)  # a frozen reference copy (preference objectives, --mode full) of what training starts from
+    if getattr(objective, "reference_model", None) is not None:
+        precision.prepare_frozen(objective.reference_model)
     # before fully_shard: the blocks are recomputed inside (checkpointing, offload, MLP chunks: long_context.py)
     apply_memory_options(model, cfg)
     adapters = cfg.mode in ("lora", "qlora")

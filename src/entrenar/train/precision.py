@@ -4,6 +4,8 @@
   bf16          (the GPU default) fp32 master weights are the model's parameters; the step runs under
                 bf16 autocast: matmuls, attention and the fused kernels in bf16, the residual stream,
                 norms' inputs and the embedding in fp32. Holds the bf16 parity bounds (logits relL2 <= 2e-2).
+                Frozen linears (a LoRA/QLoRA base, a preference objective's reference copy) are stored in
+                bf16: autocast rounded them to bf16 at every use anyway, so the step is the same.
   bf16-weights  fp32 master weights stay the model's parameters (the optimizer, checkpoints, guards and
                 resume see only them, unchanged), but the step's forward and backward run on bf16 copies
                 of every floating parameter, refreshed from the masters once per step (one multi-tensor
@@ -123,6 +125,12 @@ class Precision:
         """The model as this precision trains it, before any parallel wrapping and before the optimizer."""
         return model
 
+    def prepare_frozen(self, model: nn.Module) -> nn.Module:
+        """A model that never trains but runs under this precision's autocast (a preference reference copy)."""
+        if self.compute_bf16:
+            frozen_linears_in_bf16(model)
+        return model
+
     def autocast(self, device: torch.device) -> contextlib.AbstractContextManager:
         return torch.autocast(device.type, dtype=torch.bfloat16, enabled=self.compute_bf16)
 
@@ -146,11 +154,33 @@ class Precision:
         return MixedPrecisionPolicy(reduce_dtype=reduce_dtype, cast_forward_inputs=False)
 
 
+def frozen_linears_in_bf16(model: nn.Module) -> int:
+    """Store the frozen ``nn.Linear`` weights and biases inside the decoder layers in bf16; returns the
+    parameters cast. Under bf16 autocast every use of such a tensor rounds it to bf16 first (round to nearest,
+    as this cast), so a step computes the same values from either; an fp32 copy that never trains only costs
+    memory, 4 bytes a weight instead of 2, and a cast at each use (a LoRA base, the linears --targets leaves
+    out, a preference objective's frozen reference)."""
+    cast = 0
+    with torch.no_grad():
+        for path, module in model.named_modules():
+            if type(module) is not nn.Linear or ".layers." not in f".{path}":
+                continue
+            for p in module.parameters(recurse=False):
+                if not p.requires_grad and p.dtype == torch.float32:
+                    p.data = p.data.to(torch.bfloat16)
+                    cast += p.numel()
+    return cast
+
+
 class BF16(Precision):
-    """--dtype bf16: fp32 masters, bf16 autocast."""
+    """--dtype bf16: fp32 masters, bf16 autocast; frozen linears stored in bf16 (frozen_linears_in_bf16)."""
 
     name = "bf16"
     compute_bf16 = True
+
+    def prepare_model(self, model: nn.Module) -> nn.Module:
+        frozen_linears_in_bf16(model)
+        return model
 
 
 class BF16WeightsPrecision(BF16):
@@ -216,4 +246,5 @@ def precision_policy(dtype: str) -> Precision:
     return POLICIES[dtype]()
 
 
-__all__ = ["BF16_DTYPES", "FP8", "POLICIES", "BF16Weights", "Precision", "precision_policy", "uses_bf16", "verify_dtype"]
+__all__ = ["BF16_DTYPES", "FP8", "POLICIES", "BF16Weights", "Precision", "frozen_linears_in_bf16", "precision_policy",
+           "uses_bf16", "verify_dtype"]
