@@ -13,12 +13,11 @@
    wired into NF4Linear for up to 64 rows, and a third stage timed greedy decoding of a whole QLoRA 7B with it
    (0.22x at batch 1, 0.24x at batch 16: bench/RESULTS.md).
 
-Timing: CUDA events around each call, median of --reps, a 256 MiB write before each to evict the L2 (a
-decoder streams every weight once a token: none of it is in the L2 when its matmul starts); the dequantize
-rows also time --reps calls back to back, and --reps calls captured in one CUDA graph (the step's sum uses
-those: a kernel of 20-90 us timed alone, or back to back, measures the host's launches when the host is slower
-than the kernel, as in session 18's calls 5 and 6). Prints JSON lines and writes DIR/nf4_ab.json and
-DIR/nf4_ab.md.
+Timing: the linear rows, CUDA events around each call, median of --reps, a 256 MiB write before each to evict
+the L2 (a decoder streams every weight once a token: none of it is in the L2 when its matmul starts); the
+dequantize rows, --reps calls captured in one CUDA graph, as the QLoRA step runs them (a kernel of 3-90 us timed
+alone, or back to back, measured the host's launches in session 18's calls 5 and 6, whose files still have
+those columns). Prints JSON lines and writes DIR/nf4_ab.json and DIR/nf4_ab.md.
 """
 
 from __future__ import annotations
@@ -237,21 +236,6 @@ class Timer:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / self.reps
 
-    def loop_ms(self, fn) -> float:
-        """Per call of ``reps`` calls back to back between two events: the GPU's time, not the host's launch
-        gaps (a small kernel timed alone measures the host when the host is slower than the kernel)."""
-        fn()
-        if self.device != "cuda":
-            return self.ms(fn)
-        self.flush.zero_()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(self.reps):
-            fn()
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / self.reps
-
 
 def dequant_ab(shapes: dict, timer: Timer, device: str) -> list[dict]:
     old = _old_dequant_kernel()
@@ -263,20 +247,14 @@ def dequant_ab(shapes: dict, timer: Timer, device: str) -> list[dict]:
         w = nf4.quantize(torch.randn(n, k, device=device) * 0.02)
         ref = nf4.dequantize_reference(w, torch.bfloat16)
         new_out, old_out = nf4.dequantize_triton(w, torch.bfloat16), old(w, torch.bfloat16)
-        t_old = timer.ms(lambda w=w: old(w, torch.bfloat16))
-        t_new = timer.ms(lambda w=w: nf4.dequantize_triton(w, torch.bfloat16))
+        ms = {label: timer.graph_ms(lambda w=w, f=f: f(w, torch.bfloat16)) for label, f in
+              (("old", old), ("new", nf4.dequantize_triton), ("new_approx_div", approx))}
         moved = w.nbytes() + w.numel * 2
-        t_old_loop = timer.loop_ms(lambda w=w: old(w, torch.bfloat16))
-        t_new_loop = timer.loop_ms(lambda w=w: nf4.dequantize_triton(w, torch.bfloat16))
-        graphed = {label: timer.graph_ms(lambda w=w, f=f: f(w, torch.bfloat16)) for label, f in
-                   (("old", old), ("new", nf4.dequantize_triton), ("new_approx_div", approx))}
-        rows.append({"stage": "dequant", "shape": name, "n": n, "k": k, "old_ms": t_old, "new_ms": t_new,
-                     "old_loop_ms": t_old_loop, "new_loop_ms": t_new_loop, "loop_speedup": t_old_loop / t_new_loop,
-                     "graph_ms": graphed, "graph_speedup": graphed["old"] / graphed["new"],
-                     "approx_equals_reference": bool(torch.equal(approx(w, torch.bfloat16), ref)),
-                     "speedup": t_old / t_new, "new_gb_s": moved / t_new / 1e6, "old_gb_s": moved / t_old / 1e6,
+        rows.append({"stage": "dequant", "shape": name, "n": n, "k": k, "graph_ms": ms,
+                     "speedup": ms["old"] / ms["new"], "new_gb_s": moved / ms["new"] / 1e6,
                      "new_equals_reference": bool(torch.equal(new_out, ref)),
                      "old_equals_reference": bool(torch.equal(old_out, ref)),
+                     "approx_equals_reference": bool(torch.equal(approx(w, torch.bfloat16), ref)),
                      "new_vs_reference_rel_l2": rel_l2(new_out, ref)})
         print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -318,17 +296,15 @@ def linear_ab(shapes: dict, rows_list, timer: Timer, device: str, dtype: torch.d
 
 
 def table(rows: list[dict], card: str) -> str:
-    head = ("| dequantize | old ms | new ms | speed-up | new GB/s | back to back: old / new ms, speed-up | in a CUDA "
-            "graph: old / new / new with approximate division ms | equal to reference |")
-    lines = [f"NF4 A/B on {card}", "", head, "|---|---:|---:|---:|---:|---|---|---|"]
+    head = ("| dequantize (ms in a CUDA graph) | old | new | new, approximate division | speed-up | new GB/s | "
+            "new equal to reference |")
+    lines = [f"NF4 A/B on {card}", "", head, "|---|---:|---:|---:|---:|---:|---|"]
     step_old = step_new = 0.0
     for r in rows:
         if r["stage"] == "dequant":
             g = r["graph_ms"]
-            lines.append(f"| {r['shape']} | {r['old_ms']:.3f} | {r['new_ms']:.3f} | {r['speedup']:.2f}x | "
-                         f"{r['new_gb_s']:.0f} | {r['old_loop_ms']:.3f} / {r['new_loop_ms']:.3f}, "
-                         f"{r['loop_speedup']:.2f}x | {g['old']:.4f} / {g['new']:.4f} / {g['new_approx_div']:.4f} | "
-                         f"{r['new_equals_reference']} |")
+            lines.append(f"| {r['shape']} | {g['old']:.4f} | {g['new']:.4f} | {g['new_approx_div']:.4f} | "
+                         f"{r['speedup']:.2f}x | {r['new_gb_s']:.0f} | {r['new_equals_reference']} |")
             step_old += 3 * 28 * PER_BLOCK.get(r["shape"], 1) * g["old"]
             step_new += 3 * 28 * PER_BLOCK.get(r["shape"], 1) * g["new"]
     lines += ["", (f"One QLoRA 7B step's dequantizations (28 blocks x 7 linears x 3): old {step_old:.1f} ms, "

@@ -4,8 +4,8 @@
   bf16          (the GPU default) fp32 master weights are the model's parameters; the step runs under
                 bf16 autocast: matmuls, attention and the fused kernels in bf16, the residual stream,
                 norms' inputs and the embedding in fp32. Holds the bf16 parity bounds (logits relL2 <= 2e-2).
-                Frozen linears (a LoRA/QLoRA base, a preference objective's reference copy) are stored in
-                bf16: autocast rounded them to bf16 at every use anyway, so the step is the same.
+                Frozen linears (a LoRA base, a preference objective's reference copy; QLoRA's are NF4) are
+                stored in bf16: autocast rounded them to bf16 at every use anyway, so the step is the same.
   bf16-weights  fp32 master weights stay the model's parameters (the optimizer, checkpoints, guards and
                 resume see only them, unchanged), but the step's forward and backward run on bf16 copies
                 of every floating parameter, refreshed from the masters once per step (one multi-tensor
