@@ -102,10 +102,11 @@ DROP = [i < 2 for i in range(12)]  # 12 -> 2 passing: lost 10, gained 0, p = 2 /
 def test_task_regression_warns_on_a_significant_drop(tmp_path, capsys):
     result = _fit(tmp_path / "r", SeededTask([ALL, ALL, DROP]))
     task = result["task"]
-    assert task["change"]["verdict"] == "regressed" and len(task["change"]["lost"]) == 10
-    assert task["change"]["p_value"] == pytest.approx(2 / 2 ** 10)
+    unit = task["units"]["seeded"]
+    assert unit["change"]["verdict"] == "regressed" and len(unit["change"]["lost"]) == 10
+    assert unit["change"]["p_value"] == pytest.approx(2 / 2 ** 10) and unit["role"] == "target"
     assert [w["guard"] for w in task["warnings"]] == ["GUARD-TASK-REGRESSION"] and task["warnings"][0]["step"] == 4
-    assert task["start"]["passed"] == 12 and task["end"]["passed"] == 2 and task["best"]["step"] == 2
+    assert unit["start"]["passed"] == 12 and unit["end"]["passed"] == 2 and task["best"]["step"] == 2
     rows = [r for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if "task" in r]
     assert [(r["step"], r["passed"]) for r in rows] == [(0, 12), (2, 12), (4, 2)]
     per_problem = [json.loads(x) for x in (tmp_path / "r" / "task_eval" / "step-0000004.jsonl").read_text().splitlines()]
@@ -137,8 +138,8 @@ def test_noise_level_change_is_not_a_regression(tmp_path):
     after = [i < 4 or i == 7 for i in range(12)]  # 6 -> 5: lost p4 and p5, gained p7: p = 1.0
     result = _fit(tmp_path / "r", SeededTask([before, before, after]), on_task_regression="stop")
     task = result["task"]
-    assert task["warnings"] == [] and task["change"]["verdict"] == "no significant change"
-    assert "a drop, not significant" in task["line"]
+    assert task["warnings"] == [] and task["units"]["seeded"]["change"]["verdict"] == "no significant change"
+    assert "a drop, not significant" in task["units"]["seeded"]["line"]
 
 
 def test_keep_best_task_puts_the_best_steps_weights_into_final(tmp_path):
@@ -157,7 +158,7 @@ def test_keep_best_task_puts_the_best_steps_weights_into_final(tmp_path):
 def test_resume_keeps_step_zeros_results(tmp_path):
     _fit(tmp_path / "r", SeededTask([ALL, ALL]), steps=2, every=2, save_every=2)
     result = _fit(tmp_path / "r", SeededTask([DROP]), steps=4, every=2, resume="auto", allow_config_change=True)
-    task = result["task"]  # step 0's 12/12 came from the first process, step 4's 2/12 from the second
+    task = result["task"]["units"]["seeded"]  # step 0's 12/12 came from the first process, step 4's 2/12 from the second
     assert task["start"]["passed"] == 12 and task["end"]["passed"] == 2 and task["change"]["verdict"] == "regressed"
 
 
@@ -189,9 +190,9 @@ def test_cli_finetune_eval_task_rows_files_and_summary(tmp_path, sft_rows, capsy
     code, js, err, out = _finetune_with_task(tmp_path, sft_rows, capsys, 2, "--steps", "2", "--eval-task-every",
                                              "1", "--eval-task-max-new-tokens", "4", "--val-fraction", "0.25")
     assert code == 0, err
-    task = js["task"]
-    assert task["task"] == "tasks.jsonl" and task["metric"] == "pass@1" and task["start"]["problems"] == 2
-    assert set(task["steps"]) == {"0", "1", "2"} and task["change"]["problems"] == 2
+    task, unit = js["task"], js["task"]["units"]["tasks.jsonl"]
+    assert unit["task"] == "tasks.jsonl" and unit["metric"] == "pass@1" and unit["start"]["problems"] == 2
+    assert set(task["steps"]) == {"0", "1", "2"} and unit["change"]["problems"] == 2
     assert "training rows' system prompt" in err  # the run's own system prompt reaches the task prompts
     rows = [r for r in read_jsonl(out / "metrics.jsonl") if "task" in r]
     assert [r["step"] for r in rows] == [0, 1, 2] and all(r["problems"] == 2 for r in rows)
@@ -199,8 +200,8 @@ def test_cli_finetune_eval_task_rows_files_and_summary(tmp_path, sft_rows, capsy
     first = json.loads((out / "task_eval" / "step-0000000.jsonl").read_text().splitlines()[0])
     assert first["task_id"] == "t0" and {"passed", "completion", "code", "error"} <= set(first)
     # 4 new tokens finish no answer: each row says it was cut, the rows and the summary count them, a note says so
-    assert first["truncated"] is True and all(r["truncated"] == 2 for r in rows) and task["end"]["truncated"] == 2
-    assert "step 0: note: 2 of 2 completions stopped at --eval-task-max-new-tokens 4" in err
+    assert first["truncated"] is True and all(r["truncated"] == 2 for r in rows) and unit["end"]["truncated"] == 2
+    assert "step 0: tasks.jsonl: note: 2 of 2 completions stopped at --eval-task-max-new-tokens 4" in err
     code, js, err = main(["plot", str(out), "--json"], capsys)  # task rows do not break the curves
     assert code == 0, err
 
@@ -214,7 +215,8 @@ def test_cli_eval_task_limit_takes_the_first_problems(tmp_path, sft_rows, capsys
         assert not (out / "metrics.jsonl").exists()
         return
     assert code == 0, err
-    assert js["task"]["start"]["problems"] == 1 and js["task"]["end"]["problems"] == 1
+    unit = js["task"]["units"]["tasks.jsonl"]
+    assert unit["start"]["problems"] == 1 and unit["end"]["problems"] == 1
     rows = read_jsonl(out / "task_eval" / "step-0000000.jsonl")
     assert [r["task_id"] for r in rows] == ["t0"]  # the first N of the file, in its order
 
@@ -254,7 +256,7 @@ def test_cli_on_task_regression_warns_by_default_and_stops_with_stop(tmp_path, s
     if policy == "warn":
         assert code == 0, err
         assert [w["guard"] for w in js["task"]["warnings"]] == ["GUARD-TASK-REGRESSION"]
-        assert js["task"]["change"]["verdict"] == "regressed" and (out / "final").is_dir()
+        assert js["task"]["units"]["tasks.jsonl"]["change"]["verdict"] == "regressed" and (out / "final").is_dir()
         return
     assert code == 3 and js["guard"] == "GUARD-TASK-REGRESSION", err
     assert js["details"]["passed_before"] == 12 and js["details"]["passed_after"] == 2

@@ -41,6 +41,8 @@ def _argument_type(parse: typing.Callable[[str], Any]) -> typing.Callable[[str],
 
 def _base_type(cls: type, name: str) -> type:
     hint = typing.get_type_hints(cls)[name]
+    if typing.get_origin(hint) is list:  # a repeatable flag (add_options: action="append")
+        return hint
     args = [a for a in typing.get_args(hint) if a is not type(None)]
     return args[0] if args else hint
 
@@ -60,6 +62,9 @@ def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%")}
         if typ is bool:
             kwargs["action"] = "store_true"
+        elif typing.get_origin(typ) is list:  # a flag given several times: each adds one value
+            kwargs.update(action="append", type=typing.get_args(typ)[0], default=None,
+                          metavar=spec["metavar"] or flag.lstrip("-").replace("-", "_").upper())
         else:
             kwargs.update(type=_argument_type(spec["parse"]) if spec["parse"] else typ, default=default)
             if spec["choices"]:

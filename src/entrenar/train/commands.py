@@ -30,6 +30,7 @@ from ..errors import GuardError, InputError
 from ..fileio import describe_path, write_manifest
 from ..outpaths import check_creatable
 from ..peft.load import tokenizer_or_none
+from . import qa_gate
 from .checkpoint import complete_checkpoints, find_resume, resume_problem, run_record_problem, write_errors
 from .config import DataConfig, LoRAConfig, default_of, from_args
 from .distributed import current, env_world, other_rank
@@ -267,29 +268,38 @@ def _print_summary(s: dict) -> None:
         parts.append(f"final eval loss {s['eval_loss_final']:.4f}")
     _log("; ".join(parts) + f"; model in {s['final']}")
     task = s.get("task") or {}
-    if task.get("line"):  # the task result, gained and lost problems, and its paired test: never only the loss
-        best = task["best"]
-        _log(f"task {task['line']}; best {best['passed']}/{best['problems']} at step {best['step']}"
+    for entry in task.get("units", {}).values():  # one line per task / BFCL category: nothing pooled
+        if entry.get("line"):
+            _log(f"{entry['role']} {entry['line']}")
+            for name, ids in (("lost", entry["change"]["lost"]), ("gained", entry["change"]["gained"])):
+                if ids:
+                    _log(f"  {name}: {', '.join(ids[:20])}" + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))
+    if task.get("units") and "best" in task:
+        best, keep = task["best"], task["keep_best"]
+        _log(f"best: step {best['step']} (targets {best['targets_passed']}/{best['targets_problems']})"
              + (f"; final/ holds step {task['final_holds_step']}" if task["final_holds_step"] != task["end_step"]
-                else ""))
-        for name, ids in (("lost", task["change"]["lost"]), ("gained", task["change"]["gained"])):
-            if ids:
-                _log(f"  {name}: {', '.join(ids[:20])}" + (f" and {len(ids) - 20} more" if len(ids) > 20 else ""))
+                else "") + ("" if keep["eligible"] else f"; {keep['reason']}"))
 
 
 def _task_evaluator(cfg: TrainConfig, tokenizer: Any, system: str | None = None) -> Any:
-    """The --eval-task evaluator (evaluate/in_loop.py), built before training so a bad task is exit 2 now."""
-    if cfg.eval_task is None:
+    """The task panel (evaluate/panel.py): the --eval-task targets and --retain-task retained tasks, each built
+    before training (evaluate/in_loop.py) so a bad task is exit 2 now; None without either flag."""
+    if not cfg.eval_task and not cfg.retain_task:
         return None
     if tokenizer is None:
         raise InputError("--eval-task generates text: it needs the model's tokenizer, and this run has none")
-    from ..evaluate.in_loop import TaskEvaluator
+    from ..evaluate.in_loop import make_evaluator
+    from ..evaluate.panel import PanelMember, TaskPanel
 
     if system is not None:
-        _log(f"--eval-task {cfg.eval_task}: prompts carry the training rows' system prompt ({len(system)} characters)")
-    return TaskEvaluator(cfg.eval_task, tokenizer, limit=cfg.eval_task_limit, system=system, device=cfg.device,
-                         max_new_tokens=cfg.eval_task_max_new_tokens,
-                         dtype=cfg.dtype, batch_size=32 if str(cfg.device).startswith("cuda") else 8)
+        _log(f"--eval-task: prompts carry the training rows' system prompt ({len(system)} characters)")
+    batch = 32 if str(cfg.device).startswith("cuda") else 8
+    members = [PanelMember(make_evaluator(spec, tokenizer, limit=cfg.eval_task_limit, system=system,
+                                          device=cfg.device, max_new_tokens=cfg.eval_task_max_new_tokens,
+                                          dtype=cfg.dtype, batch_size=batch,
+                                          flag="--eval-task" if role == "target" else "--retain-task"), role)
+               for role, specs in (("target", cfg.eval_task), ("retain", cfg.retain_task)) for spec in specs]
+    return TaskPanel(members)
 
 
 def _rows_system_prompt(path: str) -> str | None:
@@ -497,8 +507,17 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
                                                                base_spec=args.model))
     trainers.append(trainer)
     trainer.begin(args.resume, pre)  # a fresh start: step 0, recorded before its guard judges it
+    qa_policy = getattr(cfg, "on_qa_fail", "off") if command == "finetune" and not ctx.active else "off"
+    base_qa = qa_gate.qa_report(model, tokenizer) if qa_policy != "off" and not args.resume else None
     result = trainer.fit()
     summary = _summary(result, out)
+    if base_qa is not None:  # GUARD-QA: qa's gates on the base and on final/'s weights (train/qa_gate.py)
+        final_qa = qa_gate.qa_report(model, tokenizer)
+        summary["qa"] = {"base_ok": base_qa["ok"], "final_ok": final_qa["ok"]}
+        found = qa_gate.judge(base_qa, final_qa, qa_policy)
+        if found is not None:
+            _log(found["message"])
+            summary["warnings"].append(found)
     if ctx.is_main:
         _print_summary(summary)
     return summary
@@ -582,6 +601,10 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
         examples, val_examples = _split_val(examples, args.val_fraction, cfg.seed)
         data_report["val"] = {"from": "--val-fraction", "fraction": args.val_fraction,
                               "examples": len(val_examples)}
+    if data.mix or cfg.kl_to_base:
+        examples, data_report["mix"] = _mixed(examples, data, cfg, kind, lambda path: load_rows(
+            path, tokenizer, args.max_seq_len, truncation=args.truncation, skip_invalid=args.skip_invalid,
+            max_skip_fraction=data.max_skip_fraction)[0])
     data_report["train_examples"], data_report["val_examples"] = len(examples), len(val_examples)
     _check_batch(cfg.batch_size, len(examples), f"training samples left in {args.data}")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
@@ -607,9 +630,34 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
         save_final = _hf_saver(tokenizer)
     model = model.to(cfg.device).train()
     objective = objective_for(cfg.objective, cfg.beta, args.mode)  # preference: its reference made in build_trainer
-    task_eval = _task_evaluator(cfg, tokenizer, _rows_system_prompt(args.data) if cfg.eval_task else None)
+    if cfg.kl_to_base:  # SFT with a pull to the base on the chosen rows (train/kl_to_base.py)
+        from .kl_to_base import SFTWithKL
+
+        objective = SFTWithKL(cfg.kl_to_base, "frozen-copy" if args.mode == "full" else "adapters-off")
+    task_eval = _task_evaluator(cfg, tokenizer,
+                                _rows_system_prompt(args.data) if cfg.eval_task or cfg.retain_task else None)
     return _run(args, "finetune", cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
                 objective, task_eval)
+
+
+def _mixed(examples: list, data: DataConfig, cfg: TrainConfig, kind: str, load: Any) -> tuple[list, list]:
+    """--mix's rows added to the training rows (data/mixing.py), marked for --kl-to-base per --kl-rows."""
+    from dataclasses import replace
+
+    from ..data.mixing import mix_examples
+
+    if kind != "sft":
+        raise InputError("--mix and --kl-to-base apply to SFT rows (--objective sft)")
+    if cfg.kl_to_base and cfg.kl_rows == "mix" and not data.mix:
+        raise InputError("--kl-to-base with --kl-rows mix pulls the rows --mix adds: give --mix FILE:FRACTION "
+                         "(e.g. `entrenar data replay`'s rows), or --kl-rows all")
+    if cfg.kl_to_base and cfg.kl_rows == "all":
+        examples = [replace(e, kl=True) for e in examples]
+    mixed, report = mix_examples(examples, data.mix, load, cfg.seed, mark_kl=bool(cfg.kl_to_base))
+    for r in report:
+        _log(f"--mix {r['file']}: {r['rows_added']} rows added ({r['fraction']:g} of the training rows; "
+             f"{r['rows_in_file']} in the file)")
+    return mixed, report
 
 
 def _check_lora_fits(model: torch.nn.Module, lora: LoRAConfig) -> None:

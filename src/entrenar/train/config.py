@@ -151,13 +151,23 @@ class TrainConfig:
                                      "training waits", choices=SAVE_MODES)
     seed: int = option(0, "seed for init (weights and LoRA adapters), data order and RNG")
     # the task the run is judged by (evaluate/in_loop.py; design.md "Task metrics inside the run")
-    eval_task: str | None = option(None, "evaluate a task at step 0 (the base) and every --eval-task-every steps: "
-                                         "humaneval, bfcl[:CATEGORIES] (e.g. bfcl:simple_python,multiple) or "
-                                         "FILE.jsonl (task rows: prompt, test, entry_point); generated with the "
-                                         "run's chat template and system prompt, scored as `eval --task` scores; "
-                                         "rows in metrics.jsonl, per-problem results in RUN/task_eval/, the change "
-                                         "from step 0 with its paired test in the summary (GUARD-TASK-REGRESSION)",
-                                   metavar="TASK", default_help="none")
+    eval_task: list[str] = option(  # noqa: RUF009 (a field with a default_factory)
+        help="a target task, measured at step 0 (the base) and every --eval-task-every "
+                                       "steps; give it several times for several: humaneval, bfcl[:CATEGORIES] "
+                                       "(e.g. bfcl:simple_python,multiple), chat (ordinary requests, evaluate/"
+                                       "chat_task.py) or FILE.jsonl (task rows: prompt, test, entry_point); "
+                                       "generated with the run's chat template and system prompt, scored as `eval "
+                                       "--task` scores; each task and each BFCL category tested on its own against "
+                                       "step 0 (exact McNemar, Holm over the panel): rows in metrics.jsonl, "
+                                       "per-problem results in RUN/task_eval/, the changes in the summary "
+                                       "(GUARD-TASK-REGRESSION)",
+                                  metavar="TASK", default_help="none", default_factory=list)
+    retain_task: list[str] = option(  # noqa: RUF009 (a field with a default_factory)
+        help="a task that must not get worse (the same specs as --eval-task; several "
+                                         "allowed), e.g. humaneval, bfcl:irrelevance, chat: measured with the "
+                                         "targets, a significant drop is GUARD-TASK-REGRESSION, and --keep-best task "
+                                         "never picks a step where one dropped",
+                                    metavar="TASK", default_help="none", default_factory=list)
     eval_task_every: int = option(0, "--eval-task period in steps; 0 = at step 0 and the end")
     eval_task_limit: int = option(0, "--eval-task: the first N problems only (per category for bfcl); 0 = all")
     eval_task_max_new_tokens: int = option(0, "--eval-task: tokens generated per problem at most; 0 = the task's "
@@ -167,8 +177,20 @@ class TrainConfig:
                                              "problems lost and the best checkpoint)",
                                      choices=guards.TASK_REGRESSION_POLICIES)
     keep_best: str = option("last", "which weights final/ holds: last (the last step's) or task (those of the "
-                                    "--eval-task eval with the most problems passed; ties: the later step)",
+                                    "task eval with the most --eval-task problems passed among the steps where no "
+                                    "--retain-task dropped significantly; ties: the later step)",
                             choices=("last", "task"))
+    kl_to_base: float = option(0.0, "SFT with a pull to the base: BETA x the KL(base || model) of the next-token "
+                                     "distributions on the --kl-rows rows' response tokens, added to the "
+                                     "cross-entropy (train/kl_to_base.py); the base is the adapters switched off "
+                                     "(lora, qlora) or a frozen copy of the start (full); 0 = off",
+                               commands=("finetune",), metavar="BETA")
+    kl_rows: str = option("mix", "the rows --kl-to-base applies to: mix (the rows --mix added, e.g. replay rows) or all",
+                          commands=("finetune",), choices=("mix", "all"))
+    on_qa_fail: str = option("warn", "GUARD-QA: qa's golden prompts on the base before the fine-tune and on the final "
+                                     "model after it (seconds); a gate that passed on the base and fails at the end "
+                                     "is a warning (warn), exit 3 after final/ is written (stop), or not checked (off)",
+                             commands=("finetune",), choices=("warn", "stop", "off"))
     # guards
     on_nonfinite: str = option("stop", "GUARD-NONFINITE policy: stop (exit 3) or skip the step and count it",
                                choices=guards.NONFINITE_POLICIES)
@@ -258,11 +280,24 @@ class TrainConfig:
                 raise InputError(f"{name(f)} must be >= 0, got {getattr(self, f)}")
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise InputError(f"--lr must be a finite number > 0, got {self.lr}")
-        if self.eval_task is None:
+        for f in ("eval_task", "retain_task"):  # a library caller's single task: a panel of one
+            if isinstance(getattr(self, f), str):
+                setattr(self, f, [getattr(self, f)])
+        if not self.eval_task and not self.retain_task:
             for f, default in (("eval_task_every", 0), ("eval_task_limit", 0), ("eval_task_max_new_tokens", 0),
                                ("on_task_regression", "warn"), ("keep_best", "last")):
                 if getattr(self, f) != default:
                     raise InputError(f"{name(f)} {getattr(self, f)} needs --eval-task (the task it applies to)")
+        if self.keep_best == "task" and not self.eval_task:
+            raise InputError(f"{name('keep_best')} task picks the step with the best --eval-task result: give the "
+                             f"target task with --eval-task (--retain-task only guards what must not get worse)")
+        for spec in (*self.eval_task, *self.retain_task):
+            if not isinstance(spec, str) or not spec.strip():
+                raise InputError(f"--eval-task/--retain-task: an empty task spec {spec!r}")
+        both = set(self.eval_task) & set(self.retain_task)
+        if both or len(set(self.eval_task)) < len(self.eval_task) or len(set(self.retain_task)) < len(self.retain_task):
+            raise InputError(f"--eval-task/--retain-task: a task given twice ({', '.join(sorted(both)) or 'repeated'}); "
+                             f"each task is a target or retained, once")
         if self.save_attention and not (self.activation_checkpointing or self.offload_activations):
             raise InputError("--save-attention keeps the attention outputs of checkpointed blocks; without "
                              "--activation-checkpointing nothing is recomputed: add it, or drop --save-attention")
@@ -276,6 +311,11 @@ class TrainConfig:
                            ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
                 raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")
+        if not (isinstance(self.kl_to_base, (int, float)) and math.isfinite(self.kl_to_base) and self.kl_to_base >= 0):
+            raise InputError(f"--kl-to-base must be a finite number >= 0 (0 = off), got {self.kl_to_base}")
+        if self.kl_to_base and self.objective != "sft":
+            raise InputError(f"--kl-to-base pulls SFT towards the base; --objective {self.objective} has its own "
+                             f"reference term (--beta): drop --kl-to-base")
         if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 0):
             raise InputError(f"--beta must be a finite number > 0, got {self.beta}")
         if self.objective not in OBJECTIVES:
@@ -359,6 +399,10 @@ class DataConfig:
                                        default_help="the model's",
                                        per_command={"eval": {"help": CHAT_TEMPLATE_HELP + ": for SFT .jsonl rows "
                                                              "(--task loss) and --task humaneval's chat prompts"}})
+    mix: list[str] = option(  # noqa: RUF009 (a field with a default_factory)
+        help="FILE:FRACTION: rows of another SFT file (e.g. `data replay`'s) making FRACTION of "
+                                 "the training rows (data/mixing.py); several allowed", commands=("finetune",),
+                            metavar="FILE:FRACTION", default_help="none", default_factory=list)
     pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
                                "--batch-size then counts rows, not samples", commands=("finetune",))
     pad_buckets: int = option(0, "pad each batch to the smallest of N lengths evenly spaced up to --max-seq-len "
@@ -424,6 +468,8 @@ def from_args(cls: type[C], args: Any, command: str, /, **overrides: Any) -> C:
             continue
         if _cli(f, command) is not None and hasattr(args, f.name):
             values[f.name] = getattr(args, f.name)
+            if values[f.name] is None and f.default_factory is not MISSING:  # a repeatable flag never given
+                values[f.name] = f.default_factory()
         elif _cli(f, command) is not None or f.metadata.get("cli"):
             values[f.name] = default_of(cls, f.name, command)
     values.update(overrides)

@@ -580,36 +580,44 @@ def check_eval_anomaly(eval_loss: float, recent_train_loss: float | None, step: 
             details={"step": step, "eval_loss": eval_loss, "train_loss": recent_train_loss, "ppl": ppl})
 
 
-def task_regression(change: dict, name: str, step: int, policy: str, best: tuple[int, int, Path | None],
-                    export_hint: str) -> str | None:
-    """GUARD-TASK-REGRESSION on `change` (evaluate.paired.paired_change of step 0 vs `step`): a drop that
-    the paired test calls significant is the returned warning (policy warn) or a GuardError (policy stop:
-    exit 3). `best` = (step, problems passed, its checkpoint or None); `export_hint` says how to use it.
-    None when the drop is not significant (the caller still prints it as a drop)."""
+def task_regression(regressions: list[tuple[str, dict]], step: int, policy: str,
+                    best: tuple[int, str, Path | None], export_hint: str) -> str | None:
+    """GUARD-TASK-REGRESSION on the units (a task, or one BFCL category) of the panel whose change from step 0
+    to `step` is a significant drop (evaluate.paired.panel_changes: exact McNemar on the unit's own problems,
+    Holm-adjusted over the panel). `regressions` = [(unit, change)] of those units (empty: None). The warning
+    (policy warn) or a GuardError (policy stop: exit 3) names each unit, its counts and the problems lost.
+    `best` = (step, its target result as text, its checkpoint or None); `export_hint` says how to use it."""
     assert policy in TASK_REGRESSION_POLICIES, policy
-    if change["verdict"] != "regressed":
+    if not regressions:
         return None
-    best_step, best_passed, best_ckpt = best
-    n, before, after = change["problems"], change["passed_before"], change["passed_after"]
-    lost = change["lost"]
-    shown = ", ".join(lost[:12]) + (f" and {len(lost) - 12} more" if len(lost) > 12 else "")
-    cause = (f"at step {step}: {name} fell from {before}/{n} at step 0 to {after}/{n} (lost {len(lost)}: {shown}; "
-             f"gained {len(change['gained'])}); exact McNemar p = {change['p_value']:.3g} < 0.05: training is "
-             f"making the model worse at its task while the loss may still fall (too high a --lr, too many steps "
-             f"or epochs on narrow data, data whose answers differ in form from what the task scores)")
+    best_step, best_text, best_ckpt = best
+    parts = []
+    for unit, change in regressions:
+        n, before, after, lost = change["problems"], change["passed_before"], change["passed_after"], change["lost"]
+        shown = ", ".join(lost[:12]) + (f" and {len(lost) - 12} more" if len(lost) > 12 else "")
+        parts.append(f"{unit} fell from {before}/{n} at step 0 to {after}/{n} (lost {len(lost)}: {shown}; gained "
+                     f"{len(change['gained'])}; exact McNemar p = {change['p_value']:.3g}, Holm over the panel "
+                     f"{change.get('p_holm', change['p_value']):.3g} < 0.05)")
+    cause = (f"at step {step}: " + "; ".join(parts) + ": training is making the model worse at this while the "
+             "loss may still fall (too high a --lr, too many steps or epochs on narrow data, data whose answers "
+             "differ in form from what the task scores, nothing in the rows that keeps what the model could do)")
     if best_step == 0:
         where = "the best task result is the starting model (step 0): no trained weights beat it"
     elif best_ckpt is None:
-        where = (f"the best task result was step {best_step} ({best_passed}/{n}), but no checkpoint of that step "
+        where = (f"the best task result was step {best_step} ({best_text}), but no checkpoint of that step "
                  f"was kept (--save-every equal to --eval-task-every keeps one at each task eval)")
     else:
-        where = f"the best task result is step {best_step} ({best_passed}/{n}), checkpoint {best_ckpt}: {export_hint}"
-    remedy = ("lower --lr (or fewer --steps), mix general data into the rows, or use --keep-best task; "
-              "--on-task-regression stop ends such a run here")
+        where = f"the best task result is step {best_step} ({best_text}), checkpoint {best_ckpt}: {export_hint}"
+    remedy = ("lower --lr (or fewer --steps), mix general data into the rows (`entrenar data replay`), pull "
+              "towards the base (--kl-to-base), or use --keep-best task; --on-task-regression stop ends such a "
+              "run here")
     if policy == "warn":
         return f"GUARD-TASK-REGRESSION (warning): {cause}. {where[0].upper()}{where[1:]}. Remedy: {remedy}"
+    unit, change = regressions[0]
     raise GuardError("GUARD-TASK-REGRESSION", f"{cause}. Training stopped; final/ was not written; {where}.",
-                     remedy, details={"step": step, "task": name, "passed_before": before, "passed_after": after,
-                                      "problems": n, "lost": lost, "gained": change["gained"],
-                                      "p_value": change["p_value"], "best_step": best_step,
+                     remedy, details={"step": step, "task": unit, "units": [u for u, _ in regressions],
+                                      "passed_before": change["passed_before"], "passed_after": change["passed_after"],
+                                      "problems": change["problems"], "lost": change["lost"],
+                                      "gained": change["gained"], "p_value": change["p_value"],
+                                      "p_holm": change.get("p_holm", change["p_value"]), "best_step": best_step,
                                       "checkpoint": None if best_ckpt is None else str(best_ckpt)})
