@@ -55,11 +55,14 @@ def test_gibberish():
 
 def test_check_answer_gates():
     gates, _ = check_answer(CHAT_PROSE, "The capital of France is Paris.", stopped=True)
-    assert all(gates.values()) and set(gates) == {"non_empty", "no_repetition", "stops", "coherent"}
+    assert all(gates.values()) and set(gates) == {"non_empty", "no_repetition", "stops", "no_refusal",
+                                                                    "coherent"}
     gates, notes = check_answer(CHAT_PROSE, "The capital of France is Paris.", stopped=False)
     assert not gates["stops"] and any("end-of-turn" in n for n in notes)
     gates, notes = check_answer(CHAT_PROSE, "I like turtles very much.", stopped=True)
     assert not gates["coherent"] and any("Paris" in n for n in notes)
+    gates, notes = check_answer(CHAT_PROSE, "I'm sorry, but as an AI I can't answer that.", stopped=True)
+    assert not gates["no_refusal"] and any("refused" in n for n in notes)
     gates, _ = check_answer(CHAT_PROSE, "  \n", stopped=True)
     assert not gates["non_empty"]
     gates, _ = check_answer(CHAT_CODE, "```python\ndef add(a, b):\n    return a + b\n```", stopped=True)

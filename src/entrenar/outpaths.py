@@ -85,3 +85,18 @@ def looks_like_jsonl(head: bytes) -> bool:
         return isinstance(json.loads(first), dict)
     except ValueError:  # also UnicodeDecodeError
         return False
+
+
+def check_jsonl_out(out: str | os.PathLike, overwrite: bool) -> Path:
+    """A JSONL file a `data` command writes: not a directory, an existing one only with --overwrite and only when
+    it is a JSONL file (CLI-OVERWRITE-OWN), else a path that can be created. Checked before any work."""
+    out = Path(out)
+    if out.is_dir():
+        raise InputError(f"--out {out}: is a directory; give the path of the JSONL file to write")
+    if out.exists() and not overwrite:
+        raise InputError(f"--out {out}: already exists; choose another --out, or pass --overwrite to replace it")
+    if out.exists():
+        check_replaceable_file(out, "a JSONL file (a previous output)", looks_like_jsonl)
+    else:
+        check_creatable(out)
+    return out

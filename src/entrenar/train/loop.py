@@ -342,6 +342,7 @@ class Trainer:
         self.eval_log = JsonlLog(self.run_dir / "eval.jsonl") if self.ctx.is_main else NullLog()
         self.ckpt_root = checkpointer.root
         self.counters = {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0}
+        self.step_warnings: list[dict[str, Any]] = []  # every guard warning of a step, for the summary's "warnings"
         self.start_step, self.tokens = 0, 0
         self.recent_losses: list[float] = []
         self.eval_history: list[dict] = []
@@ -452,6 +453,7 @@ class Trainer:
                 "best_eval": self.best_eval, "objective": self.objective.state_dict(),
                 "eval_losses": [[s, v] for s, v in sorted(self.eval_losses.items()) if s <= step],
                 "train_watch": self.train_watch.state_dict(), "best_lm_eval": self.best_lm_eval,
+                "step_warnings": [w for w in self.step_warnings if w["step"] <= step],
                 **({"task": self.task.state_dict(step)} if self.task is not None else {})}
 
     def load_trainer_state(self, st: dict[str, Any]) -> None:
@@ -462,6 +464,7 @@ class Trainer:
         self.train_loader.load_state_dict(st["data"])
         self.spikes.load_state_dict(st["spike"])
         self.counters.update(st["counters"])
+        self.step_warnings = list(st.get("step_warnings", []))
         self.recent_losses = list(st["recent_losses"])
         self.start_step, self.tokens = int(st["step"]), int(st["tokens"])
         self.weights_ref = st.get("weights_ref", self.weights_ref)
@@ -586,11 +589,13 @@ class Trainer:
             self.counters["nonfinite_skipped"] += 1
             self.message(f"GUARD-NONFINITE: step {step} skipped (loss {loss}, grad_norm {grad_norm}, "
                          f"samples {sample_ids}); {self.counters['nonfinite_skipped']} skipped so far")
+            self.step_warnings.append({"guard": "GUARD-NONFINITE", "step": step, "message": "step skipped"})
             return "skip"
         spike, spike_msg = self.spikes.check(loss, grad_norm, step, sample_ids)
         if spike == "ok":
             return "ok"
         self.message(spike_msg + (" -> update skipped" if spike == "skip" else " (warning)"))
+        self.step_warnings.append({"guard": "GUARD-SPIKE", "step": step, "message": spike_msg})
         if spike == "skip":
             self.counters["spike_skipped"] += 1
             return "skip"
@@ -936,7 +941,7 @@ class Trainer:
         except BaseException:
             self.drop_write()
             raise
-        warnings = self.end_warnings()
+        warnings = self.step_warnings + self.end_warnings()
         return {"warnings": warnings, "steps": cfg.steps, "start_step": self.start_step, "tokens": self.tokens,
                 "final_train_loss": self.last_loss if math.isfinite(self.last_loss) else None,
                 # training throughput: tokens over the time spent in steps (evals and checkpoints excluded)
@@ -969,6 +974,8 @@ class Trainer:
                     self.metrics_log.write(record)
                     for warning in self.objective.watch(record):  # the objective's step warnings
                         self.message(warning)
+                        self.step_warnings.append({"guard": warning.split(" ", 1)[0].rstrip(":"), "step": step,
+                                                   "message": warning})
                     self.watch_train(record)
                     self.progress.update(step, record["loss"], record["tok_s"],
                                          f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f}")

@@ -47,6 +47,11 @@ GOLDEN: tuple[GoldenPrompt, ...] = (
 
 _FENCE = re.compile(r"```[ \t]*(?P<lang>[A-Za-z0-9_+-]*)[ \t]*\n(?P<body>.*?)(?:```|\Z)", re.DOTALL)
 _REPEAT = re.compile(r"(.{3,}?)\1{2,}", re.DOTALL)
+# a refusal of a harmless request ("I'm sorry ... as an AI, I can't ..."): a fine-tune that taught refusing
+REFUSAL = re.compile(
+    r"\b(?:I['’]?m sorry|I am sorry|I apologi[sz]e|as an AI\b|as a language model|I can(?:['’]|no)t (?:help|answer|"
+    r"assist|provide|do that|comply)|I cannot|I['’]?m (?:not able|unable) to|I am (?:not able|unable) to|I won['’]t be "
+    r"able)", re.IGNORECASE)
 _MARKUP = re.compile(r"<\|[a-z_]+\|>|<\|im_start\|>|<\|im_end\|>|<\|endoftext\|>")
 
 
@@ -127,6 +132,10 @@ def _prompt_ids(tokenizer: Any, gp: GoldenPrompt) -> list[int]:
     return tokenizer.encode(gp.prompt, add_special=True)
 
 
+# notes of gibberish_reasons that point at markers the model reads as text (the template), not at the answer
+_GARBLED = ("chat-template markup leaked", "characters are outside printable ASCII", "only ")
+
+
 def check_answer(gp: GoldenPrompt, output: str, stopped: bool) -> tuple[dict[str, bool], list[str]]:
     """The gates for one answer (pure function of the text; unit-tested on hand-made strings)."""
     gates: dict[str, bool] = {}
@@ -145,6 +154,10 @@ def check_answer(gp: GoldenPrompt, output: str, stopped: bool) -> tuple[dict[str
         errors = parse_errors(blocks)
         gates["code_parses"] = not errors
         notes += [f"code: {e}" for e in errors]
+    refusal = REFUSAL.search(output)
+    gates["no_refusal"] = refusal is None
+    if refusal is not None:
+        notes.append(f"refused a harmless request: {refusal.group(0)!r}")
     reasons = gibberish_reasons(output)
     found = any(e.lower() in output.lower() for e in gp.expect)
     if not found:
@@ -177,17 +190,30 @@ def run_qa(model: torch.nn.Module, tokenizer: Any, prompts: tuple[GoldenPrompt, 
                                         str(gen.stop_reason), round(time.time() - t, 2), gates, notes))
     finally:
         model.train(was_training)
-    plain_ok = all(r.gates["coherent"] for r in results if r.kind == "plain")
-    chat_bad = [r for r in results if r.kind == "chat" and not r.gates["coherent"]]
-    diagnosis = None
-    if plain_ok and chat_bad:
-        diagnosis = ("chat answers fail while plain continuations are fine: the chat template / special tokens "
-                     "are not what the model was trained with (e.g. ChatML markers it reads as plain text)")
-    elif not plain_ok:
-        diagnosis = "plain continuations fail too: the weights or the forward are wrong (run `entrenar verify`)"
+    diagnosis = diagnose(results)
     ok = all(r.ok for r in results)
     return {"prompts": [{**r.__dict__, "ok": r.ok} for r in results], "diagnosis": diagnosis,
             "ok": ok, "exit_code": 0 if ok else 1, "seconds": round(time.time() - t0, 2)}
+
+
+def diagnose(results: list[PromptResult]) -> str | None:
+    """Why the answers fail, from which gates failed where: chat answers garbled while plain continuations are fine
+    point at the template; readable chat answers that refuse or miss point at the model; plain ones failing too
+    at the weights or the forward."""
+    plain_ok = all(r.gates["coherent"] for r in results if r.kind == "plain")
+    chat_bad = [r for r in results if r.kind == "chat" and not r.ok]
+    diagnosis = None
+    garbled = [r for r in chat_bad if any(n.startswith(_GARBLED) for n in r.notes)]
+    if plain_ok and chat_bad and garbled:
+        diagnosis = ("chat answers fail while plain continuations are fine: the chat template / special tokens "
+                     "are not what the model was trained with (e.g. ChatML markers it reads as plain text)")
+    elif plain_ok and chat_bad:  # readable chat answers that refuse or miss the answer: the template is not it
+        diagnosis = ("a chat answer refused or degraded while the template renders readable answers: the model "
+                     "itself answers worse in chat (a fine-tune that taught refusing or calling tools; compare "
+                     "with the base: `eval --task chat --compare`, or train with --retain-task chat)")
+    elif not plain_ok:
+        diagnosis = "plain continuations fail too: the weights or the forward are wrong (run `entrenar verify`)"
+    return diagnosis
 
 
 def format_qa(rep: dict) -> str:

@@ -1,0 +1,59 @@
+"""GUARD-QA: `qa`'s gates (verify/qa.py) on the base before a fine-tune and on the final model after it.
+
+A fine-tune that destroys the model (lr 0.01 on a LoRA: "1 plus 4 plus 4 plus 4 ...") can still end with exit 0
+and a falling loss. The four golden prompts take seconds; a gate that passed on the base and fails on the final
+model is GUARD-QA: a warning in the summary's `warnings` (`--on-qa-fail warn`, the default) or exit 3 after
+final/ is written (`stop`). A gate the base already failed (a tiny or untrained model) is not the fine-tune's
+doing and is not reported. `off` skips both runs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..errors import GuardError
+
+QA_POLICIES = ("warn", "stop", "off")
+
+
+def qa_report(model: Any, tokenizer: Any) -> dict[str, Any] | None:
+    """qa's report on `model` (its chat prompts only when the tokenizer has a chat template); None without a
+    tokenizer."""
+    from ..verify.qa import GOLDEN, run_qa
+
+    if tokenizer is None:
+        return None
+    prompts = GOLDEN if getattr(tokenizer, "chat_template", None) else tuple(g for g in GOLDEN if g.kind == "plain")
+    return run_qa(model, tokenizer, prompts)
+
+
+def qa_regressions(base: dict[str, Any], final: dict[str, Any]) -> list[dict[str, Any]]:
+    """The gates that passed on the base and fail on the final model: [{prompt, gate, output, notes}]."""
+    before = {p["name"]: p for p in base["prompts"]}
+    out = []
+    for p in final["prompts"]:
+        b = before.get(p["name"])
+        if b is None:
+            continue
+        for gate, ok in p["gates"].items():
+            if not ok and b["gates"].get(gate, False):
+                out.append({"prompt": p["name"], "gate": gate, "output": p["output"][:200], "notes": p["notes"]})
+    return out
+
+
+def judge(base: dict[str, Any] | None, final: dict[str, Any] | None, policy: str) -> dict[str, Any] | None:
+    """GUARD-QA's verdict: None when quiet, the warning (policy warn) or a GuardError (stop: exit 3)."""
+    assert policy in QA_POLICIES, policy
+    if base is None or final is None or policy == "off":
+        return None
+    lost = qa_regressions(base, final)
+    if not lost:
+        return None
+    shown = "; ".join(f"{r['prompt']} {r['gate']}: {r['output']!r}" for r in lost[:4])
+    message = (f"GUARD-QA: qa's gates passed on the base and fail on the final model ({len(lost)}: {shown}). The "
+               f"fine-tune damaged what the model could do (too high a --lr, too many steps on narrow rows)")
+    remedy = ("lower --lr or --steps, mix general rows in (`entrenar data replay`), add --retain-task chat, and check "
+              "with `entrenar qa RUN/final`")
+    if policy == "stop":
+        raise GuardError("GUARD-QA", message + "; final/ was written.", remedy, details={"lost": lost})
+    return {"guard": "GUARD-QA", "message": f"{message}. Remedy: {remedy}", "lost": lost}
