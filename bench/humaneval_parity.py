@@ -24,7 +24,7 @@ from entrenar.evaluate.harness import TaskEvalSettings, entrenar_completer, summ
 from entrenar.evaluate.oracle import transformers_completer
 from entrenar.evaluate.tasks import humaneval_problems, prompt_ids
 from entrenar.formats import load_model
-from entrenar.formats.registry import packaged_path
+from entrenar.model_spec import packaged_path
 from entrenar.tokenizer import load_tokenizer
 
 MODEL = "qwen2.5-coder-0.5b-instruct"

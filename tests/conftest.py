@@ -31,7 +31,7 @@ def poisoned_outputs(monkeypatch):
 @pytest.fixture(scope="session")
 def smollm_path() -> Path:
     """The packaged SmolLM2-135M-Instruct GGUF (llama architecture, Q4_1 + Q8_0 + F32)."""
-    from entrenar.formats.registry import packaged_path
+    from entrenar.model_spec import packaged_path
 
     return packaged_path(SMOLLM)
 
@@ -39,7 +39,7 @@ def smollm_path() -> Path:
 @pytest.fixture(scope="session")
 def qwen_path() -> Path:
     """The packaged Qwen2.5-Coder-0.5B-Instruct GGUF, assembled once into the cache directory."""
-    from entrenar.formats.registry import packaged_path
+    from entrenar.model_spec import packaged_path
 
     return packaged_path(QWEN)
 

@@ -9,6 +9,9 @@ module, else on X (a package's __init__). A failure prints every offending edge.
 from __future__ import annotations
 
 import ast
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,9 +27,9 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("config", ("entrenar.families", "entrenar.config")),
     ("kernels", ("entrenar.kernels",)),
     ("model", ("entrenar.long_context", "entrenar.model")),
-    # issue 38 item 12: tokenizer.py imported formats/ while formats/gguf_write.py imported the tokenizer; what the
-    # tokenizer needs (a model spec's path, the GGUF parser) is below both, the rest of formats/ above it
-    ("files", ("entrenar.formats.registry", "entrenar.formats.gguf_file")),
+    # what the tokenizer needs (a model spec's path, the GGUF parser) is below it; formats/ (whose gguf_write.py
+    # imports the tokenizer) above it. Outside formats/: importing formats.x runs formats/__init__ too.
+    ("files", ("entrenar.model_spec", "entrenar.gguf_file")),
     ("tokenizer", ("entrenar.tokenizer",)),
     ("formats", ("entrenar.formats",)),
     ("data", ("entrenar.data", "entrenar.tokenizer_train")),
@@ -72,6 +75,13 @@ def imports_of(path: Path, name: str, known: set[str] | dict[str, Path] = MODULE
                 target = target.rpartition(".")[0]
             if target in known and target != name:
                 out.add(target)
+    # importing a.b.c runs a/__init__ and a/b/__init__ first: those packages are dependencies too, except the
+    # importer's own packages (already imported when it runs) and the root
+    own = {name.rsplit(".", i)[0] for i in range(name.count(".") + 1)}
+    for target in list(out):
+        parts = target.split(".")
+        out.update(p for p in (".".join(parts[:i]) for i in range(2, len(parts)))
+                   if p in known and p not in own)
     return out
 
 
@@ -174,14 +184,16 @@ def test_argparse_only_in_the_cli():
 @pytest.mark.parametrize("text, name, expected", [
     ("def f():\n    from ..model import CausalLM\n", "entrenar.train.probe", "entrenar.model"),
     ("from . import tokenizer\n", "entrenar.probe", "entrenar.tokenizer"),
-    ("import entrenar.formats.gguf as g\n", "entrenar.probe", "entrenar.formats.gguf"),
+    ("import entrenar.formats.gguf as g\n", "entrenar.probe", {"entrenar.formats.gguf", "entrenar.formats"}),
     ("from entrenar.formats import load_model\n", "entrenar.probe", "entrenar.formats"),
+    ("from .formats.hf import save_hf\n", "entrenar.probe", {"entrenar.formats.hf", "entrenar.formats"}),
+    ("from .hf import save_hf\n", "entrenar.formats.probe", "entrenar.formats.hf"),
     ("class A:\n    def m(self):\n        from .io import save_adapter\n", "entrenar.peft.probe", "entrenar.peft.io"),
 ])
 def test_scanner_sees_every_spelling(text, name, expected, tmp_path):
     probe = tmp_path / "probe.py"
     probe.write_text(text)
-    assert imports_of(probe, name) == {expected}
+    assert imports_of(probe, name) == (expected if isinstance(expected, set) else {expected})
 
 
 def test_checks_fire_on_an_upward_edge_and_a_cycle():
@@ -189,3 +201,27 @@ def test_checks_fire_on_an_upward_edge_and_a_cycle():
              "entrenar.train.optim": {"entrenar.train.loop"}}
     assert upward_edges(edges) == ["entrenar.model (model) -> entrenar.train.loop (train)"]
     assert cycles(edges) == [["entrenar.train.loop", "entrenar.train.optim"]]
+
+
+def test_the_tokenizer_runs_without_formats(tmp_path):
+    """Reading a GGUF's tokenizer and resolving a MODEL spec load neither formats/ nor torch (the layers at run time,
+    not only in the import statements)."""
+    code = (
+        "import sys\n"
+        "from entrenar import tokenizer\n"
+        "from entrenar.errors import InputError\n"
+        "refused = []\n"
+        "for call in (lambda: tokenizer.load_tokenizer('no-such-packaged-model'),\n"
+        f"             lambda: tokenizer.read_gguf_tokenizer_fields({str(tmp_path / 'x.gguf')!r})):\n"
+        "    try:\n"
+        "        call()\n"
+        "    except InputError as e:  # both are refused: what matters is what they imported on the way\n"
+        "        refused.append(str(e)[:60])\n"
+        "print(len(refused), sorted(m for m in sys.modules if m == 'torch' or m.startswith('entrenar.formats')))\n"
+    )
+    (tmp_path / "x.gguf").write_bytes(b"GGUF" + bytes(20))  # a truncated header: parsed, then refused
+    env = dict(os.environ, PYTHONPATH=str(SRC.parent) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    out = subprocess.run([sys.executable, "-c", code], check=False, capture_output=True, text=True, env=env,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "2 []", f"the tokenizer loaded {out.stdout.strip()} (stderr: {out.stderr[-500:]})"

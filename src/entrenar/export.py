@@ -23,7 +23,7 @@ from .outpaths import check_creatable
 
 def _tokenizer_for(spec: str, tokenizer_spec: str | None) -> Any:
     """MODEL's tokenizer; for an adapter directory without one, its recorded base's."""
-    from .formats.registry import resolve_model
+    from .model_spec import resolve_model
     from .peft import is_adapter_dir
     from .tokenizer import load_tokenizer
 

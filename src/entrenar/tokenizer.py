@@ -500,7 +500,7 @@ def load_tokenizer(spec: str | os.PathLike | ChatTokenizer) -> ChatTokenizer:
         return load_hf_tokenizer(path)
     if path.is_dir() and (path / "final" / "tokenizer.json").is_file():
         return load_hf_tokenizer(path / "final")
-    from .formats.registry import resolve_model
+    from .model_spec import resolve_model
 
     resolved = resolve_model(spec)
     if resolved.is_file():
@@ -564,7 +564,7 @@ def load_hf_tokenizer(path: str | os.PathLike) -> ChatTokenizer:
 
 def read_gguf_tokenizer_fields(path: str | os.PathLike) -> dict[str, Any]:
     """The tokenizer.* metadata of a GGUF file as plain Python values (the model loader's header parser)."""
-    from .formats.gguf_file import open_reader  # the parser, below this module (formats/gguf.py is above)
+    from .gguf_file import open_reader
 
     return {k: v for k, v in open_reader(path).fields.items() if k.startswith("tokenizer.")}
 

@@ -68,7 +68,7 @@ def hf_gguf_tokenizer(name: str):
     import transformers
     from transformers import AutoTokenizer
 
-    from entrenar.formats.registry import cache_dir, packaged_path
+    from entrenar.model_spec import cache_dir, packaged_path
 
     path = packaged_path(name)
     st = path.stat()
@@ -162,7 +162,7 @@ def hf_gguf_model(path: Path, fresh: bool = False):
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from entrenar.formats.registry import cache_dir
+    from entrenar.model_spec import cache_dir
 
     st = path.stat()
     d = cache_dir() / "test-fixtures" / f"hf-gguf-model-{path.stem}-{st.st_size}-{st.st_mtime_ns}-" \

@@ -45,7 +45,7 @@ def tensor_rows(state: dict[str, torch.Tensor], info: dict[str, Any]) -> list[di
 
 def cmd_inspect(args: argparse.Namespace) -> dict:
     from ..formats import load_state
-    from ..formats.registry import is_adapter_dir, resolve_model
+    from ..model_spec import is_adapter_dir, resolve_model
 
     path = resolve_model(args.model)  # a recorded sha256 that does not match: exit 2 naming the file
     if is_adapter_dir(path):
@@ -117,7 +117,7 @@ def _inspect_adapter(path: Path, args: argparse.Namespace) -> dict:
 def _has_tokenizer(spec: str) -> bool:
     """Whether the source carries a tokenizer (GGUF vocabulary metadata or tokenizer.json).
     A weights-only source converts to a weights-only directory."""
-    from ..formats.registry import resolve_model
+    from ..model_spec import resolve_model
 
     path = resolve_model(spec)
     if path.is_dir():

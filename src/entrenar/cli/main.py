@@ -36,7 +36,7 @@ EXIT_USAGE = 2  # argparse's own exit code for bad arguments: the same as InputE
 # Read by torch's CPU allocator when torch loads (so set before any command imports it): buffers of 2 MB and
 # more ask for transparent huge pages. Device-to-host copies into fresh memory -- a checkpoint's snapshot,
 # final/'s gathered weights -- went 1.33 -> 3.21 GB/s on an H200 host and a 7B run's end 130 -> 80 s
-# (bench/host_copy_probe.py, bench/RESULTS.md session 16). A value the user set wins.
+# (bench/RESULTS.md, "The end of a run"). A value the user set wins.
 HOST_ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 

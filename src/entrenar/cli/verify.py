@@ -73,7 +73,7 @@ def run_verify(spec: str, device: str = "cpu", dtype: str = "auto", kernels: str
                against: str = "reference", seq_len: int = 512, adapter: str | None = None,
                grads: bool = True, force_base: bool = False) -> dict:
     """Load MODEL on the path under test, load the oracle, compare; the report dict (exit_code 0/1)."""
-    from ..formats.registry import resolve_model
+    from ..model_spec import resolve_model
     from ..peft.base_location import locate_base
     from ..peft.io import is_adapter_dir
     from ..tokenizer import load_tokenizer

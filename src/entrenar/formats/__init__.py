@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from ..config import ModelConfig
-from .registry import resolve_model
+from ..model_spec import resolve_model
 
 __all__ = ["load_model", "load_state", "resolve_model", "save_hf_dir", "state_dtype"]
 
@@ -28,7 +28,7 @@ def load_state(spec: str | os.PathLike) -> tuple[ModelConfig, dict[str, torch.Te
 
         cfg, state, info = load_gguf(path)
     else:
-        from .registry import is_adapter_dir
+        from ..model_spec import is_adapter_dir
 
         if is_adapter_dir(path):
             from ..errors import InputError

@@ -24,7 +24,7 @@ import torch
 from ..config import ModelConfig
 from ..errors import InputError
 from ..families import GGUF_FAMILIES, gguf_family
-from .gguf_file import GGUFFile, open_reader
+from ..gguf_file import GGUFFile, open_reader
 
 SUPPORTED_ARCHITECTURES = tuple(GGUF_FAMILIES)
 
@@ -64,7 +64,7 @@ def hf_name(gguf_name: str) -> str | None:
     return None
 
 
-# The GGUF parser itself is formats/gguf_file.py (below the tokenizer, which reads it too).
+# The GGUF parser itself is gguf_file.py (below the tokenizer, which reads it too).
 
 
 def _field(reader: GGUFFile, key: str, default: Any = None) -> Any:

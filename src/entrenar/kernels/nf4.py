@@ -21,7 +21,7 @@ kernel it replaced on the 7B MLP linears, 1.48x on q_proj (H200, in a CUDA graph
 with IEEE rounding, as the torch path does, so both give the same values (a QLoRA adapter merged or evaluated
 on the CPU sees exactly the weights it was trained on); Triton's default division would be 1.18x faster and
 off by an ulp on ~1e-5 of the weights. Dequantizing inside the matmul instead was tried and measured slower at
-every row count. bench/nf4_matmul_ab.py, bench/RESULTS.md (session 18).
+every row count. bench/nf4_matmul_ab.py, bench/RESULTS.md ("QLoRA and NF4").
 """
 
 from __future__ import annotations

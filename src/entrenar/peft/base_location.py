@@ -16,7 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
-from ..formats.registry import PACKAGED
+from ..model_spec import PACKAGED
 from .io import adapter_path, read_adapter_config
 
 

@@ -87,7 +87,7 @@ def _per_target(rows: list[dict[str, Any]], order: Any) -> dict[str, dict[str, A
 
 def _base_config(spec: str) -> Any:
     """The ModelConfig of MODEL `spec` from its config alone (config.json, or a GGUF's metadata): no weights read."""
-    from ..formats.registry import PACKAGED, packaged_path
+    from ..model_spec import PACKAGED, packaged_path
 
     path = packaged_path(spec) if spec in PACKAGED else Path(spec)
     if path.is_dir() and not (path / "config.json").is_file() and (path / "final" / "config.json").is_file():
@@ -97,7 +97,7 @@ def _base_config(spec: str) -> Any:
 
         return read_config(path)
     from ..formats.gguf import read_config as gguf_config
-    from ..formats.gguf_file import open_reader
+    from ..gguf_file import open_reader
 
     return gguf_config(open_reader(path), path)
 
@@ -152,7 +152,7 @@ def _chat_template(d: Path, base_found: str | None) -> dict[str, Any] | None:
 
 def _manifest(d: Path) -> dict[str, Any]:
     """The sha256 record of the directory (final/'s MANIFEST, a checkpoint's meta.json) and its status; a record
-    that does not match was already refused (exit 2) when the directory was resolved (formats.registry.verified)."""
+    that does not match was already refused (exit 2) when the directory was resolved (model_spec.verified)."""
     found = recorded_hashes(d)
     if found is None:
         return {"status": "none", "file": None, "files": 0, "not_hashed": [], "unrecorded": [],

@@ -21,8 +21,8 @@ from torch import nn
 
 from ..errors import InputError
 from ..fileio import atomic_write
-from ..formats.registry import ADAPTER_CONFIG, PACKAGED, is_adapter_dir
 from ..kernels import nf4
+from ..model_spec import ADAPTER_CONFIG, PACKAGED, is_adapter_dir
 from .identity import check_base_identity
 from .lora import apply_lora, lora_modules
 
@@ -201,7 +201,7 @@ def load_adapter(model: nn.Module, adapter_dir: str | Path, quantize_nf4: bool |
     The base's weights must be the ones the adapter recorded (exit 2 otherwise, unless ``force_base``);
     the outcome is ``model.peft_config["base_check"]``, and a warning or note goes to stderr.
     """
-    from ..formats.registry import verified
+    from ..model_spec import verified
 
     d = verified(adapter_path(adapter_dir))  # a run's final/ or checkpoint: the sha256 recorded when written
     cfg, note = read_adapter_config(d)

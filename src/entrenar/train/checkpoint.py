@@ -1098,7 +1098,7 @@ class Checkpointer:
         the previous checkpoints stay. `last`: the run's last save; when no earlier save made the snapshot's host
         buffers, it copies into pageable memory: pinning is what lets later snapshots queue their copies behind
         the step, and allocating ~45 GB of it for a 7B model's first snapshot held the end of a run 45 s
-        (bench/RESULTS.md, session 15)."""
+        (bench/RESULTS.md, "The end of a run")."""
         target = self.root / step_dir_name(step)
         self._buffers.pin = not (last and not self._buffers.allocated() and self._dcp_writer is None)
         if self.mode == "sync":

@@ -41,7 +41,7 @@ DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")  # --dtype; what e
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
 
 TRAIN_COMMANDS = ("pretrain", "finetune")
-# DDP's gradient bucket (MB; --ddp-bucket-mb): measured on 4x H200, bench/RESULTS.md (issue 36)
+# DDP's gradient bucket (MB; --ddp-bucket-mb): measured on 4x H200, bench/RESULTS.md ("Several GPUs")
 DDP_BUCKET_MB = 100
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the data-parallel gradient reduction's precision (train/parallel.py)
 PARALLEL_MODES = ("auto", "fsdp", "ddp", "hsdp")  # train/parallel.py (not imported here: it loads torch.distributed)

@@ -68,7 +68,7 @@ from .precision import Precision
 # parameter) in at most DDP_STATE_FRACTION of its memory, the rest left to activations: e.g. every model
 # up to ~1 B parameters on an 80 GB card. DDP has no per-group host work and overlaps one bucketed
 # all-reduce with the backward; FSDP2 all-gathers the weights twice per step and runs AdamW through
-# DTensor dispatch, which on these small, host-bound steps cost throughput (bench/RESULTS.md, issue 17).
+# DTensor dispatch, which on these small, host-bound steps cost throughput (bench/RESULTS.md, "Several GPUs").
 DDP_STATE_FRACTION = 0.25
 DDP_BYTES_PER_PARAM = 20
 
@@ -177,7 +177,7 @@ def _bf16_sum_hook(process_group, bucket):  # no annotations: DDP rejects any bu
     return fut.then(lambda f: buffer.copy_(f.value()[0]))
 
 
-# DDP's options (measured on 4x H200, llama-370m, bench/RESULTS.md issue 17 session 4): 100 MB buckets (15
+# DDP's options (measured on 4x H200, llama-370m, bench/RESULTS.md "Several GPUs"): 100 MB buckets (15
 # all-reduces per step instead of 38 at 25 MB: fewer NCCL launches, each past the LL protocol's size) and
 # gradients as views into the buckets (no copy of each gradient into its bucket). Without accumulation
 # the graph is also declared static (every step uses the same parameters in the same order: DDP skips
@@ -287,7 +287,7 @@ class ReplicaStrategy(Strategy):
     rest of the backward; the backward's end (an autograd final callback) reduces any bucket whose parameters got
     no gradient and joins that stream. All of it is device work issued from inside the backward, so a captured
     backward records it and every replay reduces the gradients with no host work (measured without overlap in
-    session 14: the all-reduce after the backward cost 3.3 / 8.3 ms of a 92% step, bench/RESULTS.md).
+    at 1b5fad7: the all-reduce after the backward cost 3.3 / 8.3 ms of a 92% step, bench/RESULTS.md).
     Without `overlap` (accumulation: only the last micro-batch's backward may reduce, and a graph is captured
     for whichever micro-batch comes first) `after_backward` reduces every bucket after the step's last backward.
     `grad_reduce` bf16: an fp32 bucket goes as a bf16 copy, as _bf16_sum_hook's DDP buckets."""

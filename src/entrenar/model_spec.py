@@ -12,7 +12,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..errors import InputError
+from .errors import InputError
 
 ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter directory's config (entrenar/peft/io.py)
 
@@ -151,7 +151,7 @@ def verified(path: Path) -> Path:
     key = (str(real), tuple((f.name, st.st_size, st.st_mtime_ns) for f in sorted(real.iterdir())
                             if f.is_file() and (st := f.stat())))
     if key not in _VERIFIED:
-        from ..fileio import verify_recorded
+        from .fileio import verify_recorded
 
         verify_recorded(path)
         _VERIFIED.add(key)

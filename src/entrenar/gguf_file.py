@@ -1,8 +1,8 @@
 """The GGUF file parser (llama.cpp's format, v2/v3 little-endian): metadata and raw tensors, nothing about models.
 
 Below both of its readers: formats/gguf.py (GGUF -> ModelConfig and HF-named tensors) and tokenizer.py (a GGUF's
-tokenizer metadata), which sit in separate layers (docs/design.md, "Layout"; issue 38 item 12: tokenizer.py
-imported formats/gguf.py, a layer it is meant to be below).
+tokenizer metadata), which sit in separate layers (docs/design.md, "Layout"). It lives outside formats/ because
+importing any module of a package runs the package's __init__, and formats/__init__ imports torch and the rest.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import InputError
+from .errors import InputError
 
 # ---- a small GGUF parser ---------------------------------------------------------------------
 # gguf.GGUFReader builds numpy views for every element of every metadata array: ~20 s for Qwen's
