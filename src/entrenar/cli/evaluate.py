@@ -84,7 +84,7 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true",
                    help="continue an interrupted eval: keep --out's complete rows (made with the same settings), "
                         "evaluate the rest, rewrite --out whole")
-    g.add_argument("--seed", dest="task_seed", type=int, default=0,
+    g.add_argument("--seed", dest="task_seed", type=int, default=0, metavar="SEED",
                    help="sampling seed: sample s draws with seed + s (0)")
 
 
