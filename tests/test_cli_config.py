@@ -229,3 +229,23 @@ def test_the_readme_recipe_is_the_recipe_file_and_parses():
             args.eval_task, args.eval_task_limit, args.eval_task_every, args.keep_best) == \
         ("smollm2-135m-instruct", "lora", 16, 3e-4, 250, 16, 4096, "bfcl:simple_python,irrelevance", 100, 50, "task")
     assert Path(root / args.chat_template).is_file()
+
+
+def test_api_generate_and_export_gguf_are_the_commands(tmp_path, capsys):
+    """entrenar.generate (also a module of the package) and entrenar.export_gguf: the CLI's results, with the
+    command line's names (`type` for export gguf's --type, the positionals by name)."""
+    from tests.test_cli_flags_documented import _generate_dir
+
+    model = _generate_dir(tmp_path)
+    code, by_cli, err = main(["generate", "--model", str(model), "--prompt", "the in the er", "--max-new-tokens", "4",
+                              "--temperature", "0.8", "--seed", "3", "--device", "cpu", "--json"], capsys)
+    assert code == 0, err
+    by_api = entrenar.generate(model=model, prompt="the in the er", max_new_tokens=4, temperature=0.8, seed=3,
+                               device="cpu")
+    assert by_api == {**by_cli, "tokens_per_s": by_api["tokens_per_s"]} and len(by_api["token_ids"]) == 4
+    assert entrenar.generate.generate_batch  # still the library module
+
+    out = entrenar.export_gguf(model=model, out=tmp_path / "m.gguf", type="f32")
+    assert out["ok"] and (tmp_path / "m.gguf").stat().st_size == out["bytes"] and out["tensor_types"].keys() == {"F32"}
+    with pytest.raises(entrenar.InputError, match="must not exist|exists"):
+        entrenar.export_gguf(model=model, out=tmp_path / "m.gguf")
