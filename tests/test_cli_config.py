@@ -129,6 +129,28 @@ def test_run_json_re_runs_the_run_exactly(tmp_path, byte_model_dir, byte_shards,
     assert (args.steps, args.seed, args.schedule, args.seq_len) == (9, 7, "linear", 32)
 
 
+def test_every_recorded_flag_of_a_finetune_round_trips_through_run_json(tmp_path):
+    """run.json as train/commands.py writes it (asdict of the three configs, JSON) gives back every flag that built
+    it: the parse of `--config run.json` equals the original parse (a tuple-valued flag such as --profile too)."""
+    from dataclasses import asdict
+
+    from entrenar.train.config import DataConfig, LoRAConfig, TrainConfig, from_args
+
+    argv = ["finetune", "--model", "m", "--data", "d.jsonl", "--out", "o", "--mode", "lora", "--rank", "4",
+            "--alpha", "8", "--profile", "2:3", "--lr", "1e-3", "--warmup", "5", "--pack", "--eval-task", "humaneval",
+            "--eval-task-limit", "7", "--max-seq-len", "96", "--device", "cpu", "--dtype", "fp32", "--steps", "9",
+            "--truncation", "keep", "--targets", "q_proj,v_proj", "--skip-invalid"]
+    first = parse_command(argv)
+    data = from_args(DataConfig, first, "finetune")
+    record = {"command": "finetune", "argv": argv, "versions": {}, "seed": first.seed,
+              "config": from_args(TrainConfig, first, "finetune", command="finetune", seq_len=data.max_seq_len).to_dict(),
+              "lora": asdict(from_args(LoRAConfig, first, "finetune")), "data": asdict(data)}
+    f = _write(tmp_path / "run.json", json.dumps(record))
+    again = parse_command(["finetune", "--config", str(f), "--out", "o"])
+    assert {k: v for k, v in vars(again).items() if k != "config"} == \
+        {k: v for k, v in vars(first).items() if k != "config"}
+
+
 def test_run_json_of_another_command_is_refused(tmp_path, capsys):
     f = _write(tmp_path / "run.json", json.dumps({"command": "finetune", "argv": [], "config": {"steps": 3}}))
     code, result, _ = main(["pretrain", "--config", str(f), "--json"], capsys)
