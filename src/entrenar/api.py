@@ -64,7 +64,7 @@ class Command:
     def __doc__(self) -> str:  # type: ignore[override]
         leaf, _ = leaf_parser(build_parser(), list(self.words))
         return (f"`entrenar {' '.join(self.words)}` as a function: keyword arguments are its flags without dashes "
-                f"(seq_len for --seq-len); returns the --json result; raises entrenar.InputError / GuardError.\n\n"
+                f"(max_seq_len for --max-seq-len); returns the --json result; raises entrenar.InputError / GuardError.\n\n"
                 + leaf.format_help())
 
     def __repr__(self) -> str:
