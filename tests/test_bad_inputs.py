@@ -207,7 +207,7 @@ CASES = {
                                               "--shard-tokens", "7", str(w.sft), "--json"], 2,
                                 "--shard-tokens 7 is below", lambda w, t: [t / "p"]),
     "pretrain-seq-len-over-max-positions": Case(lambda w, t: pretrain(w, t / "run", "--seq-len", "512"), 2,
-                                                "--seq-len 512 is more than the model's max_position_embeddings 256",
+                                                "--max-seq-len 512 is more than the model's max_position_embeddings 256",
                                                 lambda w, t: [t / "run"]),
     # issue 28 item 9: an input with no usable text is not a tokenizer
     "tokenizer-train-no-text": Case(lambda w, t: ["tokenizer", "train", "--vocab-size", "300", "--out",

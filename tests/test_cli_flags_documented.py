@@ -719,7 +719,7 @@ def test_verify_dtype_runs_the_path_under_test_in_that_dtype(tmp_path, capsys):
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 COMMANDS = ("inspect", "convert", "export gguf", "generate", "tokenizer train", "data pack", "data sft-from-code",
             "data sft-from-bfcl",
-            "data check", "pretrain", "finetune", "eval", "verify", "qa", "merge", "plot")
+            "data check", "pretrain", "finetune", "eval", "verify", "qa", "merge", "plot", "help")
 
 
 def _documented_flags() -> dict[str, set[str]]:

@@ -216,8 +216,8 @@ def test_from_args_reads_every_offered_flag():
     assert t.seq_len == 512  # finetune's windows come from --max-seq-len; the command sets it (see below)
 
 
-@pytest.mark.parametrize("command,flag", [("pretrain", "--seq-len"), ("finetune", "--max-seq-len"),
-                                          ("eval", "--seq-len")])
+@pytest.mark.parametrize("command,flag", [("pretrain", "--max-seq-len"), ("finetune", "--max-seq-len"),
+                                          ("eval", "--max-seq-len")])
 def test_validation_names_the_flag_of_the_command(command, flag):
     from entrenar.train.config import TrainConfig
 

@@ -38,9 +38,11 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("verify", ("entrenar.static_decode", "entrenar.generate", "entrenar.verify")),
     ("evaluate", ("entrenar.evaluate",)),
     ("train", ("entrenar.train", "entrenar.plot")),
-    ("cli", ("entrenar.cli", "entrenar.__main__")),
+    ("cli", ("entrenar.cli", "entrenar.__main__", "entrenar.api")),
 ]
-ROOT = "entrenar"  # the package's __init__: the version only, below everything
+# the package's __init__: the version, the error types and the Python API (entrenar.api, loaded on first use), so
+# above everything: no module of the package imports it
+ROOT = "entrenar"
 
 
 def module_name(path: Path) -> str:
@@ -87,7 +89,7 @@ def imports_of(path: Path, name: str, known: set[str] | dict[str, Path] = MODULE
 
 def layer_of(name: str) -> int | None:
     if name == ROOT:
-        return -1
+        return len(LAYERS)
     best: tuple[int, int] | None = None  # (prefix length, layer)
     for index, (_, prefixes) in enumerate(LAYERS):
         for prefix in prefixes:
@@ -97,7 +99,7 @@ def layer_of(name: str) -> int | None:
 
 
 def layer_name(index: int) -> str:
-    return "root" if index == -1 else LAYERS[index][0]
+    return "root" if index == len(LAYERS) else LAYERS[index][0]
 
 
 def graph() -> dict[str, set[str]]:

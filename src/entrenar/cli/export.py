@@ -19,12 +19,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     g.add_argument("model", metavar="MODEL", help="packaged name, .gguf file, HF directory, run or checkpoint directory")
     g.add_argument("out", metavar="OUT.gguf", help="GGUF file to create (must not exist)")
     g.add_argument("--adapter", default=None,
-                   help="LoRA/QLoRA adapter directory (or LoRA run) merged onto MODEL before writing")
+                   help="LoRA/QLoRA adapter directory (or LoRA run) merged onto MODEL before writing (none)")
     g.add_argument("--type", dest="export_type", choices=EXPORT_TYPES, default="f16",
                    help="stored type of the 2-D weights (norms and biases stay f32); q8_0/q4_0 quantize "
                         "with gguf.quants (f16)")
     g.add_argument("--tokenizer", default=None,
-                   help="take the tokenizer from this MODEL/HF directory instead of MODEL's own")
+                   help="take the tokenizer from this MODEL/HF directory (MODEL's own)")
     g.add_argument("--force-base", action="store_true",
                    help="merge --adapter even if MODEL is not the base the adapter recorded")
 

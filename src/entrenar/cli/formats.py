@@ -26,7 +26,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("model", help="packaged name, .gguf file, HF directory or run directory")
     p.add_argument("out_dir", help="HF directory to create (must not exist)")
     p.add_argument("--dtype", choices=("keep", *WEIGHT_DTYPES), default="keep",
-                   help="keep = stored float dtype (float32 for quantized GGUF)")
+                   help="keep = the stored float dtype (float32 for a quantized GGUF), or fp32 / bf16 (keep)")
 
 
 def tensor_rows(state: dict[str, torch.Tensor], info: dict[str, Any]) -> list[dict[str, Any]]:

@@ -20,6 +20,9 @@ import signal
 import sys
 from typing import Any, NoReturn
 
+from ..errors import InputError
+from .config_file import add_config_option, apply, check_values, config_path, file_values, leaf_parser
+
 # Modules with a `register(subparsers)` function, in help order.
 COMMAND_MODULES = [
     "entrenar.cli.formats",  # inspect, convert
@@ -29,6 +32,7 @@ COMMAND_MODULES = [
     "entrenar.cli.tokenizer",  # tokenizer train
     "entrenar.cli.models",  # merge, generate
     "entrenar.cli.train",  # pretrain, finetune, eval, plot
+    "entrenar.cli.help",  # help TOPIC|COMMAND
 ]
 
 EXIT_USAGE = 2  # argparse's own exit code for bad arguments: the same as InputError
@@ -40,9 +44,9 @@ EXIT_USAGE = 2  # argparse's own exit code for bad arguments: the same as InputE
 HOST_ALLOCATOR_ENV = {"THP_MEM_ALLOC_ENABLE": "1"}
 
 
-class UsageError(Exception):
+class UsageError(InputError):
     """Arguments that do not parse (argparse's error), raised instead of argparse's sys.exit(2)
-    so that `main` can still print the --json line."""
+    so that `main` can still print the --json line (and the Python API raises it as the InputError it is)."""
 
     def __init__(self, prog: str, usage: str, message: str):
         self.prog, self.usage, self.message = prog, usage, message
@@ -66,7 +70,39 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     for mod in COMMAND_MODULES:
         importlib.import_module(mod).register(sub)
+    for leaf in _leaves(parser):  # every command takes --config FILE (cli/config_file.py)
+        add_config_option(leaf)
     return parser
+
+
+def _leaves(parser: argparse.ArgumentParser) -> list[argparse.ArgumentParser]:
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    if not subs:
+        return [parser]
+    return [leaf for p in dict.fromkeys(subs[0].choices.values()) for leaf in _leaves(p)]
+
+
+def parse_command(argv: list[str], values: dict[str, Any] | None = None, where: str = "") -> argparse.Namespace:
+    """The one parse of the CLI and the Python API: `argv` over the values of its --config file, over `values`
+    ({key: value}, the API's keyword arguments, named in messages as `where`). UsageError / InputError (exit 2)."""
+    parser = build_parser()
+    leaf, words = leaf_parser(parser, argv)
+    command = " ".join(words)
+    given: dict[str, Any] = {}
+    path = config_path(leaf, argv[len(words):])
+    if path is not None:
+        given.update(file_values(leaf, path, command))
+    if values:
+        given.update(check_values(leaf, values, where, command))
+    if given:
+        apply(leaf, given)
+    return parser.parse_args(argv)
+
+
+def run_parsed(args: argparse.Namespace) -> dict[str, Any]:
+    """Run a parsed command: its result dict, or the exception that is its exit code (main maps it)."""
+    _resolve_common(args)
+    return args.func(args) or {}
 
 
 def strict_json(obj: Any, path: str = "", nonfinite: list[str] | None = None) -> Any:
@@ -84,13 +120,23 @@ def strict_json(obj: Any, path: str = "", nonfinite: list[str] | None = None) ->
     return obj
 
 
-def emit_json(obj: dict[str, Any]) -> None:
-    """Print one strict JSON line. Non-finite numbers are null and named in "nonfinite"."""
+def json_text(obj: dict[str, Any]) -> str:
+    """One strict JSON line. Non-finite numbers are null and named in "nonfinite"."""
     nonfinite: list[str] = []
     clean = strict_json(obj, nonfinite=nonfinite)
     if nonfinite:
         clean["nonfinite"] = sorted(set(clean.get("nonfinite") or []) | set(nonfinite))
-    print(json.dumps(clean, default=str, allow_nan=False), flush=True)
+    return json.dumps(clean, default=str, allow_nan=False)
+
+
+def json_record(obj: dict[str, Any]) -> dict[str, Any]:
+    """The dict a --json line carries, as a JSON parser reads it back (what the Python API returns)."""
+    return json.loads(json_text(obj))
+
+
+def emit_json(obj: dict[str, Any]) -> None:
+    """Print one strict JSON line (json_text)."""
+    print(json_text(obj), flush=True)
 
 
 def _wants_json(argv: list[str]) -> bool:
@@ -143,18 +189,19 @@ def _main(argv: list[str] | None) -> int:
     want_json = _wants_json(argv)
     command = next((a for a in argv if not a.startswith("-")), "")
     try:
-        args = build_parser().parse_args(argv)
+        args = parse_command(argv)
     except UsageError as e:
         sys.stderr.write(f"{e.usage}{e}\n")  # what argparse itself prints
         if want_json:
             emit_json({"ok": False, "error": str(e), "guard": None, "exit_code": EXIT_USAGE, "usage": True})
         return EXIT_USAGE
+    except InputError as e:  # a --config file that does not read, an unknown key or a wrong value in it
+        return _failure(command, str(e), e.exit_code, want_json, guard=None)
     except KeyboardInterrupt:
         return _failure(command, "interrupted", stops.exit_code(), want_json, guard=None)
     command, want_json = args.command, bool(getattr(args, "json", False))
     try:
-        _resolve_common(args)
-        result = args.func(args)
+        result = run_parsed(args)
     except EntrenarError as e:
         stops.reporting()
         if not getattr(e, "speaks", True):  # another rank of the job prints its message (train/jobwatch.py)

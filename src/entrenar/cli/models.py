@@ -21,7 +21,8 @@ from .registry import add_command, add_device_option
 def add_model_source_args(p: argparse.ArgumentParser) -> None:
     """Arguments that change which weights generate runs (e.g. a LoRA adapter) go here."""
     p.add_argument("--adapter", default=None,
-                   help="LoRA/QLoRA adapter directory (PEFT format, or a LoRA run) applied on --model unmerged")
+                   help="LoRA/QLoRA adapter directory (PEFT format, or a LoRA run) applied on --model unmerged "
+                        "(none)")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
 
 
@@ -158,26 +159,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--force-base", action="store_true",
                    help="merge even if --base is not the base the adapter recorded (exit 2 otherwise)")
     p.add_argument("--onto", choices=ONTO, default="trained",
-                   help="trained (default): onto the weights the adapter was trained against (NF4-"
-                        "dequantized for QLoRA); original: onto the 16-bit weights, and report the change")
+                   help="trained: onto the weights the adapter was trained against (NF4-dequantized for QLoRA); "
+                        "original: onto the 16-bit weights, and report the change (trained)")
 
     p = add_command(sub, "generate", cmd_generate, "generate text from a prompt (KV-cache decoding)")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
     p.add_argument("--prompt", required=True, help="prompt text (the user message with --chat)")
     p.add_argument("--chat", action="store_true", help="wrap the prompt in the model's chat template")
-    p.add_argument("--system", default=None, help="system message (with --chat)")
+    p.add_argument("--system", default=None, help="system message, with --chat (none)")
     p.add_argument("--tools", metavar="FILE", default=None,
                    help="JSON list of tool schemas ({\"type\": \"function\", \"function\": {name, description, "
                         "parameters}}) rendered by the chat template (with --chat); the calls the model writes are "
-                        "printed as JSON (--json: tool_calls)")
-    p.add_argument("--chat-template", metavar="FILE", default=None, help=CHAT_TEMPLATE_HELP)
+                        "printed as JSON, --json: tool_calls (none)")
+    p.add_argument("--chat-template", metavar="FILE", default=None, help=CHAT_TEMPLATE_HELP + " (the model's)")
     p.add_argument("--max-new-tokens", type=int, default=None,
-                   help=f"default {DEFAULT_MAX_NEW_TOKENS}, or what is left of the model's context if less")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+                   help=f"tokens generated at most (default {DEFAULT_MAX_NEW_TOKENS}, or what is left of the model's "
+                        f"context if less)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (0.0)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling (with --temperature > 0): draw only from the most likely tokens whose "
                         "probabilities add up to P; 1 = all tokens (1.0)")
-    p.add_argument("--seed", type=int, default=None, help="sampling seed (same seed, same text)")
+    p.add_argument("--seed", type=int, default=None,
+                   help="sampling seed: the same seed gives the same text (none: a random one, reported as seed)")
     add_device_option(p)
     p.add_argument("--dtype", default="auto", choices=("auto", *WEIGHT_DTYPES),
                    help="weights and compute dtype: auto = bf16 on a CUDA device with native bf16 (compute "

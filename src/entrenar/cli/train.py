@@ -17,7 +17,16 @@ from typing import Any
 from ..errors import InputError
 from ..peft.load import load_any_model
 from ..train.commands import cmd_finetune, cmd_pretrain
-from ..train.config import DataConfig, LoRAConfig, TrainConfig, _cli, _field_default, flag_of, from_args
+from ..train.config import (
+    DataConfig,
+    LoRAConfig,
+    TrainConfig,
+    _cli,
+    _field_default,
+    default_of,
+    flag_of,
+    from_args,
+)
 from ..train.loop import evaluate
 from .evaluate import add_task_options, check_pair_flags, check_task_flags, cmd_pair_eval, cmd_task_eval
 from .registry import add_command
@@ -74,16 +83,26 @@ def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
             if spec["required"]:
                 kwargs["required"] = True
                 kwargs.pop("default")
-        p.add_argument(flag, **kwargs)
+        p.add_argument(flag, *spec["aliases"], **kwargs)
 
 
 # ---- eval ------------------------------------------------------------------------------------------
+def resolve_eval_seq_len(args: argparse.Namespace) -> None:
+    """eval's one --max-seq-len: the window of token shards (pretrain's default) or the longest SFT sample / pair
+    of a .jsonl (finetune's default); args.max_seq_len is what the .jsonl readers take."""
+    if args.seq_len is None:
+        args.seq_len = default_of(TrainConfig, "seq_len", "pretrain") if Path(args.data).is_dir() else \
+            default_of(DataConfig, "max_seq_len", "finetune")
+    args.max_seq_len = args.seq_len
+
+
 def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     check_task_flags(args)
     if args.task != "loss":
         return cmd_task_eval(args)
     if args.data is None:
         raise InputError("--data is required for --task loss (token shards directory or SFT .jsonl)")
+    resolve_eval_seq_len(args)
     dcfg = from_args(DataConfig, args, "eval")
     dcfg.validate()
     ecfg = from_args(TrainConfig, args, "eval", command="eval")
@@ -158,7 +177,7 @@ def _run_options(p: argparse.ArgumentParser) -> None:
     """The options of a run that are not configuration (where it goes, whether it continues)."""
     p.add_argument("--out", required=True, help="run directory (created; or continued with --resume)")
     p.add_argument("--resume", default=None, metavar="auto|PATH",
-                   help="continue from the newest COMPLETE checkpoint of --out, or from PATH")
+                   help="continue from the newest COMPLETE checkpoint of --out, or from PATH (none: a new run)")
 
 
 def register(sub: argparse._SubParsersAction) -> None:

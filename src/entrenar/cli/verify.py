@@ -26,18 +26,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_dtype_option(p, COMPUTE_DTYPES, "compute dtype of the path under test; its bounds are docs/design.md's")
     p.add_argument("--kernels", default="auto", choices=("auto", *KERNELS),
                    help="auto = triton on cuda, torch elsewhere (auto)")
-    p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
+    p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model (none)")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     p.add_argument("--against", default="reference", choices=("reference", "hf"),
                    help="reference: our eager model in float64 on the CPU, same weights; hf: transformers "
-                        "loading the same file itself (also catches loader bugs)")
+                        "loading the same file itself, which also catches loader bugs (reference)")
     p.add_argument("--seq-len", type=int, default=512, help="tokens in the long probe sequence, >= 32 (512)")
     p.add_argument("--no-grads", action="store_true", help="skip the backward-pass comparison")
 
     p = add_command(sub, "qa", cmd_qa, "golden prompts generated greedily; gates on empty, repetitive, "
                                        "unterminated, unparseable or gibberish answers; exit 1 on failure")
     p.add_argument("--model", required=True, help="packaged name, .gguf file, HF directory or run directory")
-    p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model")
+    p.add_argument("--adapter", default=None, help="a LoRA adapter directory to attach to the model (none)")
     p.add_argument("--force-base", action="store_true", help="apply --adapter even if MODEL is not the base it recorded (exit 2 otherwise)")
     add_device_option(p)
     add_dtype_option(p, COMPUTE_DTYPES, "compute dtype the answers are generated in")

@@ -545,7 +545,7 @@ class PretrainLoader:
         self.num_windows = max(0, (self.num_tokens - 1) // seq_len)
         if self.num_windows == 0:
             raise InputError(f"{self.dir} split {split!r} has {self.num_tokens} tokens, too few for one "
-                             f"window of seq_len {seq_len} + 1; lower --seq-len or add data")
+                             f"window of seq_len {seq_len} + 1; lower --max-seq-len or add data")
         self.cursor = EpochCursor(self.num_windows, seed)  # the loaders' one epoch/state mechanism
 
     @property
@@ -640,6 +640,6 @@ class PretrainLoader:
         for key in ("kind", "split", "seq_len", "num_windows", "source_sha256"):
             if sd.get(key) != mine[key]:
                 raise InputError(f"cannot resume the pretraining loader: saved {key}={sd.get(key)!r}, now "
-                                 f"{mine[key]!r} (resume with the same shards and --seq-len)")
+                                 f"{mine[key]!r} (resume with the same shards and --max-seq-len)")
         self.cursor.load_state_dict(sd, "pretraining")
         self.seed = self.cursor.seed

@@ -349,9 +349,9 @@ def cmd_pretrain(args: Any) -> dict[str, Any]:
     val_info = index["splits"].get("val") or {}
     eval_loader = (PretrainLoader(args.data, "val", cfg.seq_len, cfg.batch_size, seed=cfg.seed)
                    if val_info.get("tokens", 0) > cfg.seq_len else None)
-    _check_batch(cfg.batch_size, len(train_loader), f"training windows of --seq-len {cfg.seq_len} in {args.data}")
+    _check_batch(cfg.batch_size, len(train_loader), f"training windows of --max-seq-len {cfg.seq_len} in {args.data}")
     if eval_loader is None:
-        _log(f"note: {args.data} has no val split of more than --seq-len {cfg.seq_len} tokens; no eval "
+        _log(f"note: {args.data} has no val split of more than --max-seq-len {cfg.seq_len} tokens; no eval "
              f"(pack with --val-fraction for one)")
 
     from ..data.corpus import check_same_tokenizer, check_shards_fit, shard_tokenizer
@@ -380,10 +380,10 @@ def cmd_pretrain(args: Any) -> dict[str, Any]:
     check_same_tokenizer(args.data, shards_tok, own_tok, tok_spec, flag)
     check_shards_fit(args.data, index, model.cfg.vocab_size)
     if cfg.seq_len > model.cfg.max_position_embeddings:  # trained silently, then generate refused (issue 28 item 8)
-        raise InputError(f"--seq-len {cfg.seq_len} is more than the model's max_position_embeddings "
+        raise InputError(f"--max-seq-len {cfg.seq_len} is more than the model's max_position_embeddings "
                          f"{model.cfg.max_position_embeddings} ({args.init or args.model}): windows would train "
                          f"positions the model does not have, and `generate` refuses a longer context. Use "
-                         f"--seq-len {model.cfg.max_position_embeddings} or less")
+                         f"--max-seq-len {model.cfg.max_position_embeddings} or less")
     tokenizer = shards_tok or own_tok or tokenizer_or_none((index.get("tokenizer") or {}).get("model"), _log)
     model = model.to(cfg.device).train()
     data_report = {"kind": "pretrain", "shards": str(args.data), "index": {k: v for k, v in index.items()

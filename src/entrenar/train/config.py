@@ -37,6 +37,29 @@ from .profiling import parse_profile
 
 DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")  # --dtype; what each means: train/precision.py
 
+# --dtype: one line in each command's --help; what each choice trades is DTYPE_GUIDE (`entrenar help dtype`)
+DTYPE_HELP = ("compute dtype: auto = bf16 on a CUDA device with native bf16, fp32 on the CPU and older GPUs "
+              "(logged, in run.json); bf16-weights, bf16-pure and fp8 trade accuracy for speed or memory: "
+              "`entrenar help dtype`")
+DTYPE_GUIDE = {  # choice -> what it does and what it costs
+    "auto": "bf16 on a CUDA device with native bf16 (compute capability 8.0+), fp32 on the CPU and older GPUs; "
+            "the choice and why are logged and recorded in run.json",
+    "fp32": "everything in float32",
+    "bf16": "autocast: fp32 master weights, AdamW state and residual stream, bf16 matmuls (holds the 2e-2 logits "
+            "parity bound)",
+    "bf16-weights": "the step runs on bf16 copies of the fp32 master weights (refreshed once per step) with a bf16 "
+                    "residual stream, as a bf16 model (AdamW and checkpoints stay fp32): +7% tokens/s and 2.4 GiB "
+                    "less peak than bf16 (Qwen2.5-0.5B, batch 8x2048, H200), but logits ~2.5e-2 relL2 from fp32, "
+                    "outside bf16's bound",
+    "bf16-pure": "(--mode full) weights, gradients and AdamW state in bf16, 8 bytes per parameter instead of 16 "
+                 "(e.g. long context), at the price of bf16 updates: a step smaller than ~2^-8 of a weight is "
+                 "rounded away",
+    "fp8": "(--mode full, NVIDIA compute capability 8.9+: H100/H200/Ada; needs torchao) bf16-pure with the blocks' "
+           "linears in float8 (torchao, tensorwise scaling) and each block compiled; pays from ~4k hidden on "
+           "(1.19x bf16-pure at 7B widths, 0.78-1.01x at 0.4-0.5B on an H200); checked by the preflight with its "
+           "own, looser bound",
+}
+
 # Resuming with any of these changed would not continue the same run (refused unless allowed).
 RESUME_SENSITIVE = ("batch_size", "grad_accum", "seq_len")
 
@@ -53,15 +76,17 @@ def option(default: Any = MISSING, help: str = "", *, commands: tuple[str, ...] 
            choices: tuple | None = None, flag: str | None = None, default_help: str | None = None,
            per_command: dict[str, dict[str, Any]] | None = None, required: bool = False,
            parse: typing.Callable[[str], Any] | None = None, metavar: str | None = None,
-           default_factory: Any = MISSING) -> Any:
+           default_factory: Any = MISSING, aliases: tuple[str, ...] = ()) -> Any:
     """A dataclass field with its command-line face.
 
     commands: the commands that offer it as a flag (others get the default). flag: the option's name
     when it is not `--field-name`. default_help: how --help shows the default (else the value).
     per_command: {command: {"default"|"help"|"flag"|"default_help"|"required"|"parse": ...}} where one
-    command differs. parse: argparse `type=` (else from the field's type)."""
+    command differs. parse: argparse `type=` (else from the field's type). aliases: other option strings that
+    still work (an older name), shown after the flag."""
     meta = {"help": help, "commands": commands, "choices": choices, "flag": flag, "default_help": default_help,
-            "per_command": per_command or {}, "required": required, "parse": parse, "metavar": metavar}
+            "per_command": per_command or {}, "required": required, "parse": parse, "metavar": metavar,
+            "aliases": aliases}
     if default_factory is not MISSING:
         return field(default_factory=default_factory, metadata={"cli": meta})
     return field(default=default, metadata={"cli": meta})
@@ -106,8 +131,12 @@ class TrainConfig:
     batch_size: int = option(8, "samples per micro-batch", commands=_EVERY,
                              per_command={"eval": {"help": "batch size"}})
     grad_accum: int = option(1, "micro-batches per optimizer step")
+    # one name for the sequence length of every command: --max-seq-len (finetune's, the peers'), --seq-len its alias
     seq_len: int = option(512, "tokens per training window", commands=("pretrain", "eval"),
-                          per_command={"eval": {"help": "window length for token shards"}})
+                          flag="--max-seq-len", aliases=("--seq-len",), metavar="N", per_command={
+                              "eval": {"help": "tokens per window of token shards; the longest SFT sample or pair of "
+                                               "a .jsonl", "default": None,
+                                       "default_help": "512 for token shards, 2048 for a .jsonl"}})
     lr: float = option(3e-4, "peak learning rate", parse=_lr_or_auto, per_command={
         "finetune": {"default": "auto", "default_help": "auto: by mode and adapter shape, logged"}})
     warmup: int | None = option(None, "warmup steps", default_help="min(100, steps/10)")
@@ -119,22 +148,7 @@ class TrainConfig:
     clip: float = option(1.0, "clip the global L2 grad norm; 0 = off (the norm is still logged)")
     device: str = option(DEFAULT_DEVICE, DEVICE_CHOICES_HELP, commands=_EVERY, metavar="DEVICE")
     device_reason: str = ""  # how --device was chosen ("--device auto: NVIDIA H100 ..."): logged, in run.json
-    dtype: str = option("auto", "compute dtype. auto: bf16 on a CUDA device with native bf16 (compute capability "
-                                "8.0+), fp32 on the CPU and older GPUs; the choice and why are logged and "
-                                "recorded in run.json. bf16: autocast; fp32 master weights, AdamW state and residual "
-                                "stream, bf16 matmuls (holds the 2e-2 logits parity bound). bf16-weights: the "
-                                "step runs on bf16 copies of the fp32 master weights (refreshed once per step) "
-                                "with a bf16 residual stream, as a bf16 model (AdamW and checkpoints stay fp32): "
-                                "+7% tokens/s and 2.4 GiB less peak than bf16 (Qwen2.5-0.5B, batch 8x2048, "
-                                "H200), but logits ~2.5e-2 relL2 from fp32, outside bf16's bound. bf16-pure "
-                                "(--mode full): weights, gradients and AdamW state in bf16, 8 bytes per parameter "
-                                "instead of 16 (e.g. long context), at the price of bf16 updates: a step smaller "
-                                "than ~2^-8 of a weight is rounded away. fp8 (--mode full, NVIDIA compute "
-                                "capability 8.9+: H100/H200/Ada; needs torchao): bf16-pure with the blocks' "
-                                "linears in float8 (torchao, tensorwise scaling) and each block compiled; pays "
-                                "from ~4k hidden on (1.19x bf16-pure at 7B widths, 0.78-1.01x at 0.4-0.5B on an "
-                                "H200); checked by the preflight with its own, looser bound",
-                        commands=_EVERY, choices=("auto", *DTYPES))
+    dtype: str = option("auto", DTYPE_HELP, commands=_EVERY, choices=("auto", *DTYPES))
     dtype_reason: str = ""  # how --dtype was chosen ("--dtype auto: bf16 on cuda ..."): logged, in run.json
     kernels: str = option("auto", "op implementations: auto = triton on cuda, torch elsewhere", commands=_EVERY,
                           choices=("auto", *KERNELS))
@@ -388,7 +402,8 @@ class DataConfig:
     val_fraction: float = option(0.05, "held-out fraction of --data when no --val", commands=("finetune",))
     split: str | None = option(None, "token shards split", commands=("eval",), choices=("train", "val"),
                                default_help="val if present")
-    max_seq_len: int = option(2048, "longest SFT sample in tokens", commands=("finetune", "eval"))
+    max_seq_len: int = option(2048, "longest SFT sample in tokens", commands=("finetune",), aliases=("--seq-len",),
+                              metavar="N")
     truncation: str = option("skip", "a response cut by --max-seq-len: skip the sample or train it cut",
                              commands=("finetune", "eval"), choices=TRUNCATION_POLICIES)
     skip_invalid: bool = option(False, "skip and count invalid rows instead of exit 2", commands=("finetune",))

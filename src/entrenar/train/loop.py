@@ -429,7 +429,7 @@ class Trainer:
                     f"(world {was} x batch {saved.get('batch_size')} x accumulation {saved.get('grad_accum')}, "
                     f"seq_len {saved.get('seq_len')}); now {now} x {self.cfg.batch_size} x {self.cfg.grad_accum} = "
                     f"{g_now} (seq_len {self.cfg.seq_len}). Keep world x --batch-size x --grad-accum and "
-                    f"--seq-len the same to continue the same run (e.g. --batch-size "
+                    f"--max-seq-len the same to continue the same run (e.g. --batch-size "
                     f"{max(1, g_was // max(1, now * self.cfg.grad_accum))}), or pass --allow-config-change")
             self.log(f"resume: world size {was} -> {now}, global batch {g_was} -> {g_now}; resharding model and "
                      f"optimizer")
