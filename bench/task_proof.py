@@ -1,4 +1,4 @@
-"""Issue 35 parts 3-4: does training make a model better at its task? Everything through the real CLI.
+"""Does training make a model better at its task, and no worse at the rest? Everything through the real CLI.
 
     python -m bench.task_proof toolcall --model MODEL --work DIR [--chat-template FILE] [--mode lora|full] ...
     python -m bench.task_proof humaneval --model MODEL --work DIR --recipe bad|good ...
@@ -6,6 +6,10 @@
 toolcall: BFCL before (simple_python, multiple, irrelevance), a tool-call SFT on rows built from BFCL's live_*
 categories (disjoint from the scored ones: `data sft-from-bfcl`), with the in-loop task metric on a slice of
 simple_python, BFCL after, HumanEval before and after; each change paired on the same questions (exact McNemar).
+toolcall's retention options: `--replay F` mixes `data replay`'s rows (the base's own answers to general and code
+requests) at fraction F, `--kl-to-base B` pulls those rows to the base, `--swapped-matched` matches the no-call rows to
+the call rows, `--retain` puts retained tasks in the loop's panel; the chat task is scored before and after too, and
+every after-eval pairs itself with the base's per-problem file (`eval --compare`: one verdict per category).
 humaneval: SFT on docstring -> function rows of the standard library with `--eval-task humaneval` in the loop (the
 recipe that lost problems, and one that should not). Writes DIR/summary.json (and prints it); every per-problem
 file stays in DIR.
@@ -71,7 +75,8 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
                            "irrelevance_copies": a.irrelevance_copies, "swapped_no_call": a.swapped_no_call}
     rows = work / "rows.jsonl"
     res["rows"] = cli("data", "sft-from-bfcl", "--out", str(rows), "--irrelevance", "--overwrite",
-                      "--swapped-no-call", str(a.swapped_no_call))
+                      "--swapped-no-call", str(a.swapped_no_call), *(["--swapped-matched"] if a.swapped_matched else []))
+    res.update(replay=a.replay, kl_to_base=a.kl_to_base, swapped_matched=a.swapped_matched, retain=a.retain)
     # every call row and every swapped no-call row, and the first --irrelevance-rows of live_irrelevance's rows
     # (it has 880: as many as 40% of the rows would teach abstaining more than calling)
     kept, no_call = [], 0
@@ -93,6 +98,17 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
         res["base_bfcl"] = cli("eval", "--task", f"bfcl:{cats}", "--model", a.model, *template, *limit,
                                *_device_args(a), "--out", str(work / "base_bfcl.jsonl"), "--overwrite",
                                log=work / "base_bfcl.log")
+    if not (work / "base_chat.jsonl").is_file():
+        res["base_chat"] = cli("eval", "--task", "chat", "--model", a.model, *template, *limit, *_device_args(a),
+                               "--out", str(work / "base_chat.jsonl"), "--overwrite", log=work / "base_chat.log")
+    mix: list[str] = []
+    if a.replay:  # the base's own answers, mixed in so the fine-tune keeps them (data/replay.py)
+        res["replay_rows"] = cli("data", "replay", "--model", a.model, *template, "--out", str(work / "replay.jsonl"),
+                                 "--device", a.device, "--batch-size", str(a.eval_batch), "--overwrite",
+                                 log=work / "replay.log")
+        mix = ["--mix", f"{work / 'replay.jsonl'}:{a.replay}"]
+    kl = ["--kl-to-base", str(a.kl_to_base)] if a.kl_to_base else []
+    retain = [x for spec in a.retain for x in ("--retain-task", spec)]
     if not a.skip_humaneval and not (work / "base_he.jsonl").is_file():
         res["base_humaneval"] = cli("eval", "--task", "humaneval", "--model", a.model, *template, *limit,
                                     *_device_args(a), "--out", str(work / "base_he.jsonl"), "--overwrite",
@@ -105,14 +121,20 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
                           "--max-seq-len", str(a.max_seq_len), "--max-skip-fraction", "0.5", *template,
                           "--eval-task", a.in_loop_task, "--eval-task-limit", str(a.in_loop_limit),
                           "--eval-task-every", str(a.in_loop_every), "--keep-best", a.keep_best, "--eval-batches", "10",
-                          "--device", a.device, "--seed", "0",
+                          "--device", a.device, "--seed", "0", *mix, *kl, *retain,
                           log=work / "finetune.log")
     if not res["finetune"].get("ok"):
         return res
+    res["after_chat"] = cli("eval", "--task", "chat", "--model", str(run), *limit, *_device_args(a),
+                            "--out", str(work / "after_chat.jsonl"), "--overwrite",
+                            "--compare", str(work / "base_chat.jsonl"), log=work / "after_chat.log")
     res["after_bfcl"] = cli("eval", "--task", f"bfcl:{cats}", "--model", str(run), *limit, *_device_args(a),
-                            "--out", str(work / "after_bfcl.jsonl"), "--overwrite", log=work / "after_bfcl.log")
+                            "--out", str(work / "after_bfcl.jsonl"), "--overwrite",
+                            "--compare", str(work / "base_bfcl.jsonl"), log=work / "after_bfcl.log")
     res["paired"] = {c: compare(work / "base_bfcl.jsonl", work / "after_bfcl.jsonl", f"bfcl {c}", c)
                      for c in cats.split(",")}
+    res["paired"]["chat"] = compare(work / "base_chat.jsonl", work / "after_chat.jsonl", "chat")
+    res["qa"] = cli("qa", "--model", str(run), "--device", a.device, log=work / "qa.log")
     if not a.skip_humaneval:
         res["after_humaneval"] = cli("eval", "--task", "humaneval", "--model", str(run), *limit, *_device_args(a),
                                      "--out", str(work / "after_he.jsonl"), "--overwrite", log=work / "after_he.log")
@@ -175,6 +197,10 @@ def main() -> None:
     t.add_argument("--irrelevance-copies", type=int, default=1, help="each kept no-call row this many times")
     t.add_argument("--swapped-no-call", type=int, default=0,
                    help="data sft-from-bfcl --swapped-no-call: questions shown other questions' functions, no call")
+    t.add_argument("--replay", type=float, default=0.0, help="finetune --mix data replay's rows at this fraction")
+    t.add_argument("--kl-to-base", type=float, default=0.0, help="finetune --kl-to-base (on the replay rows)")
+    t.add_argument("--swapped-matched", action="store_true", help="data sft-from-bfcl --swapped-matched")
+    t.add_argument("--retain", action="append", default=[], metavar="TASK", help="finetune --retain-task TASK")
     t.add_argument("--keep-best", default="task", choices=("last", "task"),
                    help="last: the final step's weights, so no scored question picks the checkpoint")
     h = sub.choices["humaneval"]

@@ -607,6 +607,9 @@ def test_on_spike_policy_through_pretrain(policy, tmp_path, byte_model_dir, smal
     skipped = [r["step"] for r in read_jsonl(tmp_path / "r" / "metrics.jsonl") if r["skipped"]]
     assert skipped == ([20] if policy == "skip" else [])
     assert result["counters"].get("spike_skipped", 0) == (1 if policy == "skip" else 0)
+    # the warning is listed in the summary's warnings, not only counted (a destroyed run was "warnings": [])
+    spikes = [w for w in result["warnings"] if w["guard"] == "GUARD-SPIKE"]
+    assert [w["step"] for w in spikes] == [20] and "step 20" in spikes[0]["message"]
 
 
 @pytest.mark.parametrize("policy", ["stop", "skip"])

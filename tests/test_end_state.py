@@ -102,7 +102,7 @@ def test_a_run_that_ends_worse_says_so(tmp_path, base_model, sft_data, capsys): 
                                          "--val-fraction", "0.25"), capsys)
     assert code == 0 and result["ok"] is True, err[-2000:]
     assert result["eval_loss_final"] > result["eval_loss_start"]
-    [w] = result["warnings"]
+    [w] = [x for x in result["warnings"] if x["guard"] == "GUARD-END-WORSE"]
     assert w["guard"] == "GUARD-END-WORSE" and w["start"] == result["eval_loss_start"]
     assert w["end"] == result["eval_loss_final"] and "GUARD-END-WORSE (warning)" in err
 

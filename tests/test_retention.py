@@ -282,13 +282,12 @@ def _rep(**gates_by_prompt):
     return {"prompts": [{"name": n, "gates": g, "output": "out", "notes": []} for n, g in gates_by_prompt.items()]}
 
 
-def test_guard_qa_fires_only_on_gates_the_base_passed():
-    base = _rep(p={"coherent": True, "stops": False})
-    final = _rep(p={"coherent": False, "stops": False})
+def test_guard_qa_fires_only_on_prompts_the_base_passed():
+    base = _rep(p={"coherent": True, "stops": True}, q={"coherent": True, "non_empty": False})
+    final = _rep(p={"coherent": False, "stops": True}, q={"coherent": False, "non_empty": False})
     found = qa_gate.judge(base, final, "warn")
-    assert found["guard"] == "GUARD-QA" and [x["gate"] for x in found["lost"]] == ["coherent"]
-    assert qa_gate.judge(base, _rep(p={"coherent": True, "stops": False}), "warn") is None
-    assert qa_gate.judge(_rep(p={"coherent": False}), _rep(p={"coherent": False}), "warn") is None
+    assert found["guard"] == "GUARD-QA" and [(x["prompt"], x["gates"]) for x in found["lost"]] == [("p", ["coherent"])]
+    assert qa_gate.judge(base, base, "warn") is None
     with pytest.raises(GuardError) as e:
         qa_gate.judge(base, final, "stop")
     assert e.value.guard_id == "GUARD-QA" and e.value.exit_code == 3

@@ -178,7 +178,7 @@ def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from .registry import add_command
+    from .registry import add_command, add_device_option
 
     def dispatch(args: argparse.Namespace) -> dict:
         return args.data_func(args)
@@ -257,7 +257,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--batch-size", type=int, default=16, help="requests decoded at once (16)")
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (and the prompts')")
     q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
-    q.add_argument("--device", default="auto", help="auto (the GPU when there is one), cpu, cuda, cuda:N (auto)")
+    add_device_option(q)
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
     q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) JSONL against a model's chat template; report loss tokens")

@@ -72,7 +72,7 @@ def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
         if typ is bool:
             kwargs["action"] = "store_true"
         elif typing.get_origin(typ) is list:  # a flag given several times: each adds one value
-            kwargs.update(action="append", type=typing.get_args(typ)[0], default=None,
+            kwargs.update(action="append", type=typing.get_args(typ)[0], default=list(default or []),
                           metavar=spec["metavar"] or flag.lstrip("-").replace("-", "_").upper())
         else:
             kwargs.update(type=_argument_type(spec["parse"]) if spec["parse"] else typ, default=default)

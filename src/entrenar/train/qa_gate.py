@@ -2,9 +2,10 @@
 
 A fine-tune that destroys the model (lr 0.01 on a LoRA: "1 plus 4 plus 4 plus 4 ...") can still end with exit 0
 and a falling loss. The four golden prompts take seconds; a gate that passed on the base and fails on the final
-model is GUARD-QA: a warning in the summary's `warnings` (`--on-qa-fail warn`, the default) or exit 3 after
-final/ is written (`stop`). A gate the base already failed (a tiny or untrained model) is not the fine-tune's
-doing and is not reported. `off` skips both runs.
+model (a prompt whose every gate passed on the base and one fails at the end) is GUARD-QA: a warning in the
+summary's `warnings` (`--on-qa-fail warn`, the default) or exit 3 after final/ is written (`stop`). A prompt the
+base already failed (a tiny or untrained model) is not the fine-tune's doing and is not reported. `off` skips both
+runs.
 """
 
 from __future__ import annotations
@@ -28,16 +29,17 @@ def qa_report(model: Any, tokenizer: Any) -> dict[str, Any] | None:
 
 
 def qa_regressions(base: dict[str, Any], final: dict[str, Any]) -> list[dict[str, Any]]:
-    """The gates that passed on the base and fail on the final model: [{prompt, gate, output, notes}]."""
+    """The golden prompts the base answered passing every gate and the final model fails: [{prompt, gates (the
+    failed ones), output, notes}]. A prompt the base already failed (a tiny or untrained model) is not the
+    fine-tune's doing."""
     before = {p["name"]: p for p in base["prompts"]}
     out = []
     for p in final["prompts"]:
         b = before.get(p["name"])
-        if b is None:
+        if b is None or not all(b["gates"].values()) or all(p["gates"].values()):
             continue
-        for gate, ok in p["gates"].items():
-            if not ok and b["gates"].get(gate, False):
-                out.append({"prompt": p["name"], "gate": gate, "output": p["output"][:200], "notes": p["notes"]})
+        out.append({"prompt": p["name"], "gates": [g for g, ok in p["gates"].items() if not ok],
+                    "output": p["output"][:200], "notes": p["notes"]})
     return out
 
 
@@ -49,7 +51,7 @@ def judge(base: dict[str, Any] | None, final: dict[str, Any] | None, policy: str
     lost = qa_regressions(base, final)
     if not lost:
         return None
-    shown = "; ".join(f"{r['prompt']} {r['gate']}: {r['output']!r}" for r in lost[:4])
+    shown = "; ".join(f"{r['prompt']} ({', '.join(r['gates'])}): {r['output']!r}" for r in lost[:4])
     message = (f"GUARD-QA: qa's gates passed on the base and fail on the final model ({len(lost)}: {shown}). The "
                f"fine-tune damaged what the model could do (too high a --lr, too many steps on narrow rows)")
     remedy = ("lower --lr or --steps, mix general rows in (`entrenar data replay`), add --retain-task chat, and check "
