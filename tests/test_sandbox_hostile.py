@@ -17,6 +17,7 @@ from entrenar.evaluate import sandbox
 from entrenar.evaluate.harness import TaskEvalSettings, summarize, task_records
 from entrenar.evaluate.sandbox import SandboxLimits, run_program
 from entrenar.evaluate.tasks import Problem, program
+from tests.helpers.sandbox import without_hook, without_seccomp
 from tests.helpers.tokenizers import tiny_tokenizer
 
 FAST = SandboxLimits(timeout_s=5)
@@ -175,25 +176,20 @@ def _nothing_left(v: dict) -> None:
     assert (v["dir"] / "open.txt").read_text() == "keep me" and (v["dir"] / "secret.txt").read_text() == "s3cret"
 
 
-def _without_second_line(monkeypatch) -> None:
-    """The kernel layers alone: the bootstrap installs neither the audit hook nor its guards."""
-    for line in ("_guard_unaudited()\n", "sys.addaudithook(_hook)\n"):
-        assert sandbox.BOOTSTRAP.count("\n" + line) == 1
-        monkeypatch.setattr(sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace("\n" + line, "\n"))
-
-
 @ROOT_ONLY
 @pytest.mark.parametrize("layers", ["all", "kernel-only"])
 @pytest.mark.parametrize("case", sorted(ATTACKS))
 def test_hostile_program_writes_nothing_outside_as_root(monkeypatch, victims, case, layers):
-    """As root, each attack scores failed and leaves nothing, with every layer and with the kernel's alone
-    (the read-only mount namespace: the audit hook saw no event for fork_exec, mkfifo, mknod). The same
-    attack aimed inside its work directory passes there: the attack itself works."""
+    """As root, each attack scores failed and leaves nothing, with every layer and with the mount
+    namespace's alone (no audit hook, which saw no event for fork_exec, mkfifo, mknod, and no system-call
+    filter, which refuses fork_exec's fork). The same attack aimed inside its work directory passes there:
+    the attack itself works."""
     level = sandbox.isolation_level()[0]
     if "mountns" not in level.split("+"):
         pytest.skip(f"this machine refuses mount namespaces ({level})")
     if layers == "kernel-only":
-        _without_second_line(monkeypatch)
+        without_hook(monkeypatch)
+        without_seccomp(monkeypatch)
     result = run_program(ATTACKS[case].format(**_targets(case, victims)), FAST)
     assert result.status == "failed", (case, result)
     _nothing_left(victims)
@@ -212,6 +208,6 @@ def test_hostile_program_writes_nothing_outside_without_root(monkeypatch, victim
     monkeypatch.setattr(sandbox, "_LEVEL", None)
     monkeypatch.setattr(sandbox, "_is_root", lambda: False)
     result = run_program(ATTACKS[case].format(**_targets(case, victims)), FAST)
-    assert result.isolation == "rlimits+audit-hook"
+    assert result.isolation in ("rlimits+seccomp+audit-hook", "rlimits+audit-hook"), result.isolation
     assert result.status == "failed" and "sandbox:" in result.error, (case, result)
     _nothing_left(victims)
