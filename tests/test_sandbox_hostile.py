@@ -139,6 +139,7 @@ ATTACKS = {
     "fork_exec-sh": (FORK_EXEC + "shell('echo x > {A}; echo x > {B}')\n"
                      "assert open({A!r}).read() == 'x\\n' and open({B!r}).read() == 'x\\n'\n"),
     "mkfifo-in-root": "import os, stat\nos.mkfifo({A!r})\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
+    "mkfifo-bytes-path": "import os, stat\nos.mkfifo({A!r}.encode())\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
     "mknod": "import os, stat\nos.mknod({A!r}, 0o600 | stat.S_IFIFO)\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
     "O_RDONLY|O_TRUNC": "import os\nos.close(os.open({A!r}, os.O_RDONLY | os.O_TRUNC))\nassert os.path.getsize({A!r}) == 0\n",
     "read-root-0600": "assert open({A!r}).read() == 's3cret'\n",
@@ -166,6 +167,7 @@ def victims():
 
 def _targets(case: str, v: dict) -> dict[str, str]:
     return {"fork_exec-sh": {"A": str(v["tmp"]), "B": str(v["shm"])}, "mkfifo-in-root": {"A": str(v["root"])},
+            "mkfifo-bytes-path": {"A": str(v["root"])},
             "mknod": {"A": str(v["dir"] / "node")}, "O_RDONLY|O_TRUNC": {"A": str(v["dir"] / "open.txt")},
             "read-root-0600": {"A": str(v["dir"] / "secret.txt")}}[case]
 

@@ -126,11 +126,12 @@ def _refuse(what):
 
 def _guard_path(root, name, real):
     import os
-    realpath, sep, refused = os.path.realpath, os.sep, PermissionError
+    realpath, fspath, sep, refused = os.path.realpath, os.fspath, os.sep, PermissionError
 
     def guarded(path, *args, **kwargs):
         try:
-            where = realpath(path)
+            where = fspath(path)
+            where = realpath(where.decode("utf-8", "surrogateescape") if isinstance(where, bytes) else where)
         except Exception:
             where = ""
         if kwargs.get("dir_fd") is not None or (where != root and not where.startswith(root + sep)):
