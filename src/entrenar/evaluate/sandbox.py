@@ -234,7 +234,7 @@ class SandboxResult:
     status: str  # "passed" | "failed" | "timeout"
     error: str  # "" when passed; else the tail of stderr, or why it was killed
     seconds: float
-    isolation: str  # what this program ran under: "uid+netns+mountns" ... or "rlimits", + "+audit-hook" always
+    isolation: str  # what it ran under: "uid+netns+mountns+seccomp" ... or "rlimits", + "+audit-hook" always
 
     @property
     def passed(self) -> bool:
@@ -366,7 +366,8 @@ def isolation_level() -> tuple[str, str]:
     always there. Root: a uid of its own, a network namespace and a read-only view of the file system but
     its work directory (a mount namespace) when the machine allows them, with this interpreter, or the
     system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another uid:
-    resource limits only.
+    resource limits only. Then, root or not, "+seccomp" when the system-call filter installs and holds
+    (_seccomp_works).
 
     Probed once per process, under a lock: every caller (each worker of the harness's pool) waits until
     the probe is done, so no program starts under layers that are not established yet (issue 38 item 1:
@@ -417,7 +418,7 @@ def _probe_kernel_layers() -> tuple[str, str]:
 
 
 def weakest_isolation(levels: Iterable[str]) -> str:
-    """The level with the fewest kernel layers of `levels` (each "uid+netns+audit-hook"-like)."""
+    """The level with the fewest kernel layers of `levels` (each "uid+netns+seccomp+audit-hook"-like)."""
     return min(levels, key=lambda level: (len(set(level.split("+")) - {"rlimits", "audit-hook"}), level))
 
 
