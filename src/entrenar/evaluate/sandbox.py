@@ -212,6 +212,9 @@ def _sandbox():
     _guard_unaudited(root)
     _install_filter(program_filter)
     sys.addaudithook(_make_hook(root))
+    bootstrap = globals()  # a guard's __globals__: none of the functions above is left there to find
+    for name in [name for name in bootstrap if name.startswith("_") and not name.startswith("__")]:
+        del bootstrap[name]
     sys.modules["__main__"] = main
     exec(code, main.__dict__)
     os.write(done, token)

