@@ -14,7 +14,7 @@ import pytest
 from entrenar.evaluate import sandbox
 from entrenar.evaluate.sandbox import SandboxLimits, isolation_level, run_program
 from entrenar.evaluate.tasks import humaneval_path, humaneval_problems, program
-from tests.helpers.sandbox import without_hook, without_seccomp
+from tests.helpers.sandbox import without_hook, without_layers, without_seccomp
 
 FAST = SandboxLimits(timeout_s=1.5)
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the uid layer needs root (CI and these machines run as root)")
@@ -102,10 +102,12 @@ def open_dir():
 @pytest.mark.parametrize("root", ["as-is", "not-root"])
 def test_deleting_files_outside_its_directory_fails_and_they_survive(open_dir, monkeypatch, root):
     """As the process is (root here: uid, read-only mounts and the audit hook), and through the not-root
-    fallback (the root check patched), where the audit hook alone refuses each attack."""
+    fallback (the root check patched) without the filter and Landlock, where the audit hook alone refuses
+    each attack."""
     if root == "not-root":
         monkeypatch.setattr(sandbox, "_LEVEL", None)
         monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+        without_layers(monkeypatch, "seccomp", "landlock")
     victim = open_dir / "precious.txt"
     victim.write_text("keep me")
     os.chmod(victim, 0o666)
@@ -186,6 +188,9 @@ def test_signalling_its_parent_is_refused():
 
 
 def test_its_working_directory_is_thrown_away(tmp_path, monkeypatch):
+    """Also where the work directory's path crosses a 0700 directory (pytest's tmp_path) the sandbox uid
+    cannot pass: the layers (probed before, in /tmp) are set up from the directory it starts in."""
+    isolation_level()
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     result = run_program("open('left.txt', 'w').write('x')\n", FAST)
     assert result.passed, result.error

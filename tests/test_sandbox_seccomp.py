@@ -301,13 +301,15 @@ def test_a_filter_that_does_not_install_stops_the_run(monkeypatch):
 
 
 def test_the_isolation_names_the_filter(monkeypatch):
-    """Probed like the other layers and named: as root after the namespaces, not root after rlimits."""
+    """Probed like the other layers and named: as root after the namespaces, not root after rlimits (then
+    Landlock where the kernel has it)."""
     if seccomp.machine() is None:
         pytest.skip("no filter for this architecture")
+    landlock = "+landlock" if sandbox.landlock_abi() else ""
     level = sandbox.isolation_level()[0]
-    assert level.split("+")[-1] == "seccomp", level
+    assert level.endswith("+seccomp" + landlock), level
     _without_root(monkeypatch)
-    assert sandbox.isolation_level()[0] == "rlimits+seccomp"
+    assert sandbox.isolation_level()[0] == "rlimits+seccomp" + landlock
 
 
 HEADERS = {"x86_64": "/usr/include/x86_64-linux-gnu/asm/unistd_64.h", "aarch64": "/usr/include/asm-generic/unistd.h"}

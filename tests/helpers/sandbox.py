@@ -16,10 +16,15 @@ def without_hook(monkeypatch) -> None:
         monkeypatch.setattr(sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace("\n" + line, "\n"))
 
 
-def without_seccomp(monkeypatch) -> str:
-    """This process's level without the system-call filter (the layers it probed, less seccomp): what
-    the uid, namespaces and rlimits hold alone. Returns that level."""
+def without_layers(monkeypatch, *names: str) -> str:
+    """This process's level without the layers `names` (of those it probed): what the others hold alone.
+    Returns that level."""
     level, python = sandbox.isolation_level()
-    bare = "+".join(layer for layer in level.split("+") if layer != "seccomp")
+    bare = "+".join(layer for layer in level.split("+") if layer not in names)
     monkeypatch.setattr(sandbox, "_LEVEL", (bare, python))
     return bare
+
+
+def without_seccomp(monkeypatch) -> str:
+    """Without the system-call filter: what the uid, namespaces, Landlock and rlimits hold alone."""
+    return without_layers(monkeypatch, "seccomp")

@@ -24,13 +24,16 @@ memory). Layers, strongest first (docs/design.md, "Task evaluation"):
    is reachable by path from any network namespace), no exec, no process (threads only), no ptrace or
    access to another process's memory, no signal but to itself; it holds whatever the program does to
    Python's state.
-4. inside the interpreter, before the program runs, an audit hook (PEP 578: cannot be removed) refuses
+4. Landlock (Linux 5.13+, root or not), installed by the bootstrap before the filter: no file written,
+   truncated, made, removed, linked or renamed outside the work directory, by any path or system call (a
+   directory descriptor included); not root, the kernel's line for writes.
+5. inside the interpreter, before the program runs, an audit hook (PEP 578: cannot be removed) refuses
    socket creation and name lookup, ctypes, starting other programs (exec, spawn, system, Popen), and
    writing (O_TRUNC and O_APPEND included), deleting, renaming or changing the mode of files outside the
    working directory; what raises no audit event (fork_exec, mkfifo, mknod) is replaced before the program
    runs (_guard_unaudited). Its settings live in closures the program cannot reach, but it calls the
-   standard library, which Python code can rebind: a second line, and for a non-root user's writes the
-   only one.
+   standard library, which Python code can rebind: a second line (and without Landlock, for a non-root
+   user's writes, the only one).
 
 Each layer is probed once per process (isolation_level, under a lock every program waits for) and the
 result of each program names the layers it ran under. Passed means the program's last statement returned:
@@ -185,9 +188,42 @@ def _install_filter(program):
         os._exit(125)
 
 
+def _install_landlock():
+    # Landlock (Linux 5.13+, no privilege): nothing outside the work directory may be written, truncated,
+    # made, removed, linked or renamed, whatever the path (a dir_fd, a link) or the system call. On a
+    # not-root run this is the kernel's only line for writes (landlock_abi in the harness).
+    import ctypes, os, struct, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    create_ruleset, add_rule, restrict_self, rule_path_beneath = 444, 445, 446, 1
+    u32, c_int, c_size_t = ctypes.c_uint32, ctypes.c_int, ctypes.c_size_t
+    abi = libc.syscall(ctypes.c_long(create_ruleset), None, c_size_t(0), u32(1))  # ..._VERSION: the ABI
+    # WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM; REFER (ABI 2), TRUNCATE (3)
+    handled = 0x1FF2 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
+    failed = abi < 1
+    if not failed:
+        attr = ctypes.c_uint64(handled)
+        ruleset = libc.syscall(ctypes.c_long(create_ruleset), ctypes.byref(attr), c_size_t(8), u32(0))
+        failed = ruleset < 0
+    if not failed:
+        fd = os.open(".", os.O_PATH | os.O_DIRECTORY)  # the work directory (cwd): its path may cross a 0700 one
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", handled, fd), 12)  # packed path_beneath_attr
+        failed = libc.syscall(ctypes.c_long(add_rule), c_int(ruleset), c_int(rule_path_beneath), rule, u32(0)) != 0
+        os.close(fd)
+        failed = (failed or libc.prctl(38, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                       ctypes.c_ulong(0)) != 0
+                  or libc.syscall(ctypes.c_long(restrict_self), c_int(ruleset), u32(0)) != 0)
+        os.close(ruleset)
+    if failed:
+        sys.stderr.write(f"sandbox: the Landlock rules could not be installed: {os.strerror(ctypes.get_errno())}\n")
+        sys.stderr.flush()
+        os._exit(125)
+
+
 def _sandbox():
     import os, sys
-    # stdin: the run's token, a newline, then the filter's bytes (none: no filter), read to its end, then
+    # stdin: the run's token, a newline, the layers the bootstrap sets up ("landlock" or none), a newline,
+    # then the system-call filter's bytes (none: no filter), read to its end, then
     # stdin is /dev/null. Not in argv or the environment, which the program could read back from
     # /proc/self. The token is written to the done pipe (argv[2]) only when the program's last statement
     # has returned, so an exit status of 0 from sys.exit, os._exit or an atexit handler before that is not
@@ -201,7 +237,8 @@ def _sandbox():
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    token, _, program_filter = data.partition(b"\n")
+    token, _, rest = data.partition(b"\n")
+    layers, _, program_filter = rest.partition(b"\n")
     done, path = int(sys.argv[2]), sys.argv[1]
     sys.argv = sys.argv[1:2]
     with open(path) as f:
@@ -210,6 +247,8 @@ def _sandbox():
     main = type(sys)("__main__")  # the program's own module: not the bootstrap's
     main.__file__ = path
     _guard_unaudited(root)
+    if b"landlock" in layers.split(b"+"):
+        _install_landlock()
     _install_filter(program_filter)
     sys.addaudithook(_make_hook(root))
     bootstrap = globals()  # a guard's __globals__: none of the functions above is left there to find
@@ -237,7 +276,7 @@ class SandboxResult:
     status: str  # "passed" | "failed" | "timeout"
     error: str  # "" when passed; else the tail of stderr, or why it was killed
     seconds: float
-    isolation: str  # what it ran under: "uid+netns+mountns+seccomp" ... or "rlimits", + "+audit-hook" always
+    isolation: str  # what it ran under: "uid+netns+mountns+seccomp+landlock" ... "rlimits", + "+audit-hook"
 
     @property
     def passed(self) -> bool:
@@ -370,7 +409,7 @@ def isolation_level() -> tuple[str, str]:
     its work directory (a mount namespace) when the machine allows them, with this interpreter, or the
     system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another uid:
     resource limits only. Then, root or not, "+seccomp" when the system-call filter installs and holds
-    (_seccomp_works).
+    (_seccomp_works) and "+landlock" when the kernel has Landlock and its rules hold (_landlock_works).
 
     Probed once per process, under a lock: every caller (each worker of the harness's pool) waits until
     the probe is done, so no program starts under layers that are not established yet (issue 38 item 1:
@@ -386,7 +425,33 @@ def _probe_level() -> tuple[str, str]:
     level, python = _probe_kernel_layers()
     if _seccomp_works(level, python):
         level += "+seccomp"
+    if _landlock_works(level, python):
+        level += "+landlock"
     return level, python
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none), asked with landlock_create_ruleset(NULL, 0, VERSION)."""
+    if seccomp.machine() is None:  # the system-call number below is the generic table's (x86_64, aarch64)
+        return 0
+    _LIBC.syscall.restype = ctypes.c_long
+    abi = _LIBC.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(abi, 0)
+
+
+# Landlock is in force when a file cannot be made in the work directory's parent through a descriptor of it
+# (the audit hook sees a relative name there and lets it through); as root the uid alone refuses that too
+LANDLOCK_PROBE = ("import os\nfd = os.open('..', os.O_PATH | os.O_DIRECTORY)\n"
+                  "try:\n    os.close(os.open('landlock-probe', os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))\n"
+                  "except OSError:\n    pass\n"
+                  "else:\n    raise SystemExit('a file was made outside the work directory: no Landlock in force')\n")
+
+
+def _landlock_works(level: str, python: str) -> bool:
+    """Whether Landlock installs and holds here under the layers of `level` (its probe program passes)."""
+    if not landlock_abi():
+        return False
+    return _run(LANDLOCK_PROBE, SandboxLimits(timeout_s=30), level + "+landlock", python).passed
 
 
 # the filter is in force when a fork is refused (the audit hook lets os.fork through) and a thread starts
@@ -488,12 +553,12 @@ NOT_FINISHED = ("exit status 0 before the program's end (sys.exit, os._exit, Sys
                 "its last statement never returned")
 
 
-def _send_token(proc: subprocess.Popen, token: bytes, program_filter: bytes) -> None:
-    """The run's token and the system-call filter (empty: none) to the child's stdin (the bootstrap reads
-    them before the program starts)."""
+def _send_token(proc: subprocess.Popen, token: bytes, layers: bytes, program_filter: bytes) -> None:
+    """The run's token, the layers the bootstrap installs (b"landlock" or b"") and the system-call filter
+    (empty: none) to the child's stdin (the bootstrap reads them before the program starts)."""
     assert proc.stdin is not None
     try:
-        proc.stdin.write(token + b"\n" + program_filter)
+        proc.stdin.write(token + b"\n" + layers + b"\n" + program_filter)
         proc.stdin.close()
     except BrokenPipeError:  # it died before reading it (it then cannot pass)
         pass
@@ -558,7 +623,8 @@ def _run(program: str, limits: SandboxLimits, level: str, python: str) -> Sandbo
                 finally:
                     os.close(done_w)  # the child's copy is the only writer left
                 # built for this child's pid: the only process its signals may reach
-                _send_token(proc, token, seccomp.build_filter(proc.pid) if "seccomp" in layers else b"")
+                _send_token(proc, token, b"landlock" if "landlock" in layers else b"",
+                            seccomp.build_filter(proc.pid) if "seccomp" in layers else b"")
                 try:
                     returncode = proc.wait(timeout=limits.timeout_s)
                     timed_out = False
