@@ -1,0 +1,175 @@
+"""`pretrain|finetune --report-to tensorboard,mlflow,wandb` (train/reporting.py): every metrics.jsonl and
+eval.jsonl number reaches each tracker, read back by the tracker's own reader (TensorBoard's EventAccumulator, the
+MLflow client on the run's sqlite store, W&B's offline .wandb records parsed with wandb's protobuf classes) and
+equal to the logs; the config goes as params, curves.png and samples.jsonl as artifacts; a missing package is exit
+2 naming its extra before anything is written.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import struct
+import sys
+from pathlib import Path
+
+import pytest
+
+from entrenar.train.metrics import read_jsonl
+from entrenar.train.reporting import TRACKERS, flat_params, scalars, tracker_key
+from tests import test_train_cli
+from tests.helpers.cli import run_cli as main
+from tests.test_train_cli import pretrain_args
+
+byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir
+
+
+def expected_series(run: Path) -> dict[str, dict[int, float]]:
+    """{tracker key: {step: value}} from metrics.jsonl and eval.jsonl, by the documented key rule."""
+    out: dict[str, dict[int, float]] = {}
+    for kind in ("metrics", "eval"):
+        for row in read_jsonl(run / f"{kind}.jsonl"):
+            prefix = f"task/{row['task']}" if "task" in row else ("train" if kind == "metrics" else "eval")
+            for key, value in scalars(row, prefix).items():
+                out.setdefault(key, {})[row["step"]] = value
+    return out
+
+
+# ---- W&B's offline run file: a LevelDB-style log of wandb's protobuf Records ---------------------------------
+def wandb_records(path: Path) -> list:
+    """The Records of a .wandb file: a 7-byte header (":W&B", magic, version), then 32 KiB blocks of chunks, each
+    with a 7-byte header (crc32, length, type: 1 full, 2 first, 3 middle, 4 last)."""
+    from wandb.proto import wandb_internal_pb2 as pb
+
+    data = path.read_bytes()
+    assert data[:4] == b":W&B"
+    block, pos, buf, records = 32768, 7, b"", []
+    while pos + 7 <= len(data):
+        left = block - pos % block
+        if left < 7:
+            pos += left
+            continue
+        _, length, kind = struct.unpack("<IHB", data[pos:pos + 7])
+        if length == 0 and kind == 0:  # the zero padding of a block's end
+            pos += left
+            continue
+        chunk = data[pos + 7:pos + 7 + length]
+        pos += 7 + length
+        buf = chunk if kind in (1, 2) else buf + chunk
+        if kind in (1, 4):
+            record = pb.Record()
+            record.ParseFromString(buf)
+            records.append(record)
+    return records
+
+
+def wandb_history(run: Path) -> tuple[dict[str, dict[int, float]], dict, set[str]]:
+    """({key: {step: value}} of the history records' numbers, the run's config, every history key) of RUN/wandb's
+    one offline run."""
+    files = list((run / "wandb").glob("offline-run-*/run-*.wandb"))
+    assert len(files) == 1, files
+    series: dict[str, dict[int, float]] = {}
+    config: dict = {}
+    keys: set[str] = set()
+    for record in wandb_records(files[0]):
+        kind = record.WhichOneof("record_type")
+        if kind == "history":
+            items = {item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
+            step = int(items.pop("_step"))
+            keys.update(items)
+            for key, value in items.items():
+                if not key.startswith("_") and isinstance(value, (int, float)):
+                    series.setdefault(key, {})[step] = float(value)
+        elif kind == "run":
+            config.update({item.key: json.loads(item.value_json) for item in record.run.config.update})
+    return series, config, keys
+
+
+def test_scalars_flatten_rows_by_the_documented_key_rule():
+    row = {"step": 3, "task": "bfcl:simple_python", "metric": "accuracy", "accuracy": 0.5, "passed": 1,
+           "categories": {"simple_python": {"accuracy": 0.5}}, "pass@1": 0.25, "skipped": False, "x": None}
+    got = scalars(row, "task/bfcl:simple_python")
+    assert got == {"task/bfcl_simple_python/accuracy": 0.5, "task/bfcl_simple_python/passed": 1.0,
+                   "task/bfcl_simple_python/categories/simple_python/accuracy": 0.5,
+                   "task/bfcl_simple_python/pass_1": 0.25, "task/bfcl_simple_python/skipped": 0.0}
+    assert tracker_key("rewards/chosen") == "rewards/chosen"
+    assert flat_params({"config": {"lr": 0.001, "report_to": ["wandb"]}, "lora": {"rank": 4}}) == {
+        "config.lr": "0.001", "config.report_to": '["wandb"]', "lora.rank": "4"}
+
+
+def test_report_to_all_three_trackers_read_back_equal_to_the_logs(tmp_path, byte_model_dir, byte_shards, capsys):
+    pytest.importorskip("tensorboard")
+    pytest.importorskip("mlflow")
+    pytest.importorskip("wandb")
+    from mlflow.tracking import MlflowClient
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def f(\n")
+    out = tmp_path / "run"
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=4, extra=(
+        "--no-preflight", "--report-to", "tensorboard,mlflow", "--report-to", "wandb", "--sample-prompts",
+        str(prompts), "--sample-max-new-tokens", "4")), capsys)
+    assert code == 0, err
+    assert "reporting to tensorboard" in err and "mlflow (sqlite:///" in err and "wandb (" in err
+    want = expected_series(out)
+    assert {"train/loss", "train/lr", "train/grad_norm", "train/tok_s", "eval/loss", "eval/ppl"} <= set(want)
+    assert sorted(want["train/loss"]) == [1, 2, 3, 4] and sorted(want["eval/loss"]) == [0, 4]
+
+    # TensorBoard: its own event reader on RUN/tb (values stored as float32)
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "tensors": 0})
+    acc.Reload()
+    tags = set(acc.Tags()["scalars"])
+    assert set(want) <= tags, set(want) - tags
+    for key, series in want.items():
+        got = {e.step: e.value for e in acc.Scalars(key)}
+        assert got.keys() == series.keys(), key
+        assert all(math.isclose(got[s], v, rel_tol=1e-6, abs_tol=1e-30) for s, v in series.items()), key
+    text_tags = set(acc.Tags()["tensors"])
+    assert {"config/text_summary", "samples/text_summary"} <= text_tags, text_tags
+
+    # MLflow: the client on the run's local sqlite store
+    client = MlflowClient(tracking_uri=f"sqlite:///{(out / 'mlflow.db').resolve()}")
+    [run] = client.search_runs([client.get_experiment_by_name("entrenar").experiment_id])
+    assert run.info.status == "FINISHED" and run.info.run_name == "run"
+    for key, series in want.items():
+        assert {m.step: m.value for m in client.get_metric_history(run.info.run_id, key)} == series, key
+    saved = json.loads((out / "run.json").read_text())
+    assert run.data.params["config.lr"] == json.dumps(saved["config"]["lr"])
+    assert run.data.params["config.report_to"] == '["tensorboard", "mlflow", "wandb"]'
+    assert run.data.params["data.data"] == str(byte_shards)
+    artifacts = {f.path for f in client.list_artifacts(run.info.run_id)}
+    assert {"curves.png", "samples.jsonl", "samples"} <= artifacts, artifacts
+    assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # W&B: the offline run's records, through wandb's own protobuf classes
+    history, config, keys = wandb_history(out)
+    for key, series in want.items():
+        assert history.get(key) == series, key
+    assert config["config"]["value"]["lr"] == saved["config"]["lr"]
+    assert "samples/_type" in keys  # the step's completions, as an HTML text
+
+
+@pytest.mark.parametrize("tracker", TRACKERS)
+def test_a_missing_tracker_package_is_exit_2_naming_its_extra(tracker, tmp_path, byte_model_dir, byte_shards,
+                                                              capsys, monkeypatch):
+    from entrenar.train import reporting
+
+    monkeypatch.setattr(reporting, "_checked", set())
+    monkeypatch.setitem(sys.modules, tracker, None)  # `import tracker` raises ImportError
+    out = tmp_path / "run"
+    code, js, err = main(pretrain_args(byte_model_dir, byte_shards, out, extra=("--report-to", tracker)), capsys)
+    assert code == 2 and js["exit_code"] == 2
+    assert f"pip install 'entrenar[{tracker}]'" in err and f"--report-to {tracker}" in err
+    assert not out.exists()  # refused before the run directory is made
+
+
+@pytest.mark.parametrize("flags, expect", [
+    (("--report-to", "comet"), "--report-to 'comet' is not a tracker: use tensorboard, mlflow, wandb"),
+    (("--mlflow-uri", "sqlite:///x.db"), "--mlflow-uri sqlite:///x.db applies to --report-to mlflow"),
+])
+def test_bad_report_flags_are_exit_2(flags, expect, tmp_path, byte_model_dir, byte_shards, capsys):
+    out = tmp_path / "run"
+    code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, extra=flags), capsys)
+    assert code == 2 and expect in err, err
+    assert not out.exists()
