@@ -146,7 +146,7 @@ def test_report_to_all_three_trackers_read_back_equal_to_the_logs(tmp_path, byte
     history, config, keys = wandb_history(out)
     for key, series in want.items():
         assert history.get(key) == series, key
-    assert config["config"]["value"]["lr"] == saved["config"]["lr"]
+    assert config["config"]["lr"] == saved["config"]["lr"] and config["data"]["data"] == str(byte_shards)
     assert "samples/_type" in keys  # the step's completions, as an HTML text
 
 
@@ -173,3 +173,59 @@ def test_bad_report_flags_are_exit_2(flags, expect, tmp_path, byte_model_dir, by
     code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, extra=flags), capsys)
     assert code == 2 and expect in err, err
     assert not out.exists()
+
+
+def test_only_rank_0_opens_trackers(tmp_path):
+    pytest.importorskip("tensorboard")
+    from types import SimpleNamespace
+
+    from entrenar.train.metrics import JsonlLog, NullLog
+    from entrenar.train.reporting import start_reporting
+
+    def trainer(is_main: bool, run_dir: Path) -> SimpleNamespace:
+        run_dir.mkdir()
+        log = JsonlLog(run_dir / "metrics.jsonl") if is_main else NullLog()
+        return SimpleNamespace(strategy=SimpleNamespace(kind="ddp"), ctx=SimpleNamespace(is_main=is_main),
+                               cfg=SimpleNamespace(report_to=["tensorboard"], mlflow_uri=None), run_dir=run_dir,
+                               run_config={"lr": 0.1}, log=lambda text: None, metrics_log=log, eval_log=log,
+                               message=lambda text: None)
+    other = trainer(False, tmp_path / "rank1")
+    assert start_reporting(other, None) == (None, None) and not (other.run_dir / "tb").exists()
+    main_rank = trainer(True, tmp_path / "rank0")
+    tracking, _ = start_reporting(main_rank, None)
+    assert tracking is not None and main_rank.metrics_log.tracking is tracking and (main_rank.run_dir / "tb").is_dir()
+    tracking.close(True)
+
+
+def test_a_failing_tracker_is_named_once_and_dropped(tmp_path):
+    from entrenar.train.reporting import Tracking
+
+    class Broken:
+        name = "mlflow"
+
+        def log_scalars(self, step, values):
+            raise OSError("disk full")
+
+    class Kept:
+        name = "tensorboard"
+
+        def __init__(self):
+            self.rows: list = []
+
+        def log_scalars(self, step, values):
+            self.rows.append((step, values))
+
+        def log_artifact(self, path):
+            pass
+
+        def close(self, ok):
+            self.ok = ok
+
+    said: list[str] = []
+    kept = Kept()
+    tracking = Tracking([Broken(), kept], tmp_path, said.append)
+    for step in (1, 2):
+        tracking.log_row("train", {"step": step, "loss": 1.0 / step})
+    tracking.close(False)
+    assert kept.rows == [(1, {"train/loss": 1.0}), (2, {"train/loss": 0.5})] and kept.ok is False
+    assert len(said) == 1 and "--report-to mlflow: logging failed (OSError: disk full)" in said[0]

@@ -97,13 +97,12 @@ class JsonlLog:
             atomic_write(self.path, "")
 
     def write(self, record: dict[str, Any]) -> None:
-        clean = strict_record(record)
-        line = json.dumps(clean, allow_nan=False)
+        line = json.dumps(strict_record(record), allow_nan=False)
         with open(self.path, "a") as f:
             f.write(line + "\n")
             f.flush()
         if self.tracking is not None:  # the trackers get the row as written (what metrics.jsonl says)
-            self.tracking.log_row(self.kind, clean)
+            self.tracking.log_row(self.kind, strict_record(record))
 
 
 class NullLog:
