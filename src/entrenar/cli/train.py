@@ -61,7 +61,8 @@ def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
         if typ is bool:
             kwargs["action"] = "store_true"
         elif typing.get_origin(typing.get_type_hints(cls)[f.name]) is list:  # a repeatable flag (--report-to)
-            kwargs.update(action="append", type=typ, default=None, metavar=spec["metavar"])
+            # argparse copies the default list before appending to it (the default itself stays empty)
+            kwargs.update(action="append", type=typ, default=default, metavar=spec["metavar"])
         else:
             kwargs.update(type=_argument_type(spec["parse"]) if spec["parse"] else typ, default=default)
             if spec["choices"]:

@@ -256,6 +256,7 @@ def _summary(result: dict, out: Path) -> dict:
             "eval_loss_final": ev[-1]["loss"] if ev else None, "tok_s": result["tok_s"],
             "counters": result["counters"], "final": str(out / "final"),
             "early_stop": result.get("early_stop"),  # --early-stop: why the run ended before --steps, and where
+            "final_holds_step": result.get("final_step"),  # --keep-best: the step of final/'s weights if not the last
             # GUARD-END-WORSE's and GUARD-TASK-REGRESSION's warnings: a worse end is never a silent ok
             "warnings": result.get("warnings", []) + (result["task"]["warnings"] if "task" in result else []),
             **({"task": result["task"]} if "task" in result else {})}
@@ -270,6 +271,8 @@ def _print_summary(s: dict) -> None:
         parts.append(f"final eval loss {s['eval_loss_final']:.4f}")
     if s.get("early_stop"):
         parts.append(f"stopped early after step {s['early_stop']['step']} (--early-stop)")
+    if s.get("final_holds_step") is not None and not s.get("task"):
+        parts.append(f"final/ holds step {s['final_holds_step']} (--keep-best eval)")
     _log("; ".join(parts) + f"; model in {s['final']}")
     task = s.get("task") or {}
     if task.get("line"):  # the task result, gained and lost problems, and its paired test: never only the loss
@@ -465,6 +468,10 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
     rank 0 writes the run directory's files and runs the preflight once (its verdict reaches every
     rank); the trainer applies FSDP/DDP and splits the data (train/parallel.py)."""
     ctx = current()
+    if cfg.keep_best == "eval" and eval_loader is None:  # before the run directory is made
+        raise InputError("--keep-best eval keeps the weights of the lowest eval loss, and this run has no eval set: "
+                         "give finetune --val FILE or --val-fraction F > 0 (pretrain: shards packed with a val split), "
+                         "or drop --keep-best eval")
     trainers: list = []  # the trainer, once built: its last checkpoint, should a rank of the job die
     try:
         ctx.barrier()  # every rank has checked --out before rank 0 creates it

@@ -46,6 +46,7 @@ DDP_BUCKET_MB = 100
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the data-parallel gradient reduction's precision (train/parallel.py)
 PARALLEL_MODES = ("auto", "fsdp", "ddp", "hsdp")  # train/parallel.py (not imported here: it loads torch.distributed)
 MODES = ("full", "lora", "qlora")
+KEEP_BEST = ("last", "task", "eval")  # --keep-best: what final/ holds (task: task_tracking.py, eval: early_stop.py)
 _EVERY = ("pretrain", "finetune", "eval")
 
 
@@ -170,9 +171,10 @@ class TrainConfig:
                                              "step 0 with exact McNemar p < 0.05: warn, or stop (exit 3, naming the "
                                              "problems lost and the best checkpoint)",
                                      choices=guards.TASK_REGRESSION_POLICIES)
-    keep_best: str = option("last", "which weights final/ holds: last (the last step's) or task (those of the "
-                                    "--eval-task eval with the most problems passed; ties: the later step)",
-                            choices=("last", "task"))
+    keep_best: str = option("last", "which weights final/ holds: last (the last step's), task (those of the "
+                                    "--eval-task eval with the most problems passed; ties: the later step) or eval "
+                                    "(those of the eval with the lowest eval loss; ties: the earlier step)",
+                            choices=KEEP_BEST)
     # experiment tracking and sample generations (train/reporting.py, train/samples.py)
     report_to: list[str] = option(  # noqa: RUF009 -- a fresh list per config (default_factory)
         help="send every metrics.jsonl/eval.jsonl scalar, the config, curves.png and the "
@@ -279,12 +281,14 @@ class TrainConfig:
                   "eval_task_limit", "eval_task_max_new_tokens"):
             if int(getattr(self, f)) < 0:
                 raise InputError(f"{name(f)} must be >= 0, got {getattr(self, f)}")
+        if self.keep_best == "task" and self.eval_task is None:
+            raise InputError(f"{name('keep_best')} task needs --eval-task (the task it applies to)")
         self.validate_tracking()
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise InputError(f"--lr must be a finite number > 0, got {self.lr}")
         if self.eval_task is None:
             for f, default in (("eval_task_every", 0), ("eval_task_limit", 0), ("eval_task_max_new_tokens", 0),
-                               ("on_task_regression", "warn"), ("keep_best", "last")):
+                               ("on_task_regression", "warn")):
                 if getattr(self, f) != default:
                     raise InputError(f"{name(f)} {getattr(self, f)} needs --eval-task (the task it applies to)")
         if self.save_attention and not (self.activation_checkpointing or self.offload_activations):
@@ -296,7 +300,7 @@ class TrainConfig:
             raise InputError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         for f, allowed in (("dtype", DTYPES), ("mode", MODES), ("schedule", SCHEDULES),
                            ("on_nonfinite", guards.NONFINITE_POLICIES), ("on_spike", guards.SPIKE_POLICIES),
-                           ("on_task_regression", guards.TASK_REGRESSION_POLICIES), ("keep_best", ("last", "task")),
+                           ("on_task_regression", guards.TASK_REGRESSION_POLICIES), ("keep_best", KEEP_BEST),
                            ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
                 raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")

@@ -68,7 +68,7 @@ from .config import RESUME_SENSITIVE, TrainConfig
 from .cuda_graphs import StepGraphs, loss_scale, resolve_cuda_graphs
 from .distributed import DistContext, DistReduce, global_batch, shard_loader
 from .distributed import current as job_context
-from .early_stop import early_stop
+from .early_stop import BestEvalWeights, early_stop
 from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
 from .objective import CausalLMLoss, Objective
 from .optim import Schedule, build_optimizer
@@ -343,6 +343,7 @@ class Trainer:
         self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl") if self.ctx.is_main else NullLog()
         self.eval_log = JsonlLog(self.run_dir / "eval.jsonl", kind="eval") if self.ctx.is_main else NullLog()
         self.stopped_early: dict[str, Any] | None = None  # --early-stop: why and where (train/early_stop.py)
+        self.best_weights = BestEvalWeights() if cfg.keep_best == "eval" else None  # --keep-best eval
         self.ckpt_root = checkpointer.root
         self.counters = {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0}
         self.start_step, self.tokens = 0, 0
@@ -674,6 +675,8 @@ class Trainer:
         if math.isfinite(ev["loss"]):
             self.best_eval = ev["loss"] if self.best_eval is None else min(self.best_eval, ev["loss"])
             self.eval_losses[step] = ev["loss"]
+            if self.best_weights is not None:
+                self.best_weights.note(step, ev["loss"], self.params)
         return ev
 
     def check_lm_eval(self, ev: dict[str, Any], step: int) -> None:
@@ -900,6 +903,9 @@ class Trainer:
                 if problem is not None:
                     raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
                 self.final_step = self.task.restore_best(self.params) if self.task is not None else None
+                if self.best_weights is not None:
+                    self.final_step = self.best_weights.restore(self.params, self.step_now, self.eval_losses,
+                                                                self.message)
                 model = self.strategy.final_model()  # a collective under FSDP: the tensors land on rank 0
                 gathered = time.perf_counter()
                 self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
@@ -962,7 +968,7 @@ class Trainer:
                 "seconds": time.perf_counter() - t_train, "eval": self.eval_history,
                 "end_save_s": self.end_save.get("total_s"),
                 "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir),
-                "early_stop": self.stopped_early,
+                "early_stop": self.stopped_early, "final_step": self.final_step,
                 **({"task": self.task.summary(self.final_step)} if self.task is not None else {})}
 
     def _steps(self, profiler: StepProfiler | None) -> None:
