@@ -19,6 +19,7 @@ from entrenar.train.metrics import read_jsonl
 from entrenar.train.reporting import TRACKERS, flat_params, scalars, tracker_key
 from tests import test_train_cli
 from tests.helpers.cli import run_cli as main
+from tests.test_eval_task import GOOD
 from tests.test_train_cli import pretrain_args
 
 byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir
@@ -106,15 +107,19 @@ def test_report_to_all_three_trackers_read_back_equal_to_the_logs(tmp_path, byte
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def f(\n")
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text("".join(json.dumps({**GOOD, "task_id": f"t{i}"}) + "\n" for i in range(2)))
     out = tmp_path / "run"
     code, _, err = main(pretrain_args(byte_model_dir, byte_shards, out, steps=4, extra=(
         "--no-preflight", "--report-to", "tensorboard,mlflow", "--report-to", "wandb", "--sample-prompts",
-        str(prompts), "--sample-max-new-tokens", "4")), capsys)
+        str(prompts), "--sample-max-new-tokens", "4", "--eval-task", str(tasks), "--eval-task-max-new-tokens",
+        "4")), capsys)
     assert code == 0, err
     assert "reporting to tensorboard" in err and "mlflow (sqlite:///" in err and "wandb (" in err
     want = expected_series(out)
     assert {"train/loss", "train/lr", "train/grad_norm", "train/tok_s", "eval/loss", "eval/ppl"} <= set(want)
     assert sorted(want["train/loss"]) == [1, 2, 3, 4] and sorted(want["eval/loss"]) == [0, 4]
+    assert sorted(want["task/tasks.jsonl/pass_1"]) == [0, 4] and "task/tasks.jsonl/problems" in want
 
     # TensorBoard: its own event reader on RUN/tb (values stored as float32)
     acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0, "tensors": 0})
@@ -139,7 +144,8 @@ def test_report_to_all_three_trackers_read_back_equal_to_the_logs(tmp_path, byte
     assert run.data.params["config.report_to"] == '["tensorboard", "mlflow", "wandb"]'
     assert run.data.params["data.data"] == str(byte_shards)
     artifacts = {f.path for f in client.list_artifacts(run.info.run_id)}
-    assert {"curves.png", "samples.jsonl", "samples"} <= artifacts, artifacts
+    assert {"curves.png", "samples.jsonl", "samples", "step-0000000.jsonl", "step-0000004.jsonl"} <= artifacts, \
+        artifacts  # the task tables too
     assert (out / "curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
     # W&B: the offline run's records, through wandb's own protobuf classes
