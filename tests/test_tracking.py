@@ -235,3 +235,28 @@ def test_a_failing_tracker_is_named_once_and_dropped(tmp_path):
     tracking.close(False)
     assert kept.rows == [(1, {"train/loss": 1.0}), (2, {"train/loss": 0.5})] and kept.ok is False
     assert len(said) == 1 and "--report-to mlflow: logging failed (OSError: disk full)" in said[0]
+
+
+def test_a_run_stopped_at_step_0_with_trackers_can_be_started_again(tmp_path, capsys):
+    """The trackers' files of a run that never reached step 1 (GUARD-INIT-LOSS: a random model is no better than
+    uniform) do not block a retry in the same --out: they go with the run's other pre-step files."""
+    pytest.importorskip("tensorboard")
+    from entrenar.formats import save_hf_dir
+    from tests.helpers.models import tiny_causal_lm, tiny_config
+    from tests.helpers.tokenizers import tiny_tokenizer
+
+    tokenizer = tiny_tokenizer()
+    cfg = tiny_config("qwen2", vocab_size=len(tokenizer), max_position_embeddings=1024, tie_word_embeddings=False)
+    model = save_hf_dir(tiny_causal_lm(cfg, 0), tmp_path / "m", tokenizer=tokenizer)
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps({"messages": [{"role": "user", "content": f"add {i} and {i}"},
+                                                     {"role": "assistant", "content": f"{2 * i}"}]}) + "\n"
+                            for i in range(4)))
+    out = tmp_path / "run"
+    argv = ["finetune", "--model", str(model), "--data", str(rows), "--out", str(out), "--mode", "full", "--steps",
+            "2", "--batch-size", "2", "--val-fraction", "0", "--no-preflight", "--report-to", "tensorboard", "--json"]
+    code, js, err = main(argv, capsys)
+    assert code == 3 and js["guard"] == "GUARD-INIT-LOSS", err
+    assert (out / "tb").is_dir() and not (out / "curves.png").exists()  # no step row: nothing drawn
+    code, js, err = main(argv, capsys)
+    assert code == 3 and "holds a run that never reached step 1" in err, err
