@@ -17,12 +17,14 @@ import pytest
 
 from entrenar.train.metrics import read_jsonl
 from entrenar.train.reporting import TRACKERS, flat_params, scalars, tracker_key
-from tests import test_train_cli
+from tests import test_distributed, test_train_cli
 from tests.helpers.cli import run_cli as main
 from tests.test_eval_task import GOOD
 from tests.test_train_cli import pretrain_args
 
 byte_shards, byte_model_dir = test_train_cli.byte_shards, test_train_cli.byte_model_dir
+# the tiny pretrained model and SFT rows of test_distributed (module-scoped there)
+base_model, sft_data = test_distributed.base_model, test_distributed.sft_data
 
 
 def expected_series(run: Path) -> dict[str, dict[int, float]]:
@@ -260,3 +262,29 @@ def test_a_run_stopped_at_step_0_with_trackers_can_be_started_again(tmp_path, ca
     assert (out / "tb").is_dir() and not (out / "curves.png").exists()  # no step row: nothing drawn
     code, js, err = main(argv, capsys)
     assert code == 3 and "holds a run that never reached step 1" in err, err
+
+
+def test_under_torchrun_only_rank_0_reports_and_samples(tmp_path, base_model, sft_data):
+    """Two ranks (DDP on gloo): one TensorBoard event file, its train/loss the job's metrics.jsonl; each prompt
+    sampled once per sampled step."""
+    pytest.importorskip("tensorboard")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from tests.test_distributed import finetune_args, ok
+
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("Count to 3 in words.\nCount to 2 in words.\n")
+    out = tmp_path / "ddp"
+    ok(test_distributed.run_cli(finetune_args(base_model, sft_data, out, 2, (
+        "--parallel", "ddp", "--report-to", "tensorboard", "--sample-prompts", str(prompts), "--sample-every", "5",
+        "--sample-max-new-tokens", "3")), nproc=2))
+    assert len(list((out / "tb").glob("events.out.tfevents.*"))) == 1
+    acc = EventAccumulator(str(out / "tb"), size_guidance={"scalars": 0})
+    acc.Reload()
+    rows = read_jsonl(out / "metrics.jsonl")
+    events = acc.Scalars("train/loss")
+    assert [e.step for e in events] == [r["step"] for r in rows] == list(range(1, 11))
+    assert [e.value for e in events] == pytest.approx([r["loss"] for r in rows], rel=1e-6)
+    samples = read_jsonl(out / "samples.jsonl")
+    assert [(r["step"], r["prompt"]) for r in samples] == [(s, p) for s in (0, 5, 10) for p in (
+        "Count to 3 in words.", "Count to 2 in words.")]
