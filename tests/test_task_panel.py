@@ -251,7 +251,7 @@ def test_cli_targets_and_retained_tasks_with_chat(tmp_path, rows, capsys):
 
 @pytest.mark.parametrize("flags,expect", [
     (["--eval-task", "A", "--retain-task", "A"], "a task given twice"),
-    (["--retain-task", "B", "--keep-best", "task"], "--keep-best task picks the step"),
+    (["--retain-task", "B", "--keep-best", "task"], "--keep-best task needs --eval-task: it picks"),
     (["--retain-task", "no-such-task"], "--retain-task no-such-task: not humaneval"),
 ])
 def test_cli_panel_flags_are_checked_before_training(tmp_path, rows, capsys, flags, expect):

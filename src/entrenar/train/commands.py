@@ -82,7 +82,9 @@ def _write_json(path: Path, obj: Any) -> None:
 # What a run writes before its first optimizer step: a directory holding only these (and no metrics
 # line, no checkpoint) never trained, so a retry may reuse it (issue 18: an OOM-killed first step left
 # a run.json that blocked every retry with "directory exists").
-_PRE_STEP_FILES = {"run.json", "data_report.json", "preflight.json", "metrics.jsonl", "eval.jsonl", "checkpoints"}
+_PRE_STEP_FILES = {"run.json", "data_report.json", "preflight.json", "metrics.jsonl", "eval.jsonl", "checkpoints",
+                   # --sample-prompts' step-0 samples and the --report-to trackers' files (train/reporting.py)
+                   "samples.jsonl", "tb", "mlflow.db", "mlartifacts", "wandb"}
 
 
 def _never_trained(out: Path) -> bool:
@@ -254,6 +256,8 @@ def _summary(result: dict, out: Path) -> dict:
             "eval_loss_start": ev[0]["loss"] if ev and ev[0]["step"] == 0 else None,
             "eval_loss_final": ev[-1]["loss"] if ev else None, "tok_s": result["tok_s"],
             "counters": result["counters"], "final": str(out / "final"),
+            "early_stop": result.get("early_stop"),  # --early-stop: why the run ended before --steps, and where
+            "final_holds_step": result.get("final_step"),  # --keep-best: the step of final/'s weights if not the last
             # GUARD-END-WORSE's and GUARD-TASK-REGRESSION's warnings: a worse end is never a silent ok
             "warnings": result.get("warnings", []) + (result["task"]["warnings"] if "task" in result else []),
             **({"task": result["task"]} if "task" in result else {})}
@@ -266,6 +270,10 @@ def _print_summary(s: dict) -> None:
         parts.append(f"eval loss {s['eval_loss_start']:.4f} -> {s['eval_loss_final']:.4f}")
     elif s["eval_loss_final"] is not None:
         parts.append(f"final eval loss {s['eval_loss_final']:.4f}")
+    if s.get("early_stop"):
+        parts.append(f"stopped early after step {s['early_stop']['step']} (--early-stop)")
+    if s.get("final_holds_step") is not None and not s.get("task"):
+        parts.append(f"final/ holds step {s['final_holds_step']} (--keep-best eval)")
     _log("; ".join(parts) + f"; model in {s['final']}")
     task = s.get("task") or {}
     for entry in task.get("units", {}).values():  # one line per task / BFCL category: nothing pooled
@@ -300,6 +308,17 @@ def _task_evaluator(cfg: TrainConfig, tokenizer: Any, system: str | None = None)
                                           flag="--eval-task" if role == "target" else "--retain-task"), role)
                for role, specs in (("target", cfg.eval_task), ("retain", cfg.retain_task)) for spec in specs]
     return TaskPanel(members)
+
+
+def _sample_generator(cfg: TrainConfig, tokenizer: Any) -> Any:
+    """--sample-prompts' generator (train/samples.py), its prompts encoded now: a bad file is exit 2 before the run."""
+    if cfg.sample_prompts is None:
+        return None
+    from .samples import SampleGenerator
+
+    return SampleGenerator(cfg.sample_prompts, tokenizer, chat=cfg.command == "finetune", every=cfg.sample_every,
+                           steps=cfg.steps, max_new_tokens=cfg.sample_max_new_tokens, device=cfg.device,
+                           dtype=cfg.dtype)
 
 
 def _rows_system_prompt(path: str) -> str | None:
@@ -391,7 +410,8 @@ def cmd_pretrain(args: Any) -> dict[str, Any]:
                    "train_windows": len(train_loader), "val_windows": len(eval_loader) if eval_loader else 0,
                    "seq_len": cfg.seq_len, "loss_tokens_per_window": cfg.seq_len}
     return _run(args, "pretrain", cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
-                save_final=_hf_saver(tokenizer), task_eval=_task_evaluator(cfg, tokenizer))
+                save_final=_hf_saver(tokenizer), task_eval=_task_evaluator(cfg, tokenizer),
+                samples=_sample_generator(cfg, tokenizer))
 
 
 def _final_saver(write: Callable[[torch.nn.Module, Path], None]) -> Callable[[torch.nn.Module, Path], None]:
@@ -453,11 +473,15 @@ def _resume_command() -> str | None:
 
 
 def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
-         objective=None, task_eval=None) -> dict:
+         objective=None, task_eval=None, samples=None) -> dict:
     """Everything validated: create the run directory, preflight, train, summarise. Under torchrun
     rank 0 writes the run directory's files and runs the preflight once (its verdict reaches every
     rank); the trainer applies FSDP/DDP and splits the data (train/parallel.py)."""
     ctx = current()
+    if cfg.keep_best == "eval" and eval_loader is None:  # before the run directory is made
+        raise InputError("--keep-best eval keeps the weights of the lowest eval loss, and this run has no eval set: "
+                         "give finetune --val FILE or --val-fraction F > 0 (pretrain: shards packed with a val split), "
+                         "or drop --keep-best eval")
     trainers: list = []  # the trainer, once built: its last checkpoint, should a rank of the job die
     try:
         ctx.barrier()  # every rank has checked --out before rank 0 creates it
@@ -465,7 +489,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
             check_resume_has_work(out, args.resume, cfg.steps)
         with holding(out, ctx.run_on_main, ctx):  # one writer per run directory (runlock.py), from here to the end
             return _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out,
-                               save_final, trainers, objective, task_eval)
+                               save_final, trainers, objective, task_eval, samples)
     except BaseException as e:  # under torchrun a dead peer is named (exit 4), not "Connection reset by peer"
         if current().active:  # from here a stop signal (the launcher's SIGTERM to survivors) is only recorded
             stops.reporting()
@@ -477,7 +501,7 @@ def _run(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_r
 
 
 def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
-                trainers: list, objective=None, task_eval=None) -> dict:
+                trainers: list, objective=None, task_eval=None, samples=None) -> dict:
     ctx = current()
     from .cuda_graphs import resolve_cuda_graphs, varying_shapes
     from .parallel import job_parallel
@@ -502,7 +526,7 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     from .model_files import checkpoint_files  # every checkpoint is a runnable MODEL (issue 13)
 
     trainer = build_trainer(model, train_loader, eval_loader, cfg, out, save_final=save_final, log=_log,
-                            resume_command=_resume_command(), objective=objective, task_eval=task_eval,
+                            resume_command=_resume_command(), objective=objective, task_eval=task_eval, samples=samples,
                             checkpoint_files=functools.partial(checkpoint_files, tokenizer=tokenizer,
                                                                base_spec=args.model))
     trainers.append(trainer)
@@ -637,7 +661,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     task_eval = _task_evaluator(cfg, tokenizer,
                                 _rows_system_prompt(args.data) if cfg.eval_task or cfg.retain_task else None)
     return _run(args, "finetune", cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
-                objective, task_eval)
+                objective, task_eval, _sample_generator(cfg, tokenizer))
 
 
 def _mixed(examples: list, data: DataConfig, cfg: TrainConfig, kind: str, load: Any) -> tuple[list, list]:

@@ -69,6 +69,7 @@ DDP_BUCKET_MB = 100
 GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the data-parallel gradient reduction's precision (train/parallel.py)
 PARALLEL_MODES = ("auto", "fsdp", "ddp", "hsdp")  # train/parallel.py (not imported here: it loads torch.distributed)
 MODES = ("full", "lora", "qlora")
+KEEP_BEST = ("last", "task", "eval")  # --keep-best: what final/ holds (task: task_tracking.py, eval: early_stop.py)
 _EVERY = ("pretrain", "finetune", "eval")
 
 
@@ -142,7 +143,8 @@ class TrainConfig:
     warmup: int | None = option(None, "warmup steps", default_help="min(100, steps/10)")
     schedule: str = option("cosine", "decay after warmup, to min_lr_ratio of the peak",
                            choices=SCHEDULES)
-    min_lr_ratio: float = 0.1  # the schedule's floor as a fraction of the peak (not a flag)
+    min_lr_ratio: float = option(0.1, "the schedule's floor as a fraction of the peak --lr, where cosine/linear "
+                                      "decay ends (0 = decay to zero, 1 = constant after warmup)", metavar="RATIO")
     weight_decay: float = option(0.1, "AdamW weight decay on >=2-D weights",
                                  per_command={"finetune": {"default": 0.0}})
     clip: float = option(1.0, "clip the global L2 grad norm; 0 = off (the norm is still logged)")
@@ -156,6 +158,9 @@ class TrainConfig:
     eval_every: int = option(0, "eval period in steps; 0 = at start and end")
     eval_batches: int = option(20, "batches per eval; 0 = all", commands=_EVERY, per_command={
         "eval": {"flag": "--max-batches", "default": 0, "help": "stop after this many batches; 0 = all"}})
+    early_stop: int = option(0, "stop after PATIENCE evals in a row without a new lowest eval loss (step 0's eval "
+                                "included): the last step is checkpointed, final/ holds its weights, the summary "
+                                "says why and at which step; 0 = off", metavar="PATIENCE")
     save_every: int = option(0, "checkpoint period in steps; 0 = at the end only")
     keep: int = option(3, "newest complete checkpoints kept; 0 = keep all")
     save_mode: str = option("async", "how a checkpoint is written: async = a snapshot (weights, optimizer state, RNG, "
@@ -190,10 +195,11 @@ class TrainConfig:
                                              "step 0 with exact McNemar p < 0.05: warn, or stop (exit 3, naming the "
                                              "problems lost and the best checkpoint)",
                                      choices=guards.TASK_REGRESSION_POLICIES)
-    keep_best: str = option("last", "which weights final/ holds: last (the last step's) or task (those of the "
-                                    "task eval with the most --eval-task problems passed among the steps where no "
-                                    "--retain-task dropped significantly; ties: the later step)",
-                            choices=("last", "task"))
+    keep_best: str = option("last", "which weights final/ holds: last (the last step's), task (those of the task "
+                                    "eval with the most --eval-task problems passed among the steps where no "
+                                    "--retain-task dropped significantly; ties: the later step) or eval (those of "
+                                    "the eval with the lowest eval loss; ties: the earlier step)",
+                            choices=KEEP_BEST)
     kl_to_base: float = option(0.0, "SFT with a pull to the base: BETA x the KL(base || model) of the next-token "
                                      "distributions on the --kl-rows rows' response tokens, added to the "
                                      "cross-entropy (train/kl_to_base.py); the base is the adapters switched off "
@@ -205,6 +211,24 @@ class TrainConfig:
                                      "model after it (seconds); a gate that passed on the base and fails at the end "
                                      "is a warning (warn), exit 3 after final/ is written (stop), or not checked (off)",
                              commands=("finetune",), choices=("warn", "stop", "off"))
+    # experiment tracking and sample generations (train/reporting.py, train/samples.py)
+    report_to: list[str] = option(  # noqa: RUF009 -- a fresh list per config (default_factory)
+        help="send every metrics.jsonl/eval.jsonl scalar, the config, curves.png and the "
+                                       "task tables to tensorboard (RUN/tb), mlflow (--mlflow-uri) and/or wandb "
+                                       "(offline, RUN/wandb); comma list or repeated; each needs its extra "
+                                       "(pip install 'entrenar[tensorboard]')", metavar="TRACKER",
+                                  default_factory=list, default_help="none")
+    mlflow_uri: str | None = option(None, "--report-to mlflow: the tracking URI (a server's http(s)://..., or "
+                                          "sqlite:///FILE)", metavar="URI",
+                                    default_help="sqlite:///RUN/mlflow.db, artifacts in RUN/mlartifacts")
+    sample_prompts: str | None = option(None, "generate greedily from each prompt of FILE at step 0, every "
+                                              "--sample-every steps and at the end: RUN/samples.jsonl (step, prompt, "
+                                              "completion), a line on stderr, text to the --report-to trackers. "
+                                              "FILE: one prompt per line, or JSONL rows of prompt (rendered as a "
+                                              "user turn where finetune has a chat template) or messages",
+                                        metavar="FILE", default_help="none")
+    sample_every: int = option(0, "--sample-prompts period in steps; 0 = at step 0 and the end")
+    sample_max_new_tokens: int = option(64, "--sample-prompts: tokens generated per prompt at most")
     # guards
     on_nonfinite: str = option("stop", "GUARD-NONFINITE policy: stop (exit 3) or skip the step and count it",
                                choices=guards.NONFINITE_POLICIES)
@@ -269,6 +293,7 @@ class TrainConfig:
                                "% at long context; 0 = off", metavar="TOKENS")
 
     def __post_init__(self) -> None:
+        self.report_to = report_names(self.report_to)
         if self.warmup is None and isinstance(self.steps, int):
             self.warmup = min(100, self.steps // 10)
         if self.device == "auto":  # resolved at once (as --dtype below, which reads it): no reader sees "auto"
@@ -292,6 +317,7 @@ class TrainConfig:
                   "eval_task_limit", "eval_task_max_new_tokens"):
             if int(getattr(self, f)) < 0:
                 raise InputError(f"{name(f)} must be >= 0, got {getattr(self, f)}")
+        self.validate_tracking()
         if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise InputError(f"--lr must be a finite number > 0, got {self.lr}")
         for f in ("eval_task", "retain_task"):  # a library caller's single task: a panel of one
@@ -299,12 +325,12 @@ class TrainConfig:
                 setattr(self, f, [getattr(self, f)])
         if not self.eval_task and not self.retain_task:
             for f, default in (("eval_task_every", 0), ("eval_task_limit", 0), ("eval_task_max_new_tokens", 0),
-                               ("on_task_regression", "warn"), ("keep_best", "last")):
+                               ("on_task_regression", "warn")):
                 if getattr(self, f) != default:
                     raise InputError(f"{name(f)} {getattr(self, f)} needs --eval-task (the task it applies to)")
         if self.keep_best == "task" and not self.eval_task:
-            raise InputError(f"{name('keep_best')} task picks the step with the best --eval-task result: give the "
-                             f"target task with --eval-task (--retain-task only guards what must not get worse)")
+            raise InputError(f"{name('keep_best')} task needs --eval-task: it picks the step with the best target "
+                             f"result (--retain-task only guards what must not get worse)")
         for spec in (*self.eval_task, *self.retain_task):
             if not isinstance(spec, str) or not spec.strip():
                 raise InputError(f"--eval-task/--retain-task: an empty task spec {spec!r}")
@@ -321,7 +347,7 @@ class TrainConfig:
             raise InputError(f"--weight-decay must be a finite number >= 0, got {self.weight_decay}")
         for f, allowed in (("dtype", DTYPES), ("mode", MODES), ("schedule", SCHEDULES),
                            ("on_nonfinite", guards.NONFINITE_POLICIES), ("on_spike", guards.SPIKE_POLICIES),
-                           ("on_task_regression", guards.TASK_REGRESSION_POLICIES), ("keep_best", ("last", "task")),
+                           ("on_task_regression", guards.TASK_REGRESSION_POLICIES), ("keep_best", KEEP_BEST),
                            ("parallel", PARALLEL_MODES)):
             if getattr(self, f) not in allowed:
                 raise InputError(f"{name(f)} {getattr(self, f)!r} not in {'|'.join(allowed)}")
@@ -351,6 +377,37 @@ class TrainConfig:
             from .fp8 import require_fp8
 
             require_fp8(self.device, self.mode)  # exit 2 off a float8 GPU, outside --mode full, without torchao
+
+    def validate_tracking(self) -> None:
+        """--min-lr-ratio, --early-stop, --report-to (each tracker's package importable: exit 2 naming its extra
+        before anything is built) and --sample-* (the prompts file read now)."""
+        def name(f: str) -> str:
+            return flag_of(TrainConfig, f, self.command)
+
+        if not (isinstance(self.min_lr_ratio, (int, float)) and 0.0 <= self.min_lr_ratio <= 1.0):
+            raise InputError(f"{name('min_lr_ratio')} must be in [0, 1] (a fraction of the peak --lr), got "
+                             f"{self.min_lr_ratio}")
+        for f in ("early_stop", "sample_every"):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < 0:
+                raise InputError(f"{name(f)} must be an integer >= 0 (0 = off), got {getattr(self, f)}")
+        if not isinstance(self.sample_max_new_tokens, int) or self.sample_max_new_tokens <= 0:
+            raise InputError(f"{name('sample_max_new_tokens')} must be a positive integer, got "
+                             f"{self.sample_max_new_tokens}")
+        if self.sample_prompts is None:
+            for f, default in (("sample_every", 0), ("sample_max_new_tokens", 64)):
+                if getattr(self, f) != default:
+                    raise InputError(f"{name(f)} {getattr(self, f)} needs --sample-prompts FILE (the prompts it "
+                                     f"applies to)")
+        else:
+            from .samples import read_prompts
+
+            read_prompts(self.sample_prompts)  # exit 2 naming FILE:LINE now, not at step 0
+        from .reporting import require_trackers
+
+        require_trackers(self.report_to)
+        if self.mlflow_uri is not None and "mlflow" not in self.report_to:
+            raise InputError(f"--mlflow-uri {self.mlflow_uri} applies to --report-to mlflow: add it, or drop "
+                             f"--mlflow-uri")
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -440,6 +497,25 @@ class DataConfig:
 
 
 CONFIGS = (TrainConfig, LoRAConfig, DataConfig)
+
+
+def report_names(value: Any) -> list[str]:
+    """--report-to as given (None, a comma list, or the list of a repeated flag) -> tracker names, in order, once
+    each; unknown names are exit 2 listing the valid ones."""
+    from .reporting import TRACKERS
+
+    items = [value] if isinstance(value, str) else list(value or [])
+    names: list[str] = []
+    for item in items:
+        for part in str(item).split(","):
+            part = part.strip().lower()
+            if not part or part in names:
+                continue
+            if part not in TRACKERS:
+                raise InputError(f"--report-to {part!r} is not a tracker: use {', '.join(TRACKERS)} (a comma list, "
+                                 f"or the flag repeated)")
+            names.append(part)
+    return names
 C = TypeVar("C")
 
 

@@ -68,12 +68,14 @@ from .config import RESUME_SENSITIVE, TrainConfig
 from .cuda_graphs import StepGraphs, loss_scale, resolve_cuda_graphs
 from .distributed import DistContext, DistReduce, global_batch, shard_loader
 from .distributed import current as job_context
+from .early_stop import BestEvalWeights, early_stop
 from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
 from .objective import CausalLMLoss, Objective
 from .optim import Schedule, build_optimizer
 from .parallel import Strategy, apply_parallel, job_parallel
 from .precision import Precision, precision_policy
 from .profiling import StepProfiler
+from .reporting import start_reporting
 from .task_tracking import TaskTracker, checkpoint_of_step
 
 __all__ = ["TrainConfig", "Trainer", "TrainingInterrupted", "backward_micro_batches", "build_trainer", "evaluate",
@@ -313,7 +315,7 @@ class Trainer:
                  precision: Precision, objective: Objective, checkpointer: Checkpointer,
                  save_final: Callable[[torch.nn.Module, Path], None] | None = None,
                  log: Callable[[str], None] | None = None, resume_command: str | None = None,
-                 task_eval: Any | None = None):
+                 task_eval: Any | None = None, samples: Any | None = None):
         cfg.validate()
         self.strategy, self.precision, self.objective, self.checkpointer = strategy, precision, objective, checkpointer
         self.ctx: DistContext = strategy.ctx
@@ -339,7 +341,9 @@ class Trainer:
         self.spikes = guards.SpikeGuard(cfg.on_spike, cfg.spike_window, cfg.spike_sigma)
         # only rank 0 writes the logs
         self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl") if self.ctx.is_main else NullLog()
-        self.eval_log = JsonlLog(self.run_dir / "eval.jsonl") if self.ctx.is_main else NullLog()
+        self.eval_log = JsonlLog(self.run_dir / "eval.jsonl", kind="eval") if self.ctx.is_main else NullLog()
+        self.stopped_early: dict[str, Any] | None = None  # --early-stop: why and where (train/early_stop.py)
+        self.best_weights = BestEvalWeights() if cfg.keep_best == "eval" else None  # --keep-best eval
         self.ckpt_root = checkpointer.root
         self.counters = {"nonfinite_skipped": 0, "spike_skipped": 0, "zero_loss_samples": 0}
         self.step_warnings: list[dict[str, Any]] = []  # every guard warning of a step, for the summary's "warnings"
@@ -377,12 +381,16 @@ class Trainer:
             self.task = TaskTracker(task_eval, self.ctx, self.run_dir, cfg.eval_task_every, cfg.steps,
                                     cfg.on_task_regression, cfg.keep_best == "task", self.metrics_log.write,
                                     self.message)
+        self.tracking, self.samples = start_reporting(self, samples)  # --report-to, --sample-prompts (last: opens runs)
 
     # ---- resume / step 0 -------------------------------------------------------------------------
     def begin(self, resume: str | None, preflight: dict | None = None) -> None:
         """Continue from `resume` (auto or a PATH), or start: the step-0 record (written into preflight.json
         with the command's checks in `preflight`, by rank 0, before its guard judges it), then check_start."""
-        if self.resume(resume) is not None:
+        resumed = self.resume(resume)
+        if self.samples is not None:  # a fresh start's step-0 samples, or samples.jsonl cut back to the resumed step
+            self.samples.start(self.start_step, self.model)
+        if resumed is not None:
             return
         record = self.step0()
         if preflight is not None and self.ctx.is_main:
@@ -672,6 +680,8 @@ class Trainer:
         if math.isfinite(ev["loss"]):
             self.best_eval = ev["loss"] if self.best_eval is None else min(self.best_eval, ev["loss"])
             self.eval_losses[step] = ev["loss"]
+            if self.best_weights is not None:
+                self.best_weights.note(step, ev["loss"], self.params)
         return ev
 
     def check_lm_eval(self, ev: dict[str, Any], step: int) -> None:
@@ -734,6 +744,9 @@ class Trainer:
         if self.objective.eval_anomaly:
             guards.check_eval_anomaly(ev["loss"], sum(window) / len(window) if window else None, step)
         self.check_lm_eval(ev, step)
+        self.stopped_early = early_stop(self.eval_losses, self.cfg.early_stop) if step < self.cfg.steps else None
+        if self.stopped_early is not None:
+            self.message(self.stopped_early["reason"])
         return ev
 
     def task_evaluate(self, step: int) -> dict[str, Any]:
@@ -875,10 +888,12 @@ class Trainer:
             self.evaluate(step)
         if self.task is not None and self.task.due(step):
             self.task_evaluate(step)
-        if step == cfg.steps or (cfg.save_every and step % cfg.save_every == 0):
+        if self.samples is not None:
+            self.samples.maybe(step, self.model, last=self.stopped_early is not None)
+        if step == cfg.steps or self.stopped_early or (cfg.save_every and step % cfg.save_every == 0):
             t0 = time.perf_counter()
             self.save(step)
-            if step == cfg.steps:  # what the last checkpoint held the run for (async: the snapshot)
+            if step == cfg.steps or self.stopped_early:  # what the last checkpoint held the run for (async: the snapshot)
                 self.end_save = {"checkpoint_s": time.perf_counter() - t0}
 
     def finish(self) -> None:
@@ -893,6 +908,9 @@ class Trainer:
                 if problem is not None:
                     raise guards.weights_error("final/", problem, self.kept_text(self.last_saved), self.cfg.steps)
                 self.final_step = self.task.restore_best(self.params) if self.task is not None else None
+                if self.best_weights is not None:
+                    self.final_step = self.best_weights.restore(self.params, self.step_now, self.eval_losses,
+                                                                self.message)
                 model = self.strategy.final_model()  # a collective under FSDP: the tensors land on rank 0
                 gathered = time.perf_counter()
                 self.ctx.run_on_main(lambda: self.save_final(model, self.run_dir / "final"))
@@ -911,12 +929,18 @@ class Trainer:
 
     def fit(self) -> dict[str, Any]:
         """Steps start_step+1 .. cfg.steps with their evals and checkpoints, then final/. Returns a summary."""
+        ok = False
         try:
             if self.ctx.is_main:
-                return self._fit()
-            with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):  # one progress bar per job
-                return self._fit()
+                result = self._fit()
+            else:
+                with open(os.devnull, "w") as null, contextlib.redirect_stderr(null):  # one progress bar per job
+                    result = self._fit()
+            ok = True
+            return result
         finally:
+            if self.tracking is not None:  # the end's artifacts, the tracker runs closed (failed when not ok)
+                self.tracking.close(ok)
             if self.graphs is not None:  # before the command leaves the process group (StepGraphs.release)
                 self.graphs.release()
             self.strategy.close()
@@ -949,6 +973,7 @@ class Trainer:
                 "seconds": time.perf_counter() - t_train, "eval": self.eval_history,
                 "end_save_s": self.end_save.get("total_s"),
                 "counters": {**self.counters, "spikes": self.spikes.count}, "run_dir": str(self.run_dir),
+                "early_stop": self.stopped_early, "final_step": self.final_step,
                 **({"task": self.task.summary(self.final_step)} if self.task is not None else {})}
 
     def _steps(self, profiler: StepProfiler | None) -> None:
@@ -983,6 +1008,8 @@ class Trainer:
                     # a background checkpoint write that ended: COMPLETE, or its error (exit 2) raised here; under
                     # torchrun errors wait for the next save or the end, which every rank reaches at the same step
                     self.checkpointer.poll(raise_errors=not self.ctx.active)
+                    if self.stopped_early is not None:
+                        break
         finally:
             if profiler is not None:
                 profiler.close()
@@ -1001,7 +1028,7 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
                   checkpoint_files: Callable[[torch.nn.Module], Callable[[Path], None]] | None = None,
                   save_final: Callable[[torch.nn.Module, Path], None] | None = None,
                   log: Callable[[str], None] | None = None, resume_command: str | None = None,
-                  task_eval: Any | None = None) -> Trainer:
+                  task_eval: Any | None = None, samples: Any | None = None) -> Trainer:
     """The one construction of a Trainer (the commands, the tests, `train`): the precision prepares the model
     (bf16-pure's cast; before the optimizer exists, its state follows the weights), the memory options reach
     the blocks, parallelism is applied from outside (apply_parallel: nothing in one process), the loaders are
@@ -1031,7 +1058,7 @@ def build_trainer(model: torch.nn.Module, train_loader: Any, eval_loader: Any, c
                    shard_loader(eval_loader, ctx, objective.counts), cfg, run_dir,
                    precision=precision, objective=objective, checkpointer=checkpointer,
                    save_final=save_final, log=log if ctx.is_main else (lambda text: None),
-                   resume_command=resume_command, task_eval=task_eval)
+                   resume_command=resume_command, task_eval=task_eval, samples=samples)
 
 
 def train(model: torch.nn.Module, train_loader: Any, eval_loader: Any, cfg: TrainConfig, run_dir: Path,

@@ -63,10 +63,11 @@ def strict_record(record: dict[str, Any]) -> dict[str, Any]:
 
 class JsonlLog:
     """Append-only strict JSON lines (see strict_record); on resume, lines beyond the resumed step
-    are dropped (atomically)."""
+    are dropped (atomically). Each line written also goes to `tracking` (--report-to: train/reporting.py) as a
+    row of `kind` (train: metrics.jsonl, eval: eval.jsonl)."""
 
-    def __init__(self, path: Path):
-        self.path = path
+    def __init__(self, path: Path, tracking: Any | None = None, kind: str = "train"):
+        self.path, self.tracking, self.kind = path, tracking, kind
 
     def truncate_after(self, step: int) -> None:
         """Keep the lines of steps <= `step`. A last line cut short (a kill in the middle of writing it)
@@ -100,6 +101,8 @@ class JsonlLog:
         with open(self.path, "a") as f:
             f.write(line + "\n")
             f.flush()
+        if self.tracking is not None:  # the trackers get the row as written (what metrics.jsonl says)
+            self.tracking.log_row(self.kind, strict_record(record))
 
 
 class NullLog:
