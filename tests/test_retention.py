@@ -310,3 +310,24 @@ def test_qa_diagnosis_blames_a_refusal_not_the_template():
     garbled = result(chat["prose"], "<|im_start|> assistant <|im_end|> Paris")
     assert "chat template / special tokens" in diagnose(plain + [garbled, code_ok])
     assert diagnose(plain + [result(chat["prose"], "Paris is the capital."), code_ok]) is None
+
+
+@pytest.mark.parametrize("policy", ["warn", "stop"])
+def test_cli_guard_qa_after_a_finetune(tmp_path, rows, capsys, monkeypatch, policy):
+    """The base passes qa and final/ fails it (qa's reports seeded): a named warning in the summary, exit 0 (warn),
+    or exit 3 after final/ is written (stop)."""
+    reports = iter([_rep(**{"chat-prose": {"coherent": True, "no_refusal": True}}),
+                    _rep(**{"chat-prose": {"coherent": False, "no_refusal": False}})])
+    monkeypatch.setattr(qa_gate, "qa_report", lambda model, tokenizer: next(reports))
+    model = _tiny_dir(tmp_path, "m")
+    out = tmp_path / "run"
+    code, js, err = main(["finetune", "--model", str(model), "--data", str(rows), "--out", str(out), "--mode", "lora",
+                          "--steps", "1", "--batch-size", "2", "--no-preflight", "--json",
+                          *(["--on-qa-fail", "stop"] if policy == "stop" else [])], capsys)
+    assert (out / "final").is_dir()
+    if policy == "stop":
+        assert code == 3 and js["guard"] == "GUARD-QA" and "chat-prose" in js["error"], err
+        return
+    assert code == 0, err
+    [w] = [w for w in js["warnings"] if w["guard"] == "GUARD-QA"]
+    assert w["lost"][0]["prompt"] == "chat-prose" and "GUARD-QA" in err and js["qa"]["final_ok"] is False

@@ -537,7 +537,7 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     summary = _summary(result, out)
     if base_qa is not None:  # GUARD-QA: qa's gates on the base and on final/'s weights (train/qa_gate.py)
         final_qa = qa_gate.qa_report(model, tokenizer)
-        summary["qa"] = {"base_ok": base_qa["ok"], "final_ok": final_qa["ok"]}
+        summary["qa"] = {"base_ok": qa_gate.ok_of(base_qa), "final_ok": qa_gate.ok_of(final_qa)}
         found = qa_gate.judge(base_qa, final_qa, qa_policy)
         if found is not None:
             _log(found["message"])

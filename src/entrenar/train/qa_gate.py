@@ -59,3 +59,7 @@ def judge(base: dict[str, Any] | None, final: dict[str, Any] | None, policy: str
     if policy == "stop":
         raise GuardError("GUARD-QA", message + "; final/ was written.", remedy, details={"lost": lost})
     return {"guard": "GUARD-QA", "message": f"{message}. Remedy: {remedy}", "lost": lost}
+
+
+def ok_of(report: dict[str, Any]) -> bool:
+    return all(all(p["gates"].values()) for p in report["prompts"])
