@@ -104,7 +104,7 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
     mix: list[str] = []
     if a.replay:  # the base's own answers, mixed in so the fine-tune keeps them (data/replay.py)
         res["replay_rows"] = cli("data", "replay", "--model", a.model, *template, "--out", str(work / "replay.jsonl"),
-                                 "--device", a.device, "--batch-size", str(a.eval_batch), "--overwrite",
+                                 "--device", a.device, "--batch-size", str(a.eval_batch), "--overwrite", *limit,
                                  log=work / "replay.log")
         mix = ["--mix", f"{work / 'replay.jsonl'}:{a.replay}"]
     kl = ["--kl-to-base", str(a.kl_to_base)] if a.kl_to_base else []
@@ -135,6 +135,14 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
                      for c in cats.split(",")}
     res["paired"]["chat"] = compare(work / "base_chat.jsonl", work / "after_chat.jsonl", "chat")
     res["qa"] = cli("qa", "--model", str(run), "--device", a.device, log=work / "qa.log")
+    if a.peft_check and a.mode != "full":  # the adapter in transformers + peft, verdicts against ours
+        cmd = [sys.executable, "-m", "bench.peft_check", "--base", a.model, "--adapter", str(run / "final"),
+               "--categories", cats, "--limit", str(a.peft_check), "--ours", str(work / "after_bfcl.jsonl"),
+               "--out", str(work / "peft_bfcl.jsonl"), *(["--chat-template", a.chat_template] if a.chat_template else [])]
+        print("$ " + " ".join(cmd[1:]), flush=True)
+        p = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        (work / "peft_check.log").write_text(p.stderr)
+        res["peft_check"] = json.loads(p.stdout) if p.returncode == 0 else {"error": p.stderr[-2000:]}
     if not a.skip_humaneval:
         res["after_humaneval"] = cli("eval", "--task", "humaneval", "--model", str(run), *limit, *_device_args(a),
                                      "--out", str(work / "after_he.jsonl"), "--overwrite", log=work / "after_he.log")
@@ -200,6 +208,8 @@ def main() -> None:
     t.add_argument("--replay", type=float, default=0.0, help="finetune --mix data replay's rows at this fraction")
     t.add_argument("--kl-to-base", type=float, default=0.0, help="finetune --kl-to-base (on the replay rows)")
     t.add_argument("--swapped-matched", action="store_true", help="data sft-from-bfcl --swapped-matched")
+    t.add_argument("--peft-check", type=int, default=0, metavar="N",
+                   help="after the run: the first N questions of each category in transformers + peft (bench/peft_check)")
     t.add_argument("--retain", action="append", default=[], metavar="TASK", help="finetune --retain-task TASK")
     t.add_argument("--keep-best", default="task", choices=("last", "task"),
                    help="last: the final step's weights, so no scored question picks the checkpoint")

@@ -134,7 +134,9 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
                          f"--temperature > 0 (e.g. 0.7)")
     if args.max_new_tokens < 1 or args.batch_size < 1:
         raise InputError("--max-new-tokens and --batch-size must be >= 1")
-    prompts = read_prompts(args.prompts)
+    if args.limit < 0:
+        raise InputError(f"--limit must be >= 0 (0 = every request), got {args.limit}")
+    prompts = read_prompts(args.prompts)[:args.limit or None]
     system = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
     device = resolve_device(args.device)
     model, tok, path = load_any_model(args.model, device, "torch")
@@ -249,6 +251,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="the requests: builtin (200 general and code requests, disjoint from `eval --task chat`'s) "
                         "or JSONL rows with a \"prompt\" (builtin)")
     q.add_argument("--out", required=True, help="output JSONL file")
+    q.add_argument("--limit", type=int, default=0, help="the first N requests only; 0 = all (0)")
     q.add_argument("--samples", type=int, default=1,
                    help="answers tried per request; the first that passes the chat gates is kept (1: greedy)")
     q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 for --samples > 1 (0)")

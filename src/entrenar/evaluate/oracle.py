@@ -4,16 +4,22 @@ prompts, stop rule, decoding of the ids to text, extraction and the sandbox are 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from .harness import Complete, Completion
-from .tasks import completion_done
+from .tasks import completion_done as task_done
 
 
 def transformers_completer(hf_model, tokenizer, max_new_tokens: int, chat: bool,
-                           token_ids: dict | None = None) -> Complete:
+                           token_ids: dict | None = None, stop: Callable[[str], bool] | None = None) -> Complete:
     """Complete on `hf_model.generate(do_sample=False)`: left padding with an attention mask, stopping each
-    row at a stop token or, through a StoppingCriteria, by tasks.completion_done, as generate_batch does."""
+    row at a stop token or, through a StoppingCriteria, by `stop(text)` (default: tasks.completion_done for
+    `chat`'s format), as generate_batch does."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
+
+    def completion_done(text: str, chat: bool) -> bool:
+        return stop(text) if stop is not None else task_done(text, chat)
 
     stops = set(tokenizer.stop_ids)
     pad = tokenizer.pad_id if tokenizer.pad_id is not None else 0
