@@ -583,3 +583,20 @@ def test_kernels_triton_on_the_cpu_is_exit_2_naming_the_remedy(world, monkeypatc
     code, result, err = run_cli([*argv, "--kernels", "triton", "--device", "cpu", "--json"], capsys)
     assert code == 2, err[-2000:]
     assert "--kernels triton" in result["error"] and "--kernels torch" in result["error"]
+
+
+def test_a_packaged_chat_template_is_taken_by_name_by_data_check_and_finetune(world, tmp_path, capsys):
+    """README's tool-call recipes name the packaged templates (`--chat-template chatml_tools`): an installed
+    package has no src/entrenar/templates path to give. finetune saves the template with the model."""
+    from importlib.resources import files
+
+    text = files("entrenar").joinpath("templates", "chatml_tools.jinja").read_text()
+    code, _, err = run_cli(["data", "check", "--model", str(world.model), "--data", str(world.sft),
+                            "--max-seq-len", "64", "--chat-template", "chatml_tools", "--json"], capsys)
+    assert code == 0, err[-2000:]
+    code, _, err = run_cli(finetune(world, tmp_path / "run", "--chat-template", "chatml_tools"), capsys)
+    assert code == 0, err[-2000:]
+    final = tmp_path / "run" / "final"
+    saved = [f for f in ("tokenizer_config.json", "chat_template.jinja") if (final / f).is_file()
+             and (text in (final / f).read_text() or json.dumps(text) in (final / f).read_text())]
+    assert saved, sorted(p.name for p in final.iterdir())

@@ -100,7 +100,7 @@ def _try_lock(fd: int, run_dir: Path) -> bool:
 
 def acquire(run_dir: Path) -> RunLock:
     """Create run_dir if needed and take its lock, recording this process as the holder; InputError
-    naming the holder when another process has it."""
+    naming the holder when another process has it, or naming a link planted in place of a run's file."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
@@ -109,11 +109,7 @@ def acquire(run_dir: Path) -> RunLock:
     try:
         if not _try_lock(fd, run_dir):
             raise InputError(_refusal(run_dir, _read_holder(path)))
-    except InputError:
-        os.close(fd)
-        raise
-    try:
-        refuse_links(run_dir)
+        refuse_links(run_dir)  # again under the lock: nothing is written through a link planted since the probe
     except InputError:
         os.close(fd)
         raise
@@ -135,9 +131,8 @@ def refuse_links(run_dir: Path) -> None:
         entry = Path(run_dir) / name
         if entry.is_symlink():
             raise InputError(f"--out {run_dir}: {entry} is a symbolic link (to {os.readlink(entry)}), where a run "
-                             f"writes its own file; "
-                             f"links there are never followed, so nothing was written: remove the link (or choose "
-                             f"another --out)")
+                             f"writes its own file; links there are never followed, so nothing was written: remove "
+                             f"the link (or choose another --out)")
 
 
 def check_free(run_dir: Path) -> None:
