@@ -5,7 +5,8 @@ point (checkpoint.WRITE_HOOK) until the training thread has run further, never b
 - the checkpoint holds its own step (every file's sha256 equals the synchronous save's, the LoRA adapter files
   included) although the next step changed the weights while it was written;
 - COMPLETE is written only after every file of the checkpoint was fsynced;
-- Ctrl-C waits for the write in flight (then named as the last checkpoint); an error exit abandons it (no COMPLETE);
+- Ctrl-C waits for the write in flight (then named as the last checkpoint), also when Ctrl-C or SIGTERM comes as the
+  save is taken; an error exit abandons it (no COMPLETE);
 - a SIGKILL during the write leaves the previous COMPLETE checkpoint and `latest`, the half-written one visibly
   incomplete, and --resume auto continues from the previous one bit-identically;
 - under torchrun (2 gloo ranks, FSDP2) the sharded checkpoint written in the background equals the synchronous one
@@ -231,7 +232,8 @@ def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path,
 
 def test_a_second_ctrl_c_abandons_the_write_the_first_waits_for(tmp_path, monkeypatch):
     """Ctrl-C while step-2 is being written waits for it; a second Ctrl-C during that wait abandons it: the stop
-    names no checkpoint (none is complete) and the write never becomes COMPLETE. The second signal interrupts the
+    names no checkpoint (none is complete), the write never becomes COMPLETE and the stop waits for it to stop, so
+    its temporary is gone when the stop ends (it was left behind). The second signal interrupts the
     wait itself: on Python 3.11 a Thread.join interrupted so marked the running writer thread stopped, and the stop
     named step-2, which was never written."""
     held, armed = Held(2), threading.Event()
