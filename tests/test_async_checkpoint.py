@@ -5,7 +5,8 @@ point (checkpoint.WRITE_HOOK) until the training thread has run further, never b
 - the checkpoint holds its own step (every file's sha256 equals the synchronous save's, the LoRA adapter files
   included) although the next step changed the weights while it was written;
 - COMPLETE is written only after every file of the checkpoint was fsynced;
-- Ctrl-C waits for the write in flight (then named as the last checkpoint); an error exit abandons it (no COMPLETE);
+- Ctrl-C waits for the write in flight (then named as the last checkpoint), also when Ctrl-C or SIGTERM comes as the
+  save is taken; an error exit abandons it (no COMPLETE);
 - a SIGKILL during the write leaves the previous COMPLETE checkpoint and `latest`, the half-written one visibly
   incomplete, and --resume auto continues from the previous one bit-identically;
 - under torchrun (2 gloo ranks, FSDP2) the sharded checkpoint written in the background equals the synchronous one
@@ -219,7 +220,11 @@ def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path,
         (writer,) = C.writers_running()
         (tmp,) = root.iterdir()  # the half-written temporary, without COMPLETE
         assert tmp.name.startswith(".step-0000002.tmp") and not (tmp / C.COMPLETE).exists()
-        held.release()  # it goes on to its next check, which stops it, and removes its temporary
+        exits: list[int] = []  # the command's exit past the stuck writer (cli.main's atexit) removes its temporary
+        monkeypatch.setattr(C.os, "_exit", exits.append)
+        C._leave(2)
+        assert exits == [2] and not tmp.exists()
+        held.release()  # it goes on to its next check, which stops it
         writer.join(HOLD_S)
     assert not C.writers_running() and not held.timed_out
     assert sorted(p.name for p in root.iterdir()) == [] and written == []  # error: stopped before its first file
@@ -227,11 +232,18 @@ def test_ctrl_c_waits_for_the_write_in_flight_and_an_error_abandons_it(tmp_path,
 
 def test_a_second_ctrl_c_abandons_the_write_the_first_waits_for(tmp_path, monkeypatch):
     """Ctrl-C while step-2 is being written waits for it; a second Ctrl-C during that wait abandons it: the stop
-    names no checkpoint (none is complete) and the write never becomes COMPLETE. The second signal interrupts the
+    names no checkpoint (none is complete), the write never becomes COMPLETE and the stop waits for it to stop, so
+    its temporary is gone when the stop ends (it was left behind). The second signal interrupts the
     wait itself: on Python 3.11 a Thread.join interrupted so marked the running writer thread stopped, and the stop
     named step-2, which was never written."""
     held, armed = Held(2), threading.Event()
     monkeypatch.setattr(C, "WRITE_HOOK", held)
+    abandon = C.CommitGate.abandon
+
+    def abandon_then_release(gate) -> None:  # the held writer goes on once the stop has abandoned it
+        abandon(gate)
+        held.release()
+    monkeypatch.setattr(C.CommitGate, "abandon", abandon_then_release)
     wait = C.Checkpointer.wait
 
     def wait_then_second_ctrl_c(self, *a, **k) -> bool:
@@ -253,9 +265,7 @@ def test_a_second_ctrl_c_abandons_the_write_the_first_waits_for(tmp_path, monkey
     finally:
         signal.signal(signal.SIGINT, previous)
     assert e.value.last_checkpoint is None
-    (writer,) = C.writers_running()  # still held at its start
-    held.release()  # it stops at its next check and removes its temporary
-    writer.join(HOLD_S)
+    # the stop waited for the abandoned write to stop at its next check: its temporary is gone before the exit
     assert not C.writers_running() and sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == []
 
 
@@ -395,3 +405,45 @@ def check_sharded_runs(out: Path) -> None:
         da, db = ({k: v for k, v in digests(d).items() if k != "dcp/.metadata"} for d in (a, b))
         assert {"dcp/__0_0.distcp", "dcp/__1_0.distcp", "rng.safetensors"} <= set(da) and da == db, step
     assert losses(out / "sync") == losses(out / "async")
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+@pytest.mark.parametrize("moment", ["snapshot", "thread-started"])
+def test_a_stop_signal_as_the_save_is_taken_waits_for_that_write(tmp_path, monkeypatch, moment, signum):
+    """Ctrl-C or SIGTERM delivered (the real signal, under the commands' handler) at the moment the background save
+    of step-2 is taken: while its snapshot is copied, or once its writer thread has started but before the trainer
+    holds it as the write in flight. The stop waits for that write: step-2 is COMPLETE and named, `latest` points at
+    it, no writer is left running and no temporary stays (the signal raised inside the save dropped it: the stop
+    named no checkpoint and left the writer and its `.step-N.tmp-PID` behind)."""
+    from entrenar import stops
+
+    sent = []
+
+    def deliver() -> None:
+        if not sent:
+            sent.append(signum)
+            os.kill(os.getpid(), signum)  # the handler runs at the next bytecode of this (the main) thread
+
+    if moment == "snapshot":
+        real_snapshot = C.snapshot
+
+        def snapshot(step, *a, **k):
+            if step == 2:
+                deliver()
+            return real_snapshot(step, *a, **k)
+        monkeypatch.setattr(C, "snapshot", snapshot)
+    else:
+        real_init = C._Write.__init__
+
+        def init(self, step, write, *a, **k):
+            real_init(self, step, write, *a, **k)  # the thread is running now
+            if step == 2:
+                deliver()
+        monkeypatch.setattr(C._Write, "__init__", init)
+    with stops.handled(), pytest.raises(TrainingInterrupted) as e:
+        run(tmp_path, 4, save_every=2)
+    root = tmp_path / "checkpoints"
+    assert sent == [signum] and stops.received() == signum
+    assert e.value.last_checkpoint == root / "step-0000002" and (root / "step-0000002" / C.COMPLETE).is_file()
+    assert os.readlink(root / "latest") == "step-0000002"
+    assert not C.writers_running() and sorted(p.name for p in root.iterdir()) == ["latest", "step-0000002"]

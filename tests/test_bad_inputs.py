@@ -216,6 +216,88 @@ CASES = {
 }
 
 
+def _file(t: Path, name: str, text: str) -> Path:
+    (t / name).write_text(text)
+    return t / name
+
+
+def _rows_with(w: World, t: Path, line: str) -> Path:
+    """The 11 SFT rows with `line` as line 2."""
+    rows = w.sft.read_text().splitlines(keepends=True)
+    return _file(t, "rows.jsonl", rows[0] + line + "\n" + "".join(rows[1:]))
+
+
+NESTED = "[" * 100_000 + "]" * 100_000  # json.loads: RecursionError
+LONG_ROW = json.dumps({"prompt": "Say " + "word " * (2 << 20), "completion": "no"})  # 10 M characters
+
+
+def _fifo(t: Path, name: str) -> Path:
+    import os
+
+    os.mkfifo(t / name)  # nothing ever writes it: opening it for reading blocks for ever
+    return t / name
+
+
+def _model_with_fifo_weights(w: World, t: Path) -> Path:
+    import shutil
+
+    m = t / "fifo_model"
+    shutil.copytree(w.model, m)
+    (m / "model.safetensors").unlink()
+    (m / "sha256.json").unlink(missing_ok=True)
+    _fifo(m, "model.safetensors")
+    return m
+
+
+def generate(w: World, *extra: str) -> list[str]:
+    return ["generate", "--model", str(w.model), "--prompt", "hi", "--max-new-tokens", "2", "--json", *extra]
+
+
+def humaneval(w: World, *extra: str) -> list[str]:
+    return ["eval", "--model", str(w.model), "--task", "humaneval", "--limit", "1", "--json", *extra]
+
+
+RECURSIVE = "{% macro f(n) %}{{ f(n) }}{% endmacro %}{{ f(1) }}"
+HUGE_RANGE = "{% for i in range(100000000) %}{% endfor %}{{ messages[0]['content'] }}"
+CASES.update({
+    # issue 51 item 5: exit 1 with a traceback on bad input
+    "chat-template-huge-range": Case(lambda w, t: chat(w, t, HUGE_RANGE), 2, "more than the sandbox allows",
+                                     _nothing),
+    "chat-template-recursive-macro": Case(lambda w, t: chat(w, t, RECURSIVE), 2, "recursed without end",
+                                          _nothing),
+    "finetune-chat-template-recursive-macro": Case(
+        lambda w, t: finetune(w, t / "run", "--chat-template", str(_file(t, "rec.jinja", RECURSIVE))), 2,
+        "rec.jinja: the chat template recursed without end", lambda w, t: [t / "run"]),
+    "data-check-nested-json": Case(lambda w, t: ["data", "check", "--model", str(w.model), "--data",
+                                                 str(_rows_with(w, t, NESTED)), "--max-seq-len", "64", "--json"],
+                                   2, "rows.jsonl:2: malformed JSON (nested too deeply", _nothing),
+    "finetune-nested-json": Case(lambda w, t: [*finetune(w, t / "run")[:4], str(_rows_with(w, t, NESTED)),
+                                               *finetune(w, t / "run")[5:]], 2,
+                                 "rows.jsonl:2: malformed JSON (nested too deeply", lambda w, t: [t / "run"]),
+    "eval-data-nested-json": Case(lambda w, t: ["eval", "--model", str(w.model), "--data",
+                                                str(_rows_with(w, t, NESTED)), "--max-seq-len", "64", "--json"],
+                                  2, "rows.jsonl:2: malformed JSON (nested too deeply", _nothing),
+    "eval-timeout-inf": Case(lambda w, t: humaneval(w, "--timeout", "inf", "--out", str(t / "r.jsonl")), 2,
+                             "--timeout must be > 0 and at most", lambda w, t: [t / "r.jsonl"]),
+    # issue 51 item 6
+    "eval-temperature-inf": Case(lambda w, t: humaneval(w, "--temperature", "inf", "--out", str(t / "r.jsonl")), 2,
+                                 "--temperature must be a finite number", lambda w, t: [t / "r.jsonl"]),
+    "generate-temperature-inf": Case(lambda w, t: generate(w, "--temperature", "inf"), 2,
+                                     "it must be a finite number >= 0", _nothing),
+    "data-check-line-over-the-row-limit": Case(
+        lambda w, t: ["data", "check", "--model", str(w.model), "--data", str(_rows_with(w, t, LONG_ROW)),
+                      "--max-seq-len", "64", "--json"], 2, "rows.jsonl:2: malformed JSON (a line of", _nothing),
+    "generate-model-is-a-fifo": Case(lambda w, t: ["generate", "--model", str(_fifo(t, "m.gguf")), "--prompt", "hi",
+                                                   "--json"], 2, "a FIFO (named pipe), not a regular file", _nothing),
+    "generate-weights-are-a-fifo": Case(lambda w, t: ["generate", "--model", str(_model_with_fifo_weights(w, t)),
+                                                      "--prompt", "hi", "--json"], 2,
+                                        "model.safetensors: a FIFO (named pipe)", _nothing),
+    "generate-chat-template-is-a-fifo": Case(lambda w, t: generate(w, "--chat", "--chat-template",
+                                                                   str(_fifo(t, "t.jinja"))), 2,
+                                             "a FIFO (named pipe), not a regular file", _nothing),
+})
+
+
 def _blank(t: Path) -> Path:
     d = t / "blank"
     d.mkdir(exist_ok=True)
@@ -501,3 +583,20 @@ def test_kernels_triton_on_the_cpu_is_exit_2_naming_the_remedy(world, monkeypatc
     code, result, err = run_cli([*argv, "--kernels", "triton", "--device", "cpu", "--json"], capsys)
     assert code == 2, err[-2000:]
     assert "--kernels triton" in result["error"] and "--kernels torch" in result["error"]
+
+
+def test_a_packaged_chat_template_is_taken_by_name_by_data_check_and_finetune(world, tmp_path, capsys):
+    """README's tool-call recipes name the packaged templates (`--chat-template chatml_tools`): an installed
+    package has no src/entrenar/templates path to give. finetune saves the template with the model."""
+    from importlib.resources import files
+
+    text = files("entrenar").joinpath("templates", "chatml_tools.jinja").read_text()
+    code, _, err = run_cli(["data", "check", "--model", str(world.model), "--data", str(world.sft),
+                            "--max-seq-len", "64", "--chat-template", "chatml_tools", "--json"], capsys)
+    assert code == 0, err[-2000:]
+    code, _, err = run_cli(finetune(world, tmp_path / "run", "--chat-template", "chatml_tools"), capsys)
+    assert code == 0, err[-2000:]
+    final = tmp_path / "run" / "final"
+    saved = [f for f in ("tokenizer_config.json", "chat_template.jinja") if (final / f).is_file()
+             and (text in (final / f).read_text() or json.dumps(text) in (final / f).read_text())]
+    assert saved, sorted(p.name for p in final.iterdir())

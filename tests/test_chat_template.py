@@ -226,3 +226,25 @@ def test_sandbox_blocks_python_internals():
     tok = tiny_tokenizer(chat_template="{{ messages.__class__.__mro__ }}")
     with pytest.raises(InputError):
         tok.render_chat([SYSTEM])
+
+
+@pytest.mark.parametrize("spec", ["chatml_tools", "qwen2_tools_json.jinja"])
+def test_a_packaged_template_is_taken_by_name(spec, tmp_path, monkeypatch):
+    """--chat-template NAME reads the template shipped in the package (an installed user has no src/ tree); a file
+    of that name where the command runs is read instead (a path always means the file)."""
+    from importlib.resources import files
+
+    from entrenar.tokenizer import use_chat_template_file
+
+    monkeypatch.chdir(tmp_path)
+    tok = tiny_tokenizer()
+    use_chat_template_file(tok, spec)
+    name = spec.removesuffix(".jinja")
+    assert tok.chat_template == files("entrenar").joinpath("templates", f"{name}.jinja").read_text()
+    assert tok.chat_template_source == f"--chat-template {spec} (packaged)"
+    (tmp_path / spec).write_text("{{ messages[0]['content'] }}")
+    use_chat_template_file(tok, spec)
+    assert tok.chat_template == "{{ messages[0]['content'] }}" and "packaged" not in tok.chat_template_source
+    with pytest.raises(InputError, match=r"--chat-template chatml: cannot read .* a packaged template's name "
+                                         r"\(chatml_tools, qwen2_tools_json\)"):
+        use_chat_template_file(tok, "chatml")

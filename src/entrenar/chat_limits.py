@@ -2,9 +2,11 @@
 
 A chat template is code that ships with a model. The jinja sandbox stops it from reaching Python
 internals, but not from running forever: nested ``range(99999)`` loops made `generate --chat` hang, and a
-loop that writes made it grow without end; ``{% include %}`` was a TypeError traceback. A render is
+loop that writes made it grow without end; ``{% include %}`` was a TypeError traceback; ``range(100000000)``
+(the sandbox's OverflowError) and a macro calling itself (RecursionError) were exit 1. A render is
 stopped, as an InputError (exit 2) naming the bound and the remedy, when it runs longer than
-``RENDER_SECONDS`` or writes more than ``MAX_RENDER_CHARS`` plus 4x the messages' own text. A real
+``RENDER_SECONDS``, writes more than ``MAX_RENDER_CHARS`` plus 4x the messages' own text, asks for a range
+past the sandbox's bound or recurses without end. A real
 template renders a chat in milliseconds and writes little more than the messages.
 
 Time is bounded by SIGALRM where it exists (the main thread, POSIX): it interrupts a loop that writes
@@ -84,4 +86,10 @@ def bounded_render(template: Any, context: dict[str, Any], where: str, input_cha
                     raise too_long
     except _TooLong:
         raise too_long from None
+    except OverflowError as e:  # the sandbox's `range` bound (MAX_RANGE): range(100000000) in the template
+        raise InputError(f"{where}: the chat template asked for more than the sandbox allows ({e}); {_REMEDY}") \
+            from None
+    except RecursionError:  # a macro that calls itself without end
+        raise InputError(f"{where}: the chat template recursed without end (a macro calling itself?); "
+                         f"{_REMEDY}") from None
     return "".join(parts)

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import contextlib
+import errno
 import gzip
 import hashlib
 import json
 import os
 import shutil
+import stat
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -44,7 +46,8 @@ class HashingFile:
     def __init__(self, path: str | Path, background: bool = False):
         from concurrent.futures import ThreadPoolExecutor
 
-        self.path, self._f, self._h = Path(path), open(path, "wb"), hashlib.sha256()  # noqa: SIM115
+        self._f = os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "wb")
+        self.path, self._h = Path(path), hashlib.sha256()
         self._pool = ThreadPoolExecutor(max_workers=1) if background else None
         self._pending: list[Any] = []
         self.digest: str | None = None
@@ -197,30 +200,88 @@ def verify_recorded(directory: str | Path, skip: tuple[str, ...] = NOT_READ_AS_M
     return checked
 
 
+# What the OS says when a write cannot go on (a full disk, a quota, a file-size limit, a read-only or failing disk):
+# libraries that do not raise OSError keep only this text (tokenizers' plain `Exception: No space left on device`)
+DISK_FULL_TEXTS = tuple(os.strerror(code) for code in (errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS, errno.EIO))
+
+
+def disk_write_error(e: BaseException) -> BaseException | None:
+    """`e` when it is a write the disk refused, whoever raised it: an OSError, safetensors' SafetensorError (its
+    wrapper of one: "File too large"), the tokenizers library's plain Exception carrying the OS's text ("No space left
+    on device"), torch.save's RuntimeError from its zip writer ("[enforce fail at inline_container.cc] ... unexpected
+    pos", "PytorchStreamWriter failed writing file"); None for anything else (a bug stays a bug)."""
+    from safetensors import SafetensorError
+
+    text = str(e)
+    if isinstance(e, (OSError, SafetensorError)):
+        return e
+    if type(e) is Exception and any(t in text for t in DISK_FULL_TEXTS):
+        return e
+    if isinstance(e, RuntimeError) and ("inline_container" in text or "PytorchStreamWriter failed" in text):
+        return e
+    return None
+
+
 def _tmp_path(path: Path) -> Path:
     # one naming rule for every tmp-then-rename site: hidden, next to the target, unique per process
     return path.with_name(f".{path.name}.tmp-{os.getpid()}")
 
 
+def open_no_follow(path: str | Path, flags: int, mode: int = 0o644) -> int:
+    """os.open of a file entrenar writes (in a run directory above all) that never follows a symbolic link at
+    `path` (O_NOFOLLOW): a link planted there, to a file elsewhere, is an InputError naming it instead of that file
+    being truncated or appended to (issue 51: `pretrain --resume auto` overwrote the file a linked RUN/.lock
+    pointed to)."""
+    from .errors import InputError
+
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW | os.O_CLOEXEC, mode)
+    except OSError as e:
+        if e.errno != errno.ELOOP:
+            raise
+        raise InputError(f"{path} is a symbolic link (to {os.readlink(path)}), where entrenar writes its own file; "
+                         f"links there are never followed, so nothing was written: remove the link (or choose "
+                         f"another directory)") from None
+
+
+def clear_path(path: str | Path) -> None:
+    """Remove what is at `path` without following a link: a link or a file is unlinked (never its target), a
+    directory removed with its contents; nothing there is fine."""
+    p = Path(path)
+    if p.is_symlink() or (p.exists() and not p.is_dir()):
+        p.unlink()
+    elif p.is_dir():
+        shutil.rmtree(p)
+
+
 def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -> Path:
     """Write `path` so that a crash leaves either the old file or the new one, never a partial one.
 
-    `data` is bytes, text (UTF-8), or a callable that writes the given temporary path.
+    `data` is bytes, text (UTF-8), or a callable that writes the given temporary path. A symbolic link at `path`
+    is replaced by the file (its target is never written), and one at the temporary path is removed first.
     """
     path = Path(path)
     tmp = _tmp_path(path)
+    clear_path(tmp)  # a stale temporary, or a link planted under its name
     try:
         if callable(data):
             data(tmp)
-        elif isinstance(data, str):
-            tmp.write_text(data, encoding="utf-8")
         else:
-            tmp.write_bytes(data)
-        os.replace(tmp, path)
+            raw = data.encode("utf-8") if isinstance(data, str) else data
+            with os.fdopen(open_no_follow(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL), "wb") as f:
+                f.write(raw)
+        os.replace(tmp, path)  # rename(2) replaces a link at `path`, never follows it
     finally:
-        if tmp.exists():
+        if tmp.is_symlink() or tmp.exists():
             tmp.unlink()
     return path
+
+
+def append_text(path: str | Path, text: str) -> None:
+    """Append `text` (UTF-8) to `path` (created if missing), never through a symbolic link (open_no_follow): the
+    append-only logs of a run (metrics.jsonl, eval.jsonl) and a task eval's rows."""
+    with os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND), "a", encoding="utf-8") as f:
+        f.write(text)
 
 
 @contextlib.contextmanager
@@ -231,8 +292,7 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
     """
     path = Path(path)
     tmp = _tmp_path(path)
-    if tmp.exists():
-        shutil.rmtree(tmp)
+    clear_path(tmp)  # a stale temporary, or a link planted under its name (never followed)
     tmp.mkdir(parents=True)
     try:
         yield tmp
@@ -242,12 +302,19 @@ def atomic_dir(path: str | Path) -> Iterator[Path]:
             shutil.rmtree(tmp)
 
 
-def read_jsonl(path: str | Path, on_error: Callable[[int, json.JSONDecodeError], None] | None = None
-               ) -> Iterator[tuple[int, Any]]:
+# The longest line a JSONL row of SFT / preference / `eval --data` may be, in characters: far past any chat that fits
+# a context (128k tokens are ~0.5 M characters); a longer line is refused before it is parsed, rendered and
+# tokenized (a 60 MB line took 2 minutes of `data check` to be skipped as too long)
+MAX_ROW_CHARS = 8 << 20
+
+
+def read_jsonl(path: str | Path, on_error: Callable[[int, json.JSONDecodeError], None] | None = None,
+               max_line_chars: int | None = None) -> Iterator[tuple[int, Any]]:
     """(line number, object) for each non-blank line: the one JSONL reader (SFT data, pretraining
     rows, metrics). ``.gz`` files are decompressed; a UTF-8 byte-order mark is accepted. A line that
     is not JSON is an InputError naming file:line, or, with ``on_error``, is passed to it
-    (which may raise) and skipped. Text that is not UTF-8 is an InputError."""
+    (which may raise) and skipped; so is a line nested too deeply for Python's parser (RecursionError) and,
+    with ``max_line_chars``, a longer line (not parsed). Text that is not UTF-8 is an InputError."""
     from .errors import InputError
 
     opener: Any = gzip.open if str(path).endswith(".gz") else open
@@ -258,7 +325,14 @@ def read_jsonl(path: str | Path, on_error: Callable[[int, json.JSONDecodeError],
                 if not line.strip():
                     continue
                 try:
-                    obj = json.loads(line)
+                    if max_line_chars is not None and len(line) > max_line_chars:
+                        raise json.JSONDecodeError(f"a line of {len(line):,} characters, longer than the "
+                                                   f"{max_line_chars:,} a row may have; not read", "", 0)
+                    try:
+                        obj = json.loads(line)
+                    except RecursionError:
+                        raise json.JSONDecodeError("nested too deeply (arrays or objects inside each other "
+                                                   "beyond what the JSON parser can follow)", "", 0) from None
                 except json.JSONDecodeError as e:
                     if on_error is None:
                         raise InputError(f"{path}:{lineno}: not valid JSON ({e.msg})") from None
@@ -267,6 +341,22 @@ def read_jsonl(path: str | Path, on_error: Callable[[int, json.JSONDecodeError],
                 yield lineno, obj
         except UnicodeDecodeError as e:
             raise InputError(f"{path}:{lineno + 1}: not UTF-8 text ({e.reason}); JSONL must be UTF-8") from None
+
+
+def regular_file_problem(path: str | Path) -> str | None:
+    """What `path` is when it is there but not a regular file (a FIFO, a socket, a device, a directory), for an
+    InputError before it is opened: opening a FIFO without a writer blocks for ever (SIGTERM included) and a device
+    reads without end. None for a regular file (a link to one too) and for nothing there (the open says so)."""
+    try:
+        mode = os.stat(path).st_mode
+    except OSError:
+        return None
+    if stat.S_ISREG(mode):
+        return None
+    kind = ("a directory" if stat.S_ISDIR(mode) else "a FIFO (named pipe)" if stat.S_ISFIFO(mode) else
+            "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode) else
+            "a special file")
+    return f"{kind}, not a regular file"
 
 
 def describe_path(path: str | Path) -> str:

@@ -18,6 +18,7 @@ and would keep computing finished rows).
 from __future__ import annotations
 
 import itertools
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -137,8 +138,9 @@ def _check_request(tokenizer, prompts: Sequence[list[int]], max_new_tokens: int,
             raise InputError(f"{which} is empty (0 tokens); give some prompt text")
     if max_new_tokens < 1:
         raise InputError(f"max_new_tokens is {max_new_tokens}; it must be at least 1")
-    if not temperature >= 0:  # also rejects NaN
-        raise InputError(f"temperature (--temperature) is {temperature}; it must be >= 0 (0 = greedy)")
+    if not 0 <= temperature < math.inf:  # also rejects NaN; inf divides every logit to 0 or NaN
+        raise InputError(f"temperature (--temperature) is {temperature}; it must be a finite number >= 0 "
+                         f"(0 = greedy)")
     if not 0.0 < top_p <= 1.0:
         raise InputError(f"top_p (--top-p) is {top_p}; it must be in (0, 1] (1 = no nucleus cut)")
     for ids in prompts:

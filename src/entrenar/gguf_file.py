@@ -43,7 +43,13 @@ class GGUFFile:
 
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
+        from ..errors import InputError
+        from ..fileio import regular_file_problem
+
         self.path = Path(path)
+        problem = regular_file_problem(self.path)  # a FIFO would block the open for ever
+        if problem is not None:
+            raise InputError(f"{self.path}: {problem}; a GGUF model must be a file")
         buf = np.memmap(self.path, mode="r")
         mv = memoryview(buf)
         pos = 0

@@ -104,6 +104,11 @@ def resolve_model(spec: str | os.PathLike) -> Path:
         if path.suffix != ".gguf":
             raise InputError(f"{s}: a model file must be .gguf (or give an HF directory)")
         return path
+    if not path.is_dir():  # a FIFO, a socket, a device: reading one blocks or never ends
+        from ..fileio import regular_file_problem
+
+        raise InputError(f"{s}: {regular_file_problem(path)}; a MODEL is a .gguf file, an HF directory, a run "
+                         f"directory or a packaged name")
     if (path / "config.json").is_file() or is_adapter_dir(path):
         return verified(_complete_checkpoint(path, s))
     if (path / "final" / "config.json").is_file() or is_adapter_dir(path / "final"):

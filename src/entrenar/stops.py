@@ -24,6 +24,7 @@ EXIT_INTERRUPTED = 128 + signal.SIGINT  # 130: what shells report for Ctrl-C
 
 _received: list[int] = []  # the stop signals of this command, in order
 _reporting = False  # a failure is being reported: a signal now is recorded, not raised
+_deferring = 0  # inside `deferred()`: a signal is recorded and raised when the block ends
 
 
 def under_torchrun() -> bool:
@@ -38,6 +39,8 @@ def _on_signal(signum: int, frame: FrameType | None) -> None:
     repeat = bool(_received)
     _received.append(signum)
     if _reporting or _not_rank0() or (repeat and under_torchrun()):
+        return
+    if _deferring:  # raised when the deferred block ends
         return
     raise KeyboardInterrupt  # every `except KeyboardInterrupt` (the trainer's, data pack's clean-up) applies
 
@@ -58,6 +61,23 @@ def handled() -> Iterator[None]:
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+
+
+@contextmanager
+def deferred() -> Iterator[None]:
+    """A stop signal during the block is recorded, and raised as KeyboardInterrupt when the block has ended (not
+    when it raised something else): a block that must not stop halfway (taking a checkpoint's snapshot and starting
+    its writer, so that the stop waits for that write instead of leaving it unnamed) runs to its end first."""
+    global _deferring
+    before = len(_received)
+    _deferring += 1
+    try:
+        yield
+    finally:
+        _deferring -= 1
+    if not _deferring and len(_received) > before and not _reporting and not _not_rank0() and \
+            not (before and under_torchrun()):
+        raise KeyboardInterrupt
 
 
 def reporting() -> None:
@@ -81,4 +101,4 @@ def name() -> str:
     return signal.Signals(_received[0]).name if _received else "SIGINT"
 
 
-__all__ = ["EXIT_INTERRUPTED", "exit_code", "handled", "name", "received", "reporting", "under_torchrun"]
+__all__ = ["EXIT_INTERRUPTED", "deferred", "exit_code", "handled", "name", "received", "reporting", "under_torchrun"]

@@ -478,16 +478,40 @@ def _check_messages(messages: Any, source: str) -> None:
 
 
 # ---- loading ----------------------------------------------------------------------------------
+PACKAGED_TEMPLATES = ("chatml_tools", "qwen2_tools_json")  # templates/NAME.jinja, shipped with the package
+
+
+def packaged_template(spec: str | os.PathLike) -> str | None:
+    """The text of the packaged chat template `spec` names (`chatml_tools`, or `chatml_tools.jinja`), when `spec`
+    is such a name and no file of that name is there (a file given by path wins); else None."""
+    name = str(spec).removesuffix(".jinja")
+    if name not in PACKAGED_TEMPLATES or Path(spec).exists():
+        return None
+    from importlib.resources import files
+
+    return files("entrenar").joinpath("templates", f"{name}.jinja").read_text(encoding="utf-8")
+
+
 def use_chat_template_file(tokenizer: ChatTokenizer, path: str | os.PathLike | None) -> None:
-    """`--chat-template FILE`: render chats with that template instead of the model's (exit 2 if unreadable)."""
+    """`--chat-template FILE|NAME`: render chats with that template instead of the model's (exit 2 if unreadable);
+    NAME is a packaged template (PACKAGED_TEMPLATES), so an installed package needs no source-tree path."""
     if path is None:
         return
+    packaged = packaged_template(path)
+    if packaged is not None:
+        tokenizer.set_chat_template(packaged, f"--chat-template {path} (packaged)")
+        return
+    from .fileio import regular_file_problem
+
     file = Path(path)
     try:
+        file_check = regular_file_problem(file)  # a FIFO would block the read for ever
+        if file_check is not None:
+            raise OSError(file_check)
         text = file.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as e:
         raise InputError(f"--chat-template {file}: cannot read the template ({e}); give a jinja chat template "
-                         f"file") from e
+                         f"file or a packaged template's name ({', '.join(PACKAGED_TEMPLATES)})") from e
     tokenizer.set_chat_template(text, f"--chat-template {file}")
 
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 import time
 from pathlib import Path
@@ -30,6 +31,7 @@ NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task
 FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
 # flag -> its default: eval on preference pairs only (--data PAIRS.jsonl, --task loss); refused anywhere else
 PAIRS_ONLY = {"ref_model": None, "beta": None}
+MAX_TIMEOUT_S = 86400.0  # --timeout's bound: a day per program (inf overflowed the sandbox's CPU-time limit)
 
 
 def task_spec(value: str) -> str:
@@ -131,8 +133,8 @@ def check_task_flags(args: argparse.Namespace) -> None:
 def _validate(args: argparse.Namespace) -> None:
     if args.samples < 1:
         raise InputError(f"--samples must be >= 1, got {args.samples}")
-    if not args.temperature >= 0:
-        raise InputError(f"--temperature must be >= 0 (0 = greedy), got {args.temperature}")
+    if not 0 <= args.temperature < math.inf:  # NaN and inf too
+        raise InputError(f"--temperature must be a finite number >= 0 (0 = greedy), got {args.temperature}")
     if args.samples > 1 and args.temperature == 0:
         raise InputError(f"--samples {args.samples} with --temperature 0: greedy samples are all the same; "
                          f"give --temperature > 0 (0.8 is usual for pass@10)")
@@ -142,8 +144,9 @@ def _validate(args: argparse.Namespace) -> None:
         raise InputError(f"--limit must be >= 0 (0 = all problems), got {args.limit}")
     if args.max_new_tokens is not None and args.max_new_tokens < 1:
         raise InputError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if not args.timeout > 0:
-        raise InputError(f"--timeout must be > 0 seconds, got {args.timeout}")
+    if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN and inf too: checked before any generation
+        raise InputError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (a day) per program, got "
+                         f"{args.timeout}")
     if not isinstance(args.batch_size, int) or args.batch_size < 1:
         raise InputError(f"--batch-size must be a positive integer, got {args.batch_size}")
     if args.resume and (args.out is None or args.overwrite):

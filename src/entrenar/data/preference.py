@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..fileio import read_jsonl
+from ..fileio import MAX_ROW_CHARS, read_jsonl
 from ..tensors import IGNORE_INDEX
 from .sft import (
     DEFAULT_MAX_SKIP_FRACTION,
@@ -63,7 +63,7 @@ def is_preference_row(row: Any) -> bool:
 
 def is_preference_file(path: str | Path) -> bool:
     """Whether a JSONL file holds preference rows: its first readable row has "chosen" and "rejected"."""
-    for _, row in read_jsonl(Path(path), on_error=lambda lineno, e: None):
+    for _, row in read_jsonl(Path(path), on_error=lambda lineno, e: None, max_line_chars=MAX_ROW_CHARS):
         return is_preference_row(row)
     return False
 

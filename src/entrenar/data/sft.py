@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from ..errors import GuardError, InputError
-from ..fileio import read_jsonl
+from ..fileio import MAX_ROW_CHARS, read_jsonl
 from ..tensors import IGNORE_INDEX
 from . import tool_calls
 from .epochs import EpochCursor
@@ -44,7 +44,8 @@ ROLES = ("system", "user", "assistant")
 TRUNCATION_POLICIES = ("skip", "keep")
 DEFAULT_MAX_SKIP_FRACTION = 0.5
 # --chat-template (tokenizer.use_chat_template_file)
-CHAT_TEMPLATE_HELP = "a jinja chat template file used instead of the model's (e.g. one that renders tools)"
+CHAT_TEMPLATE_HELP = ("a jinja chat template file, or a packaged one by name (chatml_tools, qwen2_tools_json), used "
+                      "instead of the model's (e.g. one that renders tools)")
 MAX_LOGGED_WARNINGS = 20  # per reason; the rest are counted, and the count is logged at the end
 ARGUMENT_PROBLEMS_NAMED = 5  # tool-argument problems a GUARD-DATA message names (data check lists the first 20)
 BUCKET_MULTIPLE = 64  # length buckets (bucket_lengths) are multiples of this, except the last (max_seq_len)
@@ -477,7 +478,7 @@ class RowLog:
     def read(self) -> Iterator[tuple[int, str, Any]]:
         """(line number, "FILE:LINE", row) of each row, counted as read; malformed lines go to `malformed`.
         fileio.read_jsonl: the one JSONL reader (a UTF-8 BOM is accepted, issue 18 item 11)."""
-        for lineno, row in read_jsonl(self.path, on_error=self.malformed):
+        for lineno, row in read_jsonl(self.path, on_error=self.malformed, max_line_chars=MAX_ROW_CHARS):
             self.report.rows_read += 1
             yield lineno, f"{self.path}:{lineno}", row
 

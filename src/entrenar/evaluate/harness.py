@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -17,7 +18,7 @@ from typing import Any
 
 from ..devices import BF16_COMPUTE
 from ..errors import InputError
-from ..fileio import atomic_write
+from ..fileio import atomic_write, open_no_follow
 from .sandbox import SandboxLimits, isolation_level, run_program, weakest_isolation
 from .tasks import Problem, completion_done, extract_code, pass_at_k, program, prompt_ids
 
@@ -209,7 +210,7 @@ def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, se
         records = task_records(problems, tokenizer, complete, settings, log, row_settings=row_settings)
     else:
         atomic_write(out, "".join(json.dumps(r) + "\n" for r in done.values()))  # no cut last line to append after
-        with open(out, "a", encoding="utf-8") as f:
+        with os.fdopen(open_no_follow(out, os.O_WRONLY | os.O_APPEND), "a", encoding="utf-8") as f:
             def append(record: dict[str, Any]) -> None:
                 f.write(json.dumps(record) + "\n")
                 f.flush()

@@ -107,6 +107,11 @@ def weight_files(model_dir: Path) -> list[Path]:
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import SafetensorError, safe_open
 
+    from ..fileio import regular_file_problem
+
+    problem = regular_file_problem(path)  # a FIFO would block the open for ever
+    if problem is not None:
+        raise InputError(f"{path}: {problem}; a model's weights must be a safetensors file")
     out: dict[str, torch.Tensor] = {}
     try:
         with safe_open(str(path), framework="pt") as f:

@@ -254,6 +254,11 @@ def load_adapter_weights(model: nn.Module, adapter_dir: str | Path) -> nn.Module
 def _copy_adapter_tensors(weights: Path, expected: dict[str, torch.Tensor], seen: set[str]) -> None:
     from safetensors import safe_open
 
+    from ..fileio import regular_file_problem
+
+    problem = regular_file_problem(weights)  # a FIFO would block the open for ever
+    if problem is not None:
+        raise InputError(f"{weights}: {problem}; an adapter's weights must be a safetensors file")
     with safe_open(str(weights), framework="pt") as f:
         for key in list(f.keys()):
             ours = key.replace(".default.", ".")  # PEFT in-memory names carry the adapter name

@@ -60,6 +60,7 @@ import numpy as np
 import torch
 from safetensors.torch import load_file, save_file
 
+from .. import stops
 from ..errors import EntrenarError, InputError
 from ..fileio import HashingFile, atomic_dir, files_sha256, sha256_file, write_safetensors, written_sha256
 from .distributed import DistContext
@@ -921,11 +922,12 @@ def restore_model(model: torch.nn.Module, tensors: dict[str, torch.Tensor]) -> N
 
 # ---- the Trainer's part -------------------------------------------------------------------------------
 def _write_failure(e: BaseException) -> BaseException | None:
-    """The OSError or SafetensorError of a failed write: `e` itself, or the one torch.distributed.checkpoint
-    wrapped into its CheckpointException (failures: rank -> (exception, traceback)); None for anything else."""
-    from safetensors import SafetensorError
+    """The error of a write the disk refused (fileio.disk_write_error: OSError, SafetensorError, tokenizers' and
+    torch.save's texts of it): `e` itself, or the one torch.distributed.checkpoint wrapped into its
+    CheckpointException (failures: rank -> (exception, traceback)); None for anything else."""
+    from ..fileio import disk_write_error
 
-    if isinstance(e, (OSError, SafetensorError)):
+    if disk_write_error(e) is not None:
         return e
     failures = getattr(e, "failures", None)
     if type(e).__name__ == "CheckpointException" and isinstance(failures, dict):
@@ -986,6 +988,9 @@ def _leave(code: int) -> None:
     print(f"note: {', '.join(step_dir_name(w.step) for w in running)}: a checkpoint write abandoned by this "
           f"error exit did not stop; leaving without it (it has no {COMPLETE} marker, --resume ignores it)",
           file=sys.stderr, flush=True)
+    for w in running:  # its temporary, never to be committed (gate abandoned), goes with it
+        if w.tmp is not None:
+            shutil.rmtree(w.tmp, ignore_errors=True)
     for stream in (sys.stdout, sys.stderr):
         with contextlib.suppress(Exception):
             stream.flush()
@@ -1012,8 +1017,8 @@ class _Write:
     that exits while the writer thread is still ending (its last references dropped, in C++ destructors) can
     abort at exit ("terminate called without an active exception"), so the thread's end is waited for too."""
 
-    def __init__(self, step: int, write: Callable[[CommitGate], Path]):
-        self.step, self.gate = step, CommitGate()
+    def __init__(self, step: int, write: Callable[[CommitGate], Path], tmp: Path | None = None):
+        self.step, self.gate, self.tmp = step, CommitGate(), tmp  # tmp: its temporary directory (local writes)
         self.result: Path | None = None
         self.error: BaseException | None = None
         self.finished = threading.Event()
@@ -1105,10 +1110,13 @@ class Checkpointer:
             with write_errors(target, self.root):
                 self.last_complete = self._start(step, model, optimizer, trainer_state, run_config, False)(None)
             return target
+        from ..fileio import _tmp_path
+
         self.wait()  # one write at a time (its buffers are the next snapshot's); its error is raised here
-        with write_errors(target, self.root):
-            write = self._start(step, model, optimizer, trainer_state, run_config, True)
-        self._write = _Write(step, write)
+        with stops.deferred():  # a stop signal from here on waits for this write (Trainer.settle_write)
+            with write_errors(target, self.root):
+                write = self._start(step, model, optimizer, trainer_state, run_config, True)
+            self._write = _Write(step, write, None if self.ctx.active else _tmp_path(target))
         return target
 
     def _start(self, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -27,7 +27,7 @@ import torch
 from .. import stops
 from ..config import PRESETS, preset
 from ..errors import GuardError, InputError
-from ..fileio import describe_path, write_manifest
+from ..fileio import atomic_write, clear_path, describe_path, write_manifest
 from ..outpaths import check_creatable
 from ..peft.load import tokenizer_or_none
 from . import qa_gate
@@ -74,9 +74,7 @@ def _versions() -> dict[str, str | None]:
 
 
 def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, default=str) + "\n")
-    os.replace(tmp, path)
+    atomic_write(path, json.dumps(obj, indent=2, default=str) + "\n")  # never through a link (fileio)
 
 
 # What a run writes before its first optimizer step: a directory holding only these (and no metrics
@@ -422,10 +420,10 @@ def _final_saver(write: Callable[[torch.nn.Module, Path], None]) -> Callable[[to
         tmp = final.with_name(final.name + ".tmp")
         with write_errors(final, final.parent / "checkpoints"):
             try:
-                shutil.rmtree(tmp, ignore_errors=True)
+                clear_path(tmp)  # a link planted as final.tmp or final is removed, never written through
                 write(model, tmp)
                 write_manifest(tmp)
-                shutil.rmtree(final, ignore_errors=True)
+                clear_path(final)
                 os.replace(tmp, final)
             except BaseException:
                 shutil.rmtree(tmp, ignore_errors=True)

@@ -841,8 +841,8 @@ class Trainer:
                     self.log(f"checkpoint {step_dir_name(step)} abandoned: rank {', '.join(map(str, gone))} of the "
                              f"job is gone, so it cannot be completed; it has no COMPLETE marker, --resume ignores it")
                     return
-        except KeyboardInterrupt:
-            self.checkpointer.abandon()
+        except KeyboardInterrupt:  # its temporary goes once it stops (ABANDON_WAIT_S; a third signal ends the wait)
+            self.checkpointer.abandon(wait_s=checkpoints.ABANDON_WAIT_S)
             self.log(f"checkpoint {step_dir_name(step)} abandoned: it has no COMPLETE marker, --resume ignores it")
         except Exception as e:  # noqa: BLE001 -- said here; the stop is what the command reports
             self.log(f"checkpoint {step_dir_name(step)} was not written: {e}")

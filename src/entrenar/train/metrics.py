@@ -13,7 +13,7 @@ from typing import Any, TextIO
 import torch
 
 from ..errors import InputError
-from ..fileio import atomic_write
+from ..fileio import append_text, atomic_write
 from ..fileio import read_jsonl as fileio_read_jsonl
 from .precision import uses_bf16
 
@@ -98,9 +98,7 @@ class JsonlLog:
 
     def write(self, record: dict[str, Any]) -> None:
         line = json.dumps(strict_record(record), allow_nan=False)
-        with open(self.path, "a") as f:
-            f.write(line + "\n")
-            f.flush()
+        append_text(self.path, line + "\n")  # never through a link (fileio.open_no_follow)
         if self.tracking is not None:  # the trackers get the row as written (what metrics.jsonl says)
             self.tracking.log_row(self.kind, strict_record(record))
 

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..fileio import open_no_follow
 
 LOCK_FILE = ".lock"
 SHARED_CHECK = ".nodes-check"  # rank 0's nonce, read back by every node (check_shared); removed after
@@ -80,8 +81,8 @@ def _refusal(run_dir: Path, holder: dict[str, Any]) -> str:
 
 
 def _open(path: Path, create: bool) -> int | None:
-    try:
-        return os.open(path, os.O_RDWR | (os.O_CREAT if create else 0), 0o644)
+    try:  # never through a link planted as RUN/.lock: its target would be truncated and overwritten (issue 51)
+        return open_no_follow(path, os.O_RDWR | (os.O_CREAT if create else 0))
     except FileNotFoundError:
         return None
 
@@ -99,7 +100,7 @@ def _try_lock(fd: int, run_dir: Path) -> bool:
 
 def acquire(run_dir: Path) -> RunLock:
     """Create run_dir if needed and take its lock, recording this process as the holder; InputError
-    naming the holder when another process has it."""
+    naming the holder when another process has it, or naming a link planted in place of a run's file."""
     run_dir = Path(run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     path = run_dir / LOCK_FILE
@@ -108,6 +109,7 @@ def acquire(run_dir: Path) -> RunLock:
     try:
         if not _try_lock(fd, run_dir):
             raise InputError(_refusal(run_dir, _read_holder(path)))
+        refuse_links(run_dir)  # again under the lock: nothing is written through a link planted since the probe
     except InputError:
         os.close(fd)
         raise
@@ -116,22 +118,40 @@ def acquire(run_dir: Path) -> RunLock:
     return RunLock(fd, path)
 
 
+# The files a run writes at the top of its directory (docs/design.md "Run directory"); a symbolic link in the place
+# of one is refused before anything is written: a file entrenar writes is never written through a link. (Directories
+# may be links, checkpoints/ on another disk; final/ and every temporary replace a link, fileio.clear_path.)
+RUN_ENTRIES = ("run.json", "data_report.json", "preflight.json", "metrics.jsonl", "eval.jsonl", "profile.json",
+               SHARED_CHECK)
+
+
+def refuse_links(run_dir: Path) -> None:
+    """InputError naming the first of RUN_ENTRIES in run_dir that is a symbolic link (issue 51)."""
+    for name in RUN_ENTRIES:
+        entry = Path(run_dir) / name
+        if entry.is_symlink():
+            raise InputError(f"--out {run_dir}: {entry} is a symbolic link (to {os.readlink(entry)}), where a run "
+                             f"writes its own file; links there are never followed, so nothing was written: remove "
+                             f"the link (or choose another --out)")
+
+
 def check_free(run_dir: Path) -> None:
     """InputError naming the holder when another process writes run_dir now (a probe: nothing is
-    created and the lock is not kept), so a refused command says why before any other complaint."""
+    created and the lock is not kept), so a refused command says why before any other complaint; or naming a
+    symbolic link planted in place of a file the run writes (refuse_links)."""
     fd = _open(Path(run_dir) / LOCK_FILE, create=False)
-    if fd is None:
-        return
-    try:
-        if not _try_lock(fd, Path(run_dir)):
-            raise InputError(_refusal(Path(run_dir), _read_holder(Path(run_dir) / LOCK_FILE)))
-    finally:
-        os.close(fd)
+    if fd is not None:
+        try:
+            if not _try_lock(fd, Path(run_dir)):
+                raise InputError(_refusal(Path(run_dir), _read_holder(Path(run_dir) / LOCK_FILE)))
+        finally:
+            os.close(fd)
+    refuse_links(run_dir)  # before any other check reads them
 
 
 def _write_nonce(run_dir: Path) -> str:
     nonce = secrets.token_hex(16)
-    with open(run_dir / SHARED_CHECK, "w") as f:
+    with os.fdopen(open_no_follow(run_dir / SHARED_CHECK, os.O_WRONLY | os.O_CREAT | os.O_TRUNC), "w") as f:
         f.write(nonce)
         f.flush()
         os.fsync(f.fileno())  # on the server before any node looks (NFS: close-to-open)
@@ -184,4 +204,5 @@ def holding(run_dir: Path, run_on_main: Callable[[Callable[[], None]], None], ct
             lock.release()
 
 
-__all__ = ["LOCK_FILE", "SHARED_CHECK", "RunLock", "acquire", "check_free", "check_shared", "holding"]
+__all__ = ["LOCK_FILE", "RUN_ENTRIES", "SHARED_CHECK", "RunLock", "acquire", "check_free", "check_shared", "holding",
+           "refuse_links"]
