@@ -289,7 +289,7 @@ def _task_evaluator(cfg: TrainConfig, tokenizer: Any, system: str | None = None)
         _log(f"--eval-task {cfg.eval_task}: prompts carry the training rows' system prompt ({len(system)} characters)")
     return TaskEvaluator(cfg.eval_task, tokenizer, limit=cfg.eval_task_limit, system=system, device=cfg.device,
                          max_new_tokens=cfg.eval_task_max_new_tokens,
-                         dtype=cfg.dtype, batch_size=32 if str(cfg.device).startswith("cuda") else 8)
+                         dtype=cfg.dtype, batch_size="auto")  # slots from free memory at each eval (CPU: 8)
 
 
 def _rows_system_prompt(path: str) -> str | None:
