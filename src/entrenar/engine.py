@@ -286,22 +286,28 @@ class Engine:
 
 
 def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
-                  *, seeds: Sequence[int] | None = None,
+                  *, seeds: Sequence[int] | None = None, max_new: Sequence[int] | None = None,
                   on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
     """Continue every prompt through settings.max_slots decode slots (continuous batching, see the module's
     doc); results in the order of `prompts`. `seeds`: each request's sampling seed (default settings.seed),
-    e.g. seed + s for sample s of a prompt. `on_result(index, result)` is called as each request ends.
+    e.g. seed + s for sample s of a prompt. `max_new`: each request's own token limit (default
+    settings.max_new_tokens; either way at most the context left after its prompt). `on_result(index, result)`
+    is called as each request ends.
     Each result's `seconds` is the whole call's."""
     prompts = [[int(i) for i in p] for p in prompts]
     cfg = model.cfg
     check_requests(tokenizer, prompts, settings, cfg)
-    if seeds is not None and len(seeds) != len(prompts):
-        raise ValueError(f"{len(seeds)} seeds for {len(prompts)} prompts")
+    for name, given in (("seeds", seeds), ("max_new", max_new)):
+        if given is not None and len(given) != len(prompts):
+            raise ValueError(f"{len(given)} {name} for {len(prompts)} prompts")
+    if max_new is not None and min(max_new) < 1:
+        raise InputError(f"a request's max_new_tokens is {min(max_new)}; it must be at least 1")
     n = len(prompts)
     sampling = settings.temperature > 0
     seed_of = [int(seeds[i]) if seeds is not None else settings.seed for i in range(n)]
     context = cfg.max_position_embeddings
-    limits = [min(settings.max_new_tokens, context - len(p)) for p in prompts]
+    wanted = [settings.max_new_tokens] * n if max_new is None else [int(m) for m in max_new]
+    limits = [min(w, context - len(p)) for w, p in zip(wanted, prompts)]
     stops = set(tokenizer.stop_ids if settings.stop_ids is None else settings.stop_ids)
     reqs = _Requests(tokenizer, prompts, limits, stops, settings.stop_text)
     n_real = min(cfg.vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else cfg.vocab_size
