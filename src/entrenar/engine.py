@@ -42,6 +42,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import static_decode as sd
 from .errors import InputError
@@ -49,8 +50,16 @@ from .generate import DEFAULT_MAX_NEW_TOKENS, GenerationResult, nonfinite_logits
 from .model import CausalLM, StaticKVCache, padded_positions, padding_mask
 
 SYNC_EVERY_CUDA = 8  # decode steps between two host reads on CUDA (a finished slot waits this long at most)
-PREFILL_TOKENS = 16384  # padded prompt tokens per prefill forward at most (bounds its activations)
+PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward at most (bounds its activations)
+# free slots that wait for company before a prefill: an eager forward costs the host ~60 ms on a 30-layer model
+# whatever its rows (H200; ~2 ms of launches per layer), so one prefill per freed slot spent 94% of a 64-slot
+# BFCL-like run prefilling; admitting when an eighth of the slots is free prefilled 8x fewer times
+ADMIT_FRACTION = 8
 _M32 = 0xFFFFFFFF
+# a prefill's attention kernels: every prefill group has a new shape, and cuDNN's SDPA builds an execution plan for
+# each (measured on an H200: +50 ms a prefill); the memory-efficient kernel takes the padding mask at no such cost
+# (with GQA, SDPA takes the math path: scores [rows, heads, W, W] in fp32, counted in slot_memory)
+PREFILL_ATTENTION = [SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 
 @dataclass
@@ -250,7 +259,8 @@ class Engine:
         positions = padded_positions(mask)
         cache = self.cache
         cache.rows, cache.mask = rows, padding_mask(mask, W)
-        logits = sd.last_logits(self.model, ids, cache, position_ids=positions)
+        with sdpa_kernel(PREFILL_ATTENTION):  # not cuDNN's: it builds a plan per new shape (~0.1 s a prefill)
+            logits = sd.last_logits(self.model, ids, cache, position_ids=positions)
         cache.rows = None
         keys_t = torch.tensor(keys, dtype=torch.long, device=device)
         first = self.pick(logits, keys_t, torch.zeros_like(keys_t))
@@ -338,11 +348,12 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
             warm: dict[int, int] = {}
 
             def admit() -> None:
-                """Fill free slots from `pending`, a prefill group at a time; a request whose first token already
-                ends it frees its slot again."""
+                """Fill free slots from `pending`, a prefill group at a time, once 1/ADMIT_FRACTION of the slots (or
+                every pending prompt, or every slot) can be filled; a request whose first token already ends it
+                frees its slot again."""
                 while pending:
                     free = [s for s in range(S) if slot_req[s] < 0]
-                    if not free:
+                    if not free or len(free) < min(max(1, S // ADMIT_FRACTION), len(pending)) and len(free) < S:
                         return
                     group: list[int] = []
                     while pending and len(group) < len(free):
@@ -436,7 +447,7 @@ def slot_memory(cfg, *, max_len: int, longest_prompt: int, kv_bytes: int, sampli
     hidden = 16 * (cfg.hidden_size + cfg.intermediate_size) * 4
     act = (logits + scores + hidden) * (2 if cuda_graphs else 1)
     prefill = prefill_tokens * (3 * cfg.intermediate_size * 4 + 8 * cfg.hidden_size * 4
-                                + cfg.num_heads * longest_prompt * 4)
+                                + 3 * cfg.num_heads * longest_prompt * 4)  # GQA's prefill: SDPA's math path
     return SlotMemory(per_slot=kv + act, fixed=prefill)
 
 
