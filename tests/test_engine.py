@@ -11,11 +11,20 @@ import torch
 
 import entrenar.engine as eng
 import entrenar.static_decode as sd
-from entrenar.engine import GenerationSettings, buckets, exponential_noise, generate_many
+from entrenar.engine import (
+    GenerationSettings,
+    SlotMemory,
+    auto_slots,
+    buckets,
+    exponential_noise,
+    generate_many,
+    resolve_slots,
+    slot_memory,
+)
 from entrenar.errors import InputError
 from entrenar.generate import generate, generate_batch
 from tests.helpers.graphs import ReplayedStep
-from tests.helpers.models import make_hf_model
+from tests.helpers.models import make_hf_model, tiny_config
 from tests.helpers.tokenizers import SMOLLM, tiny_tokenizer
 from tests.test_generate import PROMPT, tiny_model
 from tests.test_generate_batch import REAL_PROMPTS, _hf_batch_greedy
@@ -61,6 +70,22 @@ def test_greedy_equals_each_prompt_alone_at_any_slot_count(tok, arch, slots):
     for a, g in zip(alone, got):
         assert (g.token_ids, g.text, g.stop_reason) == (a.token_ids, a.text, a.stop_reason)
         assert g.decoder == "engine" and g.completion_tokens == len(g.token_ids)
+
+
+def test_a_short_prompt_beside_a_long_one_keeps_its_own_positions(tok):
+    """A 3-token prompt prefilled in one group with a 150-token one (147 columns of left padding): its answer is its
+    answer alone (its RoPE positions count its own tokens, not the group's padded width). Q/K weights scaled up x10:
+    the random model's attention is otherwise near uniform, blind to positions."""
+    model = tiny_model(len(tok), "llama")
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.q_proj.weight.mul_(10)
+            layer.self_attn.k_proj.weight.mul_(10)
+    long = (tok.encode(TEXTS[5]) * 20)[:150]
+    ids = [long, tok.encode(TEXTS[1]), tok.encode(TEXTS[3])]
+    alone = [a.token_ids for a in _alone(model, tok, ids, 10, stop_ids=[])]
+    got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=10, max_slots=3, stop_ids=[]))
+    assert [g.token_ids for g in got] == alone
 
 
 @pytest.mark.parametrize("sync_every", [1, 4])
@@ -127,9 +152,10 @@ def test_stop_text_and_per_request_limits(tok):
         return len(text) >= 6
 
     want = generate_batch(model, tok, ids, 12, stop_ids=[], stop_text=stop, decoder="dynamic")
-    got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=12, max_slots=2, stop_ids=[],
-                                                            stop_text=stop))
-    assert [(g.token_ids, g.stop_reason) for g in got] == [(w.token_ids, w.stop_reason) for w in want]
+    for sync_every in (1, 4):  # 4: the rule is asked once per host read, then of the prefixes to find its token
+        got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=12, max_slots=2, stop_ids=[],
+                                                                stop_text=stop, sync_every=sync_every))
+        assert [(g.token_ids, g.stop_reason) for g in got] == [(w.token_ids, w.stop_reason) for w in want]
     assert "stop_text" in {g.stop_reason for g in got}
     context = model.cfg.max_position_embeddings
     long, short = [5] * (context - 3), ids[1]
@@ -149,6 +175,27 @@ def test_bad_requests_are_input_errors(tok):
                                      ([[1]], GenerationSettings(top_p=0.0), "top_p")):
         with pytest.raises(InputError, match=match):
             generate_many(model, tok, prompts, settings)
+
+
+def test_auto_slots_from_free_memory():
+    """--batch-size auto's arithmetic on given numbers: what 80% of the free memory holds after a prefill's share,
+    a multiple of 8, at most the requests and the cap; the reason names the bound."""
+    need = SlotMemory(per_slot=100 << 20, fixed=2 << 30)  # 100 MiB a slot, 2 GiB for a prefill
+    slots, why = auto_slots(40 << 30, need, requests=1000)  # 0.8 * 40 GiB - 2 GiB = 30 GiB: 307 slots -> 304
+    assert slots == 304 and "bounded by the free memory" in why and "307 fit" in why
+    assert auto_slots(40 << 30, need, requests=50)[0] == 50  # all the requests
+    assert auto_slots(400 << 30, need, requests=5000)[0] == 512  # the cap
+    assert auto_slots(1 << 30, need, requests=10)[0] == 1  # nothing fits: one slot, never 0
+    cfg = tiny_config("qwen2", vocab_size=1000)
+    small, big = (slot_memory(cfg, max_len=n, longest_prompt=64, kv_bytes=2, sampling=False, cuda_graphs=True)
+                  for n in (128, 1024))
+    kv_per_token = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2
+    assert big.per_slot - small.per_slot >= kv_per_token * (1024 - 128)  # the KV cache grows with max_len
+    sampled = slot_memory(cfg, max_len=128, longest_prompt=64, kv_bytes=2, sampling=True, cuda_graphs=True)
+    assert sampled.per_slot > small.per_slot  # sampling's softmax, sort and noise per vocabulary entry
+    model = tiny_model(1000)
+    assert resolve_slots("auto", model, [10, 20], 8) == (2, "--batch-size auto: 8 slots on the CPU")
+    assert resolve_slots(5, model, [10, 20], 8)[0] == 5
 
 
 def test_buckets():
