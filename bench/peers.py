@@ -112,6 +112,34 @@ def run_generate(sc: Any, ctx: Any) -> list[dict[str, Any]]:
                     tokens_per_s_per_gpu=g["transformers_tok_s"], baseline=None, **common)]
 
 
+def run_engine(sc: Any, ctx: Any) -> list[dict[str, Any]]:
+    """bench/engine_throughput.py on one shape and workload (a child process): two rows, the engine's (baseline:
+    the transformers row) and transformers' generate at its best batch, from the script's last JSON line; --smoke
+    runs it with --tiny (tiny shapes and workloads on the CPU)."""
+    shape = sc.model if not ctx.smoke else "smollm2-135m"
+    cmd = [sys.executable, "-m", "bench.engine_throughput", "--shapes", shape, "--workloads", sc.params["workload"],
+           "--timeout-s", str(max(30.0, sc.timeout_s - 20)), *(["--tiny", "--no-checks"] if ctx.smoke else [])]
+    t0 = time.perf_counter()
+    code, out, err = run_command(cmd, sc.timeout_s, child_env())
+    common = {"command": shlex.join(cmd), "wall_s": time.perf_counter() - t0}
+    ours, theirs = sc.name, f"{sc.name}-transformers"
+    summary = next((json.loads(ln) for ln in reversed(out.strip().splitlines())
+                    if ln.startswith("{") and '"rows"' in ln), None)
+    rows = (summary or {}).get("rows") or []
+    if code != 0 or not rows:
+        tail = [ln for ln in err.strip().splitlines() if ln.strip()][-6:]
+        reason = f"exit {code}: " + " | ".join(tail)[-900:] if code != 0 else "no summary line with rows"
+        return [ctx.row(sc, row=r, runner=n, status="failed", reason=reason, **common)
+                for r, n in ((ours, "entrenar-engine"), (theirs, "transformers-generate"))]
+    r = rows[-1]
+    extra = {k: v for k, v in r.items() if k not in ("entrenar_tok_s", "transformers_tok_s")}
+    return [ctx.row(sc, row=ours, runner="entrenar-engine", status="ok", tokens_per_s=r["entrenar_tok_s"],
+                    tokens_per_s_per_gpu=r["entrenar_tok_s"], batch=r["slots"], baseline=theirs, extra=extra, **common),
+            ctx.row(sc, row=theirs, runner="transformers-generate", status="ok", tokens_per_s=r["transformers_tok_s"],
+                    tokens_per_s_per_gpu=r["transformers_tok_s"], batch=r["transformers_best_batch"], baseline=None,
+                    extra=extra, **common)]
+
+
 # ---- child side: one measurement -----------------------------------------------------------------------
 def _need(kind: str) -> Any:
     for module in NEEDS[kind]:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
@@ -141,12 +142,19 @@ def _num(value: Any, spec: str) -> str:
     return format(value, spec) if isinstance(value, (int, float)) else "-"
 
 
+def round_of(row_id: str) -> str:
+    """A row id without the round suffix suite --repeat gives later rounds (NAME-r2 -> NAME)."""
+    return re.sub(r"-r\d+$", "", row_id)
+
+
 def repeats_table(rows: list[dict[str, Any]]) -> list[str]:
-    """Where a scenario ran more than once (suite --repeat): the median per-GPU tokens/s of its ok rounds, every
-    round's value, and the ratio of the medians to its baseline scenario's; [] when nothing repeated."""
+    """Where a row ran more than once (suite --repeat): the median per-GPU tokens/s of its ok rounds, every
+    round's value, and the ratio of the medians to its baseline row's (e.g. ours / the peer's of the same
+    scenario); [] when nothing repeated. Rounds are the rows of one row id (its -rN suffix dropped): a scenario
+    that writes two rows (ours and a peer's, as gen-bN) has two series, never one of two rounds."""
     per: dict[str, list[dict[str, Any]]] = {}
     for r in rows:
-        per.setdefault(r["scenario"], []).append(r)
+        per.setdefault(round_of(r["row"]), []).append(r)
     if all(len(v) < 2 for v in per.values()):
         return []
 
@@ -155,9 +163,9 @@ def repeats_table(rows: list[dict[str, Any]]) -> list[str]:
                 and r["tokens_per_s_per_gpu"]]
 
     out = ["", "Median of the rounds (per GPU tokens/s; every ok round listed in run order):", "",
-           "| scenario | rounds ok | median per GPU | rounds | vs baseline (medians) |", "|---|---:|---:|---|---:|"]
+           "| row | rounds ok | median per GPU | rounds | vs baseline (medians) |", "|---|---:|---:|---|---:|"]
     for name, group in per.items():
-        mine, base_name = values(name), group[0]["baseline"]
+        mine, base_name = values(name), group[0]["baseline"] and round_of(group[0]["baseline"])
         base = values(base_name) if base_name else []
         ratio = f"{statistics.median(mine) / statistics.median(base):.3f} of {base_name}" if mine and base else "-"
         out.append(f"| {name} | {len(mine)}/{len(group)} | {_num(statistics.median(mine) if mine else None, ',.0f')}"

@@ -22,6 +22,7 @@ BNB = "bitsandbytes+peft"
 UNSLOTH = "unsloth"
 TITAN = "torchtitan"
 GENERATE = "generate (entrenar vs transformers)"
+ENGINE = "generate many (entrenar's engine vs transformers)"
 
 STEPS, WARMUP = 14, 5  # speed rows: 14 steps, median tokens/s of steps 6..12 (13-14 are profiled: _profiled)
 
@@ -30,7 +31,7 @@ STEPS, WARMUP = 14, 5  # speed rows: 14 steps, median tokens/s of steps 6..12 (1
 class Scenario:
     name: str
     title: str
-    kind: str  # cli | liger | qlora-entrenar | qlora-bnb | qlora-unsloth | titan | generate | long-liger
+    kind: str  # cli | liger | qlora-entrenar | qlora-bnb | qlora-unsloth | titan | generate | engine | long-liger
     runner: str
     model: str  # a preset name of entrenar.config: the shapes (weights are random)
     dtype: str  # the --dtype passed ("auto" = no flag), or what the peer runs in
@@ -236,6 +237,16 @@ def _generate() -> list[Scenario]:
                      baseline=None) for b in (1, 16, 64)]
 
 
+def _engine() -> list[Scenario]:
+    """Many prompts through the engine (continuous batching, --batch-size auto) vs transformers' generate at its best
+    batch: bench/engine_throughput.py's BFCL-840-like and HumanEval-164-like workloads."""
+    return [Scenario(f"eng-{workload}-{tag}", f"{n} prompts ({workload}-like lengths) through the engine, --batch-size "
+                     f"auto, vs transformers' generate at batch 64 or 256 (the faster)", "engine", ENGINE, model,
+                     "bf16", n, 0, steps=None, warmup=None, params={"workload": workload}, timeout_s=420)
+            for model, tag in (("smollm2-135m", "smol"), ("qwen2.5-0.5b", "q05"))
+            for workload, n in (("bfcl840", 840), ("humaneval164", 164))]
+
+
 def _profiled(scenarios: list[Scenario]) -> list[Scenario]:
     """The speed rows also say where their step goes: the CLI's --profile of two steps after the measured
     ones, the Liger peer's two profiled steps after its timing (bench/train_throughput.run_training)."""
@@ -251,6 +262,7 @@ def _profiled(scenarios: list[Scenario]) -> list[Scenario]:
 
 SCENARIOS: dict[str, Scenario] = {s.name: s for s in
                                   _profiled(_speed() + _mfu() + _fp8() + _multi()) + _qlora() + _long() + _generate()
+                                  + _engine()
                                   + [sc for sc in _profiled(_graphs()) if sc.name not in ("q05-liger-bf16",)]}
 
 GROUPS: dict[str, list[str]] = {
@@ -286,6 +298,7 @@ GROUPS: dict[str, list[str]] = {
     "issue36-ddp-graphs-fp32": ["l370-ddp-1gpu", "l370-ddp-4gpu", "q05-ddp-1gpu", "q05-ddp-4gpu"],
     "issue36-ddp-once": ["l370-ddp-4gpu-bf16-eager", "q05-ddp-4gpu-bf16-eager", "l370-ddp-4gpu", "q05-ddp-4gpu"],
     "issue25-generate": [s.name for s in _generate()],
+    "issue49-generate": [s.name for s in _engine()],
     "issue36-graphs": [s.name for s in _graphs()][:8],
     "issue36-graphs-b": ["q05-liger-bf16", "q05-cli-default-graphs", "q05-cli-bf16-pure-graphs", "l370-cli-b2x512-graphs",
                          "l370-cli-b2x512-eager", "q05-cli-ckpt-graphs", "q05-cli-ckpt-eager", "q05-liger-bf16-after"],

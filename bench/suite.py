@@ -28,7 +28,7 @@ from typing import Any
 
 from bench import rows as R
 from bench.cli_run import run_cli
-from bench.peers import run_generate, run_peer
+from bench.peers import run_engine, run_generate, run_peer
 from bench.scenarios import GROUPS, SCENARIOS, Scenario, resolve
 
 RESULTS = R.REPO / "bench" / "results"
@@ -58,6 +58,8 @@ def run_scenario(sc: Scenario, ctx: Context) -> list[dict[str, Any]]:
             return run_cli(sc, ctx)
         if sc.kind == "generate":
             return run_generate(sc, ctx)
+        if sc.kind == "engine":
+            return run_engine(sc, ctx)
         return run_peer(sc, ctx)
     except Exception as e:  # noqa: BLE001 -- a broken runner is a failed row; the other scenarios still run
         tail = traceback.format_exc().strip().splitlines()[-4:]

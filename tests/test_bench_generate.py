@@ -71,3 +71,20 @@ def test_smoke_generation_scenario_gives_ok_rows(tmp_path):
         assert row["status"] == "ok", row["reason"]
         assert R.check_row(row) == [] and row["tokens_per_s"] > 0
     assert "--tiny" in rows["gen-b1"]["command"] and rows["gen-b1"]["baseline"] == "gen-b1-transformers"
+
+
+def test_smoke_engine_scenario_gives_ok_rows(tmp_path):
+    """`python -m bench run eng-bfcl840-smol --smoke`: bench/engine_throughput.py --tiny on the CPU, its summary line
+    parsed into the engine's row (baseline: the transformers row at its best batch) and the peer's."""
+    pytest.importorskip("transformers")
+    out = tmp_path / "results"
+    proc = run_suite("run", "eng-bfcl840-smol", "--smoke", "--out", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["row"]: r for r in R.read_rows(Path(out))}
+    assert set(rows) == {"eng-bfcl840-smol", "eng-bfcl840-smol-transformers"}
+    for row in rows.values():
+        assert row["status"] == "ok", row["reason"]
+        assert R.check_row(row) == [] and row["tokens_per_s"] > 0
+    ours = rows["eng-bfcl840-smol"]
+    assert "--tiny" in ours["command"] and ours["baseline"] == "eng-bfcl840-smol-transformers"
+    assert ours["extra"]["workload"] == "bfcl840" and ours["extra"]["generated_tokens"] > 0

@@ -171,3 +171,32 @@ def test_a_row_that_stops_once_measured_kills_the_job_after_its_last_step(tmp_pa
                              poll_s=0.2)
     assert code == "timeout after 3 s"  # step 4 never came: the timeout still applies
     assert SCENARIOS["q7b-cli-fp8-b4"].params.get("stop_after_steps") is True
+
+
+def test_a_peer_row_is_never_a_round_of_our_scenario():
+    """gen-b16 writes two rows per call, ours and transformers': one call has no medians' table (nothing repeated;
+    the two rows were taken as two rounds of gen-b16, 'median per GPU' the mean of ours and the peer's), and with
+    --repeat 2 each row has its own series and the ratio is our median over the peer's."""
+    sc = SCENARIOS["gen-b16"]
+    env = {"device": "cpu", "gpus": 1, "versions": {"torch": "x"}, "commit": "c", "smoke": False,
+           "started_utc": "t"}
+
+    def call(suffix: str, ours: float, peer: float) -> list[dict]:
+        a = R.new_row(sc, env, row="gen-b16" + suffix, runner="entrenar-generate", status="ok", tokens_per_s=ours,
+                      tokens_per_s_per_gpu=ours, baseline="gen-b16-transformers" + suffix)
+        b = R.new_row(sc, env, row="gen-b16-transformers" + suffix, runner="transformers-generate", status="ok",
+                      tokens_per_s=peer, tokens_per_s_per_gpu=peer, baseline=None)
+        return [a, b]
+
+    one = call("", 5336.0, 980.0)
+    table = R.table(one, env)
+    assert "Median of the rounds" not in table
+    line = next(ln for ln in table.splitlines() if ln.startswith("| gen-b16 "))
+    assert "| 5.44x transformers-generate |" in line
+    two = one + call("-r2", 5000.0, 1000.0)
+    medians = {ln.split("|")[1].strip(): ln for ln in R.table(two, env).split("Median of the rounds")[1].splitlines()
+               if ln.startswith("| gen-b16")}
+    assert set(medians) == {"gen-b16", "gen-b16-transformers"}
+    assert medians["gen-b16"].split("|")[2:6] == [" 2/2 ", " 5,168 ", " 5,336, 5,000 ",
+                                                  f" {5168 / 990:.3f} of gen-b16-transformers "]
+    assert medians["gen-b16-transformers"].split("|")[2:5] == [" 2/2 ", " 990 ", " 980, 1,000 "]

@@ -147,8 +147,8 @@ def _validate(args: argparse.Namespace) -> None:
     if not 0 < args.timeout <= MAX_TIMEOUT_S:  # NaN and inf too: checked before any generation
         raise InputError(f"--timeout must be > 0 and at most {MAX_TIMEOUT_S:g} seconds (a day) per program, got "
                          f"{args.timeout}")
-    if not isinstance(args.batch_size, int) or args.batch_size < 1:
-        raise InputError(f"--batch-size must be a positive integer, got {args.batch_size}")
+    if args.batch_size != "auto" and (not isinstance(args.batch_size, int) or args.batch_size < 1):
+        raise InputError(f"--batch-size must be a positive integer or auto, got {args.batch_size}")
     if args.resume and (args.out is None or args.overwrite):
         raise InputError("--resume continues the results file --out FILE.jsonl: give --out, and not --overwrite "
                          "(which starts it again)")
@@ -209,6 +209,7 @@ def _cmd_humaneval(args: argparse.Namespace) -> dict[str, Any]:
     from ..evaluate.harness import (
         TaskEvalSettings,
         entrenar_completer,
+        prompts_per_call,
         read_results,
         run_task_eval,
         truncation_note,
@@ -241,14 +242,17 @@ def _cmd_humaneval(args: argparse.Namespace) -> dict[str, Any]:
             raise InputError(f"--system-prompt-file needs the chat format; {args.model} is evaluated in the "
                              f"completion format ({'--prompt-format completion' if has_template else 'no chat template'})")
         system = read_system_prompt(args.system_prompt_file)
-    settings = TaskEvalSettings(samples=args.samples, batch_size=args.batch_size, chat=chat,
-                                limits=SandboxLimits(timeout_s=args.timeout), system=system)
+    settings = TaskEvalSettings(samples=args.samples, chat=chat, limits=SandboxLimits(timeout_s=args.timeout),
+                                batch_size=prompts_per_call(args.batch_size, args.device, len(problems)),
+                                system=system)
     dtype, _ = resolve_dtype(args.dtype, args.device)  # --dtype auto: bf16 on a bf16 GPU, fp32 elsewhere
-    complete = entrenar_completer(model, tok, args.max_new_tokens, chat, temperature=args.temperature,
-                                  top_p=args.top_p, seed=args.task_seed, device=args.device, dtype=dtype)
 
     def log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
         print(line, file=sys.stderr, flush=True)
+
+    complete = entrenar_completer(model, tok, args.max_new_tokens, chat, temperature=args.temperature,
+                                  top_p=args.top_p, seed=args.task_seed, device=args.device, dtype=dtype,
+                                  slots=args.batch_size, log=log)
 
     try:
         summary = run_task_eval(problems, tok, complete, settings, args.out, log, resume=args.resume,
@@ -277,7 +281,7 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
     """`eval --task bfcl[:CATEGORIES]`: accuracy per category and overall; --out: one line per question."""
     from ..evaluate.bfcl import DEFAULT_MAX_NEW_TOKENS as BFCL_MAX_NEW_TOKENS
     from ..evaluate.bfcl import bfcl_records, load_bfcl, no_early_stop, parse_bfcl_spec, summarize_bfcl
-    from ..evaluate.harness import entrenar_completer, truncation_note
+    from ..evaluate.harness import entrenar_completer, prompts_per_call, truncation_note
     from ..fileio import atomic_write
     from ..peft.load import load_any_model
     from ..tokenizer import use_chat_template_file
@@ -301,13 +305,14 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
                          f"chatml_tools.jinja for ChatML models such as SmolLM2)")
     dtype, _ = resolve_dtype(args.dtype, args.device)
     # greedy; a row ends at its end-of-turn / EOS only (no_early_stop: parallel answers hold several blocks)
-    complete = entrenar_completer(model, tok, max_new, True, device=args.device, dtype=dtype, stop=no_early_stop)
-
     def log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
         print(line, file=sys.stderr, flush=True)
 
+    complete = entrenar_completer(model, tok, max_new, True, device=args.device, dtype=dtype, stop=no_early_stop,
+                                  slots=args.batch_size, log=log)
     start = time.perf_counter()
-    records = bfcl_records(questions, tok, complete, args.batch_size, system, log)
+    records = bfcl_records(questions, tok, complete, prompts_per_call(args.batch_size, args.device, len(questions)),
+                           system, log)
     summary = summarize_bfcl(records)
     summary["generate_seconds"] = round(sum(r["generate_seconds"] for r in records), 3)
     summary["seconds"] = round(time.perf_counter() - start, 3)

@@ -105,6 +105,8 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
     resolve_eval_seq_len(args)
     dcfg = from_args(DataConfig, args, "eval")
     dcfg.validate()
+    if args.batch_size == "auto":  # the slots of a task eval; the loss's batches stay at 8 rows
+        args.batch_size = 8
     ecfg = from_args(TrainConfig, args, "eval", command="eval")
     ecfg.validate()  # --batch-size, --seq-len, --max-batches, --device; --dtype auto resolved
     if args.dtype == "auto" and not args.json:

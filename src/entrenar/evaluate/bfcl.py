@@ -27,7 +27,7 @@ from ..data.bfcl_data import (
 )
 from ..data.tool_calls import parse_tool_calls
 from ..errors import InputError
-from .harness import Complete, completion_parts, truncated_count
+from .harness import Complete, completion_parts, no_early_stop, truncated_count
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -57,12 +57,6 @@ def bfcl_prompt_ids(question: BfclQuestion, tokenizer, system: str | None = None
                          f"be shown to the model; give one that does with --chat-template FILE (e.g. the "
                          f"packaged chatml_tools.jinja, or Qwen2.5's)")
     return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=openai_tools(question.functions)).ids
-
-
-def no_early_stop(text: str) -> bool:
-    """BFCL's stop rule: none before the end-of-turn / EOS token (which always stops a row). A closed
-    </tool_call> is no end: parallel answers write several blocks."""
-    return False
 
 
 # ---- reading calls back -------------------------------------------------------------------------------

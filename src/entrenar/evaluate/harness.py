@@ -1,6 +1,6 @@
 """The task eval: prompts -> completions (any generator) -> extracted code -> sandboxed tests -> pass@k.
 
-The generator is a parameter, so the same harness runs on our `generate_batch` (`entrenar eval --task
+The generator is a parameter, so the same harness runs on our engine's `generate_many` (`entrenar eval --task
 humaneval`) and on transformers' `generate` (bench/humaneval_parity.py): only the token ids may differ.
 """
 
@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from ..devices import BF16_COMPUTE
+from ..engine import CPU_SLOTS
 from ..errors import InputError
 from ..fileio import atomic_write, open_no_follow
 from .sandbox import SandboxLimits, isolation_level, run_program, weakest_isolation
@@ -228,28 +229,56 @@ def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, se
     return summary
 
 
+def prompts_per_call(slots: int | str, device: str, problems: int) -> int:
+    """The prompts the harness hands the completer at once (TaskEvalSettings.batch_size): on CUDA every problem
+    (the engine keeps its slots full until the last prompt; rows reach --out when a sample's generation ends),
+    elsewhere one slot's worth (a CPU decodes for minutes: each batch's rows reach --out as it ends)."""
+    if str(device).startswith("cuda"):
+        return max(1, problems)
+    return int(slots) if slots != "auto" else CPU_SLOTS
+
+
+def no_early_stop(text: str) -> bool:
+    """A stop rule that never fires: a row ends at its end-of-turn / EOS token or its token limit only (BFCL's:
+    parallel answers write several </tool_call> blocks). The completer skips its per-token check."""
+    return False
+
+
 def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, temperature: float = 0.0,
                        top_p: float = 1.0, seed: int = 0, device: str = "cpu", dtype: str = "fp32",
-                       token_ids: dict | None = None, stop: Callable[[str], bool] | None = None) -> Complete:
-    """Complete on entrenar's generate_batch (bf16 autocast under a bf16 dtype). `stop(text)` ends a row early
+                       token_ids: dict | None = None, stop: Callable[[str], bool] | None = None,
+                       slots: int | str = "auto", log: Callable[[str], None] | None = None,
+                       slots_flag: str = "--batch-size") -> Complete:
+    """Complete on entrenar's continuous-batching engine (engine.generate_many; bf16 autocast under a bf16 dtype):
+    the prompts of a call through `slots` decode slots ('auto': sized from the free GPU memory and the model at
+    each call, engine.resolve_slots; the choice is passed to `log` when it changes). `stop(text)` ends a row early
     (default: the HumanEval stop rule of `chat`'s format; end-of-turn / EOS always stop); a row that stopped for
-    none of these, at max_new_tokens (or the context), is truncated (GenerationResult.stop_reason). token_ids, when
-    given, receives {tuple(prompt ids): generated ids} (bench/humaneval_parity.py compares them)."""
+    none of these, at max_new_tokens (or the context), is truncated (GenerationResult.stop_reason). Sample s of a
+    sampling eval draws every prompt with seed + s. token_ids, when given, receives {tuple(prompt ids): generated
+    ids} (bench/humaneval_parity.py compares them)."""
     import torch
 
-    from ..generate import generate_batch
+    from ..engine import GenerationSettings, generate_many, resolve_slots
 
     stop = stop if stop is not None else functools.partial(completion_done, chat=chat)
-    context = model.cfg.max_position_embeddings
     bf16 = dtype in BF16_COMPUTE
+    said: list[str] = []
 
     def complete(batch_ids: list[list[int]], sample: int) -> list[Completion]:
-        room = context - max(len(ids) for ids in batch_ids)
-        if room < 1:
-            raise InputError(f"a prompt of {context - room} tokens fills the model's context of {context}")
+        context = model.cfg.max_position_embeddings
+        longest = max(len(ids) for ids in batch_ids)
+        if longest >= context:
+            raise InputError(f"a prompt of {longest} tokens fills the model's context of {context}")
         with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=bf16):
-            results = generate_batch(model, tokenizer, batch_ids, min(max_new_tokens, room), temperature, top_p,
-                                     seed + sample if temperature > 0 else None, stop_text=stop)
+            n, why = resolve_slots(slots, model, [len(ids) for ids in batch_ids], max_new_tokens,
+                                   sampling=temperature > 0, flag=slots_flag)
+            if log is not None and slots == "auto" and why not in said:
+                said.append(why)
+                log(why)
+            settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                          seed=seed + sample, max_slots=n,
+                                          stop_text=None if stop is no_early_stop else stop)
+            results = generate_many(model, tokenizer, batch_ids, settings)
         if token_ids is not None:
             token_ids.update((tuple(ids), r.token_ids) for ids, r in zip(batch_ids, results))
         return [Completion(r.text, r.stop_reason == "max_new_tokens") for r in results]

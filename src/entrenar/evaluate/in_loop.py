@@ -17,6 +17,8 @@ from ..errors import InputError
 from .harness import (
     TaskEvalSettings,
     entrenar_completer,
+    no_early_stop,
+    prompts_per_call,
     summarize,
     task_records,
     truncated_count,
@@ -37,10 +39,6 @@ def _bfcl():
     return bfcl
 
 
-def _never(text: str) -> bool:
-    return False
-
-
 def task_kind(spec: str) -> str:
     """'humaneval', 'bfcl', 'chat' or 'file' for an --eval-task value."""
     if spec in ("humaneval", "chat"):
@@ -54,7 +52,7 @@ class TaskEvaluator:
     """One task, its problems loaded and checked once: `run` generates and scores them on a model."""
 
     def __init__(self, spec: str, tokenizer: Any, *, limit: int = 0, system: str | None = None,
-                 batch_size: int = 16, max_new_tokens: int = 0, device: str = "cpu", dtype: str = "fp32",
+                 batch_size: int | str = "auto", max_new_tokens: int = 0, device: str = "cpu", dtype: str = "fp32",
                  flag: str = "--eval-task"):
         if limit < 0:
             raise InputError(f"{flag}-limit must be >= 0 (0 = every problem), got {limit}")
@@ -101,17 +99,19 @@ class TaskEvaluator:
         was_training = model.training
         model.eval()
         try:
+            per_call = prompts_per_call(self.batch_size, self.device, len(mine))
             with torch.no_grad():
                 if self.kind == "bfcl":
                     bfcl = _bfcl()
                     complete = entrenar_completer(model, self.tokenizer, self.max_new_tokens, True,
-                                                  device=self.device, dtype=self.dtype,
-                                                  stop=_never)  # a reply ends at its end-of-turn token
-                    return bfcl.bfcl_records(mine, self.tokenizer, complete, batch_size=self.batch_size,
+                                                  device=self.device, dtype=self.dtype, slots=self.batch_size,
+                                                  log=log, slots_flag=self.flag, stop=no_early_stop)  # a reply ends at its end-of-turn
+                    return bfcl.bfcl_records(mine, self.tokenizer, complete, batch_size=per_call,
                                              system=self.system, log=log)
                 complete = entrenar_completer(model, self.tokenizer, self.max_new_tokens, self.chat,
-                                              device=self.device, dtype=self.dtype)
-                settings = TaskEvalSettings(batch_size=self.batch_size, chat=self.chat, system=self.system)
+                                              device=self.device, dtype=self.dtype, slots=self.batch_size, log=log,
+                                              slots_flag=self.flag)
+                settings = TaskEvalSettings(batch_size=per_call, chat=self.chat, system=self.system)
                 return task_records(mine, self.tokenizer, complete, settings, log)
         finally:
             model.train(was_training)

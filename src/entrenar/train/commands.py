@@ -299,10 +299,9 @@ def _task_evaluator(cfg: TrainConfig, tokenizer: Any, system: str | None = None)
 
     if system is not None:
         _log(f"--eval-task: prompts carry the training rows' system prompt ({len(system)} characters)")
-    batch = 32 if str(cfg.device).startswith("cuda") else 8
     members = [PanelMember(make_evaluator(spec, tokenizer, limit=cfg.eval_task_limit, system=system,
                                           device=cfg.device, max_new_tokens=cfg.eval_task_max_new_tokens,
-                                          dtype=cfg.dtype, batch_size=batch,
+                                          dtype=cfg.dtype, batch_size="auto",  # slots from free memory (CPU: 8)
                                           flag="--eval-task" if role == "target" else "--retain-task"), role)
                for role, specs in (("target", cfg.eval_task), ("retain", cfg.retain_task)) for spec in specs]
     return TaskPanel(members)

@@ -103,6 +103,16 @@ def _lr_or_auto(text: str) -> float | str:
         raise ValueError(f"must be a number or 'auto', got {text!r}") from None  # the CLI shows this message
 
 
+def _int_or_auto(text: str) -> int | str:
+    """eval --batch-size: a positive integer, or 'auto' (the task eval's slots from free memory; loss: 8)."""
+    if text.strip().lower() == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise ValueError(f"must be a positive integer or 'auto', got {text!r}") from None
+
+
 # ---- the three configs ------------------------------------------------------------------------------
 @dataclass
 class TrainConfig:
@@ -130,7 +140,12 @@ class TrainConfig:
     # the optimisation
     steps: int = option(1000, "optimizer steps")
     batch_size: int = option(8, "samples per micro-batch", commands=_EVERY,
-                             per_command={"eval": {"help": "batch size"}})
+                             per_command={"eval": {"help": "--task loss: rows per batch (auto: 8). --task humaneval|"
+                                                           "bfcl: sequences decoded at once (continuous batching's "
+                                                           "slots); auto: on CUDA as many as the free memory holds "
+                                                           "for the model and prompts (logged with the reason), 8 "
+                                                           "on the CPU",
+                                                   "default": "auto", "parse": _int_or_auto}})
     grad_accum: int = option(1, "micro-batches per optimizer step")
     # one name for the sequence length of every command: --max-seq-len (finetune's, the peers'), --seq-len its alias
     seq_len: int = option(512, "tokens per training window", commands=("pretrain", "eval"),
