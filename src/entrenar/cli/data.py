@@ -118,7 +118,7 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
 
     from ..data.replay import read_prompts, replay_rows
     from ..devices import resolve_device, resolve_dtype
-    from ..evaluate.harness import entrenar_completer
+    from ..evaluate.harness import entrenar_completer, no_early_stop, prompts_per_call
     from ..fileio import atomic_write
     from ..outpaths import check_jsonl_out
     from ..peft.load import load_any_model
@@ -132,7 +132,7 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     if args.samples > 1 and args.temperature == 0:
         raise InputError(f"--samples {args.samples} with --temperature 0: greedy samples are all the same; give "
                          f"--temperature > 0 (e.g. 0.7)")
-    if args.max_new_tokens < 1 or args.batch_size < 1:
+    if args.max_new_tokens < 1 or (args.batch_size != "auto" and args.batch_size < 1):
         raise InputError("--max-new-tokens and --batch-size must be >= 1")
     if args.limit < 0:
         raise InputError(f"--limit must be >= 0 (0 = every request), got {args.limit}")
@@ -146,10 +146,14 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
     if tok.chat_template is None:
         raise InputError(f"{args.model} has no chat template: replay rows are chats; give --chat-template FILE")
     dtype, _ = resolve_dtype("auto", device)
+    def log(line: str) -> None:
+        print(line, file=sys.stderr, flush=True)
+
     complete = entrenar_completer(model, tok, args.max_new_tokens, True, temperature=args.temperature,
-                                  seed=args.seed, device=device, dtype=dtype, stop=lambda text: False)
-    rows, counts = replay_rows(prompts, tok, complete, args.samples, args.batch_size, system,
-                               log=lambda line: print(line, file=sys.stderr, flush=True))
+                                  seed=args.seed, device=device, dtype=dtype, stop=no_early_stop,
+                                  slots=args.batch_size, log=log)
+    rows, counts = replay_rows(prompts, tok, complete, args.samples,
+                               prompts_per_call(args.batch_size, device, len(prompts)), system, log=log)
     if not rows:
         raise InputError(f"--prompts {args.prompts}: no answer of {args.model} passed the chat gates; nothing to "
                          f"replay")
@@ -180,6 +184,7 @@ def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
+    from ..train.config import _int_or_auto
     from .registry import add_command, add_device_option
 
     def dispatch(args: argparse.Namespace) -> dict:
@@ -257,7 +262,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 for --samples > 1 (0)")
     q.add_argument("--seed", type=int, default=0, help="sample s draws with seed + s (0)")
     q.add_argument("--max-new-tokens", type=int, default=256, help="per answer; a cut answer is not kept (256)")
-    q.add_argument("--batch-size", type=int, default=16, help="requests decoded at once (16)")
+    q.add_argument("--batch-size", type=_int_or_auto, default="auto",
+                   help="decode slots: N, or auto (sized from the GPU's free memory and the model; 8 on the CPU) (auto)")
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (and the prompts')")
     q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
     add_device_option(q)

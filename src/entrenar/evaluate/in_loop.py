@@ -143,7 +143,7 @@ class ChatEvaluator:
     name = "chat"
     metric = "pass_rate"
 
-    def __init__(self, tokenizer: Any, *, limit: int = 0, batch_size: int = 16, max_new_tokens: int = 0,
+    def __init__(self, tokenizer: Any, *, limit: int = 0, batch_size: int | str = "auto", max_new_tokens: int = 0,
                  device: str = "cpu", dtype: str = "fp32", flag: str = "--eval-task", **_: Any):
         from .chat_task import CHAT_MAX_NEW_TOKENS, CHAT_SET
 
@@ -180,9 +180,11 @@ class ChatEvaluator:
         try:
             with torch.no_grad():
                 complete = entrenar_completer(model, self.tokenizer, self.max_new_tokens, True, device=self.device,
-                                              dtype=self.dtype, token_ids=token_ids, stop=_never)
+                                              dtype=self.dtype, token_ids=token_ids, stop=no_early_stop,
+                                              slots=self.batch_size, log=log, slots_flag=self.flag)
                 logp_of = functools.partial(answers_logp, model, device=self.device, bf16=self.dtype in BF16_COMPUTE)
-                records = chat_records(mine, self.tokenizer, complete, token_ids, self.batch_size,
+                records = chat_records(mine, self.tokenizer, complete, token_ids,
+                                       prompts_per_call(self.batch_size, self.device, len(mine)),
                                        self.base_answers, logp_of, log)
         finally:
             model.train(was_training)
