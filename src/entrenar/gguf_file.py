@@ -43,8 +43,8 @@ class GGUFFile:
 
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-        from ..errors import InputError
-        from ..fileio import regular_file_problem
+        from .errors import InputError
+        from .fileio import regular_file_problem
 
         self.path = Path(path)
         problem = regular_file_problem(self.path)  # a FIFO would block the open for ever

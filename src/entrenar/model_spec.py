@@ -105,7 +105,7 @@ def resolve_model(spec: str | os.PathLike) -> Path:
             raise InputError(f"{s}: a model file must be .gguf (or give an HF directory)")
         return path
     if not path.is_dir():  # a FIFO, a socket, a device: reading one blocks or never ends
-        from ..fileio import regular_file_problem
+        from .fileio import regular_file_problem
 
         raise InputError(f"{s}: {regular_file_problem(path)}; a MODEL is a .gguf file, an HF directory, a run "
                          f"directory or a packaged name")
