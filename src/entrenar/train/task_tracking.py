@@ -50,7 +50,7 @@ class TaskTracker:
     def evaluate(self, step: int, model: torch.nn.Module, params: list[torch.nn.Parameter],
                  find_checkpoint: Callable[[int], Path | None]) -> dict[str, Any]:
         t0 = time.perf_counter()
-        records = self.evaluator.run(model, self.ctx.rank, self.ctx.world)
+        records = self._run(step, model)
         if self.ctx.active:  # every rank gets every record: the guard's decision is the same everywhere
             records = [r for part in self.ctx.all_gather_object(records) for r in part]
         order = {tid: i for i, tid in enumerate(self.evaluator.task_ids)}
@@ -82,6 +82,33 @@ class TaskTracker:
                 self.warnings.append({"guard": "GUARD-TASK-REGRESSION", "step": step,
                                       "p_value": change["p_value"], "lost": change["lost"]})
         return score
+
+    def _run(self, step: int, model: torch.nn.Module) -> list[dict[str, Any]]:
+        """This rank's records of the task at `step`, with progress lines (and an ETA) as `eval --task` prints them;
+        rank 0 appends each finished record to task_eval/step-N.partial.jsonl, so a Ctrl-C says what was kept."""
+        name, partial = self.evaluator.name, self.run_dir / TASK_DIR / f"{step_dir_name(step)}.partial.jsonl"
+        kept = [0]
+
+        def log(line: str) -> None:
+            self.message(f"step {step}: {name} {line}")
+
+        if not self.ctx.is_main:
+            return self.evaluator.run(model, self.ctx.rank, self.ctx.world, log=log)
+        partial.parent.mkdir(exist_ok=True)
+        with open(partial, "w", encoding="utf-8") as f:
+            def keep(record: dict[str, Any]) -> None:
+                f.write(json.dumps(record, default=str) + "\n")
+                f.flush()
+                kept[0] += 1
+            try:
+                records = self.evaluator.run(model, self.ctx.rank, self.ctx.world, log=log, on_record=keep)
+            except KeyboardInterrupt:
+                self.message(f"step {step}: {name} eval interrupted: the {kept[0]} problems it finished"
+                             + (" (rank 0's share)" if self.ctx.active else "") + f" are in {partial}; the run "
+                             f"resumed with --resume runs this eval again")
+                raise
+        partial.unlink()  # the whole eval is written next (step-N.jsonl)
+        return records
 
     def _note_best(self, step: int, params: list[torch.nn.Parameter]) -> None:
         """The best step so far: most problems passed, the later step on ties (more training, same score)."""
