@@ -578,8 +578,8 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     tokenizer.name = args.model  # the data header names the model as given, not its resolved GGUF path
     use_chat_template_file(tokenizer, args.chat_template)  # saved with the model: generate renders chats as trained
     examples, report = load_rows(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
-                                 skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction,
-                                 columns=columns)
+                                 skip_invalid=args.skip_invalid, columns=columns,
+                                 max_skip_fraction=data.max_skip_fraction)
     for line in report.summary_lines():
         _log(line)
     data_report: dict[str, Any] = {"kind": kind, "train": report.to_dict()}

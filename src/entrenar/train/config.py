@@ -155,9 +155,12 @@ class TrainConfig:
                           choices=("auto", *KERNELS))
     # eval, checkpoints
     eval_every: int = option(0, "eval period in steps; 0 = at start and end")
-    eval_batches: int | None = option(None, "batches per eval; 0 = all", commands=_EVERY,
+    # None from the command line (not given): default_eval_batches decides (the CPU cap); a TrainConfig built in
+    # code keeps 20 unless it says otherwise
+    eval_batches: int | None = option(EVAL_BATCHES, "batches per eval; 0 = all", commands=_EVERY,
                                       default_help=f"{EVAL_BATCHES}; on the CPU steps/10, 1 to {EVAL_BATCHES}",
-                                      per_command={"eval": {"flag": "--max-batches", "default": 0,
+                                      per_command={"pretrain": {"default": None}, "finetune": {"default": None},
+                                                   "eval": {"flag": "--max-batches", "default": 0,
                                                             "help": "stop after this many batches; 0 = all"}})
     eval_batches_reason: str = ""  # how the default --eval-batches was chosen (the CPU cap): logged, in run.json
     save_every: int = option(0, "checkpoint period in steps; 0 = at the end only (and by --save-every-minutes)")
