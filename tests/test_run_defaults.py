@@ -67,6 +67,21 @@ def test_timed_saves_wait_a_whole_period_after_any_checkpoint():
     assert not saves.due()
     assert not TimedSaves(0, clock=lambda: now[0]).due()
 
+    class Job:  # under torchrun: the ranks agree (one all-reduce) every DIST_CHECK_EVERY steps only
+        active, reduced = True, 0
+
+        def any_true(self, flag: bool) -> bool:
+            self.reduced += 1
+            return flag
+
+    from entrenar.train.periodic import DIST_CHECK_EVERY
+
+    job, now[0] = Job(), 0.0
+    saves = TimedSaves(30, job, clock=lambda: now[0])
+    now[0] = 31 * 60
+    answers = [saves.due() for _ in range(2 * DIST_CHECK_EVERY)]
+    assert job.reduced == 2 and answers.index(True) == DIST_CHECK_EVERY - 1
+
 
 def test_kernels_triton_on_the_cpu_names_the_runs_device_not_a_flag(monkeypatch):
     from entrenar.errors import InputError
