@@ -337,7 +337,7 @@ def test_records_and_summary_per_category():
 def test_prompt_renders_tools_and_refuses_a_template_without_them():
     q = load_bfcl(["simple_python"], 1)[0]
     tok = tiny_tokenizer()
-    with pytest.raises(InputError, match="does not support tools.*--chat-template FILE"):
+    with pytest.raises(InputError, match="does not support tools.*--chat-template chatml_tools .packaged"):
         bfcl_prompt_ids(q, tok)
     tok.set_chat_template(TEMPLATE.read_text(), "chatml_tools.jinja")
     text = tok.decode(bfcl_prompt_ids(q, tok, system="Be brief."))
@@ -378,6 +378,52 @@ def test_cli_bfcl_summary_per_category(tiny_dir, tmp_path, capsys):
     table = run.out.splitlines()
     assert table[0].split() == ["category", "correct", "total", "accuracy", "truncated"]
     assert table[1].split() == ["simple_python", "0", "1", "0.0000", "1"] and table[2].startswith("all ")
+
+
+def test_cli_bfcl_rows_are_kept_as_questions_finish_and_resume_continues(tiny_dir, tmp_path, capsys, monkeypatch):
+    """An interrupted `--limit 20` BFCL eval kept none of its 8 finished questions: now each row is appended to
+    --out as its question is scored, Ctrl-C says how many are kept there, --resume asks only the rest, and the
+    progress lines carry an ETA."""
+    from entrenar.evaluate import harness
+
+    real = harness.entrenar_completer
+    calls: list[int] = []
+    seen_in_out: list[int] = []
+    out = tmp_path / "sub" / "bfcl.jsonl"  # its directory is made (CLI-OUT-PARENTS)
+
+    def completer(*a, **k):
+        complete = real(*a, **k)
+
+        def wrapped(batch, sample):
+            calls.append(len(batch))
+            seen_in_out.append(len(out.read_text().splitlines()))
+            if interrupt and len(calls) == 3:
+                raise KeyboardInterrupt
+            return complete(batch, sample)
+        return wrapped
+
+    monkeypatch.setattr(harness, "entrenar_completer", completer)
+    argv = ["eval", "--task", "bfcl:simple_python,irrelevance", "--limit", "2", "--model", str(tiny_dir),
+            "--chat-template", str(TEMPLATE), "--max-new-tokens", "2", "--batch-size", "1", "--out", str(out),
+            "--json"]
+    interrupt = True
+    code, js, err = main(argv, capsys)
+    assert code == 130 and "the 2 of 4 questions done so far are in" in js["error"] and "--resume" in js["error"], js
+    assert seen_in_out == [0, 1, 2]  # each row on disk before the next question was asked
+    kept = [json.loads(x) for x in out.read_text().splitlines()]
+    assert len(kept) == 2 and all(r["settings"]["max_new_tokens"] == 2 for r in kept)
+    assert "ETA" in err
+    interrupt, calls[:] = False, []
+    code, js, err = main([*argv, "--resume"], capsys)
+    assert code == 0 and js["resumed"] == 2 and js["problems"] == 4, err
+    assert calls == [1, 1]  # only the two questions not answered before
+    rows = [json.loads(x) for x in out.read_text().splitlines()]
+    assert [r["task_id"] for r in rows] == ["simple_python_0", "simple_python_1", "irrelevance_0", "irrelevance_1"]
+    assert {r["task_id"]: r for r in rows if r["task_id"] in {k["task_id"] for k in kept}} == \
+        {k["task_id"]: k for k in kept}  # the kept rows as they were
+    other = ["3" if i and argv[i - 1] == "--max-new-tokens" else a for i, a in enumerate(argv)]  # another eval
+    code, js, err = main([*other, "--resume"], capsys)
+    assert code == 2 and "made with other settings" in js["error"], js
 
 
 @pytest.mark.parametrize("extra, expect", [

@@ -342,12 +342,18 @@ def test_resume_drops_a_cut_last_row_and_refuses_other_settings(tmp_path):
         read_results(out, problems[1:], 1, made)
 
 
-def test_cli_task_eval_out_in_a_missing_directory_is_exit_2_before_the_model_loads(tmp_path, tasks_file, capsys):
-    """It passed the check (an ancestor could hold it), ran the whole eval, then failed writing: exit 1."""
-    code, js, _ = main(["eval", "--task", "humaneval", "--model", str(tmp_path / "no-model"), "--data",
-                          str(tasks_file), "--out", str(tmp_path / "missing" / "x.jsonl"), "--json"], capsys)
-    assert code == 2 and "the directory" in js["error"] and "does not exist" in js["error"], js
-    assert not (tmp_path / "missing").exists()
+def test_cli_task_eval_out_in_a_missing_directory_is_made_before_the_model_loads(tmp_path, tasks_file, capsys):
+    """It passed the check (an ancestor could hold it), ran the whole eval, then failed writing: exit 1. Then it was
+    exit 2 asking the user to create the directory; now it is made, as `mkdir -p` would (CLI-OUT-PARENTS), before the
+    model loads, so the rows are appended there as problems finish."""
+    d = _tiny_dir(tmp_path, "m")
+    out = tmp_path / "missing" / "deeper" / "x.jsonl"
+    code, js, err = main(["eval", "--task", "humaneval", "--model", str(d), "--data", str(tasks_file), "--limit", "1",
+                          "--max-new-tokens", "2", "--out", str(out), "--json"], capsys)
+    assert code == 0 and len(out.read_text().splitlines()) == 1, err
+    code, js, _ = main(["eval", "--task", "humaneval", "--model", str(tmp_path / "a_file.txt" / "x"), "--data",
+                        str(tasks_file), "--out", str(tasks_file / "x.jsonl"), "--json"], capsys)
+    assert code == 2 and "cannot be created" in js["error"], js  # under a file: still refused before the model
 
 
 def test_cli_task_eval_resume_continues_and_refuses_another_eval(tmp_path, tasks_file, capsys):

@@ -67,7 +67,7 @@ class SeededTask:
         self.verdicts, self.calls, self.seen = verdicts, 0, []
         self.task_ids = [f"p{i}" for i in range(len(verdicts[0]))]
 
-    def run(self, model, rank=0, world=1, log=None):
+    def run(self, model, rank=0, world=1, log=None, on_record=None):
         v = self.verdicts[min(self.calls, len(self.verdicts) - 1)]
         self.calls += 1
         self.seen.append([p.detach().clone() for p in model.parameters()])
@@ -246,7 +246,7 @@ def test_cli_on_task_regression_warns_by_default_and_stops_with_stop(tmp_path, s
 
     seeded = SeededTask([ALL, DROP])
 
-    def seeded_run(self, model, rank=0, world=1, log=None):
+    def seeded_run(self, model, rank=0, world=1, log=None, on_record=None):
         seeded.task_ids = self.task_ids  # the task file's problems, with the seeded verdicts
         return seeded.run(model, rank, world, log)
     monkeypatch.setattr(TaskEvaluator, "run", seeded_run)
@@ -261,3 +261,32 @@ def test_cli_on_task_regression_warns_by_default_and_stops_with_stop(tmp_path, s
     assert code == 3 and js["guard"] == "GUARD-TASK-REGRESSION", err
     assert js["details"]["passed_before"] == 12 and js["details"]["passed_after"] == 2
     assert not (out / "final").exists()
+
+
+def test_cli_eval_task_progress_has_an_eta_and_an_interrupt_says_what_was_kept(tmp_path, sft_rows, capsys,
+                                                                               monkeypatch):
+    """A CPU task eval waited 14 minutes with no output: each batch is now announced and followed by a line with an
+    ETA, prefixed with the step. Ctrl-C in the task eval of step 2: the problems it finished are in
+    task_eval/step-0000002.partial.jsonl and the message says so (and that --resume runs the eval again)."""
+    from entrenar.evaluate import harness
+
+    real, calls = harness.run_program, []
+
+    def run_program(src, limits):
+        calls.append(1)
+        if len(calls) == 5:  # step 0 ran 3 programs; the second of step 2's
+            raise KeyboardInterrupt
+        return real(src, limits)
+
+    monkeypatch.setattr(harness, "run_program", run_program)
+    code, _, err, out = _finetune_with_task(tmp_path, sft_rows, capsys, 3, "--steps", "2",
+                                            "--eval-task-max-new-tokens", "2", "--val-fraction", "0")
+    assert "step 0: tasks.jsonl problems 1-3 of 3: generating" in err
+    assert "step 0: tasks.jsonl 3/3 problems, 0 passing samples so far (" in err and "ETA" in err
+    assert code == 130, err
+    partial = out / "task_eval" / "step-0000002.partial.jsonl"
+    kept = partial.read_text().splitlines()
+    assert f"step 2: tasks.jsonl eval interrupted: the {len(kept)} problems it finished are in {partial}" in err
+    assert "--resume runs this eval again" in err and len(kept) <= 2
+    assert not (out / "task_eval" / "step-0000000.partial.jsonl").exists()  # a finished eval leaves the whole file
+    assert (out / "task_eval" / "step-0000000.jsonl").is_file()

@@ -70,8 +70,7 @@ def export_gguf(spec: str, out: str | os.PathLike, export_type: str = "f16", ada
     out = Path(out)
     if out.exists():
         raise InputError(f"{out}: already exists; choose a new output path (export never overwrites)")
-    if not out.parent.is_dir():
-        raise InputError(f"{out.parent}: directory of the output file does not exist; create it first")
+    # a missing parent directory is made when the file is written (fileio.atomic_write; CLI-OUT-PARENTS)
     check_creatable(out, "OUT")  # a read-only directory: exit 2 before loading (was a traceback at write)
     if export_type not in EXPORT_TYPES:
         raise InputError(f"--type must be one of {', '.join(EXPORT_TYPES)}, got {export_type!r}")

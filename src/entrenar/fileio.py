@@ -263,6 +263,7 @@ def atomic_write(path: str | Path, data: bytes | str | Callable[[Path], None]) -
     path = Path(path)
     tmp = _tmp_path(path)
     clear_path(tmp)  # a stale temporary, or a link planted under its name
+    path.parent.mkdir(parents=True, exist_ok=True)  # a missing parent of an --out is made (CLI-OUT-PARENTS)
     try:
         if callable(data):
             data(tmp)

@@ -239,8 +239,9 @@ class ChatTokenizer:
         if uses_tools and not self.supports_tools():
             raise InputError(f"the chat template of {self.chat_template_source} does not support tools (it never "
                              f"uses the `tools` variable and `tool_calls`), so tool schemas, calls and results "
-                             f"would be left out of the text; pass a template that renders them with "
-                             f"--chat-template FILE (e.g. Qwen2.5's), or remove the tools from the data")
+                             f"would be left out of the text; pass a template that renders them: "
+                             f"--chat-template chatml_tools (packaged, for ChatML models such as SmolLM2 and "
+                             f"Qwen2.5) or --chat-template FILE, or remove the tools from the data")
 
     def _compiled_template(self):
         if self.chat_template is None:

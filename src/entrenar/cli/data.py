@@ -10,6 +10,7 @@ from typing import Any
 
 from ..data.from_code import ANSWER_FORMATS
 from ..data.sft import CHAT_TEMPLATE_HELP, DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
+from ..data.tabular import COLUMNS_HELP, SOURCES_HELP
 from ..errors import InputError
 
 
@@ -170,13 +171,17 @@ def cmd_replay(args: argparse.Namespace) -> dict[str, Any]:
 def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
     from ..data.preference import is_preference_file, load_preference
     from ..data.sft import load_sft
+    from ..data.tabular import check_source, parse_columns
 
     if not 0.0 <= args.max_skip_fraction <= 1.0:
         raise InputError(f"--max-skip-fraction must be in [0, 1], got {args.max_skip_fraction}")
+    columns = parse_columns(args.columns)
+    check_source(Path(args.data), "--data")
     tok = _load_tokenizer(args.model, args.chat_template)
-    load = load_preference if Path(args.data).is_file() and is_preference_file(args.data) else load_sft  # DPO rows
-    _, report = load(args.data, tok, args.max_seq_len, truncation=args.truncation,
-                         skip_invalid=args.skip_invalid, max_skip_fraction=None)
+    load = load_preference if is_preference_file(args.data, columns) else load_sft  # DPO rows
+    # without --skip-invalid every invalid row is listed (FILE:ROW each), then one exit 2
+    _, report = load(args.data, tok, args.max_seq_len, truncation=args.truncation, skip_invalid=args.skip_invalid,
+                     max_skip_fraction=None, columns=columns, list_invalid=True)
     # The report is shown before the guard decides, so a failing data set still shows its numbers.
     print("\n".join(report.summary_lines()), file=sys.stderr if args.json else sys.stdout, flush=True)
     report.check(args.max_skip_fraction)
@@ -269,9 +274,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     add_device_option(q)
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
-    q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) JSONL against a model's chat template; report loss tokens")
+    q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) rows against a model's chat "
+                                "template, listing every invalid row; report loss tokens")
     q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")
-    q.add_argument("--data", required=True, help="SFT JSONL file")
+    q.add_argument("--data", required=True, help=f"SFT or preference rows: {SOURCES_HELP}")
+    q.add_argument("--columns", metavar="MAP", default=None, help=COLUMNS_HELP + " (the rows' own keys)")
     q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP + " (the model's)")
     q.add_argument("--max-seq-len", "--seq-len", type=int, required=True, help="the training sequence length")
     q.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="skip",

@@ -27,7 +27,7 @@ TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_ne
              "system_prompt_file": None, "resume": False, "compare": None}
 # humaneval-only flags (greedy single answers, nothing run in a sandbox, questions from the package): refused
 # with --task bfcl, where they would be silently ignored
-NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed", "resume")
+NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed")
 FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
 # flag -> its default: eval on preference pairs only (--data PAIRS.jsonl, --task loss); refused anywhere else
 PAIRS_ONLY = {"ref_model": None, "beta": None}
@@ -161,13 +161,11 @@ def _validate(args: argparse.Namespace) -> None:
             raise InputError(f"--out {out} is a directory; give a file path (results.jsonl)")
         if out.exists():  # --overwrite replaces an earlier results file only, never a source file or a model
             check_replaceable_file(out, "a results JSONL file", looks_like_jsonl)
-        elif not out.parent.is_dir():
-            # rows are appended to the file itself as problems finish: its directory must be there before the
-            # model loads (issue 38 item 7: an ancestor that could hold it passed, the write failed at the end)
-            raise InputError(f"--out {out}: the directory {out.parent} does not exist; create it or choose "
-                             f"another --out")
         else:
+            # rows are appended to the file itself as problems finish: its directory is made before the model
+            # loads (issue 38 item 7: the write failed at the end), and a missing one is created (CLI-OUT-PARENTS)
             check_creatable(out)
+            out.parent.mkdir(parents=True, exist_ok=True)
 
 
 def row_settings(args: argparse.Namespace) -> dict[str, Any]:
@@ -281,7 +279,7 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
     """`eval --task bfcl[:CATEGORIES]`: accuracy per category and overall; --out: one line per question."""
     from ..evaluate.bfcl import DEFAULT_MAX_NEW_TOKENS as BFCL_MAX_NEW_TOKENS
     from ..evaluate.bfcl import bfcl_records, load_bfcl, no_early_stop, parse_bfcl_spec, summarize_bfcl
-    from ..evaluate.harness import entrenar_completer, prompts_per_call, truncation_note
+    from ..evaluate.harness import entrenar_completer, prompts_per_call, read_results, truncation_note
     from ..fileio import atomic_write
     from ..peft.load import load_any_model
     from ..tokenizer import use_chat_template_file
@@ -292,6 +290,10 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
     questions = load_bfcl(categories, args.limit)  # before the model: a missing package fails in a second
     system = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
     max_new = args.max_new_tokens if args.max_new_tokens is not None else BFCL_MAX_NEW_TOKENS
+    made = {"task": args.task, "model": args.model, "adapter": args.adapter, "chat_template": args.chat_template,
+            "system_prompt_file": args.system_prompt_file, "max_new_tokens": max_new, "dtype": args.dtype}
+    # --resume: another eval's rows are refused before the model loads (the same check as humaneval's)
+    done = read_results(args.out, questions, 1, made) if args.resume else {}
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
     if tok is None:
@@ -301,8 +303,8 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
         what = "has no chat template" if tok.chat_template is None else \
             f"has a chat template ({tok.chat_template_source}) that does not render tools"
         raise InputError(f"--task bfcl: {args.model} {what}; BFCL shows each question's functions through the "
-                         f"template's `tools`: give one that does with --chat-template FILE (e.g. the packaged "
-                         f"chatml_tools.jinja for ChatML models such as SmolLM2)")
+                         f"template's `tools`: give one that does: --chat-template chatml_tools (packaged, for "
+                         f"ChatML models such as SmolLM2 and Qwen2.5) or --chat-template FILE")
     dtype, _ = resolve_dtype(args.dtype, args.device)
     # greedy; a row ends at its end-of-turn / EOS only (no_early_stop: parallel answers hold several blocks)
     def log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
@@ -311,14 +313,31 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
     complete = entrenar_completer(model, tok, max_new, True, device=args.device, dtype=dtype, stop=no_early_stop,
                                   slots=args.batch_size, log=log)
     start = time.perf_counter()
-    records = bfcl_records(questions, tok, complete, prompts_per_call(args.batch_size, args.device, len(questions)),
-                           system, log)
+    per_call = prompts_per_call(args.batch_size, args.device, len(questions))
+    if args.out is None:
+        records = bfcl_records(questions, tok, complete, per_call, system, log, row_settings=made)
+    else:  # each row appended as its question is scored: an interrupted eval keeps what it finished
+        atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in done.values()))  # no cut last line
+        kept = [len(done)]
+        with open(args.out, "a", encoding="utf-8") as f:
+            def append(record: dict[str, Any]) -> None:
+                f.write(json.dumps(record) + "\n")
+                f.flush()
+                kept[0] += 1
+            try:
+                records = bfcl_records(questions, tok, complete, per_call, system, log, done_rows=done,
+                                       on_record=append, row_settings=made)
+            except KeyboardInterrupt:
+                raise KeyboardInterrupt(f"the {kept[0]} of {len(questions)} questions done so far are in "
+                                        f"{args.out}; the same command with --resume continues it") from None
+        atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in records))  # whole, in question order
     summary = summarize_bfcl(records)
     summary["generate_seconds"] = round(sum(r["generate_seconds"] for r in records), 3)
     summary["seconds"] = round(time.perf_counter() - start, 3)
     if args.out is not None:
-        atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in records))
         summary["out"] = str(args.out)
+        if args.resume:
+            summary["resumed"] = len(done)
     result = {"task": args.task, "model": str(path), "data": "bfcl-eval (package)", **summary,
               "max_new_tokens": max_new, "system_prompt_file": args.system_prompt_file,
               "chat_template": args.chat_template}
@@ -386,8 +405,8 @@ def check_pair_flags(args: argparse.Namespace, data: Path, what: str) -> None:
                              f"prompt/chosen/rejected rows); {data} holds {what}")
 
 
-def cmd_pair_eval(args: argparse.Namespace, data: Path, max_skip_fraction: float | None, dtype: str
-                  ) -> dict[str, Any]:
+def cmd_pair_eval(args: argparse.Namespace, data: Path, max_skip_fraction: float | None, dtype: str,
+                  columns: Any = None) -> dict[str, Any]:
     """`eval --data PAIRS.jsonl`: the DPO implicit rewards of MODEL against its reference (train/preference_eval.py)."""
     from ..data.preference import PreferenceLoader, load_preference
     from ..peft.load import load_any_model
@@ -403,7 +422,7 @@ def cmd_pair_eval(args: argparse.Namespace, data: Path, max_skip_fraction: float
         raise InputError(f"{args.model}: no tokenizer found, needed to encode {data}")
     use_chat_template_file(tok, args.chat_template)
     examples, report = load_preference(data, tok, args.max_seq_len, truncation=args.truncation,
-                                       max_skip_fraction=max_skip_fraction)
+                                       max_skip_fraction=max_skip_fraction, columns=columns)
     attach_reference(ref, objective, model, tok, args.device, args.kernels)
     pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id
     loader = PreferenceLoader(examples, args.batch_size, pad_id=pad_id, max_seq_len=args.max_seq_len)

@@ -149,8 +149,7 @@ def cmd_convert(args: argparse.Namespace) -> dict:
     if out.exists():
         raise InputError(f"{out}: output directory already exists; choose a new path")
     check_creatable(out, "OUT_DIR")  # a parent that is a file or read-only: exit 2 before loading
-    if not out.parent.is_dir():
-        raise InputError(f"{out.parent}: parent directory of OUT_DIR does not exist")
+    # a missing parent is made (atomic_dir), as `mkdir -p` would: the README's `convert ... runs/x` works verbatim
     model = load_model(args.model, dtype=DTYPES.get(args.dtype))
     tokenizer = None
     if importlib.util.find_spec("entrenar.tokenizer") is not None and _has_tokenizer(args.model):

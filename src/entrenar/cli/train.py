@@ -14,6 +14,7 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+from ..data.tabular import SOURCES_HELP, is_dataset_dir, parse_columns
 from ..errors import InputError
 from ..peft.load import load_any_model
 from ..train.commands import cmd_finetune, cmd_pretrain
@@ -113,18 +114,21 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
         _log(f"dtype: {ecfg.dtype} ({ecfg.dtype_reason})")
     data = Path(args.data)
     if not data.exists():
-        raise InputError(f"--data {data}: no such file or directory (token shards or an SFT .jsonl)")
-    if data.is_dir() and args.chat_template is not None:
-        raise InputError(f"--chat-template renders chats: {data} holds token shards (no chats); drop it, or give "
-                         f"an SFT .jsonl")
+        raise InputError(f"--data {data}: no such file or directory (token shards, or SFT rows: {SOURCES_HELP})")
+    shards = data.is_dir() and not is_dataset_dir(data)  # a save_to_disk folder holds rows
+    for flag, given in (("--chat-template", args.chat_template), ("--columns", args.columns)):
+        if shards and given is not None:
+            raise InputError(f"{flag} reads chat rows: {data} holds token shards (no chats); drop it, or give "
+                             f"SFT rows ({SOURCES_HELP})")
     from ..data.preference import is_preference_file
 
-    if data.is_file() and is_preference_file(data):  # prompt/chosen/rejected rows: rewards against a reference
-        return cmd_pair_eval(args, data, dcfg.max_skip_fraction, ecfg.dtype)
-    check_pair_flags(args, data, "token shards" if data.is_dir() else "SFT rows")
+    columns = parse_columns(args.columns)
+    if not shards and is_preference_file(data, columns):  # prompt/chosen/rejected rows: rewards against a reference
+        return cmd_pair_eval(args, data, dcfg.max_skip_fraction, ecfg.dtype, columns)
+    check_pair_flags(args, data, "token shards" if shards else "SFT rows")
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
-    if data.is_dir():
+    if shards:
         from ..data.corpus import (
             PretrainLoader,
             check_same_tokenizer,
@@ -150,7 +154,7 @@ def cmd_eval(args: argparse.Namespace) -> dict[str, Any]:
             raise InputError(f"{args.model}: no tokenizer found, needed to encode {data}")
         use_chat_template_file(tok, args.chat_template)
         examples, report = load_sft(data, tok, args.max_seq_len, truncation=args.truncation,
-                                    max_skip_fraction=dcfg.max_skip_fraction)
+                                    max_skip_fraction=dcfg.max_skip_fraction, columns=columns)
         pad_id = tok.pad_id if tok.pad_id is not None else tok.eos_id
         loader = SFTLoader(examples, args.batch_size, pad_id=pad_id, max_seq_len=args.max_seq_len)
         what = f"{data} ({report.kept} samples, max_seq_len {args.max_seq_len})"

@@ -35,8 +35,8 @@ import numpy as np
 import torch
 
 from ..errors import InputError
-from ..fileio import MAX_ROW_CHARS, read_jsonl
 from ..tensors import IGNORE_INDEX
+from . import tabular
 from .sft import (
     DEFAULT_MAX_SKIP_FRACTION,
     MAX_LOGGED_WARNINGS,
@@ -61,10 +61,14 @@ def is_preference_row(row: Any) -> bool:
     return isinstance(row, dict) and "chosen" in row and "rejected" in row
 
 
-def is_preference_file(path: str | Path) -> bool:
-    """Whether a JSONL file holds preference rows: its first readable row has "chosen" and "rejected"."""
-    for _, row in read_jsonl(Path(path), on_error=lambda lineno, e: None, max_line_chars=MAX_ROW_CHARS):
-        return is_preference_row(row)
+def is_preference_file(path: str | Path, columns: tabular.Columns | None = None) -> bool:
+    """Whether a row source holds preference rows: its first readable row (through --columns) has "chosen" and
+    "rejected"."""
+    for _, _, row in tabular.iter_rows(Path(path), on_error=lambda lineno, e: None):
+        try:
+            return is_preference_row(columns.apply(row) if columns is not None else row)
+        except tabular.ColumnError:
+            return False
     return False
 
 
@@ -178,7 +182,8 @@ def _response_only(enc: Any, n_turns: int) -> SimpleNamespace:
 
 
 def load_preference(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncation: str = "skip",
-                    skip_invalid: bool = False, max_skip_fraction: float | None = DEFAULT_MAX_SKIP_FRACTION
+                    skip_invalid: bool = False, max_skip_fraction: float | None = DEFAULT_MAX_SKIP_FRACTION,
+                    columns: tabular.Columns | None = None, list_invalid: bool = False
                     ) -> tuple[list[PreferenceExample], PreferenceReport]:
     """Read, validate and tokenize a preference JSONL file (SFT's contract: invalid rows exit 2 naming
     file:line unless `skip_invalid`; GUARD-DATA at the end when `max_skip_fraction` is not None)."""
@@ -187,7 +192,7 @@ def load_preference(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, 
     report = PreferenceReport(str(path), max_seq_len, truncation,
                               tokenizer=str(getattr(tokenizer, "name", None) or type(tokenizer).__name__))
     examples: list[PreferenceExample] = []
-    rows = RowLog(path, report, skip_invalid)
+    rows = RowLog(path, report, skip_invalid, columns, list_invalid)
     for lineno, where, row in rows.read():
         try:
             prompt, *responses = row_to_pair(row)
@@ -199,12 +204,18 @@ def load_preference(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, 
             try:
                 enc = tokenizer.encode_chat([*prompt, *response])
             except InputError as e:  # the chat template rejected this conversation
-                raise InputError(f"{where}: {e}") from e
+                if not rows.list_invalid:
+                    raise InputError(f"{where}: {e}") from e
+                rows.invalid(where, RowError("unknown_format", str(e)))
+                skipped = ()
+                break
             ex, skipped = _fit_sample(_response_only(enc, len(response)), where, lineno, max_seq_len, truncation,
                                       report, getattr(tokenizer, "bos_id", None))
             if ex is None:
                 break
             pair.append(ex)
+        if skipped == ():  # listed as invalid (list_invalid)
+            continue
         if skipped is not None:
             rows.skip(*skipped)
             continue

@@ -33,9 +33,8 @@ import numpy as np
 import torch
 
 from ..errors import GuardError, InputError
-from ..fileio import MAX_ROW_CHARS, read_jsonl
 from ..tensors import IGNORE_INDEX
-from . import tool_calls
+from . import tabular, tool_calls
 from .epochs import EpochCursor
 
 logger = logging.getLogger("entrenar.data")
@@ -446,8 +445,7 @@ def check_load_inputs(path: Path, tokenizer: ChatEncoder, max_seq_len: int, trun
         raise InputError(f"--truncation must be one of {', '.join(TRUNCATION_POLICIES)}, got {truncation!r}")
     if not isinstance(max_seq_len, int) or max_seq_len < 2:
         raise InputError(f"--max-seq-len must be an integer >= 2, got {max_seq_len!r}")
-    if not path.is_file():
-        raise InputError(f"{path}: no such file ({what} is a JSONL file)")
+    tabular.check_source(path, what)  # a file or a save_to_disk folder; never a hub name
     eot = tokenizer.eot_id if tokenizer.eot_id is not None else getattr(tokenizer, "eos_id", None)
     if eot is None:
         raise InputError("the tokenizer has neither an end-of-turn nor an EOS token, so assistant turns "
@@ -459,9 +457,13 @@ class RowLog:
     """A loader's skipped and invalid rows: each reason's first MAX_LOGGED_WARNINGS warnings logged and kept in
     the report, the rest counted (`finish`); an invalid row is InputError naming FILE:LINE unless skip_invalid."""
 
-    def __init__(self, path: Path, report: DataReport, skip_invalid: bool):
-        self.path, self.report, self.skip_invalid = path, report, skip_invalid
+    def __init__(self, path: Path, report: DataReport, skip_invalid: bool, columns: tabular.Columns | None = None,
+                 list_invalid: bool = False):
+        self.path, self.report, self.skip_invalid, self.columns = path, report, skip_invalid, columns
         self.logged: dict[str, int] = {}
+        # list_invalid (`data check` without --skip-invalid): every invalid row is listed, then one exit 2 (finish)
+        self.list_invalid = list_invalid and not skip_invalid
+        self.invalid_rows: list[str] = []
 
     def skip(self, reason: str, msg: str) -> None:
         self.report.skip(reason)
@@ -471,16 +473,26 @@ class RowLog:
             self.report.warnings.append(msg)
 
     def invalid(self, where: str, e: RowError) -> None:
+        if self.list_invalid:
+            self.report.skip(e.reason)
+            self.invalid_rows.append(f"{where}: {e}")
+            return
         if not self.skip_invalid:
             raise InputError(f"{where}: {e} ({e.remedy})") from e
         self.skip(e.reason, f"{where}: {e}; row skipped (--skip-invalid)")
 
     def read(self) -> Iterator[tuple[int, str, Any]]:
-        """(line number, "FILE:LINE", row) of each row, counted as read; malformed lines go to `malformed`.
-        fileio.read_jsonl: the one JSONL reader (a UTF-8 BOM is accepted, issue 18 item 11)."""
-        for lineno, row in read_jsonl(self.path, on_error=self.malformed, max_line_chars=MAX_ROW_CHARS):
+        """(row number, "FILE:ROW", row) of each row, counted as read, through --columns when given; malformed
+        lines go to `malformed`. data/tabular.py reads the file (JSONL: fileio.read_jsonl, the one JSONL reader)."""
+        for lineno, where, row in tabular.iter_rows(self.path, on_error=self.malformed):
             self.report.rows_read += 1
-            yield lineno, f"{self.path}:{lineno}", row
+            if self.columns is not None:
+                try:
+                    row = self.columns.apply(row)
+                except tabular.ColumnError as e:
+                    self.invalid(where, RowError(e.reason, str(e)))
+                    continue
+            yield lineno, where, row
 
     def malformed(self, lineno: int, e: json.JSONDecodeError) -> None:
         self.report.rows_read += 1
@@ -493,14 +505,21 @@ class RowLog:
                 logger.warning(f"{self.path}: {n - MAX_LOGGED_WARNINGS} more rows skipped for {reason} (not shown)")
         if self.report.rows_read == 0:
             raise InputError(f"{self.path}: no rows (the file is empty); {what} needs one JSON object per line")
+        if self.invalid_rows:
+            listed = "\n  ".join(self.invalid_rows)
+            raise InputError(f"{self.path}: {len(self.invalid_rows)} invalid rows:\n  {listed}\nfix them, or pass "
+                             f"--skip-invalid to skip and count them")
 
 
 def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncation: str = "skip",
              skip_invalid: bool = False,
-             max_skip_fraction: float | None = DEFAULT_MAX_SKIP_FRACTION) -> tuple[list[SFTExample], DataReport]:
-    """Read, validate and tokenize an SFT JSONL file.
+             max_skip_fraction: float | None = DEFAULT_MAX_SKIP_FRACTION, columns: tabular.Columns | None = None,
+             list_invalid: bool = False) -> tuple[list[SFTExample], DataReport]:
+    """Read, validate and tokenize SFT rows (data/tabular.py: JSONL, JSON, Parquet, CSV, a save_to_disk folder;
+    ``columns``: --columns).
 
-    Invalid rows raise InputError (exit 2) naming file:line, or with ``skip_invalid`` are counted.
+    Invalid rows raise InputError (exit 2) naming file:line, or with ``skip_invalid`` are counted; with
+    ``list_invalid`` every invalid row is named in one InputError after the whole file was read.
     With ``max_skip_fraction`` not None, ``DataReport.check`` runs at the end (GUARD-DATA, exit 2);
     the error's ``details`` hold the report.
     """
@@ -510,7 +529,7 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
                         tokenizer=str(getattr(tokenizer, "name", None) or getattr(tokenizer, "source", None)
                                       or type(tokenizer).__name__))
     examples: list[SFTExample] = []
-    rows = RowLog(path, report, skip_invalid)
+    rows = RowLog(path, report, skip_invalid, columns, list_invalid)
     call_format = tool_calls.call_format(getattr(tokenizer, "chat_template", None))
     for lineno, where, row in rows.read():
         try:
@@ -531,6 +550,9 @@ def load_sft(path: str | Path, tokenizer: ChatEncoder, max_seq_len: int, truncat
         try:  # tools= only for rows that have them: a text row renders as it always did
             enc = tokenizer.encode_chat(messages, tools=tools) if with_tools else tokenizer.encode_chat(messages)
         except InputError as e:  # the chat template rejected this conversation
+            if rows.list_invalid:
+                rows.invalid(where, RowError("unknown_format", str(e)))
+                continue
             raise InputError(f"{where}: {e}") from e
         ex, skipped = _fit_sample(enc, where, lineno, max_seq_len, truncation, report,
                                   getattr(tokenizer, "bos_id", None))

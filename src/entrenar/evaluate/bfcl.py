@@ -27,7 +27,7 @@ from ..data.bfcl_data import (
 )
 from ..data.tool_calls import parse_tool_calls
 from ..errors import InputError
-from .harness import Complete, completion_parts, no_early_stop, truncated_count
+from .harness import Complete, completion_parts, eta_text, no_early_stop, truncated_count
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -54,8 +54,8 @@ def bfcl_prompt_ids(question: BfclQuestion, tokenizer, system: str | None = None
     if not tokenizer.supports_tools():
         raise InputError(f"--task bfcl: the chat template of {tokenizer.chat_template_source} does not support "
                          f"tools (it never uses the `tools` variable and `tool_calls`), so BFCL's functions cannot "
-                         f"be shown to the model; give one that does with --chat-template FILE (e.g. the "
-                         f"packaged chatml_tools.jinja, or Qwen2.5's)")
+                         f"be shown to the model; give one that does: --chat-template chatml_tools (packaged, for "
+                         f"ChatML models such as SmolLM2 and Qwen2.5) or --chat-template FILE")
     return tokenizer.encode_chat(messages, add_generation_prompt=True, tools=openai_tools(question.functions)).ids
 
 
@@ -401,13 +401,20 @@ def score(question: BfclQuestion, calls: list[dict[str, Any]]) -> tuple[bool, st
 
 # ---- the eval ------------------------------------------------------------------------------------------
 def bfcl_records(questions: Sequence[BfclQuestion], tokenizer, complete: Complete, batch_size: int = 8,
-                 system: str | None = None, log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
-    """Greedy answers to each question, read back and scored: one record per question, in question order."""
+                 system: str | None = None, log: Callable[[str], None] | None = None, *,
+                 done_rows: dict[tuple[str, int], dict[str, Any]] | None = None,
+                 on_record: Callable[[dict[str, Any]], None] | None = None,
+                 row_settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """Greedy answers to each question, read back and scored: one record per question, in question order.
+    `done_rows` ({(task_id, 0): row}, harness.read_results for --resume) are taken as they are; `on_record` gets each
+    new record as soon as it is scored (the CLI appends it to --out); `row_settings` goes into each new record."""
     start = time.perf_counter()
+    done_rows = done_rows or {}
     ids = [bfcl_prompt_ids(q, tokenizer, system) for q in questions]
-    order = sorted(range(len(questions)), key=lambda i: -len(ids[i]))  # similar lengths together, longest first
-    records: list[dict[str, Any] | None] = [None] * len(questions)
-    done = 0
+    records: list[dict[str, Any] | None] = [done_rows.get((q.task_id, 0)) for q in questions]
+    # similar lengths together, longest first; questions already answered (--resume) are not asked again
+    order = sorted((i for i in range(len(questions)) if records[i] is None), key=lambda i: -len(ids[i]))
+    done = len(questions) - len(order)
     for at in range(0, len(order), batch_size):
         batch = order[at:at + batch_size]
         if log is not None:
@@ -423,11 +430,17 @@ def bfcl_records(questions: Sequence[BfclQuestion], tokenizer, complete: Complet
                           "status": "passed" if passed else "failed",
                           "error": error,
                           "parse_error": parse_error, "completion": text, "truncated": truncated, "calls": calls,
-                          "prompt_tokens": len(ids[i]), "generate_seconds": round(seconds, 3)}
+                          "prompt_tokens": len(ids[i]), "generate_seconds": round(seconds, 3), "sample": 0}
+            if row_settings is not None:
+                records[i]["settings"] = row_settings
+            if on_record is not None:
+                on_record(records[i])
         done += len(batch)
         if log is not None:
             passed = sum(1 for r in records if r is not None and r["passed"])
-            log(f"{done}/{len(questions)} questions, {passed} correct so far ({time.perf_counter() - start:.0f} s)")
+            elapsed = time.perf_counter() - start
+            log(f"{done}/{len(questions)} questions, {passed} correct so far ({elapsed:.0f} s, "
+                f"{eta_text(at + len(batch), len(order), elapsed)})")
     assert all(r is not None for r in records)
     return records  # type: ignore[return-value]
 

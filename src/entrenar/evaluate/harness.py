@@ -60,6 +60,15 @@ def truncation_note(truncated: int, completions: int, flag: str, limit: int) -> 
             f"a larger {flag} lets them finish")
 
 
+def eta_text(done: int, total: int, elapsed_s: float) -> str:
+    """"ETA 3 min 20 s" of a task eval `done` of `total` items in, at the rate so far (items done in this process:
+    resumed rows are not counted in `done`)."""
+    if done <= 0 or total <= done:
+        return "ETA 0 s" if total <= done else "ETA unknown"
+    left = elapsed_s / done * (total - done)
+    return f"ETA {int(left // 60)} min {int(left % 60)} s" if left >= 60 else f"ETA {left:.0f} s"
+
+
 @dataclass
 class TaskEvalSettings:
     samples: int = 1  # completions per problem (n of pass@k)
@@ -96,6 +105,7 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
     ids = [prompt_ids(p, tokenizer, settings.chat, settings.system) for p in problems]
     records: list[dict[str, Any] | None] = [done.get((p.task_id, s)) for p in problems for s in range(settings.samples)]
     finished = 0
+    todo, made_here = sum(1 for r in records if r is None), 0  # the ETA counts what this process generates
     with ThreadPoolExecutor(max_workers=max(1, settings.workers)) as pool:
         for whole in _batches(problems, ids, settings.batch_size):
             for s in range(settings.samples):
@@ -122,13 +132,15 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
                     if row_settings is not None:
                         record["settings"] = row_settings
                     records[i * settings.samples + s] = record
+                    made_here += 1
                     if on_record is not None:
                         on_record(record)
             finished += len(whole)
             if log is not None:
                 passed = sum(1 for r in records if r is not None and r["passed"])
+                elapsed = time.perf_counter() - start
                 log(f"{finished}/{len(problems)} problems, {passed} passing samples so far "
-                    f"({time.perf_counter() - start:.0f} s)")
+                    f"({elapsed:.0f} s, {eta_text(made_here, todo, elapsed)})")
     assert all(r is not None for r in records)
     return records  # type: ignore[return-value]
 

@@ -87,10 +87,11 @@ class TaskEvaluator:
     def task_ids(self) -> list[str]:
         return [item.task_id for item in self.items]
 
-    def run(self, model: Any, rank: int = 0, world: int = 1,
-            log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    def run(self, model: Any, rank: int = 0, world: int = 1, log: Callable[[str], None] | None = None,
+            on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         """Greedy completions of this rank's share of the problems (every world-th from `rank`), scored: one
-        record per problem with at least task_id and passed. The model is put in eval mode and back."""
+        record per problem with at least task_id and passed. The model is put in eval mode and back. `log` gets
+        the progress lines (with an ETA), `on_record` each record as it is scored."""
         import torch
 
         mine = self.items[rank::world]
@@ -107,12 +108,12 @@ class TaskEvaluator:
                                                   device=self.device, dtype=self.dtype, slots=self.batch_size,
                                                   log=log, slots_flag=self.flag, stop=no_early_stop)  # a reply ends at its end-of-turn
                     return bfcl.bfcl_records(mine, self.tokenizer, complete, batch_size=per_call,
-                                             system=self.system, log=log)
+                                             system=self.system, log=log, on_record=on_record)
                 complete = entrenar_completer(model, self.tokenizer, self.max_new_tokens, self.chat,
                                               device=self.device, dtype=self.dtype, slots=self.batch_size, log=log,
                                               slots_flag=self.flag)
                 settings = TaskEvalSettings(batch_size=per_call, chat=self.chat, system=self.system)
-                return task_records(mine, self.tokenizer, complete, settings, log)
+                return task_records(mine, self.tokenizer, complete, settings, log, on_record=on_record)
         finally:
             model.train(was_training)
 

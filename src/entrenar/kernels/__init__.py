@@ -70,8 +70,10 @@ def resolve_kernels(kind: str, device: str) -> str:
     if kind == "triton":
         _triton_ops()  # no importable triton: that remedy first (pip install triton)
     if kind == "triton" and not on_cuda and not _common._INTERPRETER_AT_IMPORT:
-        raise InputError(f"--kernels triton runs on CUDA GPUs; --device {device} is not one. Use --kernels torch "
-                         f"(or auto: triton on CUDA, torch elsewhere)")
+        # the device may be --device auto's choice: name it as the run's device, not as a flag the user gave
+        raise InputError(f"--kernels triton runs on CUDA GPUs, and this command runs on {device} (the --device "
+                         f"given, or --device auto's choice where no GPU is visible). Use --kernels torch (or auto: "
+                         f"triton on CUDA, torch elsewhere), or --device cuda on a machine with a GPU")
     return kind
 
 

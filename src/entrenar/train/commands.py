@@ -26,6 +26,7 @@ import torch
 
 from .. import stops
 from ..config import PRESETS, preset
+from ..data.tabular import SOURCES_HELP, is_row_source, parse_columns
 from ..errors import GuardError, InputError
 from ..fileio import atomic_write, clear_path, describe_path, write_manifest
 from ..outpaths import check_creatable
@@ -170,6 +171,8 @@ def _configs(args: Any, command: str) -> tuple[TrainConfig, LoRAConfig, DataConf
                          "builds; under torchrun use --dtype bf16 (autocast; FSDP2 all-gathers bf16 copies of the "
                          "fp32 masters) or --dtype bf16-pure (bf16 weights and AdamW state, --mode full)")
     _log(f"dtype: {cfg.dtype} ({cfg.dtype_reason})")
+    if cfg.eval_batches_reason:
+        _log(cfg.eval_batches_reason)
     return cfg, lora, data
 
 
@@ -318,13 +321,17 @@ def _sample_generator(cfg: TrainConfig, tokenizer: Any) -> Any:
                            dtype=cfg.dtype)
 
 
-def _rows_system_prompt(path: str) -> str | None:
+def _rows_system_prompt(path: str, columns: Any = None) -> str | None:
     """The system message every chat row of `path` starts with, when they all share one (the prompt the run
-    trains under, which its task eval must use too); else None."""
-    from ..fileio import read_jsonl
+    trains under, which its task eval must use too); else None. `columns`: --columns (data/tabular.py)."""
+    from ..data.tabular import ColumnError, iter_rows
 
     systems = set()
-    for _, row in read_jsonl(path):
+    for _, _, row in iter_rows(path, on_error=lambda lineno, e: None):
+        try:
+            row = columns.apply(row) if columns is not None else row
+        except ColumnError:
+            return None
         messages = row.get("messages") if isinstance(row, dict) else None
         first = messages[0] if isinstance(messages, list) and messages and isinstance(messages[0], dict) else {}
         if first.get("role") != "system" or not isinstance(first.get("content"), str):
@@ -600,23 +607,26 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     buckets = resolve_pad_buckets(data.pad_buckets, data.max_seq_len, kind)
     join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)
-    expected = ("finetune reads a JSONL file of SFT rows (messages, prompt/completion or instruction/output), or "
-                "of preference rows with --objective dpo|ipo|dpo-norm")
+    expected = (f"finetune reads SFT rows (messages, prompt/completion or instruction/output; --columns maps other "
+                f"names), or preference rows with --objective dpo|ipo|dpo-norm, from {SOURCES_HELP}")
+    columns = parse_columns(data.columns)
     for flag, path in (("--data", args.data), ("--val", args.val)):
-        if path and not Path(path).is_file():  # say what is there: a directory is not "no such file"
+        if path and not is_row_source(path):  # say what is there: a directory is not "no such file"
             raise InputError(f"{flag} {path}: {describe_path(path)}; {expected}")
     resolve_model(args.model)
     tokenizer = load_tokenizer(args.model)
     tokenizer.name = args.model  # the data header names the model as given, not its resolved GGUF path
     use_chat_template_file(tokenizer, args.chat_template)  # saved with the model: generate renders chats as trained
     examples, report = load_rows(args.data, tokenizer, args.max_seq_len, truncation=args.truncation,
-                                 skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
+                                 skip_invalid=args.skip_invalid, columns=columns,
+                                 max_skip_fraction=data.max_skip_fraction)
     for line in report.summary_lines():
         _log(line)
     data_report: dict[str, Any] = {"kind": kind, "train": report.to_dict()}
     if args.val:
         val_examples, val_report = load_rows(args.val, tokenizer, args.max_seq_len, truncation=args.truncation,
-                                             skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction)
+                                             skip_invalid=args.skip_invalid, max_skip_fraction=data.max_skip_fraction,
+                                             columns=columns)
         data_report["val"] = val_report.to_dict()
     else:
         examples, val_examples = _split_val(examples, args.val_fraction, cfg.seed)
@@ -656,7 +666,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
 
         objective = SFTWithKL(cfg.kl_to_base, "frozen-copy" if args.mode == "full" else "adapters-off")
     task_eval = _task_evaluator(cfg, tokenizer,
-                                _rows_system_prompt(args.data) if cfg.eval_task or cfg.retain_task else None)
+                                _rows_system_prompt(args.data, columns) if cfg.eval_task or cfg.retain_task else None)
     return _run(args, "finetune", cfg, model, tokenizer, train_loader, eval_loader, data_report, out, save_final,
                 objective, task_eval, _sample_generator(cfg, tokenizer))
 

@@ -19,6 +19,7 @@ from typing import Any, TypeVar
 
 from ..config import PRESETS
 from ..data.sft import CHAT_TEMPLATE_HELP, DEFAULT_MAX_SKIP_FRACTION, TRUNCATION_POLICIES
+from ..data.tabular import COLUMNS_HELP, SOURCES_HELP
 from ..devices import (
     DEFAULT_DEVICE,
     DEVICE_CHOICES_HELP,
@@ -33,6 +34,7 @@ from . import guards
 from .checkpoint import SAVE_MODES
 from .objective import DEFAULT_BETA, OBJECTIVES
 from .optim import SCHEDULES
+from .periodic import DEFAULT_SAVE_EVERY_MINUTES
 from .profiling import parse_profile
 
 DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")  # --dtype; what each means: train/precision.py
@@ -70,6 +72,19 @@ GRAD_REDUCE_DTYPES = ("fp32", "bf16")  # the data-parallel gradient reduction's 
 PARALLEL_MODES = ("auto", "fsdp", "ddp", "hsdp")  # train/parallel.py (not imported here: it loads torch.distributed)
 MODES = ("full", "lora", "qlora")
 KEEP_BEST = ("last", "task", "eval")  # --keep-best: what final/ holds (task: task_tracking.py, eval: early_stop.py)
+EVAL_BATCHES = 20  # --eval-batches' default on a GPU; on the CPU default_eval_batches caps it
+
+
+def default_eval_batches(device: str, steps: Any) -> tuple[int, str]:
+    """--eval-batches when not given: 20, or on the CPU steps/10 (1 to 20), so the run's two default evals
+    (start and end) cost about a fifteenth of its steps (a 2-step CPU run spent 475 s in 40 eval batches)."""
+    if str(device) != "cpu" or not isinstance(steps, int):
+        return EVAL_BATCHES, ""
+    n = min(EVAL_BATCHES, max(1, steps // 10))
+    if n == EVAL_BATCHES:
+        return n, ""
+    return n, (f"--eval-batches {n}: the CPU default for --steps {steps} (steps/10, 1 to {EVAL_BATCHES}; "
+               f"{EVAL_BATCHES} on a GPU), so evals stay a small share of the run; give --eval-batches to choose")
 _EVERY = ("pretrain", "finetune", "eval")
 
 
@@ -171,12 +186,22 @@ class TrainConfig:
                           choices=("auto", *KERNELS))
     # eval, checkpoints
     eval_every: int = option(0, "eval period in steps; 0 = at start and end")
-    eval_batches: int = option(20, "batches per eval; 0 = all", commands=_EVERY, per_command={
-        "eval": {"flag": "--max-batches", "default": 0, "help": "stop after this many batches; 0 = all"}})
+    # None from the command line (not given): default_eval_batches decides (the CPU cap); a TrainConfig built in
+    # code keeps 20 unless it says otherwise
+    eval_batches: int | None = option(EVAL_BATCHES, "batches per eval; 0 = all", commands=_EVERY,
+                                      default_help=f"{EVAL_BATCHES}; on the CPU steps/10, 1 to {EVAL_BATCHES}",
+                                      per_command={"pretrain": {"default": None}, "finetune": {"default": None},
+                                                   "eval": {"flag": "--max-batches", "default": 0,
+                                                            "help": "stop after this many batches; 0 = all"}})
+    eval_batches_reason: str = ""  # how the default --eval-batches was chosen (the CPU cap): logged, in run.json
     early_stop: int = option(0, "stop after PATIENCE evals in a row without a new lowest eval loss (step 0's eval "
                                 "included): the last step is checkpointed, final/ holds its weights, the summary "
                                 "says why and at which step; 0 = off", metavar="PATIENCE")
-    save_every: int = option(0, "checkpoint period in steps; 0 = at the end only")
+    save_every: int = option(0, "checkpoint period in steps; 0 = at the end only (and by --save-every-minutes)")
+    save_every_minutes: float = option(DEFAULT_SAVE_EVERY_MINUTES, "also checkpoint when this many minutes of "
+                                       "wall clock passed since the start or the last checkpoint, so a long run "
+                                       "always has a recent one (a run shorter than this writes no extra "
+                                       "checkpoint); 0 = off", metavar="MINUTES")
     keep: int = option(3, "newest complete checkpoints kept; 0 = keep all")
     save_mode: str = option("async", "how a checkpoint is written: async = a snapshot (weights, optimizer state, RNG, "
                                      "data position) copied to host memory at the save step, written and fsynced by "
@@ -319,6 +344,8 @@ class TrainConfig:
             self.dtype, self.dtype_reason = resolve_dtype("auto", resolve_device(self.device))
         elif not self.dtype_reason:
             self.dtype_reason = f"--dtype {self.dtype} as given"
+        if self.eval_batches is None:
+            self.eval_batches, self.eval_batches_reason = default_eval_batches(self.device, self.steps)
 
     def validate(self) -> None:
         """InputError (exit 2) naming the flag as the user typed it for this command."""
@@ -356,6 +383,10 @@ class TrainConfig:
         if self.save_attention and not (self.activation_checkpointing or self.offload_activations):
             raise InputError("--save-attention keeps the attention outputs of checkpointed blocks; without "
                              "--activation-checkpointing nothing is recomputed: add it, or drop --save-attention")
+        if not (isinstance(self.save_every_minutes, (int, float)) and math.isfinite(self.save_every_minutes)
+                and self.save_every_minutes >= 0):
+            raise InputError(f"{name('save_every_minutes')} must be a number of minutes >= 0 (0 = off), got "
+                             f"{self.save_every_minutes}")
         if not (math.isfinite(self.clip) and self.clip >= 0):
             raise InputError(f"--clip must be a finite number >= 0 (0 = off), got {self.clip}")
         if not (math.isfinite(self.weight_decay) and self.weight_decay >= 0):
@@ -465,11 +496,11 @@ class DataConfig:
 
     data: str | None = option(None, "token shards directory (`entrenar data pack`)", commands=_EVERY,
                               required=True, metavar="PATH", per_command={
-                                  "finetune": {"help": "training JSONL"},
+                                  "finetune": {"help": "training rows: " + SOURCES_HELP},
                                   "eval": {"help": "token shards directory or SFT .jsonl (--task loss); a task "
                                                    "JSONL (--task humaneval)", "required": False,
                                            "default_help": "none"}})
-    val: str | None = option(None, "validation JSONL", commands=("finetune",), metavar="PATH",
+    val: str | None = option(None, "validation rows (as --data)", commands=("finetune",), metavar="PATH",
                              default_help="--val-fraction of --data")
     val_fraction: float = option(0.05, "held-out fraction of --data when no --val", commands=("finetune",))
     split: str | None = option(None, "token shards split", commands=("eval",), choices=("train", "val"),
@@ -490,6 +521,8 @@ class DataConfig:
         help="FILE:FRACTION: rows of another SFT file (e.g. `data replay`'s) making FRACTION of "
                                  "the training rows (data/mixing.py); several allowed", commands=("finetune",),
                             metavar="FILE:FRACTION", default_help="none", default_factory=list)
+    columns: str | None = option(None, COLUMNS_HELP, commands=("finetune", "eval"), metavar="MAP",
+                                 default_help="the rows' own keys")
     pack: bool = option(False, "pack several samples per row of --max-seq-len tokens (attention kept apart); "
                                "--batch-size then counts rows, not samples", commands=("finetune",))
     pad_buckets: int = option(0, "pad each batch to the smallest of N lengths evenly spaced up to --max-seq-len "

@@ -73,6 +73,7 @@ from .metrics import JsonlLog, NullLog, Progress, peak_flops, peak_memory_mb
 from .objective import CausalLMLoss, Objective
 from .optim import Schedule, build_optimizer
 from .parallel import Strategy, apply_parallel, job_parallel
+from .periodic import TimedSaves
 from .precision import Precision, precision_policy
 from .profiling import StepProfiler
 from .reporting import start_reporting
@@ -372,6 +373,7 @@ class Trainer:
         if cfg.cuda_graphs == "on":
             self.graphs = StepGraphs(functools.partial(objective.loss_sum, strategy.forward_module), precision,
                                      self.device, self.message)
+        self.timed_saves = TimedSaves(cfg.save_every_minutes, self.ctx)  # train/periodic.py
         self.task: TaskTracker | None = None  # --eval-task: the task metric of the run (train/task_tracking.py)
         if task_eval is not None:
             if strategy.kind == "fsdp":  # generation under FSDP2 would need every rank in the same forwards
@@ -818,6 +820,7 @@ class Trainer:
         state = self.trainer_state(step, data_state if data_state is not None else self.train_loader.state_dict(),
                                    rng if rng is not None else rng_state())
         self.saves += 1
+        self.timed_saves.saved()  # --save-every-minutes counts from the newest checkpoint
         path = self.checkpointer.save(step, self.model, self.optimizer, state, self.run_config,
                                       last=step == self.cfg.steps)
         if wait:
@@ -890,7 +893,8 @@ class Trainer:
             self.task_evaluate(step)
         if self.samples is not None:
             self.samples.maybe(step, self.model, last=self.stopped_early is not None)
-        if step == cfg.steps or self.stopped_early or (cfg.save_every and step % cfg.save_every == 0):
+        if (step == cfg.steps or self.stopped_early or (cfg.save_every and step % cfg.save_every == 0)
+                or self.timed_saves.due()):
             t0 = time.perf_counter()
             self.save(step)
             if step == cfg.steps or self.stopped_early:  # what the last checkpoint held the run for (async: the snapshot)

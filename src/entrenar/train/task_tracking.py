@@ -59,7 +59,7 @@ class TaskTracker:
     def _measure(self, member: Any, model: torch.nn.Module, step: int) -> tuple[list[dict], float]:
         ev = member.evaluator
         t0 = time.perf_counter()
-        records = ev.run(model, self.ctx.rank, self.ctx.world)
+        records = self._run(step, model, ev)
         if self.ctx.active:  # every rank gets every record: the guard's decision is the same everywhere
             records = [r for part in self.ctx.all_gather_object(records) for r in part]
         order = {tid: i for i, tid in enumerate(ev.task_ids)}
@@ -71,6 +71,8 @@ class TaskTracker:
         step_results: dict[str, dict[str, bool]] = {}
         step_scores: dict[str, Any] = {}
         lines: list[str] = []
+        if self.ctx.is_main and self._partial(step).exists():
+            self._partial(step).unlink()  # an interrupted attempt's: this eval starts again
         for member in self.panel.members:
             ev = member.evaluator
             records, seconds = self._measure(member, model, step)
@@ -92,6 +94,7 @@ class TaskTracker:
         if self.ctx.is_main:
             (self.run_dir / TASK_DIR).mkdir(exist_ok=True)
             atomic_write(self.run_dir / TASK_DIR / f"{step_dir_name(step)}.jsonl", "".join(x + "\n" for x in lines))
+            self._partial(step).unlink(missing_ok=True)  # the whole eval is written (step-N.jsonl)
         changes = self.changes(step)
         for unit, change in changes.items():
             self.message(describe_change(change, unit, 0, step))
@@ -132,6 +135,35 @@ class TaskTracker:
 
     def _retained_lost(self, changes: dict[str, dict[str, Any]]) -> int:
         return sum(len(c["lost"]) - len(c["gained"]) for u, c in changes.items() if self.roles.get(u) == "retain")
+
+    def _run(self, step: int, model: torch.nn.Module, evaluator: Any) -> list[dict[str, Any]]:
+        """This rank's records of the task at `step`, with progress lines (and an ETA) as `eval --task` prints them;
+        rank 0 appends each finished record to task_eval/step-N.partial.jsonl, so a Ctrl-C says what was kept."""
+        name, partial = evaluator.name, self._partial(step)
+        kept = [0]
+
+        def log(line: str) -> None:
+            self.message(f"step {step}: {name} {line}")
+
+        if not self.ctx.is_main:
+            return evaluator.run(model, self.ctx.rank, self.ctx.world, log=log)
+        partial.parent.mkdir(exist_ok=True)
+        with open(partial, "a", encoding="utf-8") as f:  # the panel's tasks one after another
+            def keep(record: dict[str, Any]) -> None:
+                f.write(json.dumps(record, default=str) + "\n")
+                f.flush()
+                kept[0] += 1
+            try:
+                records = evaluator.run(model, self.ctx.rank, self.ctx.world, log=log, on_record=keep)
+            except KeyboardInterrupt:
+                self.message(f"step {step}: {name} eval interrupted: the {kept[0]} problems it finished"
+                             + (" (rank 0's share)" if self.ctx.active else "") + f" are in {partial}; the run "
+                             f"resumed with --resume runs this eval again")
+                raise
+        return records
+
+    def _partial(self, step: int) -> Path:
+        return self.run_dir / TASK_DIR / f"{step_dir_name(step)}.partial.jsonl"
 
     def _note_best(self, step: int, params: list[torch.nn.Parameter], changes: dict[str, dict[str, Any]]) -> None:
         """The best step so far: the most target problems passed among the steps where no retained unit
