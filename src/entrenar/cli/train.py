@@ -60,6 +60,8 @@ def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
         kwargs: dict[str, Any] = {"dest": f.name, "help": help_text.replace("%", "%%")}
         if typ is bool:
             kwargs["action"] = "store_true"
+        elif typing.get_origin(typ) is list:  # a repeatable flag (--reward): each use appends
+            kwargs.update(action="append", default=None, metavar=spec["metavar"] or "VALUE")
         else:
             kwargs.update(type=_argument_type(spec["parse"]) if spec["parse"] else typ, default=default)
             if spec["choices"]:
