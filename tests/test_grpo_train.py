@@ -111,7 +111,7 @@ def test_same_seed_same_run_and_resume_continues(tmp_path, lora_run, base_model,
                          ids=["full", "qlora", "beta0"])
 def test_modes_and_no_reference(tmp_path, base_model, prompts, extra):  # noqa: F811
     out = tmp_path / "run"
-    code, result, err = run_cli(grpo_args(base_model, *prompts, out, steps=2, extra=extra), capture=True)
+    code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=2, extra=extra), capture=True)
     assert code == 0, err
     steps = records(out)
     assert len(steps) == 2 and all(math.isfinite(r["reward"]) for r in steps)
@@ -150,7 +150,7 @@ def test_bad_reward_return_exits_2_naming_file_line(tmp_path, base_model, prompt
     data, reward = prompts
     args = grpo_args(base_model, data, reward, tmp_path / "run", steps=1)
     args[args.index("--reward") + 1] = f"python:{reward}:text_reward"
-    code, result, err = run_cli(args, capture=True)
+    code, result, _err = run_cli(args, capture=True)
     assert code == 2
     assert f"{reward.resolve()}:6" in result["error"] and "'high'" in result["error"], result
 
@@ -172,13 +172,13 @@ def test_bad_flags_exit_2(tmp_path, base_model, prompts, change, needle):  # noq
         args[args.index("--reward") + 1] = value
     else:
         args += [flag, value]
-    code, result, err = run_cli(args, capture=True)
+    code, result, _err = run_cli(args, capture=True)
     assert code == 2 and needle in result["error"], result
 
 
 def test_kl_guard_stops_the_run(tmp_path, base_model, prompts):  # noqa: F811
     out = tmp_path / "run"
-    code, result, err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=(
+    code, result, _err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=(
         "--lr", "3e-1", "--max-kl", "1e-6")), capture=True)
     assert code == 3 and result["guard"] == "GUARD-GRPO-KL", result
     assert "--max-kl 1e-06" in result["error"] and "raise --beta" in result["error"]

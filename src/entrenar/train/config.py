@@ -106,7 +106,8 @@ class TrainConfig:
                                "penalty to the reference, 0 = none and no reference forward)", commands=("finetune",),
                          default_help=f"{DEFAULT_BETA} (dpo, ipo, dpo-norm), {DEFAULT_GRPO_BETA} (grpo)")
     # --objective grpo (train/grpo.py, train/rewards.py; design.md "GRPO")
-    reward: list[str] | None = option(None, "grpo: a reward, NAME[:WEIGHT], repeatable (summed with the weights): "
+    # (RUF009: the default is None, not a shared list; argparse appends each --reward to a new one)
+    reward: list[str] | None = option(None, "grpo: a reward, NAME[:WEIGHT], repeatable (summed with the weights): "  # noqa: RUF009
                                             "bfcl (BFCL's AST verdict on the row's ground truth), bfcl-graded (format, "
                                             "names, argument names and values, weighted), tests (share of the row's "
                                             "tests passed in the sandbox), tests-all (1 iff all pass), "

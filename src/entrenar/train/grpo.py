@@ -493,11 +493,11 @@ class GRPOWatch:
             self.warned = False
         if self.low_steps >= ENTROPY_COLLAPSE_STEPS and not self.warned:
             self.warned = True
-            return [f"GUARD-GRPO-ENTROPY (warning): step {step}: the policy's entropy is {ent:.4f} nats per token, "
+            return [(f"GUARD-GRPO-ENTROPY (warning): step {step}: the policy's entropy is {ent:.4f} nats per token, "
                     f"below {ENTROPY_COLLAPSE_RATIO:g} x its first step's {self.first_entropy:.4f} for "
                     f"{self.low_steps} steps: its completions have collapsed to (nearly) one answer per prompt, so "
                     f"the groups lose their spread and GRPO its signal. Remedy: raise --temperature, lower --lr, "
-                    f"raise --beta, or stop at an earlier checkpoint"]
+                    f"raise --beta, or stop at an earlier checkpoint")]
         return []
 
     def reward_trend(self, step: int) -> tuple[float, float] | None:
@@ -608,8 +608,8 @@ class PromptReport:
 
     def summary_lines(self) -> list[str]:
         c = self.counts
-        return [f"data: {c['path']}: {c['kept']} prompts of {c['rows']} rows kept ({c['too_long']} skipped: prompt + "
-                f"--max-new-tokens {c['max_new_tokens']} longer than --max-seq-len)"]
+        return [(f"data: {c['path']}: {c['kept']} prompts of {c['rows']} rows kept ({c['too_long']} skipped: prompt + "
+                 f"--max-new-tokens {c['max_new_tokens']} longer than --max-seq-len)")]
 
     def to_dict(self) -> dict[str, Any]:
         return dict(self.counts)

@@ -169,7 +169,7 @@ def question_of_row(row: dict[str, Any]) -> Any:
         allowed = {p: [v] for p, v in args.items()}
         allowed.update({p: [""] for p in props if p not in args})
         truth.append({name: allowed})
-    category = "parallel" if len(calls) > 1 else "simple"
+    category = "parallel" if len(calls) > 1 else "multiple" if len(functions) > 1 else "simple"
     return BfclQuestion(str(row.get("id", "")), category, [], functions, truth)
 
 
@@ -297,7 +297,8 @@ class PythonReward:
         limit = PYTHON_REWARD_TIMEOUT_S * max(1, len(items))
         try:
             proc = subprocess.run([sys.executable, str(WORKER), str(self.path), self.func], input=json.dumps(items),
-                                  capture_output=True, text=True, timeout=limit, cwd=str(self.path.parent))
+                                  capture_output=True, text=True, timeout=limit, cwd=str(self.path.parent),
+                                  check=False)
         except subprocess.TimeoutExpired:
             raise InputError(f"--reward {self.spec}: {self.path}:{self.line}: {self.func} took more than {limit:g} s "
                              f"for {len(items)} completions ({PYTHON_REWARD_TIMEOUT_S:g} s each at most)") from None
