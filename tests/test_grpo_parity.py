@@ -60,7 +60,8 @@ def trl_loss(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, 
     state = SimpleNamespace(
         _get_per_token_logps_and_entropies=forward, aux_loss_enabled=False, top_entropy_quantile=1.0,
         off_policy_mask_threshold=None, importance_sampling_level="token", beta=beta,
-        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, vllm_importance_sampling_correction=False),
+        args=SimpleNamespace(use_bias_correction_kl=False, delta=None, vllm_importance_sampling_correction=False,
+                             steps_per_generation=grad_accum),  # a step's rollouts: its micro-batches (TRL default)
         loss_type=loss_type, epsilon_low=eps_low, epsilon_high=eps_high, use_vllm=False,
         vllm_importance_sampling_correction=False, model=SimpleNamespace(training=True),
         current_gradient_accumulation_steps=grad_accum, max_completion_length=MAX_LEN, accelerator=_Accelerator(),
