@@ -205,3 +205,43 @@ def test_token_logps_and_entropy_equal_trls_tempered():
     keep = labels != -100
     assert rel(lp[keep], expected[keep]) <= 1e-6 and float(lp[~keep].abs().max()) == 0.0
     assert rel(ent, entropy_from_logits(logits / 0.7)) <= 1e-6
+
+
+@pytest.mark.parametrize("loss_type", LOSS_TYPES)
+def test_objective_loss_on_a_model_equals_trl(loss_type):
+    """GRPOObjective.loss on a rollout batch (prompt + completion rows, the rollout's old and reference log-probs)
+    through a tiny model: loss and every parameter gradient equal TRL's _compute_loss given the same model's
+    tempered log-probs of the completion tokens."""
+    from entrenar.train.grpo import ROLLOUT_SUMS, GRPOObjective
+    from tests.helpers.models import tiny_causal_lm, tiny_config
+
+    torch.manual_seed(0)
+    N, T = 4, MAX_LEN
+    model = tiny_causal_lm(tiny_config(), 3)
+    ids = torch.randint(0, 97, (N, T))
+    labels = torch.full((N, T), -100)
+    for r, (p, c) in enumerate([(2, 4), (3, 3), (2, 2), (1, 5)]):  # prompt and completion lengths
+        labels[r, p - 1:p - 1 + c] = ids[r, p:p + c]
+    with torch.no_grad():
+        base = token_logps(model, ids, labels, 0.7)[0]
+    mask = labels != -100
+    old = torch.where(mask, base + (torch.rand(N, T) - 0.5) * 0.6, torch.zeros(()))
+    ref = torch.where(mask, base + (torch.rand(N, T) - 0.5) * 1.5, torch.zeros(()))
+    adv = torch.tensor([1.2, -0.4, 0.3, -1.1])
+    batch = {"input_ids": ids, "labels": labels, "advantages": adv, "old_logps": old, "ref_logps": ref,
+             "rollout": torch.zeros(len(ROLLOUT_SUMS), dtype=torch.float64)}
+    obj = GRPOObjective(None, SimpleNamespace(names=[], weights=[]), mode="full", beta=0.04, temperature=0.7,
+                        max_new_tokens=MAX_LEN, epsilon=0.2, epsilon_high=0.28, loss_type=loss_type)
+    s, units, metrics = obj.loss(model, batch, torch.device("cpu"))
+    assert units == obj.counts(batch)[0]
+    (s / units).backward()
+    ours_grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    logps = token_logps(model, ids, labels, 0.7)[0]
+    trl_loss(logps, mask, adv, loss_type=loss_type, beta=0.04, old=old, ref=ref).backward()
+    assert rel((s / units).detach(), trl_loss(logps.detach(), mask, adv, loss_type=loss_type, beta=0.04, old=old,
+                                              ref=ref)) <= 1e-6
+    for n, p in model.named_parameters():
+        assert rel(ours_grads[n], p.grad) <= 1e-6, n
+    kl = per_token_kl(base.double(), ref.double())
+    assert float(metrics["_kl"]) == pytest.approx(float((kl * mask).sum()), rel=1e-6)
