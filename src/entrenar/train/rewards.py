@@ -233,13 +233,26 @@ def bfcl_graded_reward(prompts: Sequence[str], completions: Sequence[str], rows:
 
 
 # ---- tests (the sandbox) -----------------------------------------------------------------------------------------
+def _solution(code: str, row: dict[str, Any]) -> str:
+    """The code as `eval --task humaneval` runs it (tasks.program, chat): after the row's prompt (its imports and
+    helpers) when the code defines the entry point, else as the prompt's body."""
+    from ..evaluate.tasks import _parses
+
+    prompt, entry = row.get("prompt"), row.get("entry_point")
+    if not (isinstance(prompt, str) and isinstance(entry, str)):
+        return code
+    if re.search(rf"^\s*(async\s+)?def\s+{re.escape(entry)}\s*\(", code, re.MULTILINE):
+        return (prompt + "\n" if _parses(prompt) else "") + code
+    return prompt + code
+
+
 def tests_program(code: str, row: dict[str, Any]) -> tuple[str, int]:
     """(the program the sandbox runs, the number of tests): the code, then each of the row's "tests" in its own
     try (their count passed printed with TESTS_MARK; it exits 1 unless all passed), or the row's "test" with
     check(entry_point) (HumanEval's form, one test)."""
     tests = row.get("tests")
     if isinstance(tests, list) and tests:
-        lines = [code, "", "_passed = 0"]
+        lines = [_solution(code, row), "", "_passed = 0"]
         for t in tests:
             body = "\n".join("        " + ln for ln in str(t).splitlines()) or "        pass"
             lines += ["try:", "    def _t():", body, "    _t()", "    _passed += 1", "except BaseException:",
