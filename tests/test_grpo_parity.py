@@ -204,7 +204,7 @@ def test_token_logps_and_entropy_equal_trls_tempered():
     expected = selective_log_softmax(logits / 0.7, labels.clamp(min=0))
     keep = labels != -100
     assert rel(lp[keep], expected[keep]) <= 1e-6 and float(lp[~keep].abs().max()) == 0.0
-    assert rel(ent, entropy_from_logits(logits / 0.7)) <= 1e-6
+    assert rel(ent[keep], entropy_from_logits(logits / 0.7)[keep]) <= 1e-6 and float(ent[~keep].abs().max()) == 0.0
 
 
 @pytest.mark.parametrize("loss_type", LOSS_TYPES)
@@ -245,3 +245,31 @@ def test_objective_loss_on_a_model_equals_trl(loss_type):
         assert rel(ours_grads[n], p.grad) <= 1e-6, n
     kl = per_token_kl(base.double(), ref.double())
     assert float(metrics["_kl"]) == pytest.approx(float((kl * mask).sum()), rel=1e-6)
+
+
+def test_completion_only_head_equals_the_full_forward():
+    """token_logps applies our model's head to the completion positions only: the same log-probs, entropies and
+    gradients as from the forward's logits of every position."""
+    from tests.helpers.models import tiny_causal_lm, tiny_config
+
+    model = tiny_causal_lm(tiny_config(), 1)
+    ids = torch.randint(0, 97, (3, 9), generator=torch.Generator().manual_seed(4))
+    labels = torch.full((3, 9), -100)
+    labels[0, 2:6], labels[1, 4:8], labels[2, 0:3] = ids[0, 3:7], ids[1, 5:9], ids[2, 1:4]
+
+    class Forward(torch.nn.Module):  # the model seen through its forward only
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, x):
+            return self.m(x)
+
+    fast, ent_fast = token_logps(model, ids, labels, 0.8, entropy=True)
+    fast.sum().backward()
+    g_fast = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    full, ent_full = token_logps(Forward(model), ids, labels, 0.8, entropy=True)
+    full.sum().backward()
+    assert rel(fast.detach(), full.detach()) <= 1e-6 and rel(ent_fast, ent_full) <= 1e-6
+    assert all(rel(a, p.grad) <= 1e-6 for a, p in zip(g_fast, model.parameters(), strict=True))

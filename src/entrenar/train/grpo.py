@@ -131,17 +131,23 @@ def units_of(loss_type: str, labels: torch.Tensor, max_completion_length: int) -
 def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float,
                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-prob [N, T] of each label token under softmax(logits / temperature), 0 where ignored; the entropy
-    [N, T] of that distribution, without gradient, when asked) through the model's forward."""
-    logits = model(input_ids).float()
+    [N, T] of that distribution, without gradient, 0 where ignored, when asked). Our CausalLM: the head is applied to
+    the hidden states of the label positions only (the completion's), as its forward applies it to all: the
+    logits of a long prompt are never built. Another module: its forward's logits."""
+    mask = labels != IGNORE_INDEX
+    if hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
+        logits = F.linear(model.hidden_states(input_ids)[mask], model.head_weight).float()
+    else:
+        logits = model(input_ids).float()[mask]
     if temperature != 1.0:
         logits = logits / temperature
-    logps = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=IGNORE_INDEX,
-                             reduction="none").view(labels.shape)
+    picked = -F.cross_entropy(logits, labels[mask], reduction="none")
+    logps = torch.zeros(labels.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
     ent = None
     if entropy:
         with torch.no_grad():
             lp = torch.log_softmax(logits, dim=-1)
-            ent = -(lp.exp() * lp).sum(-1)
+            ent = torch.zeros_like(logps).masked_scatter(mask, -(lp.exp() * lp).sum(-1))
     return logps, ent
 
 
