@@ -99,7 +99,8 @@ class TrainConfig:
                        choices=MODES)
     objective: str = option("sft", "what a step minimises: sft (cross-entropy on the responses of SFT rows), or a "
                                    "preference objective on prompt/chosen/rejected rows: dpo (the sigmoid DPO loss), ipo "
-                                   "(IPO, per-token averaged log-ratios), dpo-norm (length-normalised DPO). The reference "
+                                   "(IPO, per-token averaged log-ratios), dpo-norm (length-normalised DPO); or grpo on prompt "
+                                   "rows (completions sampled from the policy, scored by --reward). The reference "
                                    "is the starting model: adapters switched off (lora/qlora) or a frozen copy (full)",
                             commands=("finetune",), choices=OBJECTIVES)
     beta: float = option(None, "preference objectives and grpo: the KL strength (DPO's beta; IPO's tau; GRPO's KL "
