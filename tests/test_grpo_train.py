@@ -220,3 +220,16 @@ def test_reward_hacking_guard_fires_when_reward_rises_and_task_falls():
     for s in range(1, 9):
         flat.watcher.update({"step": s, "reward": 0.5})  # the reward did not rise: a plain task regression
     assert flat.watch_task(8, task) == []
+
+
+def test_tool_rows_need_a_template_that_renders_tools(tmp_path, base_model, prompts):  # noqa: F811
+    data = tmp_path / "calls.jsonl"
+    data.write_text(json.dumps({"id": "x", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}], "messages": [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": {}}}]}]}) + "\n")
+    args = grpo_args(base_model, data, prompts[1], tmp_path / "run", steps=1)
+    args[args.index("--reward") + 1] = "bfcl"
+    code, result, _err = run_cli(args, capture=True)
+    assert code == 2 and f"{data}:1" in result["error"] and "--chat-template" in result["error"], result

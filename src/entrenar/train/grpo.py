@@ -588,6 +588,11 @@ def load_prompts(path: str | Path, tokenizer: Any, max_seq_len: int, max_new_tok
                                      f"assistant turn is its answer, not shown) or \"prompt\" (text or messages)")
                 if messages is None:
                     messages = [{"role": "user", "content": text_prompt}]
+                if row.get("tools") and not tokenizer.supports_tools():
+                    raise InputError(f"the row has \"tools\" but the chat template of "
+                                     f"{getattr(tokenizer, 'chat_template_source', 'the model')} does not render them, "
+                                     f"so the model would never see the functions; give one that does with "
+                                     f"--chat-template FILE (e.g. the packaged chatml_tools.jinja, or Qwen2.5's)")
                 if system is not None and messages[0].get("role") != "system":
                     messages = [{"role": "system", "content": system}, *messages]
                 ids = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=row.get("tools")).ids
