@@ -30,10 +30,12 @@ from __future__ import annotations
 import ast
 import json
 import math
+import os
 import re
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,7 @@ PYTHON_REWARD_TIMEOUT_S = 10.0  # per completion: a python: reward's batch may t
 BUILTIN = ("bfcl", "bfcl-graded", "tests", "tests-all")
 WORKER = Path(__file__).with_name("reward_worker.py")
 TESTS_MARK = "GRPO-TESTS-PASSED"
+TESTS_WORKERS = max(1, min(8, os.cpu_count() or 1))  # sandboxed programs run at once by the tests rewards
 
 Reward = Callable[[Sequence[str], Sequence[str], Sequence[dict]], list[float]]
 
@@ -270,17 +273,17 @@ def tests_reward(all_or_nothing: bool) -> Reward:
         from ..evaluate.sandbox import run_program
         from ..evaluate.tasks import extract_code
 
-        out = []
-        for text, row in zip(completions, rows, strict=True):
+        def one(text: str, row: dict) -> float:
             source, n = tests_program(extract_code(text, True), row)
             result = run_program(source)
             if result.passed:
-                out.append(1.0)
-                continue
+                return 1.0
             found = re.findall(rf"{TESTS_MARK} (\d+)", result.error)
             passed = int(found[-1]) if found and n > 1 else 0
-            out.append(0.0 if all_or_nothing else passed / n)
-        return out
+            return 0.0 if all_or_nothing else passed / n
+
+        with ThreadPoolExecutor(max_workers=TESTS_WORKERS) as pool:  # each program in its own sandbox
+            return list(pool.map(one, completions, rows))
     return reward
 
 
