@@ -80,6 +80,8 @@ def test_lora_logs_the_rollout_metrics_and_starts_at_the_reference(lora_run, pro
     assert steps[-1]["kl"] > 0.0  # and it moves
     step0 = json.loads((lora_run / "preflight.json").read_text())["step0"]["first_train_batch"]
     assert step0["kl"] == 0.0 and step0["reward"] == steps[0]["reward"]  # step 1 trained on step 0's rollout
+    data = json.loads((lora_run / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+    assert (data["epoch"], data["position"], data["calls"]) == (1, 0, 4)  # 4 x 2 of the 8 prompts: step 0 replayed
     run = json.loads((lora_run / "run.json").read_text())["config"]
     assert run["objective"] == "grpo" and run["beta"] == 0.04 and run["loss_type"] == "dapo"
 
@@ -128,6 +130,8 @@ def test_iterations_reuse_the_rollout(tmp_path, base_model, prompts):  # noqa: F
     code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=("--grpo-iterations", "2",
                                                                                "--max-kl", "0")), capture=True)
     assert code == 0, err
+    data = json.loads((out / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+    assert (data["epoch"], data["position"], data["calls"]) == (0, 4, 4)  # two rounds drew 2 x 2 prompts
     r = records(out)
     assert r[0]["reward"] == r[1]["reward"] and r[2]["reward"] == r[3]["reward"]  # one rollout per round
     assert r[0]["reward"] != r[2]["reward"]
