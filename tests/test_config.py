@@ -147,8 +147,10 @@ def test_cli_defaults_are_the_dataclass_defaults(command):
         for f in dataclasses.fields(cls):
             spec = _cli(f, command)
             if spec is None:
-                # eval's --beta is eval's own (on preference pairs; default: the run's beta), not TrainConfig's
-                own = ("model", "data", "beta") if command == "eval" else ("model", "data")
+                # eval's --beta is eval's own (on preference pairs; default: the run's beta), not TrainConfig's;
+                # so are its task sampling flags, which finetune --objective grpo names alike
+                own = ("model", "data", "beta", "temperature", "top_p", "max_new_tokens") if command == "eval" \
+                    else ("model", "data")
                 assert f.name not in defaults or f.name in own, (command, f.name)
                 continue
             offered += 1

@@ -1,4 +1,4 @@
-"""`entrenar data pack | sft-from-code | sft-from-bfcl | replay | check`."""
+"""`entrenar data pack | sft-from-code | tasks-from-code | sft-from-bfcl | replay | check`."""
 
 from __future__ import annotations
 
@@ -89,6 +89,21 @@ def cmd_sft_from_code(args: argparse.Namespace) -> dict[str, Any]:
               f"{stats['functions_with_docstring']} with docstrings, {stats['stubs_skipped']} stubs skipped, "
               f"{stats['short_skipped']} shorter than --min-body-lines, {stats['not_self_contained_skipped']} not "
               "self-contained")
+    return stats
+
+
+def cmd_tasks_from_code(args: argparse.Namespace) -> dict[str, Any]:
+    from ..data.tasks_from_code import tasks_from_code
+
+    if args.limit < 0:
+        raise InputError(f"--limit must be >= 0 (0 = all), got {args.limit}")
+    stats = tasks_from_code(args.sources, args.out, excludes=args.exclude, overwrite=args.overwrite,
+                            verify=not args.no_verify, limit=args.limit)
+    if not args.json:
+        print(f"wrote {stats['rows']} tasks to {stats['out']} from {stats['files']} files: "
+              f"{stats['functions_with_doctests']} functions with doctests, {stats['not_self_contained']} not "
+              f"self-contained, {stats['humaneval_overlap']} overlapping HumanEval, {stats['failed_verification']} "
+              f"failing their own tests (left out)")
     return stats
 
 
@@ -196,7 +211,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         return args.data_func(args)
 
     p = add_command(sub, "data", dispatch, "prepare and check training data")
-    data_sub = p.add_subparsers(dest="data_command", required=True, metavar="{pack,sft-from-code,sft-from-bfcl,replay,check}")
+    data_sub = p.add_subparsers(dest="data_command", required=True,
+                                metavar="{pack,sft-from-code,tasks-from-code,sft-from-bfcl,replay,check}")
 
     def add(name: str, func, help: str) -> argparse.ArgumentParser:
         q = data_sub.add_parser(name, help=help, description=help)
@@ -237,6 +253,19 @@ def register(sub: argparse._SubParsersAction) -> None:
                         "(helpers, constants)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     q.add_argument("dirs", nargs="+", metavar="SOURCE", help="directories of Python source or single .py files")
+
+    q = add("tasks-from-code", cmd_tasks_from_code, "docstring examples (doctests) of Python source -> coding tasks "
+            "with tests (eval --task humaneval --data; finetune --objective grpo --reward tests)")
+    q.add_argument("--out", required=True, help="output JSONL file")
+    q.add_argument("--exclude", action="append", default=[], metavar="GLOB",
+                   help="skip .py files whose path relative to SOURCE matches (repeatable)")
+    q.add_argument("--no-verify", action="store_true",
+                   help="keep tasks whose own function fails its tests in the sandbox (checked by default)")
+    q.add_argument("--limit", type=int, default=0, metavar="N", help="the first N tasks kept only; 0 = all (0)")
+    q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    q.add_argument("sources", nargs="+", metavar="SOURCE",
+                   help="directories of Python source, .py files, or `stdlib` (this Python's standard library, "
+                        "tests and GUIs left out); functions named as HumanEval's entry points are left out")
 
     q = add("sft-from-bfcl", cmd_sft_from_bfcl, "BFCL's live_* questions -> tool-call SFT JSONL (ground-truth calls)")
     q.add_argument("--out", required=True, help="output JSONL file")

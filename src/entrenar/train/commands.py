@@ -571,6 +571,10 @@ def _rows_kind(objective: str, pack: bool) -> tuple[Any, Any, str]:
 
     if objective == "sft":
         return load_sft, SFTLoader, "sft"
+    if objective == "grpo":  # prompt rows; each micro-batch a rollout (train/grpo.py)
+        from .grpo import GRPOLoader
+
+        return None, GRPOLoader, "grpo-prompts"
     if pack:
         raise InputError(f"--pack packs SFT samples; --objective {objective} batches pairs (one pair per row, "
                          f"chosen and rejected in one forward): drop --pack")
@@ -599,11 +603,14 @@ def resolve_pad_buckets(requested: int | None, max_seq_len: int, kind: str = "sf
 def cmd_finetune(args: Any) -> dict[str, Any]:
     from ..formats import load_model, resolve_model
     from ..tokenizer import load_tokenizer, use_chat_template_file
+    from .grpo import build_grpo, check_grpo_run
     from .objective import objective_for
 
     out = Path(args.out)
     cfg, lora, data = _configs(args, "finetune")
     load_rows, Loader, kind = _rows_kind(cfg.objective, args.pack)
+    if kind == "grpo-prompts":
+        load_rows = check_grpo_run(args, cfg)  # prompt rows with room for the completions; no eval split, one process
     buckets = resolve_pad_buckets(data.pad_buckets, data.max_seq_len, kind)
     join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)
@@ -660,7 +667,8 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     else:
         save_final = _hf_saver(tokenizer)
     model = model.to(cfg.device).train()
-    objective = objective_for(cfg.objective, cfg.beta, args.mode)  # preference: its reference made in build_trainer
+    objective = objective_for(cfg.objective, cfg.beta, args.mode) if kind != "grpo-prompts" else \
+        build_grpo(cfg, tokenizer, train_loader, args.mode, _log)  # preference, grpo: the reference in build_trainer
     if cfg.kl_to_base:  # SFT with a pull to the base on the chosen rows (train/kl_to_base.py)
         from .kl_to_base import SFTWithKL
 

@@ -32,6 +32,9 @@ from ..errors import InputError
 from ..kernels import KERNELS
 from . import guards
 from .checkpoint import SAVE_MODES
+from .grpo import DEFAULT_GRPO_BETA, DEFAULT_MAX_KL
+from .grpo import LOSS_TYPES as GRPO_LOSS_TYPES
+from .grpo import SCALE_REWARDS as GRPO_SCALE_REWARDS
 from .objective import DEFAULT_BETA, OBJECTIVES
 from .optim import SCHEDULES
 from .periodic import DEFAULT_SAVE_EVERY_MINUTES
@@ -147,11 +150,40 @@ class TrainConfig:
                        choices=MODES)
     objective: str = option("sft", "what a step minimises: sft (cross-entropy on the responses of SFT rows), or a "
                                    "preference objective on prompt/chosen/rejected rows: dpo (the sigmoid DPO loss), ipo "
-                                   "(IPO, per-token averaged log-ratios), dpo-norm (length-normalised DPO). The reference "
+                                   "(IPO, per-token averaged log-ratios), dpo-norm (length-normalised DPO); or grpo on prompt "
+                                   "rows (completions sampled from the policy, scored by --reward). The reference "
                                    "is the starting model: adapters switched off (lora/qlora) or a frozen copy (full)",
                             commands=("finetune",), choices=OBJECTIVES)
-    beta: float = option(DEFAULT_BETA, "preference objectives: the KL strength (DPO's beta; IPO's tau)",
-                         commands=("finetune",))
+    beta: float = option(None, "preference objectives and grpo: the KL strength (DPO's beta; IPO's tau; GRPO's KL "
+                               "penalty to the reference, 0 = none and no reference forward)", commands=("finetune",),
+                         default_help=f"{DEFAULT_BETA} (dpo, ipo, dpo-norm), {DEFAULT_GRPO_BETA} (grpo)")
+    # --objective grpo (train/grpo.py, train/rewards.py; design.md "GRPO")
+    # (RUF009: the default is None, not a shared list; argparse appends each --reward to a new one)
+    reward: list[str] | None = option(None, "grpo: a reward, NAME[:WEIGHT], repeatable (summed with the weights): "  # noqa: RUF009
+                                            "bfcl (BFCL's AST verdict on the row's ground truth), bfcl-graded (format, "
+                                            "names, argument names and values, weighted), tests (share of the row's "
+                                            "tests passed in the sandbox), tests-all (1 iff all pass), "
+                                            "python:FILE.py:FUNC (FUNC(prompt, completion, row) -> float, in its own "
+                                            "process)", commands=("finetune",), metavar="SPEC", default_help="none")
+    num_generations: int = option(4, "grpo: completions sampled per prompt (the group)", commands=("finetune",))
+    temperature: float = option(1.0, "grpo: sampling temperature of the completions (the log-probs are those of "
+                                     "logits / temperature)", commands=("finetune",))
+    top_p: float = option(1.0, "grpo: nucleus of the sampling", commands=("finetune",))
+    max_new_tokens: int = option(256, "grpo: tokens per completion at most", commands=("finetune",))
+    epsilon: float = option(0.2, "grpo: the ratio's clip below 1 (and above, unless --epsilon-high)",
+                            commands=("finetune",))
+    epsilon_high: float | None = option(None, "grpo: the ratio's clip above 1 (DAPO's clip-higher)",
+                                        commands=("finetune",), default_help="--epsilon")
+    grpo_iterations: int = option(1, "grpo: optimizer steps on each rollout batch (TRL's num_iterations; the old "
+                                     "log-probs of the rollout kept)", commands=("finetune",))
+    loss_type: str = option("dapo", "grpo: the loss normalisation, TRL's names: dapo (tokens of the step), bnpo "
+                                    "(tokens of each micro-batch), grpo (per sequence, then the mean), dr_grpo "
+                                    "(sequences x --max-new-tokens)", commands=("finetune",), choices=GRPO_LOSS_TYPES)
+    scale_rewards: str = option("group", "grpo: advantages divided by the group's reward std (group), the batch's "
+                                         "(batch), or not (none: Dr. GRPO)", commands=("finetune",),
+                                choices=GRPO_SCALE_REWARDS)
+    max_kl: float = option(DEFAULT_MAX_KL, "grpo: GUARD-GRPO-KL stops the run (exit 3) when the mean KL per completion "
+                                           "token to the reference passes this; 0 = off", commands=("finetune",))
     # the optimisation
     steps: int = option(1000, "optimizer steps")
     batch_size: int = option(8, "samples per micro-batch", commands=_EVERY,
@@ -334,6 +366,8 @@ class TrainConfig:
 
     def __post_init__(self) -> None:
         self.report_to = report_names(self.report_to)
+        if self.beta is None:  # the objective's own default
+            self.beta = DEFAULT_GRPO_BETA if self.objective == "grpo" else DEFAULT_BETA
         if self.warmup is None and isinstance(self.steps, int):
             self.warmup = min(100, self.steps // 10)
         if self.device == "auto":  # resolved at once (as --dtype below, which reads it): no reader sees "auto"
@@ -402,10 +436,13 @@ class TrainConfig:
         if self.kl_to_base and self.objective != "sft":
             raise InputError(f"--kl-to-base pulls SFT towards the base; --objective {self.objective} has its own "
                              f"reference term (--beta): drop --kl-to-base")
-        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and self.beta > 0):
-            raise InputError(f"--beta must be a finite number > 0, got {self.beta}")
         if self.objective not in OBJECTIVES:
             raise InputError(f"--objective {self.objective!r} not in {'|'.join(OBJECTIVES)}")
+        grpo = self.objective == "grpo"
+        if not (isinstance(self.beta, (int, float)) and math.isfinite(self.beta) and (self.beta >= 0 if grpo
+                                                                                       else self.beta > 0)):
+            raise InputError(f"--beta must be a finite number {'>= 0' if grpo else '> 0'}, got {self.beta}")
+        self.validate_grpo()
         if self.objective != "sft" and self.mode == "full" and self.dtype in ("bf16-weights", "fp8"):
             # the frozen reference copy would not compute as the policy does (bf16 step copies, float8 swap)
             raise InputError(f"--objective {self.objective} --mode full: {name('dtype')} {self.dtype} is not supported "
@@ -454,6 +491,33 @@ class TrainConfig:
         if self.mlflow_uri is not None and "mlflow" not in self.report_to:
             raise InputError(f"--mlflow-uri {self.mlflow_uri} applies to --report-to mlflow: add it, or drop "
                              f"--mlflow-uri")
+
+    def validate_grpo(self) -> None:
+        """--objective grpo's flags (exit 2 naming the flag); --reward without it is refused."""
+        if self.objective != "grpo":
+            if self.reward:
+                raise InputError(f"--reward {self.reward[0]} scores completions of --objective grpo; add "
+                                 f"--objective grpo, or drop --reward")
+            return
+        if not self.reward:
+            raise InputError("--objective grpo needs at least one --reward (bfcl, bfcl-graded, tests, tests-all or "
+                             "python:FILE.py:FUNC, each optionally :WEIGHT)")
+        for f, low in (("num_generations", 2), ("max_new_tokens", 1), ("grpo_iterations", 1)):
+            if not isinstance(getattr(self, f), int) or getattr(self, f) < low:
+                raise InputError(f"--{f.replace('_', '-')} must be an integer >= {low}, got {getattr(self, f)}"
+                                 + (" (a group of one has no spread: no advantage)" if f == "num_generations" else ""))
+        for f in ("temperature", "epsilon", "max_kl") + (("epsilon_high",) if self.epsilon_high is not None else ()):
+            v = getattr(self, f)
+            if not (math.isfinite(v) and (v >= 0 if f == "max_kl" else v > 0)):
+                raise InputError(f"--{f.replace('_', '-')} must be a finite number {'>= 0' if f == 'max_kl' else '> 0'}"
+                                 f", got {v}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise InputError(f"--top-p must be in (0, 1], got {self.top_p}")
+        if self.epsilon >= 1:
+            raise InputError(f"--epsilon {self.epsilon}: the ratio's clip 1 - epsilon must stay above 0")
+        from .rewards import parse_rewards
+
+        parse_rewards(self.reward)  # each SPEC known, a python: file defining its FUNC
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

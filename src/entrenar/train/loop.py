@@ -754,7 +754,10 @@ class Trainer:
     def task_evaluate(self, step: int) -> dict[str, Any]:
         """The --eval-task metric of the weights after step `step` (0: the base) and GUARD-TASK-REGRESSION."""
         assert self.task is not None
-        return self.task.evaluate(step, self.strategy.module, self.params, self.checkpoint_of)
+        score = self.task.evaluate(step, self.strategy.module, self.params, self.checkpoint_of)
+        for warning in getattr(self.objective, "watch_task", lambda step, task: [])(step, self.task):
+            self.message(warning)  # GUARD-REWARD-HACKING (train/grpo.py)
+        return score
 
     def checkpoint_of(self, step: int) -> Path | None:
         """The complete checkpoint of `step` on disk; the one being written in the background is finished

@@ -148,7 +148,7 @@ class CausalLMLoss:
 # per-token averaged log-ratios (length-normalised DPO, TRL's "sigmoid_norm": long responses no longer win
 # by length).
 PREFERENCE_LOSSES = {"dpo": "sigmoid", "ipo": "ipo", "dpo-norm": "sigmoid_norm"}
-OBJECTIVES = ("sft", *PREFERENCE_LOSSES)
+OBJECTIVES = ("sft", *PREFERENCE_LOSSES, "grpo")  # grpo: train/grpo.py (its own objective and loader)
 DEFAULT_BETA = 0.1  # TRL's default
 REFERENCES = ("adapters-off", "frozen-copy")
 CHOSEN_TOKENS = "_chosen_tokens"  # a metric sum only: the chosen responses' tokens, for nll/chosen

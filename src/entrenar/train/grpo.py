@@ -1,0 +1,664 @@
+"""`finetune --objective grpo`: Group Relative Policy Optimization with verifiable rewards, as a part of the one
+training loop (an objective and a loader; train/loop.py is unchanged).
+
+Each micro-batch is a rollout: `--batch-size` prompts of the prompt file, each completed `--num-generations` (G)
+times by the policy itself (`sample_completions`, the one place generation is called: batched decoding of
+generate.py, under the run's autocast), scored by the rewards of `--reward` (train/rewards.py, summed with their
+weights), turned into group-normalised advantages (`group_advantages`), and its reference log-probs taken with the
+adapters switched off (LoRA/QLoRA) or from a frozen copy of the starting model (--mode full) when --beta > 0. A
+round of `--grpo-iterations` optimizer steps reuses the same rollouts (old log-probs kept from the rollout); its
+first step draws them (GRPOLoader).
+
+The loss is TRL's GRPOTrainer._compute_loss (its `loss_type` names; tests/test_grpo_parity.py calls TRL's own code
+on the same inputs): per completion token t of sequence i,
+
+    r = exp(logp - old_logp)        (old_logp = logp.detach() when --grpo-iterations 1: r = 1, gradient A)
+    l_it = -min(r A_i, clip(r, 1 - eps_low, 1 + eps_high) A_i) + beta * (exp(ref - logp) - (ref - logp) - 1)
+
+(the KL term is the k3 estimator of KL(policy || reference)), normalised by --loss-type:
+  grpo     mean over sequences of each sequence's mean over its tokens
+  bnpo     sum over the micro-batch's tokens / its token count (then the mean over micro-batches and ranks)
+  dr_grpo  sum over tokens / (sequences x --max-new-tokens)
+  dapo     sum over tokens / the step's token count over every micro-batch and rank (the default, TRL's too)
+In the loop's terms (objective.py: loss sum and units, each micro-batch's sum divided by the step's units):
+`grpo_loss_sum` gives each micro-batch's sum and units. The log-probs are those of the tempered distribution the
+completions were sampled from: log_softmax(logits / --temperature), as TRL's.
+
+Per-step metrics (metrics.jsonl): reward (mean), reward_std (the mean of the groups' std), frac_reward_zero_std
+(share of groups whose G rewards are all equal: no signal), reward/NAME (each reward's mean, unweighted),
+completion_length (mean tokens, the stop token included), truncated_share (completions cut by --max-new-tokens),
+kl (mean per token, --beta > 0), entropy (the policy's mean per token), clip_ratio (tokens whose ratio was
+clipped), rollout_tok_s (tokens generated per second of rollout). Guards: GUARD-GRPO-KL (exit 3),
+GUARD-GRPO-ENTROPY (a warning); GUARD-REWARD-HACKING judges --eval-task results (GRPOWatch.task_result).
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..data.sft import SFTLoader
+from ..errors import GuardError, InputError
+from ..tensors import IGNORE_INDEX
+from .objective import to_device
+
+LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's GRPOConfig.loss_type names
+SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards
+DEFAULT_GRPO_BETA = 0.04  # DeepSeekMath's GRPO; --beta 0 drops the reference
+STD_EPS = 1e-4  # TRL: advantages / (std + 1e-4)
+DEFAULT_MAX_KL = 1.0  # GUARD-GRPO-KL: mean k3 KL per completion token above this stops the run
+ENTROPY_COLLAPSE_RATIO = 0.1  # GUARD-GRPO-ENTROPY: entropy below this share of its first step's ...
+ENTROPY_COLLAPSE_FLOOR = 0.05  # ... and below this many nats per token
+ENTROPY_COLLAPSE_STEPS = 3  # ... for this many steps in a row
+
+# the rollout's statistics carried in each micro-batch (summed over micro-batches and ranks by the loop)
+ROLLOUT_SUMS = ("reward", "reward_std", "zero_std_groups", "groups", "sequences", "completion_tokens",
+                "truncated", "rollout_seconds")
+
+
+# ---- the math (TRL's; tests/test_grpo_parity.py) --------------------------------------------------------------
+def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") -> tuple[torch.Tensor, torch.Tensor]:
+    """(advantages [N], each group's std [N / group]) of rewards [N] in groups of `group` consecutive completions:
+    reward - its group's mean, divided by (std + 1e-4) where scale is "group" (the group's std) or "batch" (the std
+    of all N), not divided where "none" (Dr. GRPO). Std is unbiased, as TRL's nanstd."""
+    assert scale in SCALE_REWARDS, scale
+    grouped = rewards.view(-1, group)
+    mean = grouped.mean(dim=1).repeat_interleave(group)
+    group_std = grouped.std(dim=1) if group > 1 else torch.zeros(grouped.shape[0], dtype=rewards.dtype)
+    advantages = rewards - mean
+    if scale == "group":
+        advantages = advantages / (group_std.repeat_interleave(group) + STD_EPS)
+    elif scale == "batch":
+        advantages = advantages / ((rewards.std() if rewards.numel() > 1 else torch.zeros(())) + STD_EPS)
+    return advantages, group_std
+
+
+def per_token_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
+    """The k3 estimator of KL(policy || reference) per token: exp(ref - logp) - (ref - logp) - 1 (>= 0)."""
+    return torch.exp(ref_logps - logps) - (ref_logps - logps) - 1
+
+
+def grpo_per_token_loss(logps: torch.Tensor, old_logps: torch.Tensor, advantages: torch.Tensor,
+                        ref_logps: torch.Tensor | None, beta: float, eps_low: float, eps_high: float
+                        ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """(per-token loss [N, T], per-token KL or None, ratio [N, T]): the clipped surrogate of the ratio
+    exp(logp - old_logp) with advantages [N], plus beta x the k3 KL to the reference (beta 0: no KL term)."""
+    ratio = torch.exp(logps - old_logps)
+    clipped = torch.clamp(ratio, 1 - eps_low, 1 + eps_high)
+    adv = advantages.unsqueeze(1)
+    loss = -torch.min(ratio * adv, clipped * adv)
+    kl = None
+    if beta != 0.0:
+        assert ref_logps is not None, "beta > 0 needs the reference's log-probs"
+        kl = per_token_kl(logps, ref_logps)
+        loss = loss + beta * kl
+    return loss, kl, ratio
+
+
+def grpo_loss_sum(per_token: torch.Tensor, mask: torch.Tensor, loss_type: str, max_completion_length: int
+                  ) -> tuple[torch.Tensor, int]:
+    """(loss sum, units) of one micro-batch, whose quotient is TRL's loss of that batch for `loss_type`; over a
+    step the loop divides the sum of the sums by the sum of the units (see the module docstring)."""
+    mask = mask.to(per_token.dtype)
+    n = per_token.shape[0]
+    if loss_type == "grpo":
+        return ((per_token * mask).sum(-1) / mask.sum(-1).clamp(min=1.0)).sum(), n
+    if loss_type == "bnpo":
+        return (per_token * mask).sum() / mask.sum().clamp(min=1.0), 1
+    if loss_type == "dr_grpo":
+        return (per_token * mask).sum(), n * int(max_completion_length)
+    assert loss_type == "dapo", loss_type
+    return (per_token * mask).sum(), int(mask.sum())
+
+
+def units_of(loss_type: str, labels: torch.Tensor, max_completion_length: int) -> int:
+    """grpo_loss_sum's units from the labels alone (the loader's CPU tensors: no device sync)."""
+    n = labels.shape[0]
+    return {"grpo": n, "bnpo": 1, "dr_grpo": n * int(max_completion_length)}.get(
+        loss_type, int((labels != IGNORE_INDEX).sum()))
+
+
+def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float,
+                entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log-prob [N, T] of each label token under softmax(logits / temperature), 0 where ignored; the entropy
+    [N, T] of that distribution, without gradient, 0 where ignored, when asked). Our CausalLM: the head is applied to
+    the hidden states of the label positions only (the completion's), as its forward applies it to all: the
+    logits of a long prompt are never built. Another module: its forward's logits."""
+    mask = labels != IGNORE_INDEX
+    if hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
+        logits = F.linear(model.hidden_states(input_ids)[mask], model.head_weight).float()
+    else:
+        logits = model(input_ids).float()[mask]
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = -F.cross_entropy(logits, labels[mask], reduction="none")
+    logps = torch.zeros(labels.shape, dtype=picked.dtype, device=picked.device).masked_scatter(mask, picked)
+    ent = None
+    if entropy:
+        with torch.no_grad():
+            lp = torch.log_softmax(logits, dim=-1)
+            ent = torch.zeros_like(logps).masked_scatter(mask, -(lp.exp() * lp).sum(-1))
+    return logps, ent
+
+
+# ---- generation: the one call (another decoder may replace it) ------------------------------------------------
+@dataclass
+class Sampled:
+    token_ids: list[int]  # the completion's ids, the stop token included when one ended it
+    text: str  # without the stop token
+    truncated: bool  # cut by max_new_tokens
+
+
+def sample_completions(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                       temperature: float, top_p: float, seed: int) -> list[Sampled]:
+    """One completion per prompt id list (repeat a prompt for several), sampled with `seed`: generate_batch's
+    batched decoding (static with a CUDA graph on CUDA, dynamic on the CPU)."""
+    from ..generate import generate_batch
+
+    results = generate_batch(model, tokenizer, prompts, max_new_tokens, temperature, top_p, seed)
+    return [Sampled(list(r.token_ids), r.text, r.stop_reason == "max_new_tokens") for r in results]
+
+
+# ---- prompts ----------------------------------------------------------------------------------------------
+@dataclass
+class PromptExample:
+    """One prompt row: its rendered ids (the generation prompt included), its text, the row (ground truth for
+    the rewards) and its line. input_ids / labels / line / len(): what SFTLoader's cursor and fingerprint use."""
+
+    input_ids: np.ndarray
+    text: str
+    row: dict[str, Any]
+    line: int
+    room: int  # --max-new-tokens: len() is the longest sequence the prompt can grow to
+
+    @property
+    def labels(self) -> np.ndarray:
+        return np.zeros(0, dtype=np.int32)
+
+    def __len__(self) -> int:
+        return len(self.input_ids) + self.room
+
+
+# ---- the loader: rollouts ----------------------------------------------------------------------------------------
+class GRPOLoader(SFTLoader):
+    """SFT's loader (the epoch cursor over prompts, its state and resume checks) whose micro-batches are rollouts of
+    `batch_size` prompts (GRPOObjective.rollout). Round r of --grpo-iterations steps: its first step draws
+    grad_accum fresh micro-batches, the later steps replay them (old log-probs from the rollout). A rollout
+    re-requested at the same cursor (step 0's check on the first batch, then step 1) is replayed, not drawn again. A
+    resume inside a round draws fresh rollouts for its remaining steps."""
+
+    kind = "grpo-prompts"
+
+    def __init__(self, examples: Sequence[PromptExample], batch_size: int, seed: int = 0, pack: bool = False,
+                 max_seq_len: int | None = None, pad_id: int | None = 0, **_: Any):
+        assert not pack, "GRPO prompts are never packed (cmd_finetune refuses --pack)"
+        super().__init__(examples, batch_size, seed=seed, pack=False, max_seq_len=max_seq_len, pad_id=pad_id)
+        self.objective: GRPOObjective | None = None  # set by GRPOObjective(loader=...)
+        self.calls = 0  # next_batch calls so far: the round and the micro-batch within it
+        self.buffer: list[tuple[dict, dict, dict]] = []  # (cursor before, batch, cursor after) of this round
+        self.buffer_round = -1
+
+    def next_batch(self) -> dict[str, Any]:
+        obj = self.objective
+        assert obj is not None, "a GRPOLoader draws rollouts through its GRPOObjective"
+        per_round = obj.grad_accum * obj.iterations
+        rnd, k = divmod(self.calls, per_round)
+        j = k % obj.grad_accum
+        if self.buffer_round != rnd:
+            self.buffer, self.buffer_round = [], rnd
+        entry = self.buffer[j] if j < len(self.buffer) else None
+        before = self.cursor.state_dict()
+        if entry is None or (k < obj.grad_accum and entry[0] != before):
+            chosen = []
+            for _ in range(self.batch_size):
+                chosen.append(self._peek())
+                self._advance()
+            batch = obj.rollout(chosen, seed=(self.seed * 1_000_003 + rnd * 1009 + j) % 2**62)
+            entry = (before, batch, self.cursor.state_dict())
+            self.buffer[j:] = [entry]
+        elif k < obj.grad_accum:  # the same rollout asked for again at the same cursor: replayed
+            self.cursor.load_state_dict(entry[2], "GRPO prompt")
+        self.calls += 1
+        return entry[1]
+
+    def iter_epoch(self) -> Any:
+        raise InputError("GRPO has no eval set of prompts (its rewards are logged per step); drop --val")
+
+    def state_dict(self) -> dict[str, Any]:
+        return {**super().state_dict(), "calls": self.calls}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        super().load_state_dict(sd)
+        self.calls = int(sd.get("calls", 0))
+
+
+# ---- the objective -----------------------------------------------------------------------------------------------
+class GRPOObjective:
+    """`--objective grpo` (see the module docstring): the Objective interface of train/objective.py plus `rollout`,
+    which GRPOLoader calls to make each micro-batch."""
+
+    name = "grpo"
+    unit = "loss units"  # per --loss-type: sequences, micro-batches, sequences x max-new-tokens, tokens
+    uniform_name = "the loss at zero advantage"
+    eval_anomaly = False
+    lm_key, lm_name = "nll/none", "no language-model loss (GRPO)"  # no NLL series: TrainWatch stays idle
+    perplexity = False
+    diverged = ("the policy moved far from where it started", "lower --lr or raise --beta")
+
+    def __init__(self, tokenizer: Any, rewards: Any, *, mode: str = "lora", beta: float = DEFAULT_GRPO_BETA,
+                 num_generations: int = 4, temperature: float = 1.0, top_p: float = 1.0,
+                 max_new_tokens: int = 256, epsilon: float = 0.2, epsilon_high: float | None = None,
+                 iterations: int = 1, grad_accum: int = 1, loss_type: str = "dapo", scale_rewards: str = "group",
+                 max_kl: float = DEFAULT_MAX_KL, dtype: str = "fp32", loader: GRPOLoader | None = None):
+        if loss_type not in LOSS_TYPES:
+            raise InputError(f"--loss-type {loss_type!r} not in {'|'.join(LOSS_TYPES)}")
+        if scale_rewards not in SCALE_REWARDS:
+            raise InputError(f"--scale-rewards {scale_rewards!r} not in {'|'.join(SCALE_REWARDS)}")
+        self.tokenizer, self.rewards = tokenizer, rewards
+        self.reference = "frozen-copy" if mode == "full" else "adapters-off"
+        self.beta, self.G, self.temperature, self.top_p = float(beta), int(num_generations), float(temperature), top_p
+        self.max_new_tokens, self.iterations, self.grad_accum = int(max_new_tokens), int(iterations), int(grad_accum)
+        self.eps_low = float(epsilon)
+        self.eps_high = float(epsilon if epsilon_high is None else epsilon_high)
+        self.loss_type, self.scale_rewards = loss_type, scale_rewards
+        self.dtype = dtype
+        self.policy: torch.nn.Module | None = None
+        self.reference_model: torch.nn.Module | None = None
+        self.watcher = GRPOWatch(max_kl)
+        if loader is not None:
+            loader.objective = self
+
+    # -- the reference and the policy used for rollouts
+    def bind(self, model: torch.nn.Module) -> None:
+        """Before parallelism wraps `model` (build_trainer): the policy rollouts sample from, and a full fine-tune's
+        frozen copy of it as the reference (none when --beta 0); LoRA/QLoRA switch their adapters off."""
+        self.policy = model
+        if self.beta == 0.0:
+            return
+        if self.reference == "frozen-copy":
+            self.reference_model = copy.deepcopy(model).requires_grad_(False).eval()
+            return
+        from ..peft import lora_modules
+
+        if not lora_modules(model):
+            raise InputError("--objective grpo with the adapters-off reference needs a LoRA/QLoRA model "
+                             "(--mode lora|qlora); --mode full uses a frozen copy")
+
+    def _autocast(self, device: torch.device) -> Any:
+        from .precision import precision_policy
+
+        return precision_policy(self.dtype).autocast(device)
+
+    def reference_logps(self, ids: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        from ..peft import adapters_disabled
+
+        assert self.policy is not None
+        if self.reference_model is not None:
+            return token_logps(self.reference_model, ids, labels, self.temperature)[0]
+        with adapters_disabled(self.policy):
+            return token_logps(self.policy, ids, labels, self.temperature)[0]
+
+    # -- the rollout (a micro-batch)
+    def rollout(self, prompts: Sequence[PromptExample], seed: int) -> dict[str, Any]:
+        """G completions of each prompt from the policy, their rewards and advantages, the batch the loss reads:
+        input_ids / labels [N, T] (prompt + completion, right-padded; labels on the completion tokens, shifted),
+        advantages [N], old_logps (--grpo-iterations > 1) and ref_logps (--beta > 0) [N, T], the rollout's sums."""
+        model = self.policy
+        assert model is not None, "GRPOObjective.bind(model) comes first (build_trainer)"
+        device = next(model.parameters()).device
+        ids = [p.input_ids.tolist() for p in prompts for _ in range(self.G)]
+        t0 = time.perf_counter()
+        with self._autocast(device):
+            sampled = sample_completions(model, self.tokenizer, ids, self.max_new_tokens, self.temperature,
+                                         self.top_p, seed)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        seconds = time.perf_counter() - t0
+        rows = [p for p in prompts for _ in range(self.G)]
+        per_func = self.rewards([p.text for p in rows], [s.text for s in sampled], [p.row for p in rows])
+        weighted = torch.tensor(per_func, dtype=torch.float64) @ torch.tensor(self.rewards.weights,
+                                                                                dtype=torch.float64)
+        rewards = weighted.float()
+        advantages, group_std = group_advantages(rewards, self.G, self.scale_rewards)
+        N = len(ids)
+        T = max(len(i) + len(s.token_ids) for i, s in zip(ids, sampled, strict=True))
+        pad = self.pad_id
+        input_ids = torch.full((N, T), pad, dtype=torch.long)
+        labels = torch.full((N, T), IGNORE_INDEX, dtype=torch.long)
+        for r, (p, s) in enumerate(zip(ids, sampled, strict=True)):
+            seq = p + s.token_ids
+            input_ids[r, :len(seq)] = torch.tensor(seq, dtype=torch.long)
+            labels[r, len(p) - 1:len(seq) - 1] = torch.tensor(s.token_ids, dtype=torch.long)
+        batch: dict[str, Any] = {"input_ids": input_ids, "labels": labels, "advantages": advantages,
+                                 "sample_ids": [p.line for p in prompts]}
+        if self.iterations > 1 or self.beta != 0.0:
+            was = model.training
+            model.eval()
+            try:
+                with torch.no_grad(), self._autocast(device):
+                    d_ids, d_labels = input_ids.to(device), labels.to(device)
+                    if self.iterations > 1:  # the policy before this round's updates
+                        batch["old_logps"] = token_logps(model, d_ids, d_labels, self.temperature)[0].cpu()
+                    if self.beta != 0.0:
+                        batch["ref_logps"] = self.reference_logps(d_ids, d_labels).float().cpu()
+            finally:
+                model.train(was)
+        zero = torch.isclose(group_std, torch.zeros_like(group_std))
+        sums = {"reward": float(weighted.sum()), "reward_std": float(group_std.double().sum()),
+                "zero_std_groups": float(zero.sum()), "groups": float(len(prompts)), "sequences": float(N),
+                "completion_tokens": float(sum(len(s.token_ids) for s in sampled)),
+                "truncated": float(sum(s.truncated for s in sampled)), "rollout_seconds": seconds}
+        per_name = torch.tensor(per_func, dtype=torch.float64).sum(dim=0).tolist()
+        batch["rollout"] = torch.tensor([sums[k] for k in ROLLOUT_SUMS] + per_name, dtype=torch.float64)
+        return batch
+
+    @property
+    def pad_id(self) -> int:
+        tok = self.tokenizer
+        return int(tok.pad_id if tok.pad_id is not None else tok.eos_id)
+
+    # -- the loss
+    def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
+             ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
+        units = self.count(batch)
+        b = to_device(batch, device)
+        labels = b["labels"]
+        mask = labels != IGNORE_INDEX
+        logps, entropy = token_logps(model, b["input_ids"], labels, self.temperature, entropy=True)
+        old = b.get("old_logps")
+        per_token, kl, ratio = grpo_per_token_loss(logps, logps.detach() if old is None else old, b["advantages"],
+                                                   b.get("ref_logps"), self.beta, self.eps_low, self.eps_high)
+        loss_sum, _ = grpo_loss_sum(per_token, mask, self.loss_type, self.max_new_tokens)
+        with torch.no_grad():
+            m = mask.double()
+            adv = b["advantages"].unsqueeze(1)
+            clipped = ((ratio < 1 - self.eps_low) & (adv < 0)) | ((ratio > 1 + self.eps_high) & (adv > 0))
+            metrics = {"_tokens": m.sum(), "_entropy": (entropy.double() * m).sum(),
+                       "_clipped": (clipped.double() * m).sum()}
+            if kl is not None:
+                metrics["_kl"] = (kl.double() * m).sum()
+            rollout = b["rollout"]
+            for i, k in enumerate(ROLLOUT_SUMS):
+                metrics["_" + k] = rollout[i]
+            for i, name in enumerate(self.rewards.names):
+                metrics["_reward/" + name] = rollout[len(ROLLOUT_SUMS) + i]
+        return loss_sum, units, metrics
+
+    def count(self, batch: dict) -> int:
+        return units_of(self.loss_type, batch["labels"], self.max_new_tokens)
+
+    def counts(self, batch: dict) -> tuple[int, int, int]:
+        """(loss units of --loss-type, 0 samples without any: a completion has its stop token or max tokens,
+        tokens of the rows incl. padding)."""
+        return self.count(batch), 0, int(batch["input_ids"].numel())
+
+    def uniform_loss(self, vocab_size: int) -> float:
+        return 0.0  # the loss at ratio 1 with zero advantages and the policy at its reference
+
+    def step_metrics(self, sums: dict[str, float], loss_tokens: int) -> dict[str, Any]:
+        """The step's means from its sums (over micro-batches and ranks): see the module docstring."""
+        seqs, groups, tokens = max(sums.get("_sequences", 0.0), 1.0), max(sums.get("_groups", 0.0), 1.0), \
+            max(sums.get("_tokens", 0.0), 1.0)
+        out: dict[str, Any] = {
+            "reward": sums["_reward"] / seqs, "reward_std": sums["_reward_std"] / groups,
+            "frac_reward_zero_std": sums["_zero_std_groups"] / groups,
+            "completion_length": sums["_completion_tokens"] / seqs, "truncated_share": sums["_truncated"] / seqs,
+            "entropy": sums["_entropy"] / tokens, "clip_ratio": sums["_clipped"] / tokens,
+            "rollout_tok_s": sums["_completion_tokens"] / sums["_rollout_seconds"]
+            if sums.get("_rollout_seconds") else None}
+        if "_kl" in sums:
+            out["kl"] = sums["_kl"] / tokens
+        for k, v in sums.items():
+            if k.startswith("_reward/"):
+                out[k[1:]] = v / seqs
+        return out
+
+    # -- guards
+    def check_start(self, loss: float, uniform: float, metrics: dict[str, Any], source: str) -> str:
+        """GUARD-INIT-LOSS for GRPO: at step 0 the policy IS the reference, so the KL to it is exactly 0."""
+        kl = metrics.get("kl")
+        if kl is not None and kl != 0.0:
+            raise GuardError("GUARD-INIT-LOSS", f"the step-0 KL of the policy ({source}) to its reference is {kl:.3e}, "
+                                                f"not 0: the reference is not the starting policy.",
+                             "LoRA/QLoRA adapters must start at zero (B = 0); a full fine-tune's reference is a copy "
+                             "of the starting weights: report this as a bug")
+        text = f"step-0 KL {kl:.1f} (the reference is the start); " if kl is not None else ""
+        return f"GUARD-INIT-LOSS ok: {text}step-0 reward {metrics.get('reward', float('nan')):.4f}"
+
+    def check_first_gradient(self, grad_norm: float, trainable: int, eps: float) -> None:
+        pass  # a first step of groups without spread has no policy gradient by design: frac_reward_zero_std says so
+
+    def watch(self, record: dict[str, Any]) -> list[str]:
+        return self.watcher.update(record)
+
+    def watch_task(self, step: int, task: Any) -> list[str]:
+        """After an --eval-task eval (Trainer.task_evaluate): GUARD-REWARD-HACKING against step 0's results."""
+        from ..evaluate.paired import paired_change
+
+        if step == 0 or 0 not in task.results or step not in task.results:
+            return []
+        warning = reward_hacking(self.watcher, step, paired_change(task.results[0], task.results[step]),
+                                 task.evaluator.name)
+        if warning is None:
+            return []
+        task.warnings.append({"guard": "GUARD-REWARD-HACKING", "step": step})
+        return [warning]
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.watcher.state_dict()
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.watcher.load_state_dict(sd)
+
+
+# ---- guards ------------------------------------------------------------------------------------------------------
+class GRPOWatch:
+    """The per-step guards of GRPO (after each step's record): GUARD-GRPO-KL (the mean KL per completion token to
+    the reference above --max-kl: exit 3), GUARD-GRPO-ENTROPY (the policy's entropy per token below
+    ENTROPY_COLLAPSE_RATIO of its first step's and below ENTROPY_COLLAPSE_FLOOR nats, ENTROPY_COLLAPSE_STEPS steps
+    in a row: a warning, once per collapse), and the rewards seen, for GUARD-REWARD-HACKING (`hacking`)."""
+
+    def __init__(self, max_kl: float = DEFAULT_MAX_KL):
+        self.max_kl = float(max_kl)
+        self.first_entropy: float | None = None
+        self.low_steps = 0
+        self.warned = False
+        self.rewards: list[tuple[int, float]] = []
+
+    def update(self, record: dict[str, Any]) -> list[str]:
+        step = int(record["step"])
+        if record.get("reward") is not None:
+            self.rewards.append((step, float(record["reward"])))
+        kl = record.get("kl")
+        if self.max_kl > 0 and kl is not None and (not math.isfinite(kl) or kl > self.max_kl):
+            raise GuardError("GUARD-GRPO-KL", f"step {step}: the policy's mean KL to the reference is {kl:.4f} nats "
+                                              f"per completion token, above --max-kl {self.max_kl:g}: it has moved "
+                                              f"far from the model it started from (its rewards may be hacked and "
+                                              f"its other skills lost).",
+                             "lower --lr, raise --beta (the KL penalty), or use fewer --grpo-iterations; resume from "
+                             "an earlier checkpoint with --resume PATH. --max-kl 0 turns this guard off")
+        ent = record.get("entropy")
+        if ent is None or not math.isfinite(ent):
+            return []
+        if self.first_entropy is None:
+            self.first_entropy = float(ent)
+            return []
+        low = ent < ENTROPY_COLLAPSE_RATIO * self.first_entropy and ent < ENTROPY_COLLAPSE_FLOOR
+        self.low_steps = self.low_steps + 1 if low else 0
+        if not low:
+            self.warned = False
+        if self.low_steps >= ENTROPY_COLLAPSE_STEPS and not self.warned:
+            self.warned = True
+            return [(f"GUARD-GRPO-ENTROPY (warning): step {step}: the policy's entropy is {ent:.4f} nats per token, "
+                    f"below {ENTROPY_COLLAPSE_RATIO:g} x its first step's {self.first_entropy:.4f} for "
+                    f"{self.low_steps} steps: its completions have collapsed to (nearly) one answer per prompt, so "
+                    f"the groups lose their spread and GRPO its signal. Remedy: raise --temperature, lower --lr, "
+                    f"raise --beta, or stop at an earlier checkpoint")]
+        return []
+
+    def reward_trend(self, step: int) -> tuple[float, float] | None:
+        """(mean reward of the first steps, of the steps just before `step`), or None with too few steps."""
+        seen = [r for s, r in self.rewards if s <= step]
+        if len(seen) < 2:
+            return None
+        k = max(1, len(seen) // 4)
+        return float(np.mean(seen[:k])), float(np.mean(seen[-k:]))
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"first_entropy": self.first_entropy, "low_steps": self.low_steps, "warned": self.warned,
+                "rewards": self.rewards}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.first_entropy = sd.get("first_entropy")
+        self.low_steps, self.warned = int(sd.get("low_steps", 0)), bool(sd.get("warned", False))
+        self.rewards = [(int(s), float(r)) for s, r in sd.get("rewards", [])]
+
+
+def reward_hacking(watch: GRPOWatch, step: int, change: dict[str, Any], task: str) -> str | None:
+    """GUARD-REWARD-HACKING (a warning): at an --eval-task eval, the task fell significantly from step 0 (`change`:
+    evaluate.paired.paired_change, GUARD-TASK-REGRESSION's exact McNemar test, verdict "regressed": p < 0.05, fewer
+    problems passed) while the mean reward of the last quarter of the steps so far is above that of the first
+    quarter: the policy learned the reward, not the task. None when not so."""
+    trend = watch.reward_trend(step)
+    if trend is None or change.get("verdict") != "regressed":
+        return None
+    first, last = trend
+    if not last > first:
+        return None
+    return (f"GUARD-REWARD-HACKING (warning): step {step}: the mean reward rose from {first:.4f} (first steps) to "
+            f"{last:.4f} while {task} fell from {change['passed_before']}/{change['problems']} at step 0 to "
+            f"{change['passed_after']}/{change['problems']} (exact McNemar p = {change['p_value']:.3g}): the policy "
+            f"is learning the reward, not the task. Remedy: check the reward for a shortcut (a format it pays for "
+            f"without a right answer), raise --beta, or keep the best task checkpoint (--keep-best task)")
+
+
+# ---- prompt rows -> PromptExample ---------------------------------------------------------------------------------
+def prompt_messages(row: dict[str, Any]) -> tuple[list[dict[str, Any]] | None, str | None]:
+    """(chat messages of the prompt, or None; a plain text prompt, or None) of a prompt row:
+    {"messages": [...]} (a trailing assistant turn is the answer, not shown: `data sft-from-bfcl` rows),
+    {"prompt": "text" | [messages]}, or a task row {"prompt", "test", "entry_point"} (chat-rendered as `eval --task
+    humaneval` renders it, by the caller)."""
+    msgs = row.get("messages")
+    if isinstance(msgs, list) and msgs:
+        cut = len(msgs) - 1 if isinstance(msgs[-1], dict) and msgs[-1].get("role") == "assistant" else len(msgs)
+        return [dict(m) for m in msgs[:cut]], None
+    prompt = row.get("prompt")
+    if isinstance(prompt, list) and prompt:
+        return prompt, None
+    if isinstance(prompt, str) and prompt.strip():
+        return None, prompt
+    return None, None
+
+
+def load_prompts(path: str | Path, tokenizer: Any, max_seq_len: int, max_new_tokens: int,
+                 system: str | None = None) -> tuple[list[PromptExample], dict[str, Any]]:
+    """The prompt rows of a JSONL file rendered with the chat template (tools shown where the row has "tools"),
+    the generation prompt appended. Rows whose prompt leaves fewer than --max-new-tokens of --max-seq-len are skipped
+    and counted; a row with no prompt is exit 2 naming file:line; none kept is exit 2."""
+    from ..evaluate.tasks import problem_from_row, prompt_ids
+    from ..fileio import read_jsonl
+
+    path = Path(path)
+    examples: list[PromptExample] = []
+    report: dict[str, Any] = {"kind": "grpo-prompts", "path": str(path), "rows": 0, "kept": 0, "too_long": 0,
+                              "max_new_tokens": max_new_tokens}
+    for lineno, row in read_jsonl(path):
+        report["rows"] += 1
+        where = f"{path}:{lineno}"
+        if not isinstance(row, dict):
+            raise InputError(f"{where}: a prompt row must be a JSON object, got {type(row).__name__}")
+        try:
+            if "entry_point" in row and "test" in row and isinstance(row.get("prompt"), str):
+                ids = prompt_ids(problem_from_row(row, where, lineno), tokenizer, True, system)
+                text = row["prompt"]
+            else:
+                messages, text_prompt = prompt_messages(row)
+                if messages is None and text_prompt is None:
+                    raise InputError(f"{where}: no prompt: a GRPO prompt row has \"messages\" (a trailing "
+                                     f"assistant turn is its answer, not shown) or \"prompt\" (text or messages)")
+                if messages is None:
+                    messages = [{"role": "user", "content": text_prompt}]
+                if row.get("tools") and not tokenizer.supports_tools():
+                    raise InputError(f"the row has \"tools\" but the chat template of "
+                                     f"{getattr(tokenizer, 'chat_template_source', 'the model')} does not render them, "
+                                     f"so the model would never see the functions; give one that does with "
+                                     f"--chat-template FILE (e.g. the packaged chatml_tools.jinja, or Qwen2.5's)")
+                if system is not None and messages[0].get("role") != "system":
+                    messages = [{"role": "system", "content": system}, *messages]
+                ids = tokenizer.encode_chat(messages, add_generation_prompt=True, tools=row.get("tools")).ids
+                text = json.dumps(messages, ensure_ascii=False) if text_prompt is None else text_prompt
+        except InputError as e:
+            raise InputError(str(e) if str(e).startswith(str(path)) else f"{where}: {e}") from e
+        if len(ids) + max_new_tokens > max_seq_len:
+            report["too_long"] += 1
+            continue
+        examples.append(PromptExample(np.asarray(ids, dtype=np.int32), text, row, lineno, max_new_tokens))
+    report["kept"] = len(examples)
+    if not examples:
+        raise InputError(f"--data {path}: no prompt fits: {report['rows']} rows read, {report['too_long']} longer "
+                         f"than --max-seq-len {max_seq_len} less --max-new-tokens {max_new_tokens}; raise "
+                         f"--max-seq-len or lower --max-new-tokens")
+    return examples, report
+
+
+class PromptReport:
+    """load_prompts' counts in the shape the finetune command logs and records (data_report)."""
+
+    def __init__(self, counts: dict[str, Any]):
+        self.counts = counts
+
+    def summary_lines(self) -> list[str]:
+        c = self.counts
+        return [(f"data: {c['path']}: {c['kept']} prompts of {c['rows']} rows kept ({c['too_long']} skipped: prompt + "
+                 f"--max-new-tokens {c['max_new_tokens']} longer than --max-seq-len)")]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dict(self.counts)
+
+
+def check_grpo_run(args: Any, cfg: Any) -> Callable[..., tuple[list[PromptExample], PromptReport]]:
+    """`finetune --objective grpo`'s refusals before anything loads (exit 2), and its prompt loader in the shape of
+    load_sft's. No --val (rewards are logged per step; --eval-task judges held-out problems), one process."""
+    from .distributed import env_world
+
+    if env_world()[1] > 1:
+        raise InputError("--objective grpo runs in one process for now (its rollouts are not split over ranks yet): "
+                         "run it without torchrun")
+    if args.val:
+        raise InputError(f"--val {args.val}: --objective grpo has no eval set (its rewards are logged per step); "
+                         f"judge held-out problems with --eval-task")
+    args.val_fraction = 0.0  # every prompt trains
+
+    def load(path: str, tokenizer: Any, max_seq_len: int, **_: Any) -> tuple[list[PromptExample], PromptReport]:
+        examples, counts = load_prompts(path, tokenizer, max_seq_len, cfg.max_new_tokens)
+        return examples, PromptReport(counts)
+    return load
+
+
+def build_grpo(cfg: Any, tokenizer: Any, loader: GRPOLoader, mode: str, log: Callable[[str], None]) -> GRPOObjective:
+    """The objective of `finetune --objective grpo` from the run's TrainConfig, attached to its loader."""
+    from .rewards import parse_rewards
+
+    rewards = parse_rewards(cfg.reward)
+    log(f"grpo: rewards {', '.join(f'{n} x {w:g}' for n, w in zip(rewards.names, rewards.weights, strict=True))}; "
+        f"{cfg.num_generations} completions per prompt, loss {cfg.loss_type}, beta {cfg.beta:g}")
+    return GRPOObjective(tokenizer, rewards, mode=mode, beta=cfg.beta, num_generations=cfg.num_generations,
+                         temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
+                         epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, iterations=cfg.grpo_iterations,
+                         grad_accum=cfg.grad_accum, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
+                         max_kl=cfg.max_kl, dtype=cfg.dtype, loader=loader)
+
+
+__all__ = ["DEFAULT_GRPO_BETA", "LOSS_TYPES", "SCALE_REWARDS", "GRPOLoader", "GRPOObjective", "GRPOWatch",
+           "PromptExample", "PromptReport", "build_grpo", "check_grpo_run", "group_advantages", "grpo_loss_sum", "grpo_per_token_loss", "load_prompts",
+           "per_token_kl", "reward_hacking", "sample_completions", "token_logps"]

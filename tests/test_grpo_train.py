@@ -1,0 +1,239 @@
+"""`entrenar finetune --objective grpo` end to end on the CPU: a tiny model with the SmolLM2 tokenizer (tests/
+test_distributed.py's), text prompts, a python: reward (the share of vowels in the completion) that makes each
+run deterministic.
+
+  - LoRA: the per-step metrics, step 0's KL to the adapters-off reference exactly 0 (GUARD-INIT-LOSS), step 1's KL 0
+    (the policy is still the start), the reward rising under a high learning rate;
+  - QLoRA and full (a frozen copy as the reference), and --beta 0 (no reference at all);
+  - --grpo-iterations 2: the two steps of a round share their rollouts (same rewards), the second off-policy;
+  - the same seed, the same run; resume from a checkpoint continues the run (same metrics);
+  - a reward returning a non-number exits 2 naming FILE:LINE; unknown --reward, --reward without grpo, --val: exit 2;
+  - GUARD-GRPO-KL stops the run (exit 3); GUARD-GRPO-ENTROPY and GUARD-REWARD-HACKING fire on their conditions.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+
+from entrenar.fileio import read_jsonl
+from tests.helpers.cli import run_cli
+from tests.test_distributed import base_model, sft_data  # noqa: F401
+
+REWARD_PY = '''\
+def vowels(prompt, completion, row):
+    text = completion.lower()
+    return sum(text.count(v) for v in "aeiou") / max(1, len(text))
+
+
+def text_reward(prompt, completion, row):
+    return "high"
+'''
+STEP_KEYS = ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_share", "entropy",
+             "clip_ratio", "rollout_tok_s", "reward/python:{}:vowels")
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("grpo-data")
+    (d / "r.py").write_text(REWARD_PY)
+    (d / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"Say word number {i}."}) + "\n"
+                                             for i in range(8)))
+    return d / "prompts.jsonl", d / "r.py"
+
+
+def grpo_args(model: Path, data: Path, reward: Path, out: Path, steps: int = 3, extra: tuple = ()) -> list[str]:
+    return ["finetune", "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(steps),
+            "--objective", "grpo", "--reward", f"python:{reward}:vowels", "--batch-size", "2", "--num-generations",
+            "4", "--max-new-tokens", "6", "--max-seq-len", "64", "--lr", "1e-2", "--warmup", "0", "--seed", "3",
+            "--device", "cpu", "--no-preflight", "--json", "--mode", "lora", "--rank", "4", *extra]
+
+
+def records(run: Path) -> list[dict]:
+    return [r for _, r in read_jsonl(run / "metrics.jsonl") if "reward" in r]
+
+
+@pytest.fixture(scope="module")
+def lora_run(tmp_path_factory, base_model, prompts) -> Path:  # noqa: F811
+    out = tmp_path_factory.mktemp("grpo-lora") / "run"
+    code, result, err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=("--save-every", "2")),
+                                capture=True)
+    assert code == 0, (result, err)
+    return out
+
+
+def test_lora_logs_the_rollout_metrics_and_starts_at_the_reference(lora_run, prompts):
+    steps = records(lora_run)
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
+    for r in steps:
+        for k in STEP_KEYS:
+            key = k.format(prompts[1])
+            assert r.get(key) is not None and math.isfinite(r[key]), (key, r)
+        assert 0.0 <= r["frac_reward_zero_std"] <= 1.0 and 0.0 <= r["truncated_share"] <= 1.0
+        assert 1 <= r["completion_length"] <= 6
+        assert r["loss_tokens"] == round(r["completion_length"] * 8)  # dapo's units: the completion tokens
+    assert steps[0]["kl"] == 0.0  # step 1 runs on the starting policy: its KL to the reference is exactly 0
+    assert steps[-1]["kl"] > 0.0  # and it moves
+    step0 = json.loads((lora_run / "preflight.json").read_text())["step0"]["first_train_batch"]
+    assert step0["kl"] == 0.0 and step0["reward"] == steps[0]["reward"]  # step 1 trained on step 0's rollout
+    data = json.loads((lora_run / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+    assert (data["epoch"], data["position"], data["calls"]) == (1, 0, 4)  # 4 x 2 of the 8 prompts: step 0 replayed
+    run = json.loads((lora_run / "run.json").read_text())["config"]
+    assert run["objective"] == "grpo" and run["beta"] == 0.04 and run["loss_type"] == "dapo"
+
+
+def test_same_seed_same_run_and_resume_continues(tmp_path, lora_run, base_model, prompts):  # noqa: F811
+    again = tmp_path / "again"
+    code, _, err = run_cli(grpo_args(base_model, *prompts, again, steps=4), capture=True)
+    assert code == 0, err
+    assert [r["reward"] for r in records(again)] == [r["reward"] for r in records(lora_run)]
+    assert [r["loss"] for r in records(again)] == [r["loss"] for r in records(lora_run)]
+    # a copy of the run as it was after step 2's checkpoint, resumed
+    rewound = tmp_path / "rewound"
+    shutil.copytree(lora_run, rewound, symlinks=True)
+    shutil.rmtree(rewound / "final")
+    for d in (rewound / "checkpoints").iterdir():
+        if d.name.startswith("step-") and int(d.name.split("-")[1]) > 2:
+            shutil.rmtree(d)
+    (rewound / "checkpoints" / "latest").unlink()
+    (rewound / "checkpoints" / "latest").symlink_to("step-0000002")
+    code, _, err = run_cli([*grpo_args(base_model, *prompts, rewound, steps=4), "--resume", "auto"], capture=True)
+    assert code == 0, err
+    a, b = records(rewound), records(lora_run)
+    assert [r["step"] for r in a] == [1, 2, 3, 4]
+    assert [r["reward"] for r in a] == [r["reward"] for r in b]
+    assert [r["loss"] for r in a] == pytest.approx([r["loss"] for r in b], rel=1e-6, abs=1e-9)
+
+
+@pytest.mark.parametrize("extra", [("--mode", "full"), ("--mode", "qlora"), ("--beta", "0")],
+                         ids=["full", "qlora", "beta0"])
+def test_modes_and_no_reference(tmp_path, base_model, prompts, extra):  # noqa: F811
+    out = tmp_path / "run"
+    code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=2, extra=extra), capture=True)
+    assert code == 0, err
+    steps = records(out)
+    assert len(steps) == 2 and all(math.isfinite(r["reward"]) for r in steps)
+    if extra == ("--beta", "0"):
+        assert all("kl" not in r for r in steps)  # no reference forward, no KL
+    else:
+        assert steps[0]["kl"] == 0.0
+    if extra == ("--mode", "full"):
+        assert (out / "final" / "model.safetensors").is_file()
+
+
+def test_iterations_reuse_the_rollout(tmp_path, base_model, prompts):  # noqa: F811
+    out = tmp_path / "run"
+    code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=("--grpo-iterations", "2",
+                                                                               "--max-kl", "0")), capture=True)
+    assert code == 0, err
+    data = json.loads((out / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+    assert (data["epoch"], data["position"], data["calls"]) == (0, 4, 4)  # two rounds drew 2 x 2 prompts
+    r = records(out)
+    assert r[0]["reward"] == r[1]["reward"] and r[2]["reward"] == r[3]["reward"]  # one rollout per round
+    assert r[0]["reward"] != r[2]["reward"]
+    assert r[0]["completion_length"] == r[1]["completion_length"]
+    assert r[1]["loss"] != r[0]["loss"]  # the second step of a round is off the rollout's policy
+
+
+def test_learns_the_reward(tmp_path, base_model, prompts):  # noqa: F811
+    out = tmp_path / "run"
+    code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=12, extra=(
+        "--mode", "full", "--lr", "3e-2", "--beta", "0", "--max-kl", "0")), capture=True)
+    assert code == 0, err
+    r = records(out)
+    rewards = [x["reward"] for x in r]
+    assert sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3 + 0.05, rewards  # more vowels
+    assert r[-1]["entropy"] < r[0]["entropy"]  # by sharpening the policy
+
+
+def test_bad_reward_return_exits_2_naming_file_line(tmp_path, base_model, prompts):  # noqa: F811
+    data, reward = prompts
+    args = grpo_args(base_model, data, reward, tmp_path / "run", steps=1)
+    args[args.index("--reward") + 1] = f"python:{reward}:text_reward"
+    code, result, _err = run_cli(args, capture=True)
+    assert code == 2
+    assert f"{reward.resolve()}:6" in result["error"] and "'high'" in result["error"], result
+
+
+@pytest.mark.parametrize("change,needle", [
+    (("--reward", "nope"), "unknown reward 'nope'"),
+    (("--reward", "python:missing.py:f"), "not a Python file"),
+    (("--num-generations", "1"), "--num-generations must be an integer >= 2"),
+    (("--val", "x.jsonl"), "--objective grpo has no eval set"),
+    (("--objective", "sft"), "--reward python:"),
+    (("--beta", "-1"), "--beta must be a finite number >= 0"),
+], ids=["unknown", "missing-file", "G1", "val", "reward-without-grpo", "negative-beta"])
+def test_bad_flags_exit_2(tmp_path, base_model, prompts, change, needle):  # noqa: F811
+    args = grpo_args(base_model, *prompts, tmp_path / "run", steps=1)
+    flag, value = change
+    if flag in args and flag not in ("--reward",):
+        args[args.index(flag) + 1] = value
+    elif flag == "--reward":
+        args[args.index("--reward") + 1] = value
+    else:
+        args += [flag, value]
+    code, result, _err = run_cli(args, capture=True)
+    assert code == 2 and needle in result["error"], result
+
+
+def test_kl_guard_stops_the_run(tmp_path, base_model, prompts):  # noqa: F811
+    out = tmp_path / "run"
+    code, result, _err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=(
+        "--lr", "3e-1", "--max-kl", "1e-6")), capture=True)
+    assert code == 3 and result["guard"] == "GUARD-GRPO-KL", result
+    assert "--max-kl 1e-06" in result["error"] and "raise --beta" in result["error"]
+
+
+def test_entropy_guard_fires_on_collapse():
+    from entrenar.train.grpo import ENTROPY_COLLAPSE_STEPS, GRPOWatch
+
+    w = GRPOWatch()
+    assert w.update({"step": 1, "entropy": 2.0, "reward": 0.1}) == []
+    out = []
+    for s in range(2, 2 + ENTROPY_COLLAPSE_STEPS):
+        out += w.update({"step": s, "entropy": 0.01, "reward": 0.1})
+    assert len(out) == 1 and out[0].startswith("GUARD-GRPO-ENTROPY") and "raise --temperature" in out[0]
+    assert w.update({"step": 9, "entropy": 0.01}) == []  # once per collapse
+    healthy = GRPOWatch()
+    for s in range(1, 8):
+        assert healthy.update({"step": s, "entropy": 2.0 - 0.1 * s}) == []
+
+
+def test_reward_hacking_guard_fires_when_reward_rises_and_task_falls():
+    from entrenar.evaluate.paired import paired_change
+    from entrenar.train.grpo import GRPOObjective, GRPOWatch
+
+    before = {f"p{i}": True for i in range(12)}
+    after = {f"p{i}": i >= 10 for i in range(12)}  # 10 lost, none gained: p < 0.01
+    task = type("Task", (), {"results": {0: before, 8: after}, "warnings": [],
+                             "evaluator": type("E", (), {"name": "humaneval"})()})()
+    obj = GRPOObjective.__new__(GRPOObjective)
+    obj.watcher = GRPOWatch()
+    for s in range(1, 9):
+        obj.watcher.update({"step": s, "reward": 0.1 * s})
+    warnings = obj.watch_task(8, task)
+    assert len(warnings) == 1 and warnings[0].startswith("GUARD-REWARD-HACKING") and "12/12" in warnings[0]
+    assert task.warnings == [{"guard": "GUARD-REWARD-HACKING", "step": 8}]
+    assert paired_change(before, after)["verdict"] == "regressed"
+    flat = GRPOObjective.__new__(GRPOObjective)
+    flat.watcher = GRPOWatch()
+    for s in range(1, 9):
+        flat.watcher.update({"step": s, "reward": 0.5})  # the reward did not rise: a plain task regression
+    assert flat.watch_task(8, task) == []
+
+
+def test_tool_rows_need_a_template_that_renders_tools(tmp_path, base_model, prompts):  # noqa: F811
+    data = tmp_path / "calls.jsonl"
+    data.write_text(json.dumps({"id": "x", "tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {}}}}], "messages": [
+        {"role": "user", "content": "call f"},
+        {"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
+            "name": "f", "arguments": {}}}]}]}) + "\n")
+    args = grpo_args(base_model, data, prompts[1], tmp_path / "run", steps=1)
+    args[args.index("--reward") + 1] = "bfcl"
+    code, result, _err = run_cli(args, capture=True)
+    assert code == 2 and f"{data}:1" in result["error"] and "--chat-template" in result["error"], result
