@@ -139,7 +139,10 @@ def test_every_recorded_flag_of_a_finetune_round_trips_through_run_json(tmp_path
     argv = ["finetune", "--model", "m", "--data", "d.jsonl", "--out", "o", "--mode", "lora", "--rank", "4",
             "--alpha", "8", "--profile", "2:3", "--lr", "1e-3", "--warmup", "5", "--pack", "--eval-task", "humaneval",
             "--eval-task-limit", "7", "--max-seq-len", "96", "--device", "cpu", "--dtype", "fp32", "--steps", "9",
-            "--truncation", "keep", "--targets", "q_proj,v_proj", "--skip-invalid"]
+            "--truncation", "keep", "--targets", "q_proj,v_proj", "--skip-invalid",
+            # given, as defaults resolved when the config is built (--eval-batches' CPU cap, the objective's
+            # --beta) are recorded resolved: a re-run takes the values the run used
+            "--eval-batches", "3", "--beta", "0.2"]
     first = parse_command(argv)
     data = from_args(DataConfig, first, "finetune")
     record = {"command": "finetune", "argv": argv, "versions": {}, "seed": first.seed,
@@ -248,9 +251,12 @@ def test_the_readme_recipe_is_the_recipe_file_and_parses():
     assert block == "".join(line + "\n" for line in recipe.read_text().splitlines() if not line.startswith("#"))
     args = parse_command(["finetune", "--config", str(recipe)])
     assert (args.model, args.mode, args.rank, args.lr, args.steps, args.batch_size, args.max_seq_len,
-            args.eval_task, args.eval_task_limit, args.eval_task_every, args.keep_best) == \
-        ("smollm2-135m-instruct", "lora", 16, 3e-4, 250, 16, 4096, "bfcl:simple_python,irrelevance", 100, 50, "task")
-    assert Path(root / args.chat_template).is_file()
+            args.eval_task, args.retain_task, args.mix, args.eval_task_limit, args.eval_task_every, args.keep_best) == \
+        ("smollm2-135m-instruct", "lora", 16, 3e-4, 250, 16, 4096, ["bfcl:simple_python,multiple"],
+         ["bfcl:irrelevance", "chat"], ["replay.jsonl:0.3"], 100, 50, "task")
+    from entrenar.tokenizer import packaged_template
+
+    assert packaged_template(args.chat_template) is not None  # a packaged template by name
 
 
 def test_api_generate_and_export_gguf_are_the_commands(tmp_path, capsys):

@@ -96,9 +96,9 @@ def test_eval_has_one_sequence_length_chosen_by_the_data(tmp_path):
 def test_eval_task_flags_are_grouped_by_task():
     leaf, _ = leaf_parser(cli.build_parser(), ["eval"])
     groups = {g.title: {a.dest for a in g._group_actions} for g in leaf._action_groups}
-    assert {"limit", "max_new_tokens", "out", "overwrite", "system_prompt_file"} <= \
-        groups["--task humaneval and --task bfcl"]
-    assert {"samples", "temperature", "top_p", "timeout", "prompt_format", "resume", "task_seed"} == \
+    assert {"limit", "max_new_tokens", "out", "overwrite", "system_prompt_file", "resume"} <= \
+        groups["--task humaneval, bfcl and chat"]
+    assert {"samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed"} == \
         groups["--task humaneval only"]
     from entrenar.cli.evaluate import (
         NOT_BFCL,  # the flags refused with --task bfcl are exactly the humaneval ones

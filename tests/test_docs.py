@@ -13,7 +13,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ("README.md", "docs/design.md", "bench/RESULTS.md")
-HISTORY = re.compile(r"\b(sessions?|issues?|calls?|items?|goals?)[ -]\d", re.IGNORECASE)
+HISTORY = re.compile(r"(?<![-\w/])(sessions?|issues?|calls?|items?|goals?)[ -]\d", re.IGNORECASE)
 PATH_SPAN = re.compile(r"`[^`\n]*(?:/|\.py|\.sh|\.jsonl?|\.md)[^`\n]*`")
 RESULT_PATH = re.compile(r"bench/results/[A-Za-z0-9_.\-/]+")
 

@@ -35,8 +35,10 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("data", ("entrenar.data", "entrenar.tokenizer_train")),
     ("peft", ("entrenar.peft",)),
     ("merge", ("entrenar.merge", "entrenar.export")),
-    ("verify", ("entrenar.static_decode", "entrenar.generate", "entrenar.verify")),
-    ("evaluate", ("entrenar.evaluate",)),
+    ("verify", ("entrenar.static_decode", "entrenar.generate", "entrenar.engine", "entrenar.verify")),
+    # the data commands that generate or run programs (replay's answers pass the chat gates, tasks-from-code's
+    # doctests run in the sandbox) sit with the evaluation they use
+    ("evaluate", ("entrenar.evaluate", "entrenar.data.replay", "entrenar.data.tasks_from_code")),
     ("train", ("entrenar.train", "entrenar.plot")),
     ("cli", ("entrenar.cli", "entrenar.__main__", "entrenar.api")),
 ]

@@ -23,6 +23,8 @@ DEFAULT_DEVICE = "auto"
 # training adds its precision recipes to WEIGHT_DTYPES (train/config.py DTYPES, train/precision.py).
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 WEIGHT_DTYPES = ("fp32", "bf16")
+# a training run's --dtype choices (what each means: train/precision.py)
+TRAIN_DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")
 COMPUTE_DTYPES = ("fp32", "bf16", "fp16")
 # the training recipes whose matmuls run under bf16 autocast (train/precision.py asserts it is its policies'
 # compute_bf16; read here by code below train, e.g. the task eval's generation)

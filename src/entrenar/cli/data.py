@@ -299,7 +299,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--batch-size", type=_int_or_auto, default="auto",
                    help="decode slots: N, or auto (sized from the GPU's free memory and the model; 8 on the CPU) (auto)")
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (and the prompts')")
-    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP)
+    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP + " (the model's)")
     add_device_option(q)
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 

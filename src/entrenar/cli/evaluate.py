@@ -69,7 +69,7 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
                         "base without the adapter; for a full fine-tune's run, the model it started from)")
     g.add_argument("--beta", type=float, default=None,
                    help=f"the rewards' beta (the run's for a preference run, else {DEFAULT_BETA})")
-    g = p.add_argument_group("--task humaneval and --task bfcl")
+    g = p.add_argument_group("--task humaneval, bfcl and chat")
     g.add_argument("--limit", type=int, default=0,
                    help="the first N problems only (bfcl: of each category); 0 = all (0)")
     g.add_argument("--max-new-tokens", type=int, default=None,
@@ -80,6 +80,9 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--out", default=None, metavar="FILE.jsonl",
                    help="one JSON line per problem and sample: passed, status, error, completion, code (none)")
     g.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    g.add_argument("--resume", action="store_true",
+                   help="continue an interrupted eval: keep --out's complete rows (made with the same settings), "
+                        "evaluate the rest, rewrite --out whole (humaneval and bfcl)")
     g = p.add_argument_group("--task humaneval only")
     g.add_argument("--samples", type=int, default=1, help="completions per problem, the n of pass@k (1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 needed for --samples > 1 (0.0)")
@@ -88,9 +91,6 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                    help="chat: the model's chat template with an instruction; completion: the problem's prompt "
                         "as it is; auto: chat when the model has a chat template (auto)")
-    g.add_argument("--resume", action="store_true",
-                   help="continue an interrupted eval: keep --out's complete rows (made with the same settings), "
-                        "evaluate the rest, rewrite --out whole")
     g.add_argument("--seed", dest="task_seed", type=int, default=0, metavar="SEED",
                    help="sampling seed: sample s draws with seed + s (0)")
 
@@ -104,7 +104,7 @@ def check_task_flags(args: argparse.Namespace) -> None:
                 raise InputError(f"--{name.replace('_', '-')} applies to eval on preference pairs (--data "
                                  f"PAIRS.jsonl, --task loss), not --task {args.task}")
     if args.task == "chat":
-        for name in (*NOT_BFCL, "system_prompt_file"):
+        for name in (*NOT_BFCL, "system_prompt_file", "resume"):
             if getattr(args, name, TASK_ONLY[name]) != TASK_ONLY[name]:
                 flag = FLAGS.get(name, "--" + name.replace("_", "-"))
                 raise InputError(f"{flag} applies to --task humaneval, not --task chat (its requests are built in, "

@@ -23,7 +23,7 @@ from ..data.tabular import COLUMNS_HELP, SOURCES_HELP
 from ..devices import (
     DEFAULT_DEVICE,
     DEVICE_CHOICES_HELP,
-    WEIGHT_DTYPES,
+    TRAIN_DTYPES,
     resolve_device,
     resolve_device_reason,
     resolve_dtype,
@@ -40,7 +40,7 @@ from .optim import SCHEDULES
 from .periodic import DEFAULT_SAVE_EVERY_MINUTES
 from .profiling import parse_profile
 
-DTYPES = (*WEIGHT_DTYPES, "bf16-weights", "bf16-pure", "fp8")  # --dtype; what each means: train/precision.py
+DTYPES = TRAIN_DTYPES  # --dtype; what each means: train/precision.py
 
 # --dtype: one line in each command's --help; what each choice trades is DTYPE_GUIDE (`entrenar help dtype`)
 DTYPE_HELP = ("compute dtype: auto = bf16 on a CUDA device with native bf16, fp32 on the CPU and older GPUs "

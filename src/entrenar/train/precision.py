@@ -40,7 +40,7 @@ import torch
 from torch import nn
 
 from ..devices import BF16_COMPUTE
-from .config import DTYPES
+from ..devices import TRAIN_DTYPES as DTYPES
 
 BF16_DTYPES = BF16_COMPUTE  # fp8: what is not float8 runs in bf16
 
