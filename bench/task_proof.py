@@ -192,7 +192,7 @@ def main() -> None:
         q.add_argument("--grad-accum", type=int, default=1, help="micro-batches per step (the same rows a step)")
         q.add_argument("--max-seq-len", type=int, default=4096)
         q.add_argument("--limit", type=int, default=0, help="questions per category / problems (smoke runs)")
-        q.add_argument("--eval-batch", type=int, default=64)
+        q.add_argument("--eval-batch", default="auto", help="eval/replay --batch-size: N or auto (auto)")
         q.add_argument("--in-loop-every", type=int, default=0)
         q.add_argument("--skip-humaneval", action="store_true")
     t = sub.choices["toolcall"]

@@ -163,8 +163,8 @@ class ChatEvaluator:
     def task_ids(self) -> list[str]:
         return [r.task_id for r in self.items]
 
-    def run(self, model: Any, rank: int = 0, world: int = 1,
-            log: Callable[[str], None] | None = None) -> list[dict[str, Any]]:
+    def run(self, model: Any, rank: int = 0, world: int = 1, log: Callable[[str], None] | None = None,
+            on_record: Callable[[dict[str, Any]], None] | None = None) -> list[dict[str, Any]]:
         import functools
 
         import torch
@@ -189,6 +189,8 @@ class ChatEvaluator:
                                        self.base_answers, logp_of, log)
         finally:
             model.train(was_training)
+        for r in records if on_record is not None else ():
+            on_record(r)
         if self.base_answers is None:
             self.base_answers = {}
         self.base_answers.update({r["task_id"]: r["answer_ids"] for r in records if r["task_id"] not in

@@ -17,15 +17,19 @@ from ..errors import GuardError
 QA_POLICIES = ("warn", "stop", "off")
 
 
-def qa_report(model: Any, tokenizer: Any) -> dict[str, Any] | None:
-    """qa's report on `model` (its chat prompts only when the tokenizer has a chat template); None without a
-    tokenizer."""
+def qa_report(model: Any, tokenizer: Any, device: str = "cpu", dtype: str = "fp32") -> dict[str, Any] | None:
+    """qa's report on `model` (its chat prompts only when the tokenizer has a chat template), under the run's
+    autocast (a LoRA's frozen base is stored in bf16 on a GPU); None without a tokenizer."""
+    import torch
+
+    from ..devices import BF16_COMPUTE
     from ..verify.qa import GOLDEN, run_qa
 
     if tokenizer is None:
         return None
     prompts = GOLDEN if getattr(tokenizer, "chat_template", None) else tuple(g for g in GOLDEN if g.kind == "plain")
-    return run_qa(model, tokenizer, prompts)
+    with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype in BF16_COMPUTE):
+        return run_qa(model, tokenizer, prompts)
 
 
 def qa_regressions(base: dict[str, Any], final: dict[str, Any]) -> list[dict[str, Any]]:
