@@ -12,12 +12,12 @@ of K samples that passes is kept; a prompt with none is left out and counted.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..fileio import MAX_ROW_CHARS, read_jsonl
 
 _TOPICS = ("a volcano", "the moon", "a rainbow", "an earthquake", "a glacier", "the heart", "a battery", "a bridge",
            "a compass", "a telescope", "a microscope", "a magnet", "a cloud", "a desert", "a forest", "a river",
@@ -96,18 +96,11 @@ def read_prompts(spec: str) -> list[dict[str, str]]:
     if not path.is_file():
         raise InputError(f"--prompts {spec}: not 'builtin' and no such file (JSONL rows with a \"prompt\")")
     out = []
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise InputError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
-                raise InputError(f"{path}:{n}: a row needs a non-empty string \"prompt\"")
-            out.append({"id": str(row.get("id", f"line {n}")), "prompt": row["prompt"],
-                        "topic": "code" if row.get("topic") == "code" else "explain"})
+    for n, row in read_jsonl(path, max_line_chars=MAX_ROW_CHARS):  # a line that is not JSON: exit 2, FILE:LINE
+        if not isinstance(row, dict) or not isinstance(row.get("prompt"), str) or not row["prompt"].strip():
+            raise InputError(f"{path}:{n}: a row needs a non-empty string \"prompt\"")
+        out.append({"id": str(row.get("id", f"line {n}")), "prompt": row["prompt"],
+                    "topic": "code" if row.get("topic") == "code" else "explain"})
     if not out:
         raise InputError(f"--prompts {spec}: no rows")
     return out

@@ -25,7 +25,7 @@ from typing import Any
 
 from ..errors import InputError
 from ..fileio import atomic_write
-from ..outpaths import check_creatable, check_replaceable_file, looks_like_jsonl
+from ..outpaths import check_jsonl_out
 from .from_code import _functions, _module_imports, _signature, _source, free_names, python_files
 
 # stdlib directories that are tests, demos or GUIs: their doctests are not the library's behaviour
@@ -147,15 +147,7 @@ def tasks_from_code(sources: list[str], out: str | Path, excludes: list[str] | N
                     verify: bool = True, limit: int = 0) -> dict[str, Any]:
     """`data tasks-from-code`: the task rows of `sources` (directories or .py files; `stdlib` = this Python's
     standard library, STDLIB_EXCLUDES left out) at `out`, written atomically. Returns the counts."""
-    out = Path(out)
-    if out.is_dir():
-        raise InputError(f"--out {out}: is a directory; give the path of the JSONL file to write")
-    if out.exists() and not overwrite:
-        raise InputError(f"--out {out}: already exists; choose another --out, or pass --overwrite to replace it")
-    if out.exists():
-        check_replaceable_file(out, "a JSONL file (a previous output)", looks_like_jsonl)
-    else:
-        check_creatable(out)
+    out = check_jsonl_out(out, overwrite)
     entry_points, shared = _humaneval()
     counts = {"files": 0, "files_unparsable": 0, "functions_with_doctests": 0, "not_self_contained": 0,
               "humaneval_overlap": 0, "failed_verification": 0}

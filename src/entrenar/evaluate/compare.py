@@ -9,11 +9,11 @@ samples per problem only sample 0 is paired (the greedy answer when --temperatur
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from ..fileio import read_jsonl
 from .paired import describe_change, panel_changes
 
 
@@ -23,20 +23,13 @@ def read_units(path: str | Path, task: str) -> dict[str, dict[str, bool]]:
     if not path.is_file():
         raise InputError(f"--compare {path}: no such file (give the --out JSONL of an earlier `eval --task`)")
     out: dict[str, dict[str, bool]] = {}
-    with open(path, encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError as e:
-                raise InputError(f"{path}:{n}: not JSON ({e})") from None
-            if not isinstance(row, dict) or "task_id" not in row or not isinstance(row.get("passed"), bool):
-                raise InputError(f"{path}:{n}: not a per-problem result (needs task_id and a boolean passed)")
-            if row.get("sample", 0) != 0:
-                continue
-            unit = row.get("unit") or (f"bfcl:{row['category']}" if "category" in row else task)
-            out.setdefault(unit, {})[str(row["task_id"])] = row["passed"]
+    for n, row in read_jsonl(path):  # a line that is not JSON: exit 2 naming FILE:LINE
+        if not isinstance(row, dict) or "task_id" not in row or not isinstance(row.get("passed"), bool):
+            raise InputError(f"{path}:{n}: not a per-problem result (needs task_id and a boolean passed)")
+        if row.get("sample", 0) != 0:
+            continue
+        unit = row.get("unit") or (f"bfcl:{row['category']}" if "category" in row else task)
+        out.setdefault(unit, {})[str(row["task_id"])] = row["passed"]
     if not out:
         raise InputError(f"--compare {path}: no rows")
     return out
