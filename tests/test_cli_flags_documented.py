@@ -721,7 +721,7 @@ def test_verify_dtype_runs_the_path_under_test_in_that_dtype(tmp_path, capsys):
 # ---- the documentation names only flags that exist ----------------------------------------------------------
 DESIGN = Path(__file__).resolve().parents[1] / "docs" / "design.md"
 COMMANDS = ("inspect", "convert", "export gguf", "generate", "tokenizer train", "data pack", "data sft-from-code",
-            "data sft-from-bfcl",
+            "data tasks-from-code", "data sft-from-bfcl", "data replay",
             "data check", "pretrain", "finetune", "eval", "verify", "qa", "merge", "plot", "help")
 
 

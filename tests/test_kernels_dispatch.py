@@ -30,7 +30,7 @@ def test_cli_resolves_auto_before_the_command_runs(monkeypatch):
     args = parser.parse_args(["eval", "--model", "m", "--data", "d", "--device", "cuda"])
     assert args.kernels == "auto"
     monkeypatch.setattr(args, "func", lambda a: seen.setdefault("kernels", a.kernels) and {})
-    monkeypatch.setattr(cli_main, "build_parser", lambda: type("P", (), {"parse_args": lambda self, argv: args})())
+    monkeypatch.setattr(cli_main, "parse_command", lambda argv: args)  # the parse as the CLI would make it
     from entrenar import devices
 
     monkeypatch.setattr(devices, "resolve_device", lambda name: name)  # this host may have no CUDA

@@ -70,7 +70,8 @@ def code_data(tmp_path_factory) -> tuple[Path, Path]:
 def finetune_args(model: str, data: tuple[Path, Path], out: Path, mode: str, steps: int, lr: str) -> list[str]:
     return ["finetune", "--model", model, "--data", str(data[0]), "--val", str(data[1]), "--out", str(out),
             "--mode", mode, "--rank", "8", "--alpha", "16", "--lr", lr, "--steps", str(steps), "--batch-size", "2",
-            "--max-seq-len", "128", "--save-every", str(max(1, steps // 2)), "--seed", "0", "--no-preflight"]
+            "--max-seq-len", "128", "--save-every", str(max(1, steps // 2)), "--seed", "0", "--no-preflight",
+            "--eval-batches", "20"]  # every val batch, as `eval` reads them (the CPU default caps a short run's)
 
 
 def finetune(model: str, data, run: Path, mode: str, steps: int, lr: str, capsys) -> list[dict]:

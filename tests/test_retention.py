@@ -318,7 +318,7 @@ def test_cli_guard_qa_after_a_finetune(tmp_path, rows, capsys, monkeypatch, poli
     or exit 3 after final/ is written (stop)."""
     reports = iter([_rep(**{"chat-prose": {"coherent": True, "no_refusal": True}}),
                     _rep(**{"chat-prose": {"coherent": False, "no_refusal": False}})])
-    monkeypatch.setattr(qa_gate, "qa_report", lambda model, tokenizer, device, dtype: next(reports))
+    monkeypatch.setattr(qa_gate, "qa_report", lambda model, tokenizer, device, dtype, log: next(reports))
     model = _tiny_dir(tmp_path, "m")
     out = tmp_path / "run"
     code, js, err = main(["finetune", "--model", str(model), "--data", str(rows), "--out", str(out), "--mode", "lora",

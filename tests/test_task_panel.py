@@ -80,8 +80,8 @@ class SeededBfcl(SeededTask):
         super().__init__(verdicts)
         self.name, self.categories = name, categories
 
-    def run(self, model, rank=0, world=1, log=None):
-        records = super().run(model, rank, world, log)
+    def run(self, model, rank=0, world=1, log=None, on_record=None):
+        records = super().run(model, rank, world, log, on_record)
         for r in records:
             r["category"] = self.categories[int(r["task_id"][1:])]
         return records

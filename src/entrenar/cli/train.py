@@ -73,7 +73,8 @@ def add_options(p: argparse.ArgumentParser, cls: type, command: str) -> None:
         if typ is bool:
             kwargs["action"] = "store_true"
         elif typing.get_origin(typ) is list:  # a flag given several times: each adds one value
-            kwargs.update(action="append", type=typing.get_args(typ)[0], default=list(default or []),
+            kwargs.update(action="append", type=typing.get_args(typ)[0],
+                          default=list(default) if default is not None else None,
                           metavar=spec["metavar"] or flag.lstrip("-").replace("-", "_").upper())
         else:
             kwargs.update(type=_argument_type(spec["parse"]) if spec["parse"] else typ, default=default)

@@ -33,7 +33,7 @@ from ..fileio import MAX_ROW_CHARS, read_jsonl
 JSONL_SUFFIXES = (".jsonl", ".jsonl.gz")
 DATASETS_SUFFIXES = {".parquet": "parquet", ".csv": "csv"}
 ROW_SUFFIXES = (*JSONL_SUFFIXES, ".json", *DATASETS_SUFFIXES)
-SOURCES_HELP = "a JSONL, JSON, Parquet or CSV file, or a datasets.save_to_disk folder"
+SOURCES_HELP = "a JSONL file, a JSON, Parquet or CSV file, or a datasets.save_to_disk folder"
 DATASETS_EXTRA = "pip install 'entrenar[datasets]'"
 
 COLUMN_KEYS = ("prompt", "response", "completion", "system", "messages", "conversations", "instruction", "input",

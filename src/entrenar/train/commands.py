@@ -536,11 +536,12 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     trainers.append(trainer)
     trainer.begin(args.resume, pre)  # a fresh start: step 0, recorded before its guard judges it
     qa_policy = getattr(cfg, "on_qa_fail", "off") if command == "finetune" and not ctx.active else "off"
-    base_qa = qa_gate.qa_report(model, tokenizer, cfg.device, cfg.dtype) if qa_policy != "off" and not args.resume else None
+    base_qa = qa_gate.qa_report(model, tokenizer, cfg.device, cfg.dtype, _log) \
+        if qa_policy != "off" and not args.resume else None
     result = trainer.fit()
     summary = _summary(result, out)
-    if base_qa is not None:  # GUARD-QA: qa's gates on the base and on final/'s weights (train/qa_gate.py)
-        final_qa = qa_gate.qa_report(model, tokenizer, cfg.device, cfg.dtype)
+    final_qa = qa_gate.qa_report(model, tokenizer, cfg.device, cfg.dtype, _log) if base_qa is not None else None
+    if base_qa is not None and final_qa is not None:  # GUARD-QA: qa on the base and on final/'s weights (qa_gate.py)
         summary["qa"] = {"base_ok": qa_gate.ok_of(base_qa), "final_ok": qa_gate.ok_of(final_qa)}
         found = qa_gate.judge(base_qa, final_qa, qa_policy)
         if found is not None:
