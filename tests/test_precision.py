@@ -140,7 +140,7 @@ def test_dtype_choices_flag_help_and_dependent_checks(capsys):
     from entrenar.train.config import DTYPE_GUIDE
 
     # the choice is offered in --help; what it means is the one guide `entrenar help dtype` prints
-    assert "bf16-weights" in help_text and "2.5e-2 relL2 from fp32, outside" in " ".join(DTYPE_GUIDE.split())
+    assert "bf16-weights" in help_text and "2.5e-2 relL2 from fp32, outside" in " ".join(DTYPE_GUIDE["bf16-weights"].split())
     assert verify_dtype("bf16-weights") == "bf16" and verify_dtype("fp32") == "fp32"
     assert precision_policy("bf16-weights").autocast(CPU).fast_dtype == torch.bfloat16
     assert precision_policy("bf16-weights").autocast(CPU)._enabled and not precision_policy("fp32").autocast(CPU)._enabled
