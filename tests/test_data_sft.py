@@ -351,6 +351,12 @@ def test_malformed_row_exit_2_with_file_and_line(row, message, reason, smol_dir,
     report = json.loads(captured.out.strip().splitlines()[-1])["report"]
     assert report["skipped"] == {reason: 1} and report["kept"] == 2 and report["rows_read"] == 3
     assert f"{path}:2: " in caplog.text  # skipped rows are still named (a logged warning)
+    # finetune's and eval's reader stops at the first invalid row, naming it (data check lists them all)
+    from entrenar.errors import InputError
+    from entrenar.tokenizer import load_tokenizer
+
+    with pytest.raises(InputError, match=f"{path}:2: "):
+        sft.load_sft(path, load_tokenizer(smol_dir), 64)
 
     # Mutation: silently skipping invalid rows by default would turn exit 2 into success.
     real_load = sft.load_sft
