@@ -204,8 +204,7 @@ def cmd_check(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from ..train.config import _int_or_auto
-    from .registry import add_command, add_device_option
+    from .registry import add_command
 
     def dispatch(args: argparse.Namespace) -> dict:
         return args.data_func(args)
@@ -283,8 +282,28 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (none)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 
-    q = add("replay", cmd_replay, "a model's own answers to general and code requests -> SFT JSONL to mix into a "
-                                  "fine-tune (finetune --mix FILE:FRACTION), so it keeps what it could do")
+    _add_replay(add("replay", cmd_replay, "a model's own answers to general and code requests -> SFT JSONL to "
+                    "mix into a fine-tune (finetune --mix FILE:FRACTION), so it keeps what it could do"))
+
+    q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) rows against a model's chat "
+                                "template, listing every invalid row; report loss tokens")
+    q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")
+    q.add_argument("--data", required=True, help=f"SFT or preference rows: {SOURCES_HELP}")
+    q.add_argument("--columns", metavar="MAP", default=None, help=COLUMNS_HELP + " (the rows' own keys)")
+    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP + " (the model's)")
+    q.add_argument("--max-seq-len", "--seq-len", type=int, required=True, help="the training sequence length")
+    q.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="skip",
+                   help="a response cut by --max-seq-len: skip the sample or keep it cut (skip)")
+    q.add_argument("--skip-invalid", action="store_true", help="skip and count invalid rows instead of exit 2")
+    q.add_argument("--max-skip-fraction", type=float, default=DEFAULT_MAX_SKIP_FRACTION,
+                   help=f"GUARD-DATA above this fraction of skipped rows ({DEFAULT_MAX_SKIP_FRACTION})")
+
+
+def _add_replay(q: argparse.ArgumentParser) -> None:
+    """`data replay`'s options (data/replay.py)."""
+    from ..train.config import _int_or_auto
+    from .registry import add_device_option
+
     q.add_argument("--model", required=True, help="MODEL whose answers to replay (the base of the fine-tune)")
     q.add_argument("--prompts", default="builtin", metavar="builtin|FILE.jsonl",
                    help="the requests: builtin (200 general and code requests, disjoint from `eval --task chat`'s) "
@@ -302,16 +321,3 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP + " (the model's)")
     add_device_option(q)
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
-
-    q = add("check", cmd_check, "validate SFT (or preference: prompt/chosen/rejected) rows against a model's chat "
-                                "template, listing every invalid row; report loss tokens")
-    q.add_argument("--model", required=True, help="MODEL whose tokenizer and chat template to use")
-    q.add_argument("--data", required=True, help=f"SFT or preference rows: {SOURCES_HELP}")
-    q.add_argument("--columns", metavar="MAP", default=None, help=COLUMNS_HELP + " (the rows' own keys)")
-    q.add_argument("--chat-template", metavar="FILE", help=CHAT_TEMPLATE_HELP + " (the model's)")
-    q.add_argument("--max-seq-len", "--seq-len", type=int, required=True, help="the training sequence length")
-    q.add_argument("--truncation", choices=TRUNCATION_POLICIES, default="skip",
-                   help="a response cut by --max-seq-len: skip the sample or keep it cut (skip)")
-    q.add_argument("--skip-invalid", action="store_true", help="skip and count invalid rows instead of exit 2")
-    q.add_argument("--max-skip-fraction", type=float, default=DEFAULT_MAX_SKIP_FRACTION,
-                   help=f"GUARD-DATA above this fraction of skipped rows ({DEFAULT_MAX_SKIP_FRACTION})")
