@@ -46,7 +46,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from . import static_decode as sd
 from .errors import InputError
-from .generate import DEFAULT_MAX_NEW_TOKENS, GenerationResult, nonfinite_logits_error
+from .generate import DEFAULT_MAX_NEW_TOKENS, GenerationResult, nonfinite_logits_error, nucleus_probs
 from .model import CausalLM, StaticKVCache, padded_positions, padding_mask
 
 SYNC_EVERY_CUDA = 8  # decode steps between two host reads on CUDA (a finished slot waits this long at most)
@@ -109,12 +109,7 @@ def pick_tokens(logits: torch.Tensor, temperature: float, top_p: float, keys: to
     temperature) cut to the top-p nucleus, as generate.pick_rows, with the noise of exponential_noise."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the top token always stays
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    probs = nucleus_probs(logits, temperature, top_p)
     return (probs / exponential_noise(keys, steps, probs.shape[-1])).argmax(dim=-1)
 
 
@@ -304,20 +299,10 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     settings.max_new_tokens; either way at most the context left after its prompt). `on_result(index, result)`
     is called as each request ends.
     Each result's `seconds` is the whole call's."""
-    prompts = [[int(i) for i in p] for p in prompts]
     cfg = model.cfg
-    check_requests(tokenizer, prompts, settings, cfg)
-    for name, given in (("seeds", seeds), ("max_new", max_new)):
-        if given is not None and len(given) != len(prompts):
-            raise ValueError(f"{len(given)} {name} for {len(prompts)} prompts")
-    if max_new is not None and min(max_new) < 1:
-        raise InputError(f"a request's max_new_tokens is {min(max_new)}; it must be at least 1")
+    prompts, seed_of, limits = _requests(tokenizer, prompts, settings, cfg, seeds, max_new)
     n = len(prompts)
     sampling = settings.temperature > 0
-    seed_of = [int(seeds[i]) if seeds is not None else settings.seed for i in range(n)]
-    context = cfg.max_position_embeddings
-    wanted = [settings.max_new_tokens] * n if max_new is None else [int(m) for m in max_new]
-    limits = [min(w, context - len(p)) for w, p in zip(wanted, prompts)]
     stops = set(tokenizer.stop_ids if settings.stop_ids is None else settings.stop_ids)
     reqs = _Requests(tokenizer, prompts, limits, stops, settings.stop_text)
     n_real = min(cfg.vocab_size, len(tokenizer)) if hasattr(tokenizer, "__len__") else cfg.vocab_size
@@ -410,12 +395,28 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                 admit()
     finally:
         model.train(was_training)
-    seconds = time.perf_counter() - start
-    decoder = "engine_graph" if used_graph else "engine"
+    seconds, decoder = time.perf_counter() - start, "engine_graph" if used_graph else "engine"
     for res in results:
         assert res is not None
         res.seconds, res.decoder = seconds, decoder
     return results  # type: ignore[return-value]
+
+
+def _requests(tokenizer, prompts: Sequence[Sequence[int]], settings: GenerationSettings, cfg,
+              seeds: Sequence[int] | None, max_new: Sequence[int] | None) -> tuple[list[list[int]], list[int], list[int]]:
+    """generate_many's requests checked: (prompts as int lists, each one's seed, each one's token limit: its own
+    max_new or settings', at most the context left after its prompt)."""
+    prompts = [[int(i) for i in p] for p in prompts]
+    check_requests(tokenizer, prompts, settings, cfg)
+    for name, given in (("seeds", seeds), ("max_new", max_new)):
+        if given is not None and len(given) != len(prompts):
+            raise ValueError(f"{len(given)} {name} for {len(prompts)} prompts")
+    if max_new is not None and min(max_new) < 1:
+        raise InputError(f"a request's max_new_tokens is {min(max_new)}; it must be at least 1")
+    seed_of = [int(seeds[i]) if seeds is not None else settings.seed for i in range(len(prompts))]
+    wanted = [settings.max_new_tokens] * len(prompts) if max_new is None else [int(m) for m in max_new]
+    limits = [min(w, cfg.max_position_embeddings - len(p)) for w, p in zip(wanted, prompts)]
+    return prompts, seed_of, limits
 
 
 # ---- --batch-size auto: the slot count from free memory and the model ---------------------------------------

@@ -50,6 +50,18 @@ class GenerationResult:
         return self.completion_tokens / self.seconds if self.seconds > 0 else 0.0
 
 
+def nucleus_probs(logits: torch.Tensor, temperature: float, top_p: float) -> torch.Tensor:
+    """softmax(logits / temperature) in fp32, cut to the top-p nucleus (the top token always stays): what a
+    sampled token is drawn from, here and in the engine (engine.pick_tokens)."""
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
+        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)
+        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    return probs
+
+
 def pick_rows(logits: torch.Tensor, temperature: float, top_p: float,
               generator: torch.Generator | None) -> torch.Tensor:
     """Next id [B] of each row of logits [B, V], on their device without a host sync: argmax at
@@ -58,12 +70,7 @@ def pick_rows(logits: torch.Tensor, temperature: float, top_p: float,
     ids for a seed, row after row, but multinomial reads its input's validity back to the host."""
     if temperature == 0.0:
         return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / temperature, dim=-1)
-    if top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        before = torch.cumsum(sorted_probs, dim=-1) - sorted_probs  # mass strictly above each token
-        sorted_probs = sorted_probs.masked_fill(before >= top_p, 0.0)  # the top token always stays
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+    probs = nucleus_probs(logits, temperature, top_p)
     noise = torch.empty_like(probs).exponential_(generator=generator)
     return (probs / noise).argmax(dim=-1)
 
