@@ -315,7 +315,6 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     results: list[GenerationResult | None] = [None] * n
     slot_req = [-1] * S  # the request each slot holds, -1 = free
     width = [0] * S  # the prefill width of each slot's request: its first generated token's column
-    used_graph = False
     was_training = model.training
     model.eval()
     start = time.perf_counter()
@@ -328,9 +327,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     try:
         with torch.inference_mode():
             eng = Engine(model, S, max_len, settings, n_real, device)
-            use_graph = settings.cuda_graphs and sd.can_capture(device)
-            graphs: dict[int, sd.GraphStep] = {}
-            warm: dict[int, int] = {}
+            steps = _Steps(eng, max_len, device, settings.cuda_graphs and sd.can_capture(device))
 
             def admit() -> None:
                 """Fill free slots from `pending`, a prefill group at a time, once 1/ADMIT_FRACTION of the slots (or
@@ -362,24 +359,9 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                 top = max(s for s in range(S) if slot_req[s] >= 0) + 1
                 b = next(x for x in buckets(S) if x >= top)
                 eng.at.zero_()
-                for j in range(sync_every):
-                    if use_graph and b not in graphs and warm.get(b, 0) >= sd.WARMUP_STEPS:
-                        try:
-                            graphs[b] = sd.GraphStep(eng.step_fn(b, max_len))
-                        except RuntimeError as e:  # an op that cannot be captured: the same step, eagerly
-                            warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}",
-                                          RuntimeWarning, stacklevel=2)
-                            use_graph = False
-                    if b in graphs:
-                        graphs[b].replay()
-                        used_graph = True
-                    elif use_graph:
-                        sd.warmup_step(eng.step_fn(b, max_len), device)
-                        warm[b] = warm.get(b, 0) + 1
-                    else:  # eager: attend up to the live slots' furthest column (a host value; a graph keeps all)
-                        furthest = max(width[s] + len(reqs.outs[slot_req[s]]) - 1 + j
-                                       for s in range(b) if slot_req[s] >= 0)
-                        eng.step_fn(b, min(max_len, furthest + 1))()
+                for j in range(sync_every):  # eager: attend up to the live slots' furthest column
+                    steps.run(b, lambda b=b, j=j: min(max_len, 1 + max(width[s] + len(reqs.outs[slot_req[s]]) - 1 + j
+                                                                       for s in range(b) if slot_req[s] >= 0)))
                 picked, bad = eng.picked[:b].tolist(), eng.bad[:b].tolist()
                 for s in range(b):
                     r = slot_req[s]
@@ -395,11 +377,39 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                 admit()
     finally:
         model.train(was_training)
-    seconds, decoder = time.perf_counter() - start, "engine_graph" if used_graph else "engine"
+    seconds, decoder = time.perf_counter() - start, "engine_graph" if steps.used_graph else "engine"
     for res in results:
         assert res is not None
         res.seconds, res.decoder = seconds, decoder
     return results  # type: ignore[return-value]
+
+
+class _Steps:
+    """One decode step of bucket b at a time: a CUDA graph per bucket once it has warmed up (eagerly for good if a
+    capture fails), else eager over the columns `columns()` says the live slots reach (a graph keeps them all)."""
+
+    def __init__(self, eng: Engine, max_len: int, device: torch.device, use_graph: bool):
+        self.eng, self.max_len, self.device, self.use_graph = eng, max_len, device, use_graph
+        self.graphs: dict[int, sd.GraphStep] = {}
+        self.warm: dict[int, int] = {}
+        self.used_graph = False
+
+    def run(self, b: int, columns: Callable[[], int]) -> None:
+        if self.use_graph and b not in self.graphs and self.warm.get(b, 0) >= sd.WARMUP_STEPS:
+            try:
+                self.graphs[b] = sd.GraphStep(self.eng.step_fn(b, self.max_len))
+            except RuntimeError as e:  # an op that cannot be captured: the same step, eagerly
+                warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}",
+                              RuntimeWarning, stacklevel=3)
+                self.use_graph = False
+        if b in self.graphs:
+            self.graphs[b].replay()
+            self.used_graph = True
+        elif self.use_graph:
+            sd.warmup_step(self.eng.step_fn(b, self.max_len), self.device)
+            self.warm[b] = self.warm.get(b, 0) + 1
+        else:
+            self.eng.step_fn(b, columns())()
 
 
 def _requests(tokenizer, prompts: Sequence[Sequence[int]], settings: GenerationSettings, cfg,
