@@ -168,28 +168,31 @@ def check_answer(gp: GoldenPrompt, output: str, stopped: bool) -> tuple[dict[str
 
 
 def run_qa(model: torch.nn.Module, tokenizer: Any, prompts: tuple[GoldenPrompt, ...] = GOLDEN) -> dict:
-    """Generate each golden prompt greedily, gate it, and report (exit_code 1 if any gate fails)."""
-    from ..generate import generate
+    """Generate every golden prompt greedily in one engine call (its greedy tokens are those of one prompt at a
+    time: tests/test_engine.py), gate each answer, and report (exit_code 1 if any gate fails). One batched call,
+    not one decode per prompt: GUARD-QA runs this twice in every fine-tune, and on a CPU NF4 base prompt-by-prompt
+    decoding cost minutes. Each prompt's `seconds` is the whole call's."""
+    from ..engine import GenerationSettings, generate_many
 
     t0 = time.time()
     stop_ids = set(getattr(tokenizer, "stop_ids", set()) or
                    {i for i in (tokenizer.eos_id, tokenizer.eot_id) if i is not None})
-    results: list[PromptResult] = []
     was_training = model.training
-    model.eval()
     try:
-        for gp in prompts:
-            ids = _prompt_ids(tokenizer, gp)
-            t = time.time()
-            gen = generate(model, tokenizer, ids, gp.max_new_tokens, temperature=0.0)
-            new = list(gen.token_ids)
-            stopped = bool(new) and new[-1] in stop_ids and len(new) <= gp.max_new_tokens
-            text = tokenizer.decode([i for i in new if i not in stop_ids], skip_special=False)
-            gates, notes = check_answer(gp, text, stopped)
-            results.append(PromptResult(gp.name, gp.kind, gp.topic, gp.prompt, text, len(new),
-                                        str(gen.stop_reason), round(time.time() - t, 2), gates, notes))
+        settings = GenerationSettings(max_new_tokens=max(gp.max_new_tokens for gp in prompts), temperature=0.0,
+                                      max_slots=len(prompts), stop_ids=sorted(stop_ids))
+        gens = generate_many(model, tokenizer, [_prompt_ids(tokenizer, gp) for gp in prompts], settings,
+                             max_new=[gp.max_new_tokens for gp in prompts])
     finally:
         model.train(was_training)
+    results: list[PromptResult] = []
+    for gp, gen in zip(prompts, gens):
+        new = list(gen.token_ids)
+        stopped = bool(new) and new[-1] in stop_ids and len(new) <= gp.max_new_tokens
+        text = tokenizer.decode([i for i in new if i not in stop_ids], skip_special=False)
+        gates, notes = check_answer(gp, text, stopped)
+        results.append(PromptResult(gp.name, gp.kind, gp.topic, gp.prompt, text, len(new),
+                                    str(gen.stop_reason), round(gen.seconds, 2), gates, notes))
     diagnosis = diagnose(results)
     ok = all(r.ok for r in results)
     return {"prompts": [{**r.__dict__, "ok": r.ok} for r in results], "diagnosis": diagnosis,
