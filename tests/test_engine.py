@@ -44,6 +44,7 @@ def cpu_graphs(monkeypatch):
     monkeypatch.setattr(sd, "can_capture", lambda device: True)
     monkeypatch.setattr(sd, "GraphStep", ReplayedStep)
     monkeypatch.setattr(sd, "warmup_step", lambda step, device: step())
+    monkeypatch.setattr(sd, "new_pool", lambda: None)
     ReplayedStep.captures = 0
     return ReplayedStep
 
@@ -103,6 +104,28 @@ def test_graph_path_equals_eager_at_any_slot_count(tok, cpu_graphs, sync_every):
         assert [g.stop_reason for g in got] == [a.stop_reason for a in alone]
         assert {g.decoder for g in got} == {"engine_graph"}
     assert cpu_graphs.captures >= 2  # more than one bucket was captured
+
+
+def test_graphs_per_attended_columns_bucket_equal_eager(tok, cpu_graphs, monkeypatch):
+    """A captured step attends only to its bucket of columns (attend_bucket): with buckets of 4, 8, 16, ... the
+    steps of a window whose slots reach further take a wider graph, and the tokens are those of each prompt
+    decoded alone. A graph that attended to fewer columns than a live slot reaches would lose its prompt."""
+    monkeypatch.setattr(eng, "ATTEND_MIN", 4)
+    model = tiny_model(len(tok))
+    ids = [tok.encode(t) for t in TEXTS]
+    limits = [40, 12, 30, 7, 40, 22, 16, 35, 9, 28]  # slots free at different times, then admit the next
+    alone = [generate(model, tok, x, n, stop_ids=[]).token_ids for x, n in zip(ids, limits)]
+    stats: dict = {}
+    got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=40, max_slots=4, stop_ids=[],
+                                                            sync_every=2), max_new=limits, stats=stats)
+    assert [g.token_ids for g in got] == alone
+    assert len(stats["attend_buckets"]) >= 3 and stats["attend_buckets"][-1] <= stats["max_len"]
+    assert stats["captures"] >= 3 and stats["graph_steps"] > 0 and stats["prefills"] >= 2
+    assert stats["graph_steps"] + stats["eager_steps"] == stats["host_reads"] * 2
+
+
+def test_attend_bucket():
+    assert [eng.attend_bucket(n, 1000) for n in (1, 128, 129, 300, 513, 1000)] == [128, 128, 256, 512, 1000, 1000]
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])

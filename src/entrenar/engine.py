@@ -18,7 +18,8 @@ next prompt at the next host read, so the decode batch stays full while prompts 
   token at once.
 - **Decode steps.** One step feeds every slot 0..b-1 (b: the smallest bucket, a power of two or max_slots,
   covering the highest live slot) one token; static shapes per bucket, so on CUDA each bucket's step is a
-  CUDA graph (static_decode.GraphStep) captured after WARMUP_STEPS eager steps and replayed. Free slots and
+  CUDA graph (static_decode.GraphStep) captured after WARMUP_STEPS eager steps and replayed, one per attended-
+  columns bucket too (attend_bucket: the step reads only the columns the live slots reach). Free slots and
   finished-but-not-yet-read rows compute too; their tokens are dropped and their column is clamped to the
   cache. The host reads the picked tokens every `sync_every` steps (1 on the CPU): then finished requests
   free their slots and pending prompts are admitted.
@@ -55,6 +56,7 @@ PREFILL_TOKENS = 32768  # padded prompt tokens per prefill forward at most (boun
 # whatever its rows (H200; ~2 ms of launches per layer), so one prefill per freed slot spent 94% of a 64-slot
 # BFCL-like run prefilling; admitting when an eighth of the slots is free prefilled 8x fewer times
 ADMIT_FRACTION = 8
+ATTEND_MIN = 128  # the smallest attended-columns bucket of a captured decode step (attend_bucket)
 _M32 = 0xFFFFFFFF
 # a prefill's attention kernels: every prefill group has a new shape, and cuDNN's SDPA builds an execution plan for
 # each (measured on an H200: +50 ms a prefill); the memory-efficient kernel takes the padding mask at no such cost
@@ -292,12 +294,15 @@ class Engine:
 
 def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], settings: GenerationSettings,
                   *, seeds: Sequence[int] | None = None, max_new: Sequence[int] | None = None,
-                  on_result: Callable[[int, GenerationResult], None] | None = None) -> list[GenerationResult]:
+                  on_result: Callable[[int, GenerationResult], None] | None = None,
+                  stats: dict | None = None) -> list[GenerationResult]:
     """Continue every prompt through settings.max_slots decode slots (continuous batching, see the module's
     doc); results in the order of `prompts`. `seeds`: each request's sampling seed (default settings.seed),
     e.g. seed + s for sample s of a prompt. `max_new`: each request's own token limit (default
     settings.max_new_tokens; either way at most the context left after its prompt). `on_result(index, result)`
-    is called as each request ends.
+    is called as each request ends. `stats`, when given, receives where the time went: prefills and their
+    seconds (host and device, up to their first picks), host reads, decode steps replayed from a graph or run
+    eagerly, graph captures and the attended-column buckets used.
     Each result's `seconds` is the whole call's."""
     cfg = model.cfg
     prompts, seed_of, limits = _requests(tokenizer, prompts, settings, cfg, seeds, max_new)
@@ -318,6 +323,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     was_training = model.training
     model.eval()
     start = time.perf_counter()
+    counts: dict = {"prefills": 0, "prefill_seconds": 0.0, "host_reads": 0, "attend_buckets": set()}
 
     def finish(r: int) -> None:
         results[r] = reqs.result(r, 0.0, seed_of[r] if sampling else None, "")
@@ -345,7 +351,10 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                         group.append(pending.pop())
                     slots = free[:len(group)]
                     keys = [request_key(seed_of[r], prompts[r]) if sampling else 0 for r in group]
+                    t0 = time.perf_counter()
                     first, bad = eng.prefill(slots, [prompts[r] for r in group], keys)
+                    counts["prefills"] += 1
+                    counts["prefill_seconds"] += time.perf_counter() - t0
                     for slot, r, tok, nonfinite in zip(slots, group, first.tolist(), bad.tolist()):
                         if nonfinite:
                             raise nonfinite_logits_error(model, 0)
@@ -359,9 +368,12 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                 top = max(s for s in range(S) if slot_req[s] >= 0) + 1
                 b = next(x for x in buckets(S) if x >= top)
                 eng.at.zero_()
+                reach = max(width[s] + len(reqs.outs[slot_req[s]]) for s in range(b) if slot_req[s] >= 0)
+                attend = attend_bucket(reach + sync_every - 1, max_len)  # every column this host read writes
                 for j in range(sync_every):  # eager: attend up to the live slots' furthest column
-                    steps.run(b, lambda b=b, j=j: min(max_len, 1 + max(width[s] + len(reqs.outs[slot_req[s]]) - 1 + j
-                                                                       for s in range(b) if slot_req[s] >= 0)))
+                    steps.run(b, lambda j=j: min(max_len, reach + j), attend)
+                counts["host_reads"] += 1
+                counts["attend_buckets"].add(attend)
                 picked, bad = eng.picked[:b].tolist(), eng.bad[:b].tolist()
                 for s in range(b):
                     r = slot_req[s]
@@ -378,6 +390,10 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     finally:
         model.train(was_training)
     seconds, decoder = time.perf_counter() - start, "engine_graph" if steps.used_graph else "engine"
+    if stats is not None:
+        stats.update(counts, **steps.counts, seconds=seconds, slots=S, max_len=max_len,
+                     prefill_seconds=round(counts["prefill_seconds"], 3),
+                     attend_buckets=sorted(counts["attend_buckets"]))
     for res in results:
         assert res is not None
         res.seconds, res.decoder = seconds, decoder
@@ -385,31 +401,60 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
 
 
 class _Steps:
-    """One decode step of bucket b at a time: a CUDA graph per bucket once it has warmed up (eagerly for good if a
-    capture fails), else eager over the columns `columns()` says the live slots reach (a graph keeps them all)."""
+    """One decode step of bucket b at a time, attending to `attend` columns (attend_bucket: what the live slots reach
+    within the host read, rounded up). On CUDA a graph per (b, attend) once that pair has warmed up (eagerly for good
+    if a capture fails), all sharing one memory pool (a step's temporaries live only while it replays); on the
+    CPU, eager over exactly the columns `columns()` says the live slots reach."""
 
     def __init__(self, eng: Engine, max_len: int, device: torch.device, use_graph: bool):
         self.eng, self.max_len, self.device, self.use_graph = eng, max_len, device, use_graph
-        self.graphs: dict[int, sd.GraphStep] = {}
-        self.warm: dict[int, int] = {}
+        self.graphs: dict[tuple[int, int], sd.GraphStep] = {}
+        self.warm: dict[tuple[int, int], int] = {}
         self.used_graph = False
+        self.pool = sd.new_pool() if use_graph else None
+        self.counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
 
-    def run(self, b: int, columns: Callable[[], int]) -> None:
-        if self.use_graph and b not in self.graphs and self.warm.get(b, 0) >= sd.WARMUP_STEPS:
+    def run(self, b: int, columns: Callable[[], int], attend: int) -> None:
+        key = (b, attend)
+        if self.use_graph and key not in self.graphs and self.warm.get(key, 0) >= sd.WARMUP_STEPS:
             try:
-                self.graphs[b] = sd.GraphStep(self.eng.step_fn(b, self.max_len))
+                self.graphs[key] = sd.GraphStep(self.eng.step_fn(b, attend), pool=self.pool)
+                self.counts["captures"] += 1
             except RuntimeError as e:  # an op that cannot be captured: the same step, eagerly
                 warnings.warn(f"CUDA graph capture of the decode step failed, decoding eagerly: {e}",
                               RuntimeWarning, stacklevel=3)
                 self.use_graph = False
-        if b in self.graphs:
-            self.graphs[b].replay()
+        if key in self.graphs:
+            self.graphs[key].replay()
             self.used_graph = True
-        elif self.use_graph:
-            sd.warmup_step(self.eng.step_fn(b, self.max_len), self.device)
-            self.warm[b] = self.warm.get(b, 0) + 1
+            self.counts["graph_steps"] += 1
+            return
+        self.counts["eager_steps"] += 1
+        if self.use_graph:
+            sd.warmup_step(self.eng.step_fn(b, attend), self.device)
+            self.warm[key] = self.warm.get(key, 0) + 1
         else:
             self.eng.step_fn(b, columns())()
+
+
+def describe_stats(stats: dict) -> str:
+    """generate_many's `stats` in one line for a log."""
+    return (f"generation: {stats['seconds']:.2f} s on {stats['slots']} slots; {stats['prefills']} prefills "
+            f"({stats['prefill_seconds']:.2f} s), {stats['graph_steps']} decode steps from CUDA graphs + "
+            f"{stats['eager_steps']} eager, {stats['captures']} graphs captured, {stats['host_reads']} host reads, "
+            f"attended columns {stats['attend_buckets']} of {stats['max_len']}")
+
+
+def attend_bucket(need: int, max_len: int) -> int:
+    """The columns a captured decode step attends to when the live slots reach `need`: the next of 128, 256,
+    512, ... at or past it, at most max_len. A step's attention reads every attended column of every slot (the
+    KV cache: 455 MB a layer for 512 slots x 1,156 columns of SmolLM2), so a graph over all max_len columns spent
+    most of a step on columns no slot had reached; power-of-two buckets keep the graphs per slot bucket to a
+    few."""
+    a = ATTEND_MIN
+    while a < need:
+        a *= 2
+    return min(a, max_len)
 
 
 def _requests(tokenizer, prompts: Sequence[Sequence[int]], settings: GenerationSettings, cfg,
@@ -449,7 +494,7 @@ def slot_memory(cfg, *, max_len: int, longest_prompt: int, kv_bytes: int, sampli
     """The bytes of slot_memory's two parts for a model config. Per slot: keys and values of every layer over
     max_len columns at `kv_bytes` each; the decode step's logits row (fp32) and, sampling, its softmax, sort
     and hashed noise (int64 temporaries); the attention scores of one query over max_len columns per head;
-    doubled under CUDA graphs (each bucket's graph keeps its own pool). Fixed: a prefill of prefill_tokens
+    doubled under CUDA graphs (a graph's pool holds its step's temporaries). Fixed: a prefill of prefill_tokens
     tokens (the MLP's three intermediate tensors, the residual stream, the scores of prompts up to
     longest_prompt wide)."""
     kv = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * kv_bytes * max_len

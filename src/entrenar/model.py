@@ -188,8 +188,14 @@ class Attention(nn.Module):
             y = F.scaled_dot_product_attention(q.reshape(B, cfg.num_kv_heads, G, cfg.head_dim), k, v,
                                                attn_mask=mask)
             return self.o_proj(y.reshape(B, T, cfg.num_heads * cfg.head_dim))
+        gqa = cfg.num_heads != cfg.num_kv_heads
+        if gqa and mask is not None and T > 1 and q.is_cuda:
+            # SDPA's GQA under a mask takes the math path on CUDA (scores [B, H, T, Tk] in fp32: a padded prefill of
+            # many prompts); keys and values repeated per head (T x D each) let the memory-efficient kernel take it
+            G = cfg.num_heads // cfg.num_kv_heads
+            k, v, gqa = k.repeat_interleave(G, dim=1), v.repeat_interleave(G, dim=1), False
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None and T > 1,
-                                           enable_gqa=cfg.num_heads != cfg.num_kv_heads)
+                                           enable_gqa=gqa)
         y = y.transpose(1, 2).reshape(B, T, cfg.num_heads * cfg.head_dim)
         return self.o_proj(y)
 

@@ -75,15 +75,20 @@ def can_capture(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
+def new_pool() -> tuple:
+    """A CUDA graph memory pool that several captured steps share (they never replay at once)."""
+    return torch.cuda.graph_pool_handle()
+
+
 class GraphStep:
     """One decode step captured in a CUDA graph; replay() runs it on the same buffers."""
 
-    def __init__(self, fn: Callable[[], torch.Tensor]):
+    def __init__(self, fn: Callable[[], torch.Tensor], pool: tuple | None = None):
         self.graph = torch.cuda.CUDAGraph()
         # autocast's cache of cast weights would be freed when autocast exits, under a live graph: off here
         no_cast_cache = torch.autocast("cuda", torch.get_autocast_dtype("cuda"),
                                        enabled=torch.is_autocast_enabled("cuda"), cache_enabled=False)
-        with torch.cuda.graph(self.graph), no_cast_cache:
+        with torch.cuda.graph(self.graph, pool=pool), no_cast_cache:
             self.out = fn()
 
     def replay(self) -> torch.Tensor:

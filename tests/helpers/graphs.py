@@ -52,7 +52,7 @@ class ReplayedStep:
 
     captures = 0
 
-    def __init__(self, fn):
+    def __init__(self, fn, pool=None):
         rec = _Recorder()
         with rec:
             self.out = fn()

@@ -270,7 +270,7 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
     ids} (bench/humaneval_parity.py compares them)."""
     import torch
 
-    from ..engine import GenerationSettings, generate_many, resolve_slots
+    from ..engine import GenerationSettings, describe_stats, generate_many, resolve_slots
 
     stop = stop if stop is not None else functools.partial(completion_done, chat=chat)
     bf16 = dtype in BF16_COMPUTE
@@ -290,7 +290,10 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
             settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                           seed=seed + sample, max_slots=n,
                                           stop_text=None if stop is no_early_stop else stop)
-            results = generate_many(model, tokenizer, batch_ids, settings)
+            stats: dict = {}
+            results = generate_many(model, tokenizer, batch_ids, settings, stats=stats)
+            if log is not None:
+                log(describe_stats(stats))
         if token_ids is not None:
             token_ids.update((tuple(ids), r.token_ids) for ids, r in zip(batch_ids, results))
         return [Completion(r.text, r.stop_reason == "max_new_tokens") for r in results]

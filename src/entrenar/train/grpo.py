@@ -2,8 +2,8 @@
 training loop (an objective and a loader; train/loop.py is unchanged).
 
 Each micro-batch is a rollout: `--batch-size` prompts of the prompt file, each completed `--num-generations` (G)
-times by the policy itself (`sample_completions`, the one place generation is called: batched decoding of
-generate.py, under the run's autocast), scored by the rewards of `--reward` (train/rewards.py, summed with their
+times by the policy itself (`sample_completions`, the one place generation is called: the generation engine, under
+the run's autocast), scored by the rewards of `--reward` (train/rewards.py, summed with their
 weights), turned into group-normalised advantages (`group_advantages`), and its reference log-probs taken with the
 adapters switched off (LoRA/QLoRA) or from a frozen copy of the starting model (--mode full) when --beta > 0. A
 round of `--grpo-iterations` optimizer steps reuses the same rollouts (old log-probs kept from the rollout); its
@@ -161,11 +161,17 @@ class Sampled:
 
 def sample_completions(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
                        temperature: float, top_p: float, seed: int) -> list[Sampled]:
-    """One completion per prompt id list (repeat a prompt for several), sampled with `seed`: generate_batch's
-    batched decoding (static with a CUDA graph on CUDA, dynamic on the CPU)."""
-    from ..generate import generate_batch
+    """One completion per prompt id list (repeat a prompt for several), sampled through the generation engine
+    (engine.generate_many: continuous batching over `--batch-size auto` slots, CUDA-graph decode steps). Request i
+    of the call samples with seed * len(prompts) + i, so the copies of a prompt differ, and no two rollouts of a
+    run (seed: the run's seed and the step) share a request's draws."""
+    from ..engine import GenerationSettings, generate_many, resolve_slots
 
-    results = generate_batch(model, tokenizer, prompts, max_new_tokens, temperature, top_p, seed)
+    n = len(prompts)
+    slots, _ = resolve_slots("auto", model, [len(p) for p in prompts], max_new_tokens, sampling=temperature > 0)
+    settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
+                                  max_slots=slots)
+    results = generate_many(model, tokenizer, prompts, settings, seeds=[seed * n + i for i in range(n)])
     return [Sampled(list(r.token_ids), r.text, r.stop_reason == "max_new_tokens") for r in results]
 
 
