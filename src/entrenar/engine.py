@@ -371,7 +371,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                 reach = max(width[s] + len(reqs.outs[slot_req[s]]) for s in range(b) if slot_req[s] >= 0)
                 attend = attend_bucket(reach + sync_every - 1, max_len)  # every column this host read writes
                 for j in range(sync_every):  # eager: attend up to the live slots' furthest column
-                    steps.run(b, lambda j=j: min(max_len, reach + j), attend)
+                    steps.run(b, lambda j=j, reach=reach: min(max_len, reach + j), attend)
                 counts["host_reads"] += 1
                 counts["attend_buckets"].add(attend)
                 picked, bad = eng.picked[:b].tolist(), eng.bad[:b].tolist()
