@@ -434,6 +434,22 @@ def test_dequantize_once_gives_the_same_logits_and_only_without_grad():
     assert all(x._dequantized is not None for x in layers)
 
 
+def test_dequantized_for_inference_keeps_weights_inside_the_block_only():
+    """GUARD-QA's decoding inside a QLoRA run on the CPU: the NF4 weights are dequantized once within the block
+    (the same logits), and dropped after it, so training goes on without the fp32 copies."""
+    m = tiny_model(qwen=True)
+    ep.apply_lora(m, rank=4, alpha=8, quantize_nf4=True)
+    randomize_adapters(m)
+    ids = torch.randint(0, tiny_cfg().vocab_size, (2, 12), generator=torch.Generator().manual_seed(1))
+    layers = [x for x in m.modules() if isinstance(x, ep.NF4Linear)]
+    with torch.no_grad():
+        ref = m(ids)
+        with nf4_linear.dequantized_for_inference(m) as kept:
+            assert kept > 0 and torch.equal(m(ids), ref)
+            assert all(x._dequantized is not None for x in layers)
+    assert all(not x.dequantize_once and x._dequantized is None for x in layers)
+
+
 def test_dequantize_once_keeps_one_weight_per_dtype_and_respects_the_budget():
     torch.manual_seed(0)
     lin = nn.Linear(64, 32, bias=True)

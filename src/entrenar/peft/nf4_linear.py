@@ -8,7 +8,9 @@ QLoRA there is to hold only the 4-bit weights.
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -90,3 +92,18 @@ def enable_dequantize_once(model: nn.Module, budget_bytes: int | None = None) ->
     for m in layers:
         m.dequantize_once = True
     return need
+
+
+@contextlib.contextmanager
+def dequantized_for_inference(model: nn.Module) -> Iterator[int]:
+    """enable_dequantize_once for the block's inference only (e.g. GUARD-QA's generation inside a QLoRA run on the
+    CPU, where dequantizing every NF4 weight at every decode step cost ~2 s a step on a 0.5B model), then the
+    kept weights are dropped and training dequantizes per forward again. Yields the bytes kept (0: unchanged)."""
+    layers = [m for m in model.modules() if isinstance(m, NF4Linear) and not m.dequantize_once]
+    kept = enable_dequantize_once(model) if layers else 0
+    try:
+        yield kept
+    finally:
+        if kept:
+            for m in layers:
+                m.dequantize_once, m._dequantized = False, None

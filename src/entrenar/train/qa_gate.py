@@ -10,6 +10,7 @@ runs.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from typing import Any
 
@@ -26,13 +27,16 @@ def qa_report(model: Any, tokenizer: Any, device: str = "cpu", dtype: str = "fp3
     import torch
 
     from ..devices import BF16_COMPUTE
+    from ..peft.nf4_linear import dequantized_for_inference
     from ..verify.qa import GOLDEN, run_qa
 
     if tokenizer is None:
         return None
     prompts = GOLDEN if getattr(tokenizer, "chat_template", None) else tuple(g for g in GOLDEN if g.kind == "plain")
+    # a QLoRA base on the CPU: its NF4 weights dequantized once for qa's decoding, not at every step
+    kept = dequantized_for_inference(model) if torch.device(device).type == "cpu" else contextlib.nullcontext()
     try:
-        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype in BF16_COMPUTE):
+        with kept, torch.autocast(torch.device(device).type, dtype=torch.bfloat16, enabled=dtype in BF16_COMPUTE):
             return run_qa(model, tokenizer, prompts)
     except InputError as e:  # a golden prompt longer than the model's context
         if log is not None:
