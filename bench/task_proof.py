@@ -91,7 +91,7 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
     if a.base_from:  # the base's evals of an earlier step on the same model and settings: not run twice
         import shutil
 
-        for f in ("base_bfcl.jsonl", "base_he.jsonl"):
+        for f in ("base_bfcl.jsonl", "base_he.jsonl", "base_chat.jsonl"):
             if (Path(a.base_from) / f).is_file():
                 shutil.copy(Path(a.base_from) / f, work / f)
     if not (work / "base_bfcl.jsonl").is_file():

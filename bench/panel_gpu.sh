@@ -1,0 +1,132 @@
+#!/usr/bin/env bash
+# The retention A/B, the engine's speed and GRPO from an SFT adapter on the GPU machine, one device call per stage,
+# through the real CLI (`python -m entrenar`, as `entrenar`), after the model's pieces arrived
+# (../shared/device/README.md; bench/issue35_gpu.sh piece NAME copies them to /tmp/carry/NAME):
+#   bash bench/panel_gpu.sh ab NAME SECONDS       join /tmp/carry/NAME/p* (sha256 checked), install .whl into /tmp/site;
+#                                                 the base's evals one after another on an otherwise idle GPU (their
+#                                                 generation times are the engine's numbers), then every variant of
+#                                                 VARIANTS at once (bench.task_proof toolcall, --base-from those evals)
+#   bash bench/panel_gpu.sh grpo NAME SECONDS     the engine against transformers (bench/engine_throughput.py) and
+#                                                 HumanEval pass@10 on the base; then GRPO (LoRA, --reward
+#                                                 bfcl-graded) on the best variant's SFT model (merged), and its evals
+#                                                 paired against that SFT model's
+# Everything a stage wrote goes to $OUT as one STAGE-results.tgz (per-problem files, logs, summaries; no weights) and
+# STAGE-summary.txt. DRY=1: the same steps on the CPU with tiny settings (checks the script, not the numbers).
+set -uo pipefail
+stage=$1; name=$2; seconds=$3
+export PYTHONPATH=src:.:/tmp/site PYTHONUNBUFFERED=1
+entrenar() { python3 -m entrenar "$@"; }
+end=$((SECONDS + seconds))
+left() { echo $((end - SECONDS)); }
+if [ "${DRY:-0}" = 1 ]; then
+  dev=cpu; limit=(--limit 2); task_limit=2; steps=4; every=2; batch=2; grpo_steps=2; gens=2; seq=2048; sft_batch=2
+  new=24
+else
+  dev=cuda; limit=(); task_limit=100; steps=250; every=125; batch=16; grpo_steps=${GRPO_STEPS:-120}; gens=8; seq=4096
+  sft_batch=16; new=128
+fi
+if [ -d .whl ] && [ ! -d /tmp/site ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
+fi
+if [ "${DRY:-0}" = 1 ]; then
+  model=$name
+else
+  model=/tmp/$name
+  if [ ! -f "$model" ]; then
+    cat /tmp/carry/$name/p* > "$model.tmp"
+    [ "$(sha256sum "$model.tmp" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
+    mv "$model.tmp" "$model"
+  fi
+  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+fi
+root=${WORK:-/tmp/panel}
+base=$root/base
+mkdir -p "$base"
+tpl=(--chat-template chatml_tools)
+cats=simple_python,multiple,irrelevance
+
+collect() {  # $1: the stage; what it wrote, no weights, to $OUT
+  tar czf "$OUT/$1-results.tgz" -C "$root" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
+    --exclude=rows.jsonl --exclude=checkpoints --exclude=merged --exclude='*.gguf' . 2>/dev/null
+  ls -la "$OUT"
+}
+
+timed() {  # timed LOG CMD...: CMD's --json line to LOG.json, its stderr to LOG.log, the wall seconds said
+  local log=$1; shift
+  local t0=$SECONDS
+  "$@" --json > "$log.json" 2> "$log.log"
+  local rc=$?
+  echo "$(basename "$log"): exit $rc in $((SECONDS - t0)) s; $(grep -h '^generation:' "$log.log" | head -3 | tr '\n' ' ')"
+  return $rc
+}
+
+# the recipes of the A/B: the README recipe's rows and steps; each adds one way to keep what the model could do
+common=(--model "$model" --device "$dev" "${tpl[@]}" --mode lora --rank 16 --lr 3e-4 --steps "$steps"
+        --batch-size "$sft_batch" --max-seq-len "$seq" --irrelevance-rows 880 --in-loop-task bfcl:simple_python,multiple
+        --retain bfcl:irrelevance --retain chat --in-loop-limit "$task_limit" --in-loop-every "$every" --keep-best task
+        "${limit[@]}")
+declare -A VARIANTS=(  # ONLY="a b": just those
+  [plain]="--swapped-no-call 0"
+  [replay]="--swapped-no-call 0 --replay 0.3"
+  [matched]="--swapped-no-call 650 --swapped-matched --replay 0.3"
+  [nearest]="--swapped-no-call 650 --swapped-nearest --replay 0.3"
+  [nearest-kl]="--swapped-no-call 650 --swapped-nearest --replay 0.3 --kl-to-base 0.1"
+)
+
+if [ "$stage" = ab ]; then
+  {
+    timed "$base/base_bfcl" entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+      --out "$base/base_bfcl.jsonl" --overwrite
+    timed "$base/base_he" entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+      --out "$base/base_he.jsonl" --overwrite
+    timed "$base/base_chat" entrenar eval --task chat --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+      --out "$base/base_chat.jsonl" --overwrite
+    for v in ${ONLY:-${!VARIANTS[@]}}; do
+      # shellcheck disable=SC2086
+      timeout "$(left)" python3 -m bench.task_proof toolcall "${common[@]}" --work "$root/$v" --base-from "$base" \
+        ${VARIANTS[$v]} > "$root/$v.out" 2>&1 &
+    done
+    wait
+    for v in ${ONLY:-${!VARIANTS[@]}}; do
+      echo "== $v: ${VARIANTS[$v]}"; grep -E "^(bfcl|chat|humaneval) |exit [1-9]|Error" "$root/$v.out" | head -12
+    done
+  } 2>&1 | tee "$OUT/ab-summary.txt"
+  collect ab
+  exit 0
+fi
+
+if [ "$stage" = grpo ]; then
+  g=$root/grpo
+  mkdir -p "$g"
+  {
+    if [ "$dev" = cuda ]; then
+      echo "== engine vs transformers (random weights, SmolLM2 shape)"
+      timeout 150 python3 bench/engine_throughput.py --shapes smollm2-135m --hf-batches 64,256 > "$g/engine.jsonl" \
+        2> "$g/engine.log"; echo "exit $?"; tail -n 12 "$g/engine.jsonl"
+    fi
+    timed "$g/base_he10" entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+      --samples 10 --temperature 0.8 --out "$g/base_he10.jsonl" --overwrite
+    # the SFT model to start from: the variant whose irrelevance held best, then the most simple_python
+    pick=$(python3 -m bench.panel_pick "$root" ${ONLY:-nearest-kl nearest matched replay plain})
+    echo "== GRPO from the SFT adapter of: $pick"
+    timed "$g/merge" entrenar merge --base "$model" --adapter "$root/$pick/run" --out "$g/merged"
+    timed "$g/finetune" entrenar finetune --model "$g/merged" "${tpl[@]}" --objective grpo --data "$root/$pick/rows.jsonl" \
+      --reward bfcl-graded --mode lora --rank 16 --lr "${GRPO_LR:-5e-5}" --num-generations "$gens" \
+      --batch-size "$batch" --max-new-tokens "$new" --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" \
+      --eval-task bfcl:simple_python,multiple --eval-task-limit "$task_limit" --eval-task-every $((grpo_steps / 2)) \
+      --retain-task bfcl:irrelevance --retain-task chat --keep-best task --seed 0 --out "$g/run"
+    grep -E "^step [0-9]+/" "$g/finetune.log" | awk 'NR % 10 == 1' | head -20
+    timed "$g/after_bfcl" entrenar eval --task "bfcl:$cats" --model "$g/run" "${limit[@]}" --device "$dev" \
+      --out "$g/after_bfcl.jsonl" --overwrite --compare "$root/$pick/after_bfcl.jsonl"
+    grep -E "^bfcl " "$g/after_bfcl.log"
+    timed "$g/after_chat" entrenar eval --task chat --model "$g/run" "${limit[@]}" --device "$dev" \
+      --out "$g/after_chat.jsonl" --overwrite --compare "$root/$pick/after_chat.jsonl"
+    grep -E "^chat" "$g/after_chat.log"
+    timed "$g/after_he" entrenar eval --task humaneval --model "$g/run" "${limit[@]}" --device "$dev" \
+      --out "$g/after_he.jsonl" --overwrite --compare "$root/$pick/after_he.jsonl"
+    grep -E "^humaneval" "$g/after_he.log"
+  } 2>&1 | tee "$OUT/grpo-summary.txt"
+  collect grpo
+  exit 0
+fi
+echo "unknown stage $stage (ab | grpo)"; exit 2
