@@ -270,6 +270,10 @@ def test_nearest_swapped_rows_pick_the_on_topic_donor_that_cannot_answer():
     index = TopicIndex(qs)
     assert index.similarity(0, 4) > index.similarity(0, 1) > index.similarity(0, 2) == 0.0
     assert not index.cannot_answer(0, 3) and not index.cannot_answer(0, 4) and index.cannot_answer(0, 1)
+    # the user asks in the donor's own words (body mass index), though the question's function is named otherwise
+    health = ("health_metrics", "Health metrics of a person from weight and height.", ["weight", "height"])
+    asks_bmi = _bq(6, "Body mass index of a 70 kg, 1.8 m adult?", [health])
+    assert not TopicIndex([*qs, asks_bmi]).cannot_answer(5, 1)
     assert [(i, j) for i, j, _ in nearest_donors(qs, [0, 3, 1, 2, 4], 2)] == [(0, 1), (3, 1)]
     # a third triangle question: bmi's function set was shown twice already, so it gets the weather one
     qs.append(_bq(5, "Triangle with base 6 and height 2: its area?", [TRIANGLE]))

@@ -114,8 +114,10 @@ class TopicIndex:
         self.keys = [function_set_key(q.functions) for q in questions]
         sets: dict[tuple[str, ...], set[str]] = {}
         subject: dict[tuple[str, ...], set[str]] = {}  # names + descriptions (no parameter names)
+        self.donor_name_words: dict[tuple[str, ...], set[str]] = {}
         for q, key in zip(questions, self.keys):
             if key not in sets:
+                self.donor_name_words[key] = set().union(*(topic_words(f["name"]) for f in q.functions))
                 sets[key] = set().union(*(topic_words(_function_text(f, True)) for f in q.functions))
                 subject[key] = set().union(*(topic_words(_function_text(f, False)) for f in q.functions))
         df: dict[str, int] = defaultdict(int)
@@ -137,6 +139,7 @@ class TopicIndex:
         self.df = df
         self.name_words = [name_words(q.functions) for q in questions]
         self.own_names = [{f["name"].lower() for f in q.functions} for q in questions]
+        self.user_words = [topic_words(_user_text(q)) for q in questions]
         self.specific = [self._specific_words(q) for q in questions]
 
     def weight(self, word: str) -> float:
@@ -171,10 +174,13 @@ class TopicIndex:
 
     def cannot_answer(self, i: int, j: int) -> bool:
         """Whether donor j's functions cannot answer question i: j has functions, none named as one of i's own,
-        no subject word of their names among i's (bfcl_data.name_words), and their names and descriptions hold
-        none of i's own functions' most specific words (_specific_words)."""
+        no subject word of their names among i's (bfcl_data.name_words) nor in i's user text ("lowest temperature
+        reading" is never shown get_temperature), and their names and descriptions hold none of i's own
+        functions' most specific words (_specific_words)."""
         donor = self.questions[j]
         if j == i or not donor.functions or self.name_words[i] & self.name_words[j]:
+            return False
+        if self.user_words[i] & self.donor_name_words[self.keys[j]]:
             return False
         if any(f["name"].lower() in self.own_names[i] for f in donor.functions):
             return False
