@@ -126,7 +126,9 @@ def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
               f"{len(stats['schema_conflicts'])} whose answer breaks its own function's schema: "
               f"{', '.join(stats['schema_conflicts']) or 'none'}"
               + (f"; {stats['swapped_no_call']} no-call rows with another question's functions"
-                 if stats.get("swapped_no_call") else ""))
+                 if stats.get("swapped_no_call") else "")
+              + (f" (near misses: mean similarity {stats['swapped_mean_similarity']})"
+                 if stats.get("swapped_nearest") else ""))
     return stats
 
 

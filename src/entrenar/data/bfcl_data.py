@@ -380,7 +380,8 @@ def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEG
         swapped = swapped_no_call_rows(questions, swapped_no_call, system, matched=matched, nearest=nearest)
         if len(swapped) < swapped_no_call:
             raise InputError(f"--swapped-no-call {swapped_no_call}: these categories give {len(swapped)} such rows "
-                             f"(each question at most once); ask for at most {len(swapped)}")
+                             f"(each question at most once{', each donor function set at most twice' if nearest else ''}); "
+                             f"ask for at most {len(swapped)}")
         rows.extend(swapped)
         counts["swapped_no_call"] = len(swapped)
         counts["swapped_matched"] = matched
