@@ -274,6 +274,10 @@ def test_nearest_swapped_rows_pick_the_on_topic_donor_that_cannot_answer():
     health = ("health_metrics", "Health metrics of a person from weight and height.", ["weight", "height"])
     asks_bmi = _bq(6, "Body mass index of a 70 kg, 1.8 m adult?", [health])
     assert not TopicIndex([*qs, asks_bmi]).cannot_answer(5, 1)
+    # a donor taking the question's subject as a parameter (play a song at a volume) could answer "volume 20"
+    volume = [_bq(7, "Make the volume 20", [("set_volume", "Set the speaker's volume.", ["volume"])]),
+              _bq(8, "Play Yellow", [("play_spotify_song", "Plays a song on Spotify.", ["query", "volume"])])]
+    assert not TopicIndex([*qs, *volume]).cannot_answer(5, 6)
     assert [(i, j) for i, j, _ in nearest_donors(qs, [0, 3, 1, 2, 4], 2)] == [(0, 1), (3, 1)]
     # a third triangle question: bmi's function set was shown twice already, so it gets the weather one
     qs.append(_bq(5, "Triangle with base 6 and height 2: its area?", [TRIANGLE]))

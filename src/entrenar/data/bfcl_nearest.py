@@ -115,13 +115,11 @@ class TopicIndex:
         self.questions = questions
         self.keys = [function_set_key(q.functions) for q in questions]
         sets: dict[str, set[str]] = {}
-        subject: dict[str, set[str]] = {}  # names + descriptions (no parameter names)
         self.donor_name_words: dict[str, set[str]] = {}
         for q, key in zip(questions, self.keys):
             if key not in sets:
                 self.donor_name_words[key] = set().union(*(topic_words(f["name"]) for f in q.functions))
                 sets[key] = set().union(*(topic_words(_function_text(f, True)) for f in q.functions))
-                subject[key] = set().union(*(topic_words(_function_text(f, False)) for f in q.functions))
         df: dict[str, int] = defaultdict(int)
         for words in sets.values():
             for w in words:
@@ -130,7 +128,6 @@ class TopicIndex:
         self.idf = {w: math.log((1 + n) / (1 + d)) + 1 for w, d in df.items()}
         self._unseen_idf = math.log(1 + n) + 1
         self.donor_words = sets
-        self.subject_words = subject
         self.donor_norm = {k: math.sqrt(sum(self.idf[w] ** 2 for w in ws)) for k, ws in sets.items()}
         postings: dict[str, list[tuple[str, float]]] = defaultdict(list)
         for k, ws in sets.items():
@@ -177,8 +174,9 @@ class TopicIndex:
     def cannot_answer(self, i: int, j: int) -> bool:
         """Whether donor j's functions cannot answer question i: j has functions, none named as one of i's own,
         no subject word of their names among i's (bfcl_data.name_words) nor in i's user text ("lowest temperature
-        reading" is never shown get_temperature), and their names and descriptions hold none of i's own
-        functions' most specific words (_specific_words)."""
+        reading" is never shown get_temperature), and their names, descriptions and parameter names hold none of
+        i's own functions' most specific words (_specific_words: set_volume's question is never shown
+        play_spotify_song(query, volume))."""
         donor = self.questions[j]
         if j == i or not donor.functions or self.name_words[i] & self.name_words[j]:
             return False
@@ -186,7 +184,7 @@ class TopicIndex:
             return False
         if any(f["name"].lower() in self.own_names[i] for f in donor.functions):
             return False
-        return not self.specific[i] & self.subject_words[self.keys[j]]
+        return not self.specific[i] & self.donor_words[self.keys[j]]
 
 
 def nearest_donors(questions: list[BfclQuestion], order: list[int], n: int,
