@@ -3,7 +3,7 @@ are closest in topic to it while still unable to answer it (a triangle-area ques
 function, not a weather one, never a triangle-area one). BFCL's scored irrelevance category is made of such near
 misses; random donors (another subject altogether) teach them poorly. docs/design.md ("BFCL") states the rule.
 
-Closeness is a TF-IDF cosine over word sets: the question's side is its user text and its own functions' names
+Closeness is a TF-IDF cosine over word sets: the question's side is its user text and its called functions' names
 and descriptions; the donor's side is its functions' names, descriptions and parameter names. Words are lower-cased,
 split at non-letters and camelCase, plural -s dropped; stop words, the generic name words of
 bfcl_data._GENERIC_NAME_WORDS and words of two letters or fewer are left out. A word's weight is its smoothed
