@@ -75,8 +75,10 @@ def toolcall(a: argparse.Namespace) -> dict[str, Any]:
                            "irrelevance_copies": a.irrelevance_copies, "swapped_no_call": a.swapped_no_call}
     rows = work / "rows.jsonl"
     res["rows"] = cli("data", "sft-from-bfcl", "--out", str(rows), "--irrelevance", "--overwrite",
-                      "--swapped-no-call", str(a.swapped_no_call), *(["--swapped-matched"] if a.swapped_matched else []))
-    res.update(replay=a.replay, kl_to_base=a.kl_to_base, swapped_matched=a.swapped_matched, retain=a.retain)
+                      "--swapped-no-call", str(a.swapped_no_call), *(["--swapped-matched"] if a.swapped_matched else []),
+                      *(["--swapped-nearest"] if a.swapped_nearest else []))
+    res.update(replay=a.replay, kl_to_base=a.kl_to_base, swapped_matched=a.swapped_matched,
+               swapped_nearest=a.swapped_nearest, retain=a.retain)
     # every call row and every swapped no-call row, and the first --irrelevance-rows of live_irrelevance's rows
     # (it has 880: as many as 40% of the rows would teach abstaining more than calling)
     kept, no_call = [], 0
@@ -208,6 +210,7 @@ def main() -> None:
     t.add_argument("--replay", type=float, default=0.0, help="finetune --mix data replay's rows at this fraction")
     t.add_argument("--kl-to-base", type=float, default=0.0, help="finetune --kl-to-base (on the replay rows)")
     t.add_argument("--swapped-matched", action="store_true", help="data sft-from-bfcl --swapped-matched")
+    t.add_argument("--swapped-nearest", action="store_true", help="data sft-from-bfcl --swapped-nearest")
     t.add_argument("--peft-check", type=int, default=0, metavar="N",
                    help="after the run: the first N questions of each category in transformers + peft (bench/peft_check)")
     t.add_argument("--retain", action="append", default=[], metavar="TASK", help="finetune --retain-task TASK")

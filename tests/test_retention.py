@@ -233,6 +233,98 @@ def test_matched_swapped_rows_take_donors_of_the_same_category_and_tool_count():
     assert not any(r["id"].startswith("live_multiple_4+") for r in rows)  # no donor with one function there
 
 
+# ---- near-miss no-call rows (--swapped-nearest) ---------------------------------------------------------------
+def _bq(i: int, user: str, functions: list[tuple[str, str, list[str]]], cat: str = "live_simple"):
+    """A BFCL question with these (name, description, parameter names) functions; its answer calls the first."""
+    from entrenar.data.bfcl_data import BfclQuestion
+
+    docs = [{"name": n, "description": d, "parameters": {"type": "dict", "required": [],
+                                                         "properties": {p: {"type": "float"} for p in ps}}}
+            for n, d, ps in functions]
+    return BfclQuestion(f"{cat}_{i}", cat, [{"role": "user", "content": user}], docs, [{functions[0][0]: {}}])
+
+
+TRIANGLE = ("triangle_area", "Calculate the area of a triangle from its base and height.", ["base", "height"])
+BMI = ("determine_body_mass_index", "Body mass index of a person from weight and height.", ["weight", "height"])
+
+
+def _near_miss_questions():
+    return [_bq(0, "What is the area of a triangle with base 10 and height 5?", [TRIANGLE]),
+            _bq(1, "My BMI at 70 kg and 1.8 m?", [BMI]),
+            _bq(2, "Weather in Paris now?", [("get_weather", "Current weather of a city.", ["city"])]),
+            _bq(3, "Area of a triangle, base 3, height 4", [TRIANGLE]),
+            # the closest of all and yet it answers a triangle's area: excluded (its description holds the
+            # question's own function's subject words)
+            _bq(4, "Measure my square of side 2", [("polygon_measure", "Area of a triangle or a square from sides.",
+                                                    ["sides", "height"])])]
+
+
+def test_nearest_swapped_rows_pick_the_on_topic_donor_that_cannot_answer():
+    """--swapped-nearest: a triangle-area question is shown the body-mass-index function (on topic: height),
+    never another triangle-area function or one whose description answers it (polygon_measure), and not the
+    off-topic weather one while bmi is there; each donor's function set at most twice; fixed by the seed."""
+    from entrenar.data.bfcl_data import swapped_no_call_rows
+    from entrenar.data.bfcl_nearest import TopicIndex, nearest_donors
+
+    qs = _near_miss_questions()
+    index = TopicIndex(qs)
+    assert index.similarity(0, 4) > index.similarity(0, 1) > index.similarity(0, 2) == 0.0
+    assert not index.cannot_answer(0, 3) and not index.cannot_answer(0, 4) and index.cannot_answer(0, 1)
+    # the user asks in the donor's own words (body mass index), though the question's function is named otherwise
+    health = ("health_metrics", "Health metrics of a person from weight and height.", ["weight", "height"])
+    asks_bmi = _bq(6, "Body mass index of a 70 kg, 1.8 m adult?", [health])
+    assert not TopicIndex([*qs, asks_bmi]).cannot_answer(5, 1)
+    # a donor taking the question's subject as a parameter (play a song at a volume) could answer "volume 20"
+    volume = [_bq(7, "Make the volume 20", [("set_volume", "Set the speaker's volume.", ["volume"])]),
+              _bq(8, "Play Yellow", [("play_spotify_song", "Plays a song on Spotify.", ["query", "volume"])])]
+    assert not TopicIndex([*qs, *volume]).cannot_answer(5, 6)
+    assert [(i, j) for i, j, _ in nearest_donors(qs, [0, 3, 1, 2, 4], 2)] == [(0, 1), (3, 1)]
+    # a third triangle question: bmi's function set was shown twice already, so it gets the weather one
+    qs.append(_bq(5, "Triangle with base 6 and height 2: its area?", [TRIANGLE]))
+    assert [(i, j) for i, j, _ in nearest_donors(qs, [0, 3, 5, 1, 2, 4], 3)] == [(0, 1), (3, 1), (5, 2)]
+    for seed in range(4):
+        rows = swapped_no_call_rows(qs, 6, nearest=True, seed=seed)
+        assert rows == swapped_no_call_rows(qs, 6, nearest=True, seed=seed)
+        pairs = [tuple(int(x.rsplit("_", 1)[1]) for x in r["id"].split("+tools-of-")) for r in rows]
+        assert len(rows) == len({i for i, _ in pairs}) >= 5 and all(TopicIndex(qs).cannot_answer(i, j)
+                                                                    for i, j in pairs)
+        assert all(j in (1, 2) for i, j in pairs if i in (0, 3, 5)) and [j for _, j in pairs].count(1) <= 2
+
+
+def test_nearest_swapped_rows_on_the_packaged_live_data(tmp_path, capsys):
+    """On BFCL's live_* questions the near-miss donors are closer in topic than random ones, every pair passes
+    the can't-answer rule, and with --swapped-matched they keep category and tool count. The CLI flag works end
+    to end and is exit 2 without --swapped-no-call."""
+    from entrenar.data import bfcl_data as bd
+    from entrenar.data.bfcl_nearest import TopicIndex, function_set_key, mean_similarity
+
+    qs = bd.load_bfcl(bd.LIVE_CALL_CATEGORIES)
+    index, at = TopicIndex(qs), {q.task_id: i for i, q in enumerate(qs)}
+    for matched in (False, True):
+        near = bd.swapped_no_call_rows(qs, 300, matched=matched, nearest=True)
+        pairs = [tuple(at[x] for x in r["id"].split("+tools-of-")) for r in near]
+        assert len(near) == 300 and len({i for i, _ in pairs}) == 300
+        assert all(index.cannot_answer(i, j) for i, j in pairs)
+        sets = [function_set_key(qs[j].functions) for _, j in pairs]
+        assert max(sets.count(k) for k in sets) <= 2
+        if matched:
+            assert all(qs[i].category == qs[j].category and len(qs[i].functions) == len(qs[j].functions)
+                       for i, j in pairs)
+        random_rows = bd.swapped_no_call_rows(qs, 300, matched=matched)
+        assert mean_similarity(qs, near) > 1.5 * mean_similarity(qs, random_rows)
+    out = tmp_path / "rows.jsonl"
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--swapped-no-call", "50",
+                          "--swapped-nearest", "--json"], capsys)
+    assert code == 0 and js["swapped_no_call"] == 50 and js["swapped_nearest"] is True, err
+    assert js["swapped_mean_similarity"] > 0
+    assert sum("+tools-of-" in json.loads(line)["id"] for line in out.read_text().splitlines()) == 50
+    assert bd.sft_rows_from_bfcl(swapped_no_call=50, nearest=True)[1]["swapped_mean_similarity"] == \
+        js["swapped_mean_similarity"]
+    code, js, err = main(["data", "sft-from-bfcl", "--out", str(out), "--swapped-nearest", "--overwrite",
+                          "--json"], capsys)
+    assert code == 2 and "--swapped-nearest" in js["error"] and "--swapped-no-call N" in js["error"]
+
+
 # ---- eval --compare -----------------------------------------------------------------------------------------
 def _write(path: Path, rows: list[dict]) -> Path:
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -114,8 +114,11 @@ def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
     system_prompt = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
     if args.swapped_no_call < 0:
         raise InputError(f"--swapped-no-call {args.swapped_no_call}: must be >= 0")
+    if args.swapped_nearest and not args.swapped_no_call:
+        raise InputError("--swapped-nearest chooses the donors of --swapped-no-call's rows: give --swapped-no-call N "
+                         "(N > 0) with it, or leave it out")
     stats = write_sft_from_bfcl(args.out, categories, system_prompt, args.irrelevance, args.overwrite,
-                                args.swapped_no_call, args.swapped_matched)
+                                args.swapped_no_call, args.swapped_matched, args.swapped_nearest)
     if not args.json:
         per = ", ".join(f"{c} {n}" for c, n in stats["per_category"].items())
         print(f"wrote {stats['rows']} rows to {stats['out']} ({per}); {len(stats['unanswerable'])} questions "
@@ -123,7 +126,9 @@ def cmd_sft_from_bfcl(args: argparse.Namespace) -> dict[str, Any]:
               f"{len(stats['schema_conflicts'])} whose answer breaks its own function's schema: "
               f"{', '.join(stats['schema_conflicts']) or 'none'}"
               + (f"; {stats['swapped_no_call']} no-call rows with another question's functions"
-                 if stats.get("swapped_no_call") else ""))
+                 if stats.get("swapped_no_call") else "")
+              + (f" (near misses: mean similarity {stats['swapped_mean_similarity']})"
+                 if stats.get("swapped_nearest") else ""))
     return stats
 
 
@@ -279,6 +284,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     q.add_argument("--swapped-matched", action="store_true",
                    help="--swapped-no-call's donors from the question's own category with as many functions as its "
                         "own: the no-call rows match the call rows' distribution")
+    q.add_argument("--swapped-nearest", action="store_true",
+                   help="--swapped-no-call's donor is the question closest in topic whose functions still cannot "
+                        "answer it (a near miss: triangle area shown body-mass-index, not weather); each donor's "
+                        "functions at most twice; combines with --swapped-matched")
     q.add_argument("--system-prompt-file", help="text file used as every row's system prompt (none)")
     q.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
 

@@ -289,8 +289,16 @@ def name_words(functions: list[dict[str, Any]]) -> set[str]:
     return words
 
 
+def _no_call_row(question: BfclQuestion, donor: BfclQuestion, system: str | None) -> dict[str, Any]:
+    from .tool_calls import validate_tools
+
+    return {"id": f"{question.task_id}+tools-of-{donor.task_id}",
+            "tools": validate_tools(openai_tools(donor.functions)),
+            "messages": with_system(question.messages, system) + [{"role": "assistant", "content": NO_CALL_ANSWER}]}
+
+
 def swapped_no_call_rows(questions: list[BfclQuestion], n: int, system: str | None = None,
-                         seed: int = 0, matched: bool = False) -> list[dict[str, Any]]:
+                         seed: int = 0, matched: bool = False, nearest: bool = False) -> list[dict[str, Any]]:
     """n no-call rows: a question with calls shown another question's functions instead of its own, answered
     with NO_CALL_ANSWER. A donor is taken only when no subject word of its function names is among the
     question's (name_words), so the shown functions are about something else; each question at most once, in
@@ -298,14 +306,19 @@ def swapped_no_call_rows(questions: list[BfclQuestion], n: int, system: str | No
     live_irrelevance rows alone teach poorly (a small model learns "call" or "never call"). matched: the donor is
     of the question's own category and shows as many functions as the question's own, so the no-call rows match
     the call rows' distribution (category, tools shown) and nothing but the fit of the functions tells them
-    apart."""
+    apart. nearest: the donor is the one closest in topic that still cannot answer (bfcl_nearest.nearest_donors),
+    within the matched pool when matched."""
     import random
-
-    from .tool_calls import validate_tools
 
     rng = random.Random(seed)
     order = list(range(len(questions)))
     rng.shuffle(order)
+    if nearest:
+        from .bfcl_nearest import nearest_donors
+
+        group = (lambda i: (questions[i].category, len(questions[i].functions))) if matched else None
+        return [_no_call_row(questions[i], questions[j], system) for i, j, _ in
+                nearest_donors(questions, order, n, group)]
     words = [name_words(q.functions) for q in questions]
     rows: list[dict[str, Any]] = []
     for i in order:
@@ -316,25 +329,23 @@ def swapped_no_call_rows(questions: list[BfclQuestion], n: int, system: str | No
         for _ in range(20 if pool is None or pool else 0):  # a few tries for a donor on another subject
             j = rng.choice(pool) if pool else rng.randrange(len(questions))
             if j != i and not (words[i] & words[j]) and questions[j].functions:
-                q, donor = questions[i], questions[j]
-                rows.append({"id": f"{q.task_id}+tools-of-{donor.task_id}",
-                             "tools": validate_tools(openai_tools(donor.functions)),
-                             "messages": with_system(q.messages, system) +
-                             [{"role": "assistant", "content": NO_CALL_ANSWER}]})
+                rows.append(_no_call_row(questions[i], questions[j], system))
                 break
     return rows
 
 
 def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES, system: str | None = None,
                        irrelevance: bool = False,
-                       swapped_no_call: int = 0, matched: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+                       swapped_no_call: int = 0, matched: bool = False,
+                       nearest: bool = False) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """Tool-call SFT rows (design.md "SFT rows with tool calls") from BFCL's live categories: the question,
     its functions as `tools`, and an assistant turn whose `tool_calls` are the ground truth's calls, each
     argument one its tool's schema accepts (conforming_calls; questions without such an answer are left out and
     listed in `schema_conflicts`). Only live_* categories: BFCL's scored non-live categories are other files, so the
     rows are disjoint from them by construction. irrelevance: also live_irrelevance's questions answered in
     plain text (NO_CALL_ANSWER). swapped_no_call: also that many of these questions shown other questions'
-    functions and answered without a call (swapped_no_call_rows). Returns (rows, counts)."""
+    functions and answered without a call (swapped_no_call_rows; matched, nearest: its donor choice). Returns
+    (rows, counts)."""
     from .tool_calls import normalize_message, tool_names, validate_tools
 
     for c in categories:
@@ -366,27 +377,34 @@ def sft_rows_from_bfcl(categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEG
                          [{"role": "assistant", "content": NO_CALL_ANSWER}]})
             counts["per_category"]["live_irrelevance"] = counts["per_category"].get("live_irrelevance", 0) + 1
     if swapped_no_call:
-        swapped = swapped_no_call_rows(questions, swapped_no_call, system, matched=matched)
+        swapped = swapped_no_call_rows(questions, swapped_no_call, system, matched=matched, nearest=nearest)
         if len(swapped) < swapped_no_call:
             raise InputError(f"--swapped-no-call {swapped_no_call}: these categories give {len(swapped)} such rows "
-                             f"(each question at most once); ask for at most {len(swapped)}")
+                             f"(each question at most once{', each donor function set at most twice' if nearest else ''}); "
+                             f"ask for at most {len(swapped)}")
         rows.extend(swapped)
         counts["swapped_no_call"] = len(swapped)
         counts["swapped_matched"] = matched
+        counts["swapped_nearest"] = nearest
+        if nearest:
+            from .bfcl_nearest import mean_similarity
+
+            counts["swapped_mean_similarity"] = mean_similarity(questions, swapped)
     counts["rows"] = len(rows)
     return rows, counts
 
 
 def write_sft_from_bfcl(out: str | Path, categories: list[str] | tuple[str, ...] = LIVE_CALL_CATEGORIES,
                         system: str | None = None, irrelevance: bool = False,
-                        overwrite: bool = False, swapped_no_call: int = 0, matched: bool = False) -> dict[str, Any]:
+                        overwrite: bool = False, swapped_no_call: int = 0, matched: bool = False,
+                        nearest: bool = False) -> dict[str, Any]:
     """`data sft-from-bfcl`: the rows as JSONL at `out` (written atomically); an existing `out` only with
     overwrite, and only when it is a JSONL file (CLI-OVERWRITE-OWN)."""
     from ..fileio import atomic_write
     from ..outpaths import check_jsonl_out
 
     out = check_jsonl_out(out, overwrite)
-    rows, counts = sft_rows_from_bfcl(categories, system, irrelevance, swapped_no_call, matched)
+    rows, counts = sft_rows_from_bfcl(categories, system, irrelevance, swapped_no_call, matched, nearest)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
     return {**counts, "out": str(out), "categories": list(categories), "irrelevance": irrelevance}
