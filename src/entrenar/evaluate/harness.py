@@ -73,7 +73,7 @@ def eta_text(done: int, total: int, elapsed_s: float) -> str:
 @dataclass
 class TaskEvalSettings:
     samples: int = 1  # completions per problem (n of pass@k)
-    batch_size: int = 8  # prompts decoded at once
+    batch_size: int = 8  # problems handed to the generator at once, each with its missing samples
     chat: bool = True  # the chat format (the model's template) or plain completion
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     workers: int = 2  # programs run at once (each in its own sandbox)
@@ -244,9 +244,10 @@ def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, se
 
 
 def prompts_per_call(slots: int | str, device: str, problems: int) -> int:
-    """The prompts the harness hands the completer at once (TaskEvalSettings.batch_size): on CUDA every problem
-    (the engine keeps its slots full until the last prompt; rows reach --out when a sample's generation ends),
-    elsewhere one slot's worth (a CPU decodes for minutes: each batch's rows reach --out as it ends)."""
+    """The problems the harness hands the completer at once, each with its missing samples
+    (TaskEvalSettings.batch_size): on CUDA every problem (the engine keeps its slots full until the last request;
+    rows reach --out when the generation ends), elsewhere one slot's worth (a CPU decodes for minutes: each batch's
+    rows reach --out as it ends)."""
     if str(device).startswith("cuda"):
         return max(1, problems)
     return int(slots) if slots != "auto" else CPU_SLOTS
