@@ -62,8 +62,8 @@ def test_a_batch_of_problems_is_one_call_with_every_missing_sample():
 
 @pytest.fixture()
 def engine_calls(monkeypatch) -> list[dict]:
-    """Every engine.generate_many call (the completer imports it at each call): its model, tokenizer, prompts,
-    settings and seeds."""
+    """Every engine.generate_many call (entrenar_completer imports it when the command makes it): its model,
+    tokenizer, prompts, settings and seeds."""
     calls: list[dict] = []
 
     def counted(model, tokenizer, prompts, settings, **kw):
