@@ -317,7 +317,7 @@ def test_records_and_summary_per_category():
     by_ids = {tuple(bfcl_prompt_ids(q, tok)): answers[q.task_id] for q in qs}
     seen = []
 
-    def complete(batch, sample):  # "Let me think." stopped at the token limit (issue 38 item 11)
+    def complete(batch, samples):  # "Let me think." stopped at the token limit (issue 38 item 11)
         seen.append(len(batch))
         return [Completion(by_ids[tuple(ids)], by_ids[tuple(ids)] == "Let me think.") for ids in batch]
 
@@ -394,12 +394,12 @@ def test_cli_bfcl_rows_are_kept_as_questions_finish_and_resume_continues(tiny_di
     def completer(*a, **k):
         complete = real(*a, **k)
 
-        def wrapped(batch, sample):
+        def wrapped(batch, samples):
             calls.append(len(batch))
             seen_in_out.append(len(out.read_text().splitlines()))
             if interrupt and len(calls) == 3:
                 raise KeyboardInterrupt
-            return complete(batch, sample)
+            return complete(batch, samples)
         return wrapped
 
     monkeypatch.setattr(harness, "entrenar_completer", completer)

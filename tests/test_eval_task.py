@@ -151,9 +151,9 @@ def test_harness_scores_each_sample_and_averages_pass_at_k():
     settings = TaskEvalSettings(samples=3, batch_size=2, chat=False, limits=SandboxLimits(timeout_s=5))
     by_prompt = {tuple(prompt_ids(p, tok, False)): i for i, p in enumerate(problems)}
 
-    def complete(batch_ids, sample):
+    def complete(batch_ids, samples):
         out = []
-        for ids in batch_ids:
+        for ids, sample in zip(batch_ids, samples):
             i = by_prompt[tuple(ids)]
             right = solutions[problems[i].task_id]
             out.append(right if (i + sample) % 3 == 0 else "    return None\n")
@@ -174,9 +174,9 @@ def test_completer_marks_completions_the_token_limit_cut():
     tok = tiny_tokenizer()
     model = tiny_causal_lm(tiny_config("qwen2", vocab_size=len(tok), max_position_embeddings=512), 0)
     prompts = [prompt_ids(ADD, tok, chat=False)]
-    cut = entrenar_completer(model, tok, 3, False, stop=lambda text: False)(prompts, 0)
+    cut = entrenar_completer(model, tok, 3, False, stop=lambda text: False)(prompts, [0])
     assert [(len(tok.encode(c.text, add_special=False)) > 0, c.truncated) for c in cut] == [(True, True)]
-    stopped = entrenar_completer(model, tok, 3, False, stop=lambda text: True)(prompts, 0)
+    stopped = entrenar_completer(model, tok, 3, False, stop=lambda text: True)(prompts, [0])
     assert [c.truncated for c in stopped] == [False]
     assert truncation_note(0, 5, "--max-new-tokens", 3) is None
     assert "2 of 5 completions stopped at --max-new-tokens 3" in truncation_note(2, 5, "--max-new-tokens", 3)
@@ -308,7 +308,7 @@ def test_rows_are_appended_as_problems_finish_and_an_interrupt_keeps_them(tmp_pa
     seen_in_out: list[int] = []
     calls: list[int] = []
 
-    def complete(batch, sample):  # problem t1 and t3 answered right, t0 and t2 wrong
+    def complete(batch, samples):  # problem t1 and t3 answered right, t0 and t2 wrong
         calls.append(len(calls))
         seen_in_out.append(len(out.read_text().splitlines()) if out.exists() else 0)
         if interrupt and len(calls) == 3:

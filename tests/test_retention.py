@@ -51,9 +51,9 @@ def test_replay_keeps_answers_that_pass_the_chat_gates_and_retries_samples():
                    "Explain something else.": "I cannot answer that."}}
     by_len = {}
 
-    def complete(batch_ids, sample):
+    def complete(batch_ids, samples):
         out = []
-        for ids in batch_ids:
+        for ids, sample in zip(batch_ids, samples):
             prompt = by_len[ids[-1]]
             out.append(Completion(answers[sample][prompt], False))
         return out

@@ -130,7 +130,7 @@ def replay_rows(prompts: list[dict[str, str]], tokenizer: Any, complete: Callabl
             batch = todo[at:at + batch_size]
             if log is not None:
                 log(f"sample {sample + 1}/{samples}: prompts {at + 1}-{at + len(batch)} of {len(todo)}")
-            for i, c in zip(batch, complete([prompt_ids[i] for i in batch], sample)):
+            for i, c in zip(batch, complete([prompt_ids[i] for i in batch], [sample] * len(batch))):
                 request = ChatRequest(prompts[i]["id"], prompts[i]["prompt"], prompts[i]["topic"])
                 gates, _ = chat_gates(request, c.text)
                 if all(gates.values()) and not c.truncated:

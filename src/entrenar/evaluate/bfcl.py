@@ -420,7 +420,7 @@ def bfcl_records(questions: Sequence[BfclQuestion], tokenizer, complete: Complet
         if log is not None:
             log(f"questions {done + 1}-{done + len(batch)} of {len(questions)}: generating")
         t0 = time.perf_counter()
-        made = [completion_parts(c) for c in complete([ids[i] for i in batch], 0)]
+        made = [completion_parts(c) for c in complete([ids[i] for i in batch], [0] * len(batch))]
         seconds = (time.perf_counter() - t0) / len(batch)
         assert len(made) == len(batch), (len(made), len(batch))
         for i, (text, truncated) in zip(batch, made):

@@ -223,7 +223,7 @@ def chat_records(requests: Sequence[ChatRequest], tokenizer: Any, complete: Call
         batch = order[at:at + batch_size]
         if log is not None:
             log(f"chat requests {at + 1}-{at + len(batch)} of {len(requests)}: generating")
-        for i, c in zip(batch, complete([ids[i] for i in batch], 0)):
+        for i, c in zip(batch, complete([ids[i] for i in batch], [0] * len(batch))):
             texts[i] = (c.text, c.truncated)
     own = {r.task_id: list(token_ids.get(tuple(p), [])) for r, p in zip(requests, ids)}
     base = base_answers if base_answers is not None else own

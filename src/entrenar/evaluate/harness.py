@@ -33,10 +33,11 @@ class Completion:
     truncated: bool
 
 
-# (prompt ids of a batch, index of the sample being drawn) -> one completion per prompt: a Completion, or its text
-# alone from a generator that cannot tell why it stopped (the record's "truncated" is then null). Sample s of every
-# problem comes from the same call, so a sampling generator can seed it with seed + s.
-Complete = Callable[[list[list[int]], int], Sequence[Completion | str]]
+# (prompt ids of the requests, the sample index of each: one per prompt) -> one completion per prompt: a Completion,
+# or its text alone from a generator that cannot tell why it stopped (the record's "truncated" is then null). One call
+# holds a batch's problems x their samples (a prompt's ids once per sample), so a sampling generator seeds request i
+# with seed + samples[i]: its draws depend on that seed and the prompt, not on what else the call holds.
+Complete = Callable[[list[list[int]], Sequence[int]], Sequence[Completion | str]]
 
 
 def completion_parts(completion: Completion | str) -> tuple[str, bool | None]:
@@ -72,7 +73,7 @@ def eta_text(done: int, total: int, elapsed_s: float) -> str:
 @dataclass
 class TaskEvalSettings:
     samples: int = 1  # completions per problem (n of pass@k)
-    batch_size: int = 8  # prompts decoded at once
+    batch_size: int = 8  # problems handed to the generator at once, each with its missing samples
     chat: bool = True  # the chat format (the model's template) or plain completion
     limits: SandboxLimits = field(default_factory=SandboxLimits)
     workers: int = 2  # programs run at once (each in its own sandbox)
@@ -108,22 +109,23 @@ def task_records(problems: Sequence[Problem], tokenizer, complete: Complete, set
     todo, made_here = sum(1 for r in records if r is None), 0  # the ETA counts what this process generates
     with ThreadPoolExecutor(max_workers=max(1, settings.workers)) as pool:
         for whole in _batches(problems, ids, settings.batch_size):
-            for s in range(settings.samples):
-                batch = [i for i in whole if records[i * settings.samples + s] is None]
-                if not batch:  # every row of this batch and sample came from `done`
-                    continue
+            # every (problem, sample) of the batch not done yet in one call: continuous batching keeps the slots full
+            # across samples (a call per sample decoded K times as long as that sample's longest answer)
+            missing = [(i, s) for i in whole for s in range(settings.samples) if records[i * settings.samples + s] is None]
+            if missing:  # else every row of this batch came from `done`
                 if log is not None:  # a CPU batch decodes for minutes: say what is running before it does
                     log(f"problems {finished + 1}-{finished + len(whole)} of {len(problems)}: generating"
-                        + (f" sample {s + 1}/{settings.samples}" if settings.samples > 1 else "")
-                        + (f" ({len(batch)} not done yet)" if len(batch) < len(whole) else ""))
+                        + (f" {settings.samples} samples each" if settings.samples > 1 else "")
+                        + (f" ({len(missing)} of {len(whole) * settings.samples} not done yet)"
+                           if len(missing) < len(whole) * settings.samples else ""))
                 t0 = time.perf_counter()
-                made = [completion_parts(c) for c in complete([ids[i] for i in batch], s)]
-                seconds = (time.perf_counter() - t0) / len(batch)
-                assert len(made) == len(batch), (len(made), len(batch))
+                made = [completion_parts(c) for c in complete([ids[i] for i, _ in missing], [s for _, s in missing])]
+                seconds = (time.perf_counter() - t0) / len(missing)
+                assert len(made) == len(missing), (len(made), len(missing))
                 codes = [extract_code(text, settings.chat) for text, _ in made]
-                programs = [program(problems[i], c, settings.chat) for i, c in zip(batch, codes)]
+                programs = [program(problems[i], c, settings.chat) for (i, _), c in zip(missing, codes)]
                 results = pool.map(lambda src: run_program(src, settings.limits), programs)
-                for i, (text, truncated), code, res in zip(batch, made, codes, results):
+                for (i, s), (text, truncated), code, res in zip(missing, made, codes, results):
                     record = {
                         "task_id": problems[i].task_id, "sample": s, "passed": res.passed, "status": res.status,
                         "error": res.error, "completion": text, "truncated": truncated, "code": code,
@@ -242,9 +244,10 @@ def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, se
 
 
 def prompts_per_call(slots: int | str, device: str, problems: int) -> int:
-    """The prompts the harness hands the completer at once (TaskEvalSettings.batch_size): on CUDA every problem
-    (the engine keeps its slots full until the last prompt; rows reach --out when a sample's generation ends),
-    elsewhere one slot's worth (a CPU decodes for minutes: each batch's rows reach --out as it ends)."""
+    """The problems the harness hands the completer at once, each with its missing samples
+    (TaskEvalSettings.batch_size): on CUDA every problem (the engine keeps its slots full until the last request;
+    rows reach --out when the generation ends), elsewhere one slot's worth (a CPU decodes for minutes: each batch's
+    rows reach --out as it ends)."""
     if str(device).startswith("cuda"):
         return max(1, problems)
     return int(slots) if slots != "auto" else CPU_SLOTS
@@ -265,9 +268,10 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
     the prompts of a call through `slots` decode slots ('auto': sized from the free GPU memory and the model at
     each call, engine.resolve_slots; the choice is passed to `log` when it changes). `stop(text)` ends a row early
     (default: the HumanEval stop rule of `chat`'s format; end-of-turn / EOS always stop); a row that stopped for
-    none of these, at max_new_tokens (or the context), is truncated (GenerationResult.stop_reason). Sample s of a
-    sampling eval draws every prompt with seed + s. token_ids, when given, receives {tuple(prompt ids): generated
-    ids} (bench/humaneval_parity.py compares them)."""
+    none of these, at max_new_tokens (or the context), is truncated (GenerationResult.stop_reason). The requests of a
+    call, whatever their samples, are one generate_many; request i draws with seed + samples[i]. token_ids, when
+    given, receives {tuple(prompt ids): generated ids} (bench/humaneval_parity.py compares them; a prompt asked
+    several times in a call: its last request's)."""
     import torch
 
     from ..engine import GenerationSettings, describe_stats, generate_many, resolve_slots
@@ -276,7 +280,7 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
     bf16 = dtype in BF16_COMPUTE
     said: list[str] = []
 
-    def complete(batch_ids: list[list[int]], sample: int) -> list[Completion]:
+    def complete(batch_ids: list[list[int]], samples: Sequence[int]) -> list[Completion]:
         context = model.cfg.max_position_embeddings
         longest = max(len(ids) for ids in batch_ids)
         if longest >= context:
@@ -288,10 +292,11 @@ def entrenar_completer(model, tokenizer, max_new_tokens: int, chat: bool, *, tem
                 said.append(why)
                 log(why)
             settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
-                                          seed=seed + sample, max_slots=n,
+                                          seed=seed, max_slots=n,
                                           stop_text=None if stop is no_early_stop else stop)
             stats: dict = {}
-            results = generate_many(model, tokenizer, batch_ids, settings, stats=stats)
+            results = generate_many(model, tokenizer, batch_ids, settings, seeds=[seed + s for s in samples],
+                                    stats=stats)
             if log is not None:
                 log(describe_stats(stats))
         if token_ids is not None:

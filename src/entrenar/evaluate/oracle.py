@@ -4,7 +4,7 @@ prompts, stop rule, decoding of the ids to text, extraction and the sandbox are 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from .harness import Complete, Completion
 from .tasks import completion_done as task_done
@@ -14,7 +14,8 @@ def transformers_completer(hf_model, tokenizer, max_new_tokens: int, chat: bool,
                            token_ids: dict | None = None, stop: Callable[[str], bool] | None = None) -> Complete:
     """Complete on `hf_model.generate(do_sample=False)`: left padding with an attention mask, stopping each
     row at a stop token or, through a StoppingCriteria, by `stop(text)` (default: tasks.completion_done for
-    `chat`'s format), as generate_batch does."""
+    `chat`'s format), as generate_batch does. Greedy: every sample of a prompt is the same, so `samples` (one
+    index per prompt, the Complete protocol) only has to be accepted."""
     import torch
     from transformers import StoppingCriteria, StoppingCriteriaList
 
@@ -32,7 +33,7 @@ def transformers_completer(hf_model, tokenizer, max_new_tokens: int, chat: bool,
             return torch.tensor([completion_done(tokenizer.decode(row[self.prompt_len:].tolist()), chat)
                                  for row in input_ids], dtype=torch.bool, device=input_ids.device)
 
-    def complete(batch_ids: list[list[int]], sample: int) -> list[Completion]:
+    def complete(batch_ids: list[list[int]], samples: Sequence[int]) -> list[Completion]:
         width = max(len(x) for x in batch_ids)
         ids = torch.tensor([[pad] * (width - len(x)) + x for x in batch_ids])
         mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in batch_ids])
