@@ -15,14 +15,14 @@
 set -uo pipefail
 stage=$1; name=$2; seconds=$3
 export PYTHONPATH=src:.:/tmp/site PYTHONUNBUFFERED=1
-entrenar() { python3 -m entrenar "$@"; }
-end=$((SECONDS + seconds))
-left() { echo $((end - SECONDS)); }
+
+end=$((SECONDS + seconds - 30))  # the last 30 s for collecting what finished
+left() { local n=$((end - SECONDS)); echo $((n > 1 ? n : 1)); }
 if [ "${DRY:-0}" = 1 ]; then
   dev=cpu; limit=(--limit 2); task_limit=2; steps=4; every=2; batch=2; grpo_steps=2; gens=2; seq=2048; sft_batch=2
   new=24
 else
-  dev=cuda; limit=(); task_limit=100; steps=250; every=125; batch=16; grpo_steps=${GRPO_STEPS:-120}; gens=8; seq=4096
+  dev=cuda; limit=(); task_limit=100; steps=250; every=125; batch=16; grpo_steps=${GRPO_STEPS:-80}; gens=8; seq=4096
   sft_batch=16; new=128
 fi
 if [ -d .whl ] && [ ! -d /tmp/site ]; then
@@ -54,7 +54,7 @@ collect() {  # $1: the stage; what it wrote, no weights, to $OUT
 timed() {  # timed LOG CMD...: CMD's --json line to LOG.json, its stderr to LOG.log, the wall seconds said
   local log=$1; shift
   local t0=$SECONDS
-  "$@" --json > "$log.json" 2> "$log.log"
+  timeout "$(left)" "$@" --json > "$log.json" 2> "$log.log"
   local rc=$?
   echo "$(basename "$log"): exit $rc in $((SECONDS - t0)) s; $(grep -h '^generation:' "$log.log" | head -3 | tr '\n' ' ')"
   return $rc
@@ -66,7 +66,6 @@ common=(--model "$model" --device "$dev" "${tpl[@]}" --mode lora --rank 16 --lr 
         --retain bfcl:irrelevance --retain chat --in-loop-limit "$task_limit" --in-loop-every "$every" --keep-best task
         "${limit[@]}")
 declare -A VARIANTS=(  # ONLY="a b": just those
-  [plain]="--swapped-no-call 0"
   [replay]="--swapped-no-call 0 --replay 0.3"
   [matched]="--swapped-no-call 650 --swapped-matched --replay 0.3"
   [nearest]="--swapped-no-call 650 --swapped-nearest --replay 0.3"
@@ -75,11 +74,11 @@ declare -A VARIANTS=(  # ONLY="a b": just those
 
 if [ "$stage" = ab ]; then
   {
-    timed "$base/base_bfcl" entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    timed "$base/base_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --out "$base/base_bfcl.jsonl" --overwrite
-    timed "$base/base_he" entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    timed "$base/base_he" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --out "$base/base_he.jsonl" --overwrite
-    timed "$base/base_chat" entrenar eval --task chat --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    timed "$base/base_chat" python3 -m entrenar eval --task chat --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --out "$base/base_chat.jsonl" --overwrite
     for v in ${ONLY:-${!VARIANTS[@]}}; do
       # shellcheck disable=SC2086
@@ -101,28 +100,28 @@ if [ "$stage" = grpo ]; then
   {
     if [ "$dev" = cuda ]; then
       echo "== engine vs transformers (random weights, SmolLM2 shape)"
-      timeout 150 python3 bench/engine_throughput.py --shapes smollm2-135m --hf-batches 64,256 > "$g/engine.jsonl" \
+      timeout 100 python3 bench/engine_throughput.py --shapes smollm2-135m --hf-batches 64,256 > "$g/engine.jsonl" \
         2> "$g/engine.log"; echo "exit $?"; tail -n 12 "$g/engine.jsonl"
     fi
-    timed "$g/base_he10" entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    timed "$g/base_he10" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --samples 10 --temperature 0.8 --out "$g/base_he10.jsonl" --overwrite
     # the SFT model to start from: the variant whose irrelevance held best, then the most simple_python
-    pick=$(python3 -m bench.panel_pick "$root" ${ONLY:-nearest-kl nearest matched replay plain})
+    pick=$(python3 -m bench.panel_pick "$root" ${ONLY:-nearest-kl nearest matched replay})
     echo "== GRPO from the SFT adapter of: $pick"
-    timed "$g/merge" entrenar merge --base "$model" --adapter "$root/$pick/run" --out "$g/merged"
-    timed "$g/finetune" entrenar finetune --model "$g/merged" "${tpl[@]}" --objective grpo --data "$root/$pick/rows.jsonl" \
+    timed "$g/merge" python3 -m entrenar merge --base "$model" --adapter "$root/$pick/run" --out "$g/merged"
+    timed "$g/finetune" python3 -m entrenar finetune --model "$g/merged" "${tpl[@]}" --objective grpo --data "$root/$pick/rows.jsonl" \
       --reward bfcl-graded --mode lora --rank 16 --lr "${GRPO_LR:-5e-5}" --num-generations "$gens" \
       --batch-size "$batch" --max-new-tokens "$new" --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" \
       --eval-task bfcl:simple_python,multiple --eval-task-limit "$task_limit" --eval-task-every $((grpo_steps / 2)) \
       --retain-task bfcl:irrelevance --retain-task chat --keep-best task --seed 0 --out "$g/run"
     grep -E "^step [0-9]+/" "$g/finetune.log" | awk 'NR % 10 == 1' | head -20
-    timed "$g/after_bfcl" entrenar eval --task "bfcl:$cats" --model "$g/run" "${limit[@]}" --device "$dev" \
+    timed "$g/after_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$g/run" "${limit[@]}" --device "$dev" \
       --out "$g/after_bfcl.jsonl" --overwrite --compare "$root/$pick/after_bfcl.jsonl"
     grep -E "^bfcl " "$g/after_bfcl.log"
-    timed "$g/after_chat" entrenar eval --task chat --model "$g/run" "${limit[@]}" --device "$dev" \
+    timed "$g/after_chat" python3 -m entrenar eval --task chat --model "$g/run" "${limit[@]}" --device "$dev" \
       --out "$g/after_chat.jsonl" --overwrite --compare "$root/$pick/after_chat.jsonl"
     grep -E "^chat" "$g/after_chat.log"
-    timed "$g/after_he" entrenar eval --task humaneval --model "$g/run" "${limit[@]}" --device "$dev" \
+    timed "$g/after_he" python3 -m entrenar eval --task humaneval --model "$g/run" "${limit[@]}" --device "$dev" \
       --out "$g/after_he.jsonl" --overwrite --compare "$root/$pick/after_he.jsonl"
     grep -E "^humaneval" "$g/after_he.log"
   } 2>&1 | tee "$OUT/grpo-summary.txt"

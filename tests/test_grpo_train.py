@@ -19,6 +19,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+import torch
 
 from entrenar.fileio import read_jsonl
 from tests.helpers.cli import run_cli
@@ -206,22 +207,34 @@ def test_entropy_guard_fires_on_collapse():
         assert healthy.update({"step": s, "entropy": 2.0 - 0.1 * s}) == []
 
 
-def test_reward_hacking_guard_fires_when_reward_rises_and_task_falls():
-    from entrenar.evaluate.paired import paired_change
+def test_reward_hacking_guard_fires_when_reward_rises_and_task_falls(tmp_path):
+    """The guard reads the run's real task tracker (a panel: a target and a retained task, each its own unit with
+    its own paired test): the retained task falling while the reward rose is named; a flat reward is a plain task
+    regression (GUARD-TASK-REGRESSION's), not reward hacking."""
+    from entrenar.evaluate.panel import PanelMember, TaskPanel
+    from entrenar.train.distributed import DistContext
     from entrenar.train.grpo import GRPOObjective, GRPOWatch
+    from entrenar.train.task_tracking import TaskTracker
+    from tests.test_task_in_loop import SeededTask
 
-    before = {f"p{i}": True for i in range(12)}
-    after = {f"p{i}": i >= 10 for i in range(12)}  # 10 lost, none gained: p < 0.01
-    task = type("Task", (), {"results": {0: before, 8: after}, "warnings": [],
-                             "evaluator": type("E", (), {"name": "humaneval"})()})()
+    kept = SeededTask([[True] * 12, [True] * 12])
+    falls = SeededTask([[True] * 12, [i >= 10 for i in range(12)]])  # 10 lost, none gained: p < 0.01
+    falls.name = "humaneval"
+    panel = TaskPanel([PanelMember(kept, "target"), PanelMember(falls, "retain")])
+    task = TaskTracker(panel, DistContext(), tmp_path, every=8, steps=8, policy="warn", keep_best=False,
+                       write_row=lambda row: None, message=lambda text: None)
+    model = torch.nn.Linear(2, 2)
+    for step in (0, 8):
+        task.evaluate(step, model, list(model.parameters()), lambda s: None)
     obj = GRPOObjective.__new__(GRPOObjective)
     obj.watcher = GRPOWatch()
     for s in range(1, 9):
         obj.watcher.update({"step": s, "reward": 0.1 * s})
+    assert obj.watch_task(0, task) == []
     warnings = obj.watch_task(8, task)
-    assert len(warnings) == 1 and warnings[0].startswith("GUARD-REWARD-HACKING") and "12/12" in warnings[0]
-    assert task.warnings == [{"guard": "GUARD-REWARD-HACKING", "step": 8}]
-    assert paired_change(before, after)["verdict"] == "regressed"
+    assert len(warnings) == 1 and warnings[0].startswith("GUARD-REWARD-HACKING") and "humaneval fell" in warnings[0]
+    assert "12/12" in warnings[0] and "2/12" in warnings[0]
+    assert {"guard": "GUARD-REWARD-HACKING", "step": 8, "task": "humaneval"} in task.warnings
     flat = GRPOObjective.__new__(GRPOObjective)
     flat.watcher = GRPOWatch()
     for s in range(1, 9):

@@ -448,17 +448,15 @@ class GRPOObjective:
         return self.watcher.update(record)
 
     def watch_task(self, step: int, task: Any) -> list[str]:
-        """After an --eval-task eval (Trainer.task_evaluate): GUARD-REWARD-HACKING against step 0's results."""
-        from ..evaluate.paired import paired_change
-
-        if step == 0 or 0 not in task.results or step not in task.results:
-            return []
-        warning = reward_hacking(self.watcher, step, paired_change(task.results[0], task.results[step]),
-                                 task.evaluator.name)
-        if warning is None:
-            return []
-        task.warnings.append({"guard": "GUARD-REWARD-HACKING", "step": step})
-        return [warning]
+        """After an --eval-task eval (Trainer.task_evaluate, `task` its TaskTracker): GUARD-REWARD-HACKING for each
+        unit of the panel (a task, or a BFCL category) whose paired test against step 0 says it fell."""
+        out = []
+        for unit, change in task.changes(step).items():
+            warning = reward_hacking(self.watcher, step, change, unit)
+            if warning is not None:
+                task.warnings.append({"guard": "GUARD-REWARD-HACKING", "step": step, "task": unit})
+                out.append(warning)
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         return self.watcher.state_dict()
