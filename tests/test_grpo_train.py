@@ -140,6 +140,35 @@ def test_iterations_reuse_the_rollout(tmp_path, base_model, prompts):  # noqa: F
     assert r[1]["loss"] != r[0]["loss"]  # the second step of a round is off the rollout's policy
 
 
+def test_a_steps_micro_batches_roll_out_in_one_generation_call(tmp_path, base_model, prompts, monkeypatch):  # noqa: F811
+    """--grad-accum 3: each step's three micro-batches are sampled by one engine call (a short call pays its prefill
+    and graph captures whatever it generates), micro-batch j's requests with its own seed as rollout() alone would
+    (seed_j * its requests + i), so the batches are those of one call per micro-batch."""
+    import entrenar.engine as engine
+    from entrenar.train.grpo import GRPOLoader
+
+    calls: list[list[int]] = []
+    real = engine.generate_many
+
+    def counted(model, tokenizer, prompts, settings, **kw):
+        if settings.temperature > 0:  # the rollouts (qa's and evals' decoding is greedy)
+            calls.append(list(kw["seeds"]))
+        return real(model, tokenizer, prompts, settings, **kw)
+
+    monkeypatch.setattr(engine, "generate_many", counted)
+    out = tmp_path / "run"
+    code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=2, extra=("--grad-accum", "3")), capture=True)
+    assert code == 0, err
+    assert len(calls) == 2, [len(c) for c in calls]  # one call a step, not one per micro-batch
+    loader = GRPOLoader.__new__(GRPOLoader)
+    loader.seed = 3  # grpo_args' --seed
+    n = 2 * 4  # --batch-size prompts x --num-generations
+    for step, seeds in enumerate(calls):
+        assert seeds == [loader._seed(step, j) * n + i for j in range(3) for i in range(n)]
+    data = json.loads((out / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+    assert (data["position"], data["calls"]) == (12 % 8, 6)  # 2 steps x 3 micro-batches x 2 prompts of 8
+
+
 def test_learns_the_reward(tmp_path, base_model, prompts):  # noqa: F811
     out = tmp_path / "run"
     code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=12, extra=(

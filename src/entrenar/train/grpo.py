@@ -160,18 +160,20 @@ class Sampled:
 
 
 def sample_completions(model: torch.nn.Module, tokenizer: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                       temperature: float, top_p: float, seed: int) -> list[Sampled]:
+                       temperature: float, top_p: float, seed: int, seeds: Sequence[int] | None = None
+                       ) -> list[Sampled]:
     """One completion per prompt id list (repeat a prompt for several), sampled through the generation engine
     (engine.generate_many: continuous batching over `--batch-size auto` slots, CUDA-graph decode steps). Request i
-    of the call samples with seed * len(prompts) + i, so the copies of a prompt differ, and no two rollouts of a
-    run (seed: the run's seed and the step) share a request's draws."""
+    of the call samples with seed * len(prompts) + i (or `seeds[i]` when given), so the copies of a prompt differ,
+    and no two rollouts of a run (seed: the run's seed and the step) share a request's draws."""
     from ..engine import GenerationSettings, generate_many, resolve_slots
 
     n = len(prompts)
+    seeds = [seed * n + i for i in range(n)] if seeds is None else list(seeds)
     slots, _ = resolve_slots("auto", model, [len(p) for p in prompts], max_new_tokens, sampling=temperature > 0)
     settings = GenerationSettings(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p,
                                   max_slots=slots)
-    results = generate_many(model, tokenizer, prompts, settings, seeds=[seed * n + i for i in range(n)])
+    results = generate_many(model, tokenizer, prompts, settings, seeds=seeds)
     return [Sampled(list(r.token_ids), r.text, r.stop_reason == "max_new_tokens") for r in results]
 
 
@@ -225,17 +227,27 @@ class GRPOLoader(SFTLoader):
         entry = self.buffer[j] if j < len(self.buffer) else None
         before = self.cursor.state_dict()
         if entry is None or (k < obj.grad_accum and entry[0] != before):
-            chosen = []
-            for _ in range(self.batch_size):
-                chosen.append(self._peek())
-                self._advance()
-            batch = obj.rollout(chosen, seed=(self.seed * 1_000_003 + rnd * 1009 + j) % 2**62)
-            entry = (before, batch, self.cursor.state_dict())
-            self.buffer[j:] = [entry]
+            # the round's first micro-batch: every micro-batch of its first step in one generation call
+            js = range(j, obj.grad_accum) if k == 0 else range(j, j + 1)
+            drawn = []
+            for jj in js:
+                start, chosen = self.cursor.state_dict(), []
+                for _ in range(self.batch_size):
+                    chosen.append(self._peek())
+                    self._advance()
+                drawn.append((start, chosen, self.cursor.state_dict(), self._seed(rnd, jj)))
+            batches = obj.rollouts([d[1] for d in drawn], [d[3] for d in drawn])
+            self.buffer[j:] = [(d[0], batch, d[2]) for d, batch in zip(drawn, batches)]
+            entry = self.buffer[j]
+            self.cursor.load_state_dict(entry[2], "GRPO prompt")
         elif k < obj.grad_accum:  # the same rollout asked for again at the same cursor: replayed
             self.cursor.load_state_dict(entry[2], "GRPO prompt")
         self.calls += 1
         return entry[1]
+
+    def _seed(self, rnd: int, j: int) -> int:
+        """Micro-batch j of round rnd's sampling seed."""
+        return (self.seed * 1_000_003 + rnd * 1009 + j) % 2**62
 
     def iter_epoch(self) -> Any:
         raise InputError("GRPO has no eval set of prompts (its rewards are logged per step); drop --val")
@@ -319,17 +331,40 @@ class GRPOObjective:
         """G completions of each prompt from the policy, their rewards and advantages, the batch the loss reads:
         input_ids / labels [N, T] (prompt + completion, right-padded; labels on the completion tokens, shifted),
         advantages [N], old_logps (--grpo-iterations > 1) and ref_logps (--beta > 0) [N, T], the rollout's sums."""
+        return self.rollouts([prompts], [seed])[0]
+
+    def rollouts(self, micro_batches: Sequence[Sequence[PromptExample]], seeds: Sequence[int]) -> list[dict[str, Any]]:
+        """rollout() of several micro-batches (a step's --grad-accum) from ONE generation call: a short call pays
+        its prefill, graph warm-ups and captures whatever it generates (on an H200 a 32-completion micro-batch's
+        rollout ran at ~1,000 tokens/s), so the step's micro-batches share them. Micro-batch j samples with seed j
+        as rollout() would alone (request i: seeds[j] * its requests + i), so its batch is the same. Each one's
+        rollout_seconds is the call's, shared by its generated tokens."""
         model = self.policy
         assert model is not None, "GRPOObjective.bind(model) comes first (build_trainer)"
         device = next(model.parameters()).device
-        ids = [p.input_ids.tolist() for p in prompts for _ in range(self.G)]
+        ids = [[p.input_ids.tolist() for p in prompts for _ in range(self.G)] for prompts in micro_batches]
+        request_seeds = [seed * len(x) + i for seed, x in zip(seeds, ids, strict=True) for i in range(len(x))]
         t0 = time.perf_counter()
         with self._autocast(device):
-            sampled = sample_completions(model, self.tokenizer, ids, self.max_new_tokens, self.temperature,
-                                         self.top_p, seed)
+            flat = sample_completions(model, self.tokenizer, [x for part in ids for x in part], self.max_new_tokens,
+                                      self.temperature, self.top_p, 0, seeds=request_seeds)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
+        parts, at = [], 0
+        for x in ids:
+            parts.append(flat[at:at + len(x)])
+            at += len(x)
+        tokens = [sum(len(s.token_ids) for s in part) for part in parts]
+        total = sum(tokens)
+        return [self._batch(prompts, x, part, seconds * (n / total if total else 1 / len(parts)))
+                for prompts, x, part, n in zip(micro_batches, ids, parts, tokens, strict=True)]
+
+    def _batch(self, prompts: Sequence[PromptExample], ids: list[list[int]], sampled: list[Sampled],
+               seconds: float) -> dict[str, Any]:
+        """One micro-batch's rollout batch (rollout()'s) from its sampled completions."""
+        model = self.policy
+        device = next(model.parameters()).device
         rows = [p for p in prompts for _ in range(self.G)]
         per_func = self.rewards([p.text for p in rows], [s.text for s in sampled], [p.row for p in rows])
         weighted = torch.tensor(per_func, dtype=torch.float64) @ torch.tensor(self.rewards.weights,
