@@ -39,3 +39,25 @@ class LoadError(GuardError, ValueError):
 
     def __init__(self, cause: str, remedy: str = "", details: dict | None = None):
         super().__init__("GUARD-LOAD", cause, remedy, exit_code=2, details=details)
+
+
+EXIT_OUT_OF_MEMORY = 5
+
+_MEMORY_REMEDY = {
+    "finetune": "lower --batch-size or --max-seq-len and keep the batch with --grad-accum (GRPO: --batch-size x "
+                "--num-generations sequences go through one forward), or train less in memory: --mode lora/qlora, "
+                "a bf16 --dtype; `--resume auto` continues from the run's last complete checkpoint",
+    "pretrain": "lower --batch-size or --seq-len and keep the batch with --grad-accum, or a bf16 --dtype; "
+                "`--resume auto` continues from the run's last complete checkpoint",
+    "eval": "give --batch-size N below the slots `auto` chose (its log line says how many), or a smaller "
+            "--max-new-tokens",
+    "generate": "a shorter prompt or --max-new-tokens, or --device cpu",
+}
+
+
+def out_of_memory_message(command: str, error: BaseException) -> str:
+    """What `entrenar COMMAND` prints when the device ran out of memory (exit EXIT_OUT_OF_MEMORY): the allocator's
+    first line, then what to lower for this command."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    remedy = _MEMORY_REMEDY.get(command, "give the command less to hold at once (a smaller batch or sequence)")
+    return f"out of device memory ({first}). Remedy: {remedy}"

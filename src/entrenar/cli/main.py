@@ -220,6 +220,11 @@ def _main(argv: list[str] | None) -> int:
                         **_interrupt_details(e))
     except Exception as e:  # a bug, not the user's input: the JSON line still comes, then the traceback
         stops.reporting()
+        if _out_of_memory(e):  # the device's limit, not a bug: what to lower instead of a traceback
+            from ..errors import EXIT_OUT_OF_MEMORY, out_of_memory_message
+
+            return _failure(command, out_of_memory_message(command, e), EXIT_OUT_OF_MEMORY, want_json, guard=None,
+                            out_of_memory=True)
         if stops.received() is not None and _other_rank():  # rank 0 stopped the job on the signal and said so
             return stops.exit_code()
         if want_json:
@@ -229,6 +234,13 @@ def _main(argv: list[str] | None) -> int:
     if want_json and not _other_rank():  # under torchrun: one JSON line per job, from rank 0
         emit_json({"ok": True, **(result or {})})
     return int((result or {}).get("exit_code", 0))
+
+
+def _out_of_memory(e: BaseException) -> bool:
+    """torch's out-of-memory error (CUDA, or another accelerator's), imported only when torch already is."""
+    torch = sys.modules.get("torch")
+    oom = getattr(torch, "OutOfMemoryError", None) if torch is not None else None
+    return oom is not None and isinstance(e, oom)
 
 
 def _other_rank() -> bool:
