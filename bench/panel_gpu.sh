@@ -25,19 +25,10 @@ else
   dev=cuda; limit=(); task_limit=100; steps=250; every=125; batch=16; grpo_steps=${GRPO_STEPS:-80}; gens=8; seq=4096
   sft_batch=16; new=128
 fi
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-fi
 if [ "${DRY:-0}" = 1 ]; then
   model=$name
 else
-  model=/tmp/$name
-  if [ ! -f "$model" ]; then
-    cat /tmp/carry/$name/p* > "$model.tmp"
-    [ "$(sha256sum "$model.tmp" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
-    mv "$model.tmp" "$model"
-  fi
-  nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+  source bench/gpu_model.sh "$name"
 fi
 root=${WORK:-/tmp/panel}
 base=$root/base

@@ -7,16 +7,7 @@
 set -uo pipefail
 name=$1; seconds=$2; shift 2
 export PYTHONPATH=src:.:/tmp/site PYTHONUNBUFFERED=1
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-fi
-model=/tmp/$name
-if [ ! -f "$model" ]; then
-  cat /tmp/carry/$name/p* > "$model.tmp"
-  [ "$(sha256sum "$model.tmp" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
-  mv "$model.tmp" "$model"
-fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
+source bench/gpu_model.sh "$name"
 work=/tmp/work-retention
 timeout "$seconds" python3 -m bench.task_proof toolcall --model "$model" --work "$work" "$@" 2>&1 | tee /tmp/retention.log \
   | grep -v "^step [0-9]*/" | tail -n 60
