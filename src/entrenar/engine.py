@@ -323,7 +323,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     was_training = model.training
     model.eval()
     start = time.perf_counter()
-    counts: dict = {"prefills": 0, "prefill_seconds": 0.0, "host_reads": 0, "attend_buckets": set()}
+    counts: dict = {"prefills": 0, "prefill_seconds": 0.0}
 
     def finish(r: int) -> None:
         results[r] = reqs.result(r, 0.0, seed_of[r] if sampling else None, "")
@@ -367,13 +367,8 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
             while any(r >= 0 for r in slot_req):
                 top = max(s for s in range(S) if slot_req[s] >= 0) + 1
                 b = next(x for x in buckets(S) if x >= top)
-                eng.at.zero_()
-                reach = max(width[s] + len(reqs.outs[slot_req[s]]) for s in range(b) if slot_req[s] >= 0)
-                attend = attend_bucket(reach + sync_every - 1, max_len)  # every column this host read writes
-                for j in range(sync_every):  # eager: attend up to the live slots' furthest column
-                    steps.run(b, lambda j=j, reach=reach: min(max_len, reach + j), attend)
-                counts["host_reads"] += 1
-                counts["attend_buckets"].add(attend)
+                steps.window(b, max(width[s] + len(reqs.outs[slot_req[s]]) for s in range(b) if slot_req[s] >= 0),
+                             sync_every)
                 picked, bad = eng.picked[:b].tolist(), eng.bad[:b].tolist()
                 for s in range(b):
                     r = slot_req[s]
@@ -392,8 +387,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     seconds, decoder = time.perf_counter() - start, "engine_graph" if steps.used_graph else "engine"
     if stats is not None:
         stats.update(counts, **steps.counts, seconds=seconds, slots=S, max_len=max_len,
-                     prefill_seconds=round(counts["prefill_seconds"], 3),
-                     attend_buckets=sorted(counts["attend_buckets"]))
+                     prefill_seconds=round(counts["prefill_seconds"], 3), attend_buckets=sorted(steps.attended))
     for res in results:
         assert res is not None
         res.seconds, res.decoder = seconds, decoder
@@ -412,7 +406,19 @@ class _Steps:
         self.warm: dict[tuple[int, int], int] = {}
         self.used_graph = False
         self.pool = sd.new_pool() if use_graph else None
-        self.counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0}
+        self.counts = {"graph_steps": 0, "eager_steps": 0, "captures": 0, "host_reads": 0}
+        self.attended: set[int] = set()
+
+    def window(self, b: int, reach: int, steps: int) -> None:
+        """The `steps` decode steps of one host read, the live slots reaching column `reach` - 1 at its start: a
+        graph's attended columns cover every column the window writes (attend_bucket); eager attends to exactly
+        the columns reached at each step."""
+        self.eng.at.zero_()
+        attend = attend_bucket(reach + steps - 1, self.max_len)
+        for j in range(steps):
+            self.run(b, lambda j=j: min(self.max_len, reach + j), attend)
+        self.counts["host_reads"] += 1
+        self.attended.add(attend)
 
     def run(self, b: int, columns: Callable[[], int], attend: int) -> None:
         key = (b, attend)
