@@ -144,7 +144,7 @@ def test_a_steps_micro_batches_roll_out_in_one_generation_call(tmp_path, base_mo
     """--grad-accum 3: each step's three micro-batches are sampled by one engine call (a short call pays its prefill
     and graph captures whatever it generates), micro-batch j's requests with its own seed as rollout() alone would
     (seed_j * its requests + i), so the batches are those of one call per micro-batch."""
-    import entrenar.engine as engine
+    from entrenar import engine
     from entrenar.train.grpo import GRPOLoader
 
     calls: list[list[int]] = []

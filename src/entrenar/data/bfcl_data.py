@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import InputError
+from .bfcl_words import PYTHON_HINT, name_words
 
 BFCL_PACKAGE = "bfcl-eval==2026.3.23"
 # Single-turn Python categories (scored by the AST rules for Python). Java and JavaScript need bfcl-eval's
@@ -33,7 +34,6 @@ NO_ANSWER = ("irrelevance", "live_irrelevance", "live_relevance")
 # The live categories with calls to train on (disjoint from every non-live category by construction: other files).
 LIVE_CALL_CATEGORIES = ("live_simple", "live_multiple", "live_parallel", "live_parallel_multiple")
 # bfcl_eval/utils.py _get_language_specific_hint: appended to every function description when BFCL loads data.
-PYTHON_HINT = " Note that the provided function is in Python 3 syntax."
 # bfcl_eval/constants/type_mappings.py GORILLA_TO_OPENAPI (the Python types of BFCL's docs -> JSON schema).
 GORILLA_TO_OPENAPI = {"integer": "integer", "number": "number", "float": "number", "string": "string",
                       "boolean": "boolean", "bool": "boolean", "array": "array", "list": "array", "dict": "object",
@@ -269,24 +269,6 @@ def answerable(question: BfclQuestion) -> bool:
         if any(p not in doc["properties"] and "" not in allowed for p, allowed in params.items()):
             return False
     return True
-
-
-# Words of function names too generic to tell two functions' subjects apart (get_weather vs get_stock_price).
-_GENERIC_NAME_WORDS = frozenset({"get", "set", "list", "create", "update", "delete", "add", "remove", "find", "search",
-                                 "fetch", "retrieve", "calculate", "compute", "check", "run", "make", "api", "info",
-                                 "data", "details", "by", "for", "and", "the", "all", "new", "v1", "v2", "tool"})
-
-
-def name_words(functions: list[dict[str, Any]]) -> set[str]:
-    """The subject words of the functions' names ("requests.get_weather_forecast" -> {"requests", "weather",
-    "forecast"}): split at . _ - and camelCase, lower-cased, generic verbs and short words dropped."""
-    words: set[str] = set()
-    for f in functions:
-        for part in re.split(r"[._\-\s]+", re.sub(r"([a-z0-9])([A-Z])", r"\1_\2", f["name"])):
-            w = part.lower()
-            if len(w) > 2 and w not in _GENERIC_NAME_WORDS:
-                words.add(w)
-    return words
 
 
 def _no_call_row(question: BfclQuestion, donor: BfclQuestion, system: str | None) -> dict[str, Any]:

@@ -6,7 +6,7 @@ misses; random donors (another subject altogether) teach them poorly. docs/desig
 Closeness is a TF-IDF cosine over word sets: the question's side is its user text and its called functions' names
 and descriptions; the donor's side is its functions' names, descriptions and parameter names. Words are lower-cased,
 split at non-letters and camelCase, plural -s dropped; stop words, the generic name words of
-bfcl_data._GENERIC_NAME_WORDS and words of two letters or fewer are left out. A word's weight is its smoothed
+bfcl_words._GENERIC_NAME_WORDS and words of two letters or fewer are left out. A word's weight is its smoothed
 inverse document frequency over the distinct donor function sets (BFCL repeats one set over many questions).
 """
 
@@ -20,7 +20,9 @@ from collections import defaultdict
 from collections.abc import Callable, Hashable
 from typing import Any
 
-from .bfcl_data import _GENERIC_NAME_WORDS, PYTHON_HINT, BfclQuestion, name_words
+from .bfcl_words import _GENERIC_NAME_WORDS, PYTHON_HINT, name_words
+
+BfclQuestion = Any  # bfcl_data.BfclQuestion, not imported: bfcl_data calls this module
 
 # Words that say nothing of a function's subject: English function words, request phrasing and the vocabulary
 # every function doc shares (BFCL's Python hint among it).
@@ -173,7 +175,7 @@ class TopicIndex:
 
     def cannot_answer(self, i: int, j: int) -> bool:
         """Whether donor j's functions cannot answer question i: j has functions, none named as one of i's own,
-        no subject word of their names among i's (bfcl_data.name_words) nor in i's user text ("lowest temperature
+        no subject word of their names among i's (bfcl_words.name_words) nor in i's user text ("lowest temperature
         reading" is never shown get_temperature), and their names, descriptions and parameter names hold none of
         i's own functions' most specific words (_specific_words: set_volume's question is never shown
         play_spotify_song(query, volume))."""
