@@ -14,6 +14,21 @@ from tests.helpers.models import make_hf_model
 SMOLLM = "smollm2-135m-instruct"
 QWEN = "qwen2.5-coder-0.5b-instruct"
 
+# The files that take minutes on the 2-core CI machine, longest first (durations of `make test`'s --durations): under
+# `--dist loadfile` pytest-xdist hands files out in collection order, so these start first and the many short files
+# even out the two workers' ends; collected in name order, a worker ran test_train_real.py alone for ~4 minutes at
+# the end of the suite.
+SLOW_FILES_FIRST = ("test_distributed.py", "test_multinode.py", "test_train_real.py", "test_peft_real.py",
+                    "test_distributed_stops.py", "test_qlora_long_system_real.py", "test_export_real.py",
+                    "test_dpo_train.py", "test_generate_batch.py", "test_parity_bounds.py", "test_generate_static.py",
+                    "test_verify_real.py", "test_generate.py", "test_eval_task_real.py", "test_packaged.py",
+                    "test_dpo_bench.py", "test_qa.py", "test_generate_tools.py", "test_engine.py")
+
+
+def pytest_collection_modifyitems(session, config, items) -> None:
+    rank = {name: i for i, name in enumerate(SLOW_FILES_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: the rest keep their order
+
 
 @pytest.fixture()
 def poisoned_outputs(monkeypatch):
