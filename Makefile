@@ -43,12 +43,12 @@ demo: setup-runtime
 # tools/mutants.py --help); MUTANTS=0 skips them, `make mutants` runs every one
 MUTANT_BUDGET ?= 300
 test: setup contracts-lint
-	$(PYTEST) -n $(WORKERS) --dist loadfile --durations=25 tests
+	$(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 	$(MAKE) --no-print-directory test-other-isa
 	$(if $(filter 0,$(MUTANTS)),,$(BIN)/python tools/mutants.py --fast --jobs $(or $(JOBS),2) --budget $(MUTANT_BUDGET))
 
 test-other-isa: setup
-	$(OTHER_ISA) $(PYTEST) -n $(WORKERS) --dist loadfile $(SENSITIVE)
+	$(OTHER_ISA) $(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder $(SENSITIVE)
 
 # contracts/*.yaml: ids unique, tests defined, every mutate: edit applies exactly once (also in tests/test_contracts.py)
 contracts-lint: setup

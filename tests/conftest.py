@@ -15,9 +15,10 @@ SMOLLM = "smollm2-135m-instruct"
 QWEN = "qwen2.5-coder-0.5b-instruct"
 
 # The files that take minutes on the 2-core CI machine, longest first (durations of `make test`'s --durations): under
-# `--dist loadfile` pytest-xdist hands files out in collection order, so these start first and the many short files
-# even out the two workers' ends; collected in name order, a worker ran test_train_real.py alone for ~4 minutes at
-# the end of the suite.
+# `--dist loadfile --no-loadscope-reorder` (Makefile) pytest-xdist hands files out in collection order, so these start
+# first and the many short files even out the two workers' ends. xdist's default order (files with the most tests
+# first) left these few-test files for last: a worker ran test_train_real.py and test_peft_real.py alone for
+# minutes at the end of the suite.
 SLOW_FILES_FIRST = ("test_distributed.py", "test_multinode.py", "test_train_real.py", "test_peft_real.py",
                     "test_distributed_stops.py", "test_qlora_long_system_real.py", "test_export_real.py",
                     "test_dpo_train.py", "test_generate_batch.py", "test_parity_bounds.py", "test_generate_static.py",
