@@ -1,10 +1,14 @@
 """Continuous batching (engine.py): the outputs do not depend on batching. Greedy tokens equal each prompt decoded
 alone (generate) and transformers' generate, whatever the slot count, with requests ending at different steps so
 freed slots take new prompts over an earlier request's stale cache; the CUDA-graph path (every bucket's step
-captured, the whole cache attended under the mask) runs here under the CPU stand-in with a graph's semantics;
+captured, attending through the span kernel or SDPA under the mask) runs here under the CPU stand-in with a graph's semantics;
 sampling depends on a request's seed and prompt only; stop rules and per-request limits as generate_batch's."""
 
 from __future__ import annotations
+
+import os
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # the decode-attention kernel on the CPU (before triton is imported)
 
 import pytest
 import torch
@@ -59,21 +63,28 @@ def _alone(model, tok, ids, steps, **kw):
     return [generate(model, tok, x, steps, **kw) for x in ids]
 
 
+# decode steps through the span kernel (kernels/decode_attention, CUDA's default) and through SDPA under the mask
+ATTENTIONS = ["kernel", "sdpa"]
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("slots", [1, 3, 4, 16])
-def test_greedy_equals_each_prompt_alone_at_any_slot_count(tok, arch, slots):
+def test_greedy_equals_each_prompt_alone_at_any_slot_count(tok, arch, slots, attention):
     model = tiny_model(len(tok), arch)
     ids = [tok.encode(t) for t in TEXTS]
     stops = _stop_ids(model, tok, ids, 12)
     alone = _alone(model, tok, ids, 12, stop_ids=stops)
     assert len({len(a.token_ids) for a in alone}) > 2  # requests end at different steps: slots are reused
-    got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=12, max_slots=slots, stop_ids=stops))
+    got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=12, max_slots=slots, stop_ids=stops,
+                                                            decode_attention=attention))
     for a, g in zip(alone, got):
         assert (g.token_ids, g.text, g.stop_reason) == (a.token_ids, a.text, a.stop_reason)
         assert g.decoder == "engine" and g.completion_tokens == len(g.token_ids)
 
 
-def test_a_short_prompt_beside_a_long_one_keeps_its_own_positions(tok):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_short_prompt_beside_a_long_one_keeps_its_own_positions(tok, attention):
     """A 3-token prompt prefilled in one group with a 150-token one (147 columns of left padding): its answer is its
     answer alone (its RoPE positions count its own tokens, not the group's padded width). Q/K weights scaled up x10:
     the random model's attention is otherwise near uniform, blind to positions."""
@@ -85,12 +96,14 @@ def test_a_short_prompt_beside_a_long_one_keeps_its_own_positions(tok):
     long = (tok.encode(TEXTS[5]) * 20)[:150]
     ids = [long, tok.encode(TEXTS[1]), tok.encode(TEXTS[3])]
     alone = [a.token_ids for a in _alone(model, tok, ids, 10, stop_ids=[])]
-    got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=10, max_slots=3, stop_ids=[]))
+    got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=10, max_slots=3, stop_ids=[],
+                                                            decode_attention=attention))
     assert [g.token_ids for g in got] == alone
 
 
+@pytest.mark.parametrize("attention", ATTENTIONS)
 @pytest.mark.parametrize("sync_every", [1, 4])
-def test_graph_path_equals_eager_at_any_slot_count(tok, cpu_graphs, sync_every):
+def test_graph_path_equals_eager_at_any_slot_count(tok, cpu_graphs, sync_every, attention):
     """Each bucket's step captured once and replayed (the step attends to the whole cache, stale columns of freed
     slots included, under the per-slot mask); the host reads every `sync_every` steps."""
     model = tiny_model(len(tok))
@@ -99,14 +112,15 @@ def test_graph_path_equals_eager_at_any_slot_count(tok, cpu_graphs, sync_every):
     alone = _alone(model, tok, ids, 14, stop_ids=stops)
     for slots in (2, 5):
         got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=14, max_slots=slots, stop_ids=stops,
-                                                                sync_every=sync_every))
+                                                                sync_every=sync_every, decode_attention=attention))
         assert [g.token_ids for g in got] == [a.token_ids for a in alone]
         assert [g.stop_reason for g in got] == [a.stop_reason for a in alone]
         assert {g.decoder for g in got} == {"engine_graph"}
     assert cpu_graphs.captures >= 2  # more than one bucket was captured
 
 
-def test_graphs_per_attended_columns_bucket_equal_eager(tok, cpu_graphs, monkeypatch):
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_graphs_per_attended_columns_bucket_equal_eager(tok, cpu_graphs, monkeypatch, attention):
     """A captured step attends only to its bucket of columns (attend_bucket): with buckets of 4, 8, 16, ... the
     steps of a window whose slots reach further take a wider graph, and the tokens are those of each prompt
     decoded alone. A graph that attended to fewer columns than a live slot reaches would lose its prompt."""
@@ -117,7 +131,8 @@ def test_graphs_per_attended_columns_bucket_equal_eager(tok, cpu_graphs, monkeyp
     alone = [generate(model, tok, x, n, stop_ids=[]).token_ids for x, n in zip(ids, limits)]
     stats: dict = {}
     got = generate_many(model, tok, ids, GenerationSettings(max_new_tokens=40, max_slots=4, stop_ids=[],
-                                                            sync_every=2), max_new=limits, stats=stats)
+                                                            sync_every=2, decode_attention=attention),
+                        max_new=limits, stats=stats)
     assert [g.token_ids for g in got] == alone
     assert len(stats["attend_buckets"]) >= 3 and stats["attend_buckets"][-1] <= stats["max_len"]
     assert stats["captures"] >= 3 and stats["graph_steps"] > 0 and stats["prefills"] >= 2
@@ -223,6 +238,20 @@ def test_auto_slots_from_free_memory():
 
 def test_buckets():
     assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(12) == [1, 2, 4, 8, 12]
+
+
+def test_decode_attention_choice(monkeypatch):
+    """auto: the kernel on CUDA only, unless ENTRENAR_DECODE_ATTENTION says otherwise; a wrong name is an InputError."""
+    cpu = torch.device("cpu")
+    monkeypatch.delenv("ENTRENAR_DECODE_ATTENTION", raising=False)
+    assert not eng.use_decode_kernel("auto", cpu) and eng.use_decode_kernel("kernel", cpu)
+    monkeypatch.setattr("entrenar.kernels.triton_available", lambda: True)
+    assert eng.use_decode_kernel("auto", torch.device("cuda")) and not eng.use_decode_kernel("sdpa", torch.device("cuda"))
+    monkeypatch.setenv("ENTRENAR_DECODE_ATTENTION", "sdpa")
+    assert not eng.use_decode_kernel("auto", torch.device("cuda")) and eng.use_decode_kernel("kernel", cpu)
+    monkeypatch.setenv("ENTRENAR_DECODE_ATTENTION", "flash")
+    with pytest.raises(InputError, match="ENTRENAR_DECODE_ATTENTION"):
+        eng.use_decode_kernel("auto", cpu)
 
 
 def test_stale_cache_of_a_freed_slot_unmasked_is_caught(tok, monkeypatch):

@@ -37,6 +37,7 @@ a stop token (EOS / end-of-turn), `stop_text(text so far)`, or the request's tok
 from __future__ import annotations
 
 import hashlib
+import os
 import time
 import warnings
 from collections.abc import Callable, Sequence
@@ -77,6 +78,9 @@ class GenerationSettings:
     stop_text: Callable[[str], bool] | None = None  # ends a request when true of its text so far
     sync_every: int = 0  # decode steps between host reads; 0 = 1 on the CPU, SYNC_EVERY_CUDA on CUDA
     cuda_graphs: bool = True  # on CUDA, each bucket's decode step replayed as a CUDA graph
+    # a decode step's attention: "kernel" (kernels/decode_attention: each slot's own columns), "sdpa" (every
+    # attended column under a mask), "auto" (ENTRENAR_DECODE_ATTENTION if set, else the kernel on CUDA)
+    decode_attention: str = "auto"
     prefill_tokens: int = PREFILL_TOKENS
 
 
@@ -119,7 +123,8 @@ class SlotKVCache(StaticKVCache):
     """Keys/values [max_slots, K, max_len, D] per layer. A prefill (``rows`` set: the slots of its batch rows)
     writes its prompts' keys at columns 0..W-1 of those slots and attends to them alone; a decode step (``rows``
     None) feeds slots 0..b-1 one token each, written at column ``cols[s]`` of slot s, and attends to columns
-    0..``attend``-1 under ``mask`` (set by the engine)."""
+    0..``attend``-1 under ``mask`` (set by the engine), or, with ``spans`` set (start, end [b] on the device), to
+    columns start[s] <= t < end[s] of each slot through kernels.decode_attention, which reads only those."""
 
     def __init__(self, num_layers: int, max_slots: int, max_len: int, device: torch.device):
         super().__init__(num_layers, max_len)
@@ -143,6 +148,30 @@ class SlotKVCache(StaticKVCache):
         keys[self.slot_index[:b], :, self.cols] = k[:, :, 0]
         values[self.slot_index[:b], :, self.cols] = v[:, :, 0]
         return keys[:b, :, :self.attend], values[:b, :, :self.attend]
+
+    def attend_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        from .kernels.decode_attention import decode_attention  # Triton: imported only where the engine uses it
+
+        start, end = self.spans
+        return decode_attention(q, k, v, start, end, q.shape[-1] ** -0.5)
+
+
+DECODE_ATTENTION = ("auto", "kernel", "sdpa")
+
+
+def use_decode_kernel(choice: str, device: torch.device) -> bool:
+    """Whether decode steps attend through kernels.decode_attention: GenerationSettings.decode_attention, "auto"
+    deferring to ENTRENAR_DECODE_ATTENTION (a bench's A/B switch) and then to the device (CUDA with Triton)."""
+    if choice == "auto":
+        choice = os.environ.get("ENTRENAR_DECODE_ATTENTION", "auto")
+    if choice not in DECODE_ATTENTION:
+        raise InputError(f"decode attention {choice!r} (GenerationSettings.decode_attention or "
+                         f"ENTRENAR_DECODE_ATTENTION) is not one of {', '.join(DECODE_ATTENTION)}")
+    if choice == "auto":
+        from .kernels import triton_available
+
+        return device.type == "cuda" and triton_available()
+    return choice == "kernel"
 
 
 def check_requests(tokenizer, prompts: Sequence[list[int]], settings: GenerationSettings, cfg) -> None:
@@ -231,6 +260,8 @@ class Engine:
         self.keys = torch.zeros(max_slots, **long)  # the slot's request's sampling key
         self.steps = torch.zeros(max_slots, **long)  # tokens picked for the slot's request so far
         self.valid = torch.ones(max_slots, max_len, dtype=torch.bool, device=device)  # False on left padding
+        self.first = torch.zeros(max_slots, **long)  # the slot's first valid column: its left padding's width
+        self.span_kernel = use_decode_kernel(settings.decode_attention, device)
         self.key_index = torch.arange(max_len, device=device)
         self.window = max(1, settings.sync_every)
         self.at = torch.zeros(1, **long)  # the next column of `picked`/`bad` (reset at each host read)
@@ -255,7 +286,7 @@ class Engine:
         rows = torch.tensor(slots, dtype=torch.long, device=device)
         positions = padded_positions(mask)
         cache = self.cache
-        cache.rows, cache.mask = rows, padding_mask(mask, W)
+        cache.rows, cache.mask, cache.spans = rows, padding_mask(mask, W), None  # a 1-token prefill is no decode step
         with sdpa_kernel(PREFILL_ATTENTION):  # not cuDNN's: it builds a plan per new shape (~0.1 s a prefill)
             logits = sd.last_logits(self.model, ids, cache, position_ids=positions)
         cache.rows = None
@@ -263,6 +294,7 @@ class Engine:
         first = self.pick(logits, keys_t, torch.zeros_like(keys_t))
         self.valid[rows] = True
         self.valid[rows, :W] = mask
+        self.first[rows] = W - mask.sum(1)
         self.tok_in[rows] = first[:, None]
         self.pos[rows] = positions[:, -1:] + 1
         self.col[rows] = W
@@ -277,7 +309,10 @@ class Engine:
         def step() -> torch.Tensor:
             col = self.col[:b]
             cache.cols, cache.attend = col, attend
-            cache.mask = (self.valid[:b, :attend] & (self.key_index[:attend] <= col[:, None]))[:, None, None, :]
+            if self.span_kernel:  # the same columns as the mask below: the slot's prompt after its padding, up to col
+                cache.spans = (self.first[:b], col + 1)
+            else:
+                cache.mask = (self.valid[:b, :attend] & (self.key_index[:attend] <= col[:, None]))[:, None, None, :]
             logits = sd.last_logits(self.model, self.tok_in[:b], cache, position_ids=self.pos[:b])
             picked = self.pick(logits, self.keys[:b], self.steps[:b])
             self.picked[:b].index_copy_(1, self.at, picked[:, None])
@@ -302,8 +337,9 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     settings.max_new_tokens; either way at most the context left after its prompt). `on_result(index, result)`
     is called as each request ends. `stats`, when given, receives where the time went: prefills and their
     seconds (host and device, up to their first picks), host reads, decode steps replayed from a graph or run
-    eagerly, graph captures and the attended-column buckets used.
-    Each result's `seconds` is the whole call's."""
+    eagerly, graph captures and the attended-column buckets used, the host's time queueing decode steps
+    (launch_seconds) and waiting for them at host reads (read_seconds); the rest of `seconds` is the host's own
+    work between reads. Each result's `seconds` is the whole call's."""
     cfg = model.cfg
     prompts, seed_of, limits = _requests(tokenizer, prompts, settings, cfg, seeds, max_new)
     n = len(prompts)
@@ -323,7 +359,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     was_training = model.training
     model.eval()
     start = time.perf_counter()
-    counts: dict = {"prefills": 0, "prefill_seconds": 0.0}
+    counts: dict = {"prefills": 0, "prefill_seconds": 0.0, "launch_seconds": 0.0, "read_seconds": 0.0}
 
     def finish(r: int) -> None:
         results[r] = reqs.result(r, 0.0, seed_of[r] if sampling else None, "")
@@ -367,9 +403,13 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
             while any(r >= 0 for r in slot_req):
                 top = max(s for s in range(S) if slot_req[s] >= 0) + 1
                 b = next(x for x in buckets(S) if x >= top)
+                t0 = time.perf_counter()
                 steps.window(b, max(width[s] + len(reqs.outs[slot_req[s]]) for s in range(b) if slot_req[s] >= 0),
                              sync_every)
+                t1 = time.perf_counter()
                 picked, bad = eng.picked[:b].tolist(), eng.bad[:b].tolist()
+                counts["launch_seconds"] += t1 - t0  # the host queueing the window's steps (eager: running them)
+                counts["read_seconds"] += time.perf_counter() - t1  # waiting for the device to finish them
                 for s in range(b):
                     r = slot_req[s]
                     if r < 0:
@@ -387,7 +427,8 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     seconds, decoder = time.perf_counter() - start, "engine_graph" if steps.used_graph else "engine"
     if stats is not None:
         stats.update(counts, **steps.counts, seconds=seconds, slots=S, max_len=max_len,
-                     prefill_seconds=round(counts["prefill_seconds"], 3), attend_buckets=sorted(steps.attended))
+                     **{k: round(counts[k], 3) for k in ("prefill_seconds", "launch_seconds", "read_seconds")},
+                     attend_buckets=sorted(steps.attended))
     for res in results:
         assert res is not None
         res.seconds, res.decoder = seconds, decoder
@@ -448,7 +489,8 @@ def describe_stats(stats: dict) -> str:
     return (f"generation: {stats['seconds']:.2f} s on {stats['slots']} slots; {stats['prefills']} prefills "
             f"({stats['prefill_seconds']:.2f} s), {stats['graph_steps']} decode steps from CUDA graphs + "
             f"{stats['eager_steps']} eager, {stats['captures']} graphs captured, {stats['host_reads']} host reads, "
-            f"attended columns {stats['attend_buckets']} of {stats['max_len']}")
+            f"attended columns {stats['attend_buckets']} of {stats['max_len']}; decode steps queued in "
+            f"{stats['launch_seconds']:.2f} s, waited for {stats['read_seconds']:.2f} s")
 
 
 def attend_bucket(need: int, max_len: int) -> int:

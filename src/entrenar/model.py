@@ -136,6 +136,12 @@ class StaticKVCache:
         self.at: torch.Tensor | None = None
         self.attend = max_len
         self.mask: torch.Tensor | None = None
+        # set by a cache whose one-token steps attend through `attend_spans` instead of SDPA under `mask`
+        self.spans: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def attend_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One query per head over each row's span of columns (engine.SlotKVCache): q [B, K, G, D] -> [B, K, G, D]."""
+        raise NotImplementedError("a cache that sets spans attends over them")
 
     def update(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         if self.keys[layer] is None:
@@ -181,12 +187,14 @@ class Attention(nn.Module):
             k, v = cache.update(self.layer, k, v)
         if internals is not None:
             internals[f"layers.{self.layer}.attn_probs"] = self.attention_probs(q, k, mask)
-        if T == 1 and isinstance(cache, StaticKVCache) and cfg.num_heads != cfg.num_kv_heads:
+        if T == 1 and isinstance(cache, StaticKVCache) and (cache.spans is not None or cfg.num_heads != cfg.num_kv_heads):
             # one query per head: the G heads sharing a kv head become G queries of it, so no kernel
             # repeats the whole cache per head (SDPA's GQA with a mask otherwise takes the math path)
-            G = cfg.num_heads // cfg.num_kv_heads
-            y = F.scaled_dot_product_attention(q.reshape(B, cfg.num_kv_heads, G, cfg.head_dim), k, v,
-                                               attn_mask=mask)
+            qg = q.reshape(B, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads, cfg.head_dim)
+            if cache.spans is not None:
+                y = cache.attend_spans(qg, k, v)
+            else:
+                y = F.scaled_dot_product_attention(qg, k, v, attn_mask=mask)
             return self.o_proj(y.reshape(B, T, cfg.num_heads * cfg.head_dim))
         gqa = cfg.num_heads != cfg.num_kv_heads
         if gqa and mask is not None and T > 1 and q.is_cuda:
