@@ -229,7 +229,7 @@ def main() -> int:
                                "rows_equal": sum(a == b for a, b in zip(graph[0], eager[0])), "rows": len(prompts),
                                "identical": graph[0] == eager[0]})
                 print(json.dumps(checks[-1]), flush=True)
-            for name in args.workloads.split(","):
+            for name in filter(None, args.workloads.split(",")):  # "": the checks only
                 stage = f"speed {name}"
                 spec = (TINY_WORKLOADS if args.tiny else WORKLOADS)[name]
                 rows.append(speed(shape, name, model, hf, cfg.vocab_size, spec, device, hf_batches, card))

@@ -2,14 +2,17 @@
 # The retention A/B, the engine's speed and GRPO from an SFT adapter on the GPU machine, one device call per stage,
 # through the real CLI (`python -m entrenar`, as `entrenar`), after the model's pieces arrived
 # (../shared/device/README.md; bench/issue35_gpu.sh piece NAME copies them to /tmp/carry/NAME):
-#   bash bench/panel_gpu.sh ab NAME SECONDS       join /tmp/carry/NAME/p* (sha256 checked), install .whl into /tmp/site;
-#                                                 the base's evals one after another on an otherwise idle GPU (their
-#                                                 generation times are the engine's numbers), then every variant of
-#                                                 VARIANTS at once (bench.task_proof toolcall, --base-from those evals)
-#   bash bench/panel_gpu.sh grpo NAME SECONDS     the engine against transformers (bench/engine_throughput.py) and
-#                                                 HumanEval pass@10 on the base; then GRPO (LoRA, --reward
-#                                                 bfcl-graded) on the best variant's SFT model (merged), and its evals
-#                                                 paired against that SFT model's
+#   bash bench/panel_gpu.sh speed NAME SECONDS    join /tmp/carry/NAME/p* (sha256 checked), install .whl into /tmp/site;
+#                                                 the engine through the CLI on the base, each decode attention
+#                                                 (ENTRENAR_DECODE_ATTENTION), the first run of a process cold: BFCL
+#                                                 840, HumanEval 164, pass@10; then bench/engine_throughput.py's
+#                                                 speed rows against transformers (random weights, SmolLM2 shape)
+#   bash bench/panel_gpu.sh ab NAME SECONDS       the base's evals (skipped when $WORK/base has them), then each
+#                                                 variant of VARIANTS (ONLY="a b": those) one after another (four at
+#                                                 once took 25-86 GB each and ran out of an H200's memory):
+#                                                 bench.task_proof toolcall, --base-from those evals
+#   bash bench/panel_gpu.sh grpo NAME SECONDS     GRPO (LoRA, --reward bfcl-graded) on the best variant's SFT model
+#                                                 (merged), and its evals paired against that SFT model's
 # Everything a stage wrote goes to $OUT as one STAGE-results.tgz (per-problem files, logs, summaries; no weights) and
 # STAGE-summary.txt. DRY=1: the same steps on the CPU with tiny settings (checks the script, not the numbers).
 set -uo pipefail
@@ -61,22 +64,48 @@ declare -A VARIANTS=(  # ONLY="a b": just those
   [matched]="--swapped-no-call 650 --swapped-matched --replay 0.3"
   [nearest]="--swapped-no-call 650 --swapped-nearest --replay 0.3"
   [nearest-kl]="--swapped-no-call 650 --swapped-nearest --replay 0.3 --kl-to-base 0.1"
+  [swapped-kl]="--swapped-no-call 1000 --replay 0.3 --kl-to-base 0.1"
 )
+
+if [ "$stage" = speed ]; then
+  sp=$root/speed
+  mkdir -p "$sp"
+  {
+    for attn in ${ATTNS:-kernel kernel sdpa}; do  # the first run is the machine's cold start (Triton compiles)
+      export ENTRENAR_DECODE_ATTENTION=$attn
+      n=$(ls "$sp" | grep -c "^bfcl_$attn.*json$" || true)
+      timed "$sp/bfcl_$attn$n" python3 -m entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" \
+        --device "$dev" --out "$sp/bfcl_$attn$n.jsonl" --overwrite
+      timed "$sp/he_$attn$n" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" \
+        --device "$dev" --out "$sp/he_$attn$n.jsonl" --overwrite
+    done
+    unset ENTRENAR_DECODE_ATTENTION
+    for f in "$sp"/bfcl_*.json "$sp"/he_*.json; do echo "$(basename "$f"): $(grep -o '"generate_seconds": [0-9.]*' "$f")"; done
+    timed "$sp/he10" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+      --samples 10 --temperature 0.8 --out "$sp/he10.jsonl" --overwrite
+    if [ "$dev" = cuda ]; then
+      echo "== engine vs transformers (random weights, SmolLM2 shape)"
+      timeout "$(left)" python3 bench/engine_throughput.py --shapes smollm2-135m --no-checks --hf-batches 128,256 \
+        > "$sp/engine.jsonl" 2> "$sp/engine.log"; echo "exit $?"; tail -n 12 "$sp/engine.jsonl"
+    fi
+  } 2>&1 | tee "$OUT/speed-summary.txt"
+  collect speed
+  exit 0
+fi
 
 if [ "$stage" = ab ]; then
   {
-    timed "$base/base_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    [ -f "$base/base_bfcl.jsonl" ] || timed "$base/base_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --out "$base/base_bfcl.jsonl" --overwrite
-    timed "$base/base_he" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    [ -f "$base/base_he.jsonl" ] || timed "$base/base_he" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --out "$base/base_he.jsonl" --overwrite
-    timed "$base/base_chat" python3 -m entrenar eval --task chat --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    [ -f "$base/base_chat.jsonl" ] || timed "$base/base_chat" python3 -m entrenar eval --task chat --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --out "$base/base_chat.jsonl" --overwrite
     for v in ${ONLY:-${!VARIANTS[@]}}; do
       # shellcheck disable=SC2086
       timeout "$(left)" python3 -m bench.task_proof toolcall "${common[@]}" --work "$root/$v" --base-from "$base" \
-        ${VARIANTS[$v]} > "$root/$v.out" 2>&1 &
+        ${VARIANTS[$v]} > "$root/$v.out" 2>&1
     done
-    wait
     for v in ${ONLY:-${!VARIANTS[@]}}; do
       echo "== $v: ${VARIANTS[$v]}"; grep -E "^(bfcl|chat|humaneval) |exit [1-9]|Error" "$root/$v.out" | head -12
     done
@@ -89,20 +118,13 @@ if [ "$stage" = grpo ]; then
   g=$root/grpo
   mkdir -p "$g"
   {
-    if [ "$dev" = cuda ]; then
-      echo "== engine vs transformers (random weights, SmolLM2 shape)"
-      timeout 100 python3 bench/engine_throughput.py --shapes smollm2-135m --hf-batches 64,256 > "$g/engine.jsonl" \
-        2> "$g/engine.log"; echo "exit $?"; tail -n 12 "$g/engine.jsonl"
-    fi
-    timed "$g/base_he10" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
-      --samples 10 --temperature 0.8 --out "$g/base_he10.jsonl" --overwrite
     # the SFT model to start from: the variant whose irrelevance held best, then the most simple_python
     pick=$(python3 -m bench.panel_pick "$root" ${ONLY:-nearest-kl nearest matched replay})
     echo "== GRPO from the SFT adapter of: $pick"
     timed "$g/merge" python3 -m entrenar merge --base "$model" --adapter "$root/$pick/run" --out "$g/merged"
     timed "$g/finetune" python3 -m entrenar finetune --model "$g/merged" "${tpl[@]}" --objective grpo --data "$root/$pick/rows.jsonl" \
       --reward bfcl-graded --mode lora --rank 16 --lr "${GRPO_LR:-5e-5}" --num-generations "$gens" \
-      --batch-size "$batch" --max-new-tokens "$new" --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" \
+      --batch-size "${GRPO_BATCH:-$batch}" --grad-accum "${GRPO_ACCUM:-1}" --max-new-tokens "$new" --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" \
       --eval-task bfcl:simple_python,multiple --eval-task-limit "$task_limit" --eval-task-every $((grpo_steps / 2)) \
       --retain-task bfcl:irrelevance --retain-task chat --keep-best task --seed 0 --out "$g/run"
     grep -E "^step [0-9]+/" "$g/finetune.log" | awk 'NR % 10 == 1' | head -20
@@ -119,4 +141,4 @@ if [ "$stage" = grpo ]; then
   collect grpo
   exit 0
 fi
-echo "unknown stage $stage (ab | grpo)"; exit 2
+echo "unknown stage $stage (speed | ab | grpo)"; exit 2

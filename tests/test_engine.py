@@ -137,6 +137,9 @@ def test_graphs_per_attended_columns_bucket_equal_eager(tok, cpu_graphs, monkeyp
     assert len(stats["attend_buckets"]) >= 3 and stats["attend_buckets"][-1] <= stats["max_len"]
     assert stats["captures"] >= 3 and stats["graph_steps"] > 0 and stats["prefills"] >= 2
     assert stats["graph_steps"] + stats["eager_steps"] == stats["host_reads"] * 2
+    parts = stats["prefill_seconds"] + stats["launch_seconds"] + stats["read_seconds"]
+    assert min(stats["launch_seconds"], stats["read_seconds"]) >= 0 and 0 < parts <= stats["seconds"] + 1e-3
+    assert f"queued in {stats['launch_seconds']:.2f} s" in eng.describe_stats(stats)
 
 
 def test_attend_bucket():

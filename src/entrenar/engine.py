@@ -150,7 +150,9 @@ class SlotKVCache(StaticKVCache):
         return keys[:b, :, :self.attend], values[:b, :, :self.attend]
 
     def attend_spans(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        from .kernels.decode_attention import decode_attention  # Triton: imported only where the engine uses it
+        from .kernels.decode_attention import (
+            decode_attention,  # Triton: imported only where the engine uses it
+        )
 
         start, end = self.spans
         return decode_attention(q, k, v, start, end, q.shape[-1] ** -0.5)
@@ -463,7 +465,10 @@ class _Steps:
 
     def run(self, b: int, columns: Callable[[], int], attend: int) -> None:
         key = (b, attend)
-        if self.use_graph and key not in self.graphs and self.warm.get(key, 0) >= sd.WARMUP_STEPS:
+        # the first graph of a call after WARMUP_STEPS eager steps (lazy inits: cuBLAS, Triton compiles), every later
+        # one after one: an eager step costs ~35 ms of host launches on a 30-layer model (H200), a replay ~5 ms
+        warmup = 1 if self.graphs else sd.WARMUP_STEPS
+        if self.use_graph and key not in self.graphs and self.warm.get(key, 0) >= warmup:
             try:
                 self.graphs[key] = sd.GraphStep(self.eng.step_fn(b, attend), pool=self.pool)
                 self.counts["captures"] += 1

@@ -109,7 +109,7 @@ def decode_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, start: t
     q's dtype. One torch op (entrenar::decode_attention): a CUDA graph, or the tests' CPU stand-in of one,
     records it as one kernel."""
     _common.check_device(q, k, v, start, end)
-    B, K, G, D = q.shape
+    B, K, _, D = q.shape
     T = k.shape[2]
     assert k.shape == v.shape == (B, K, T, D) and start.shape == end.shape == (B,), (q.shape, k.shape, start.shape)
     assert q.stride(-1) == k.stride(-1) == v.stride(-1) == 1 and D == triton.next_power_of_2(D), "rows of D, stride 1"
