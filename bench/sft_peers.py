@@ -53,7 +53,8 @@ DIFFERENCES = [
      "(0.9, 0.95), eps 1e-8, weight decay 0; ours: torch AdamW through entrenar's optimizer"),
     ("LoRA init: PEFT's (kaiming-uniform A, zero B) and ours, seeded differently: equal at step 0 (B = 0), "
      "different random A"),
-    "entrenar's loss eval at start and end and its QA gate run outside the timed steps; TRL runs no eval",
+    "entrenar's loss eval at start and end runs outside the timed steps (its QA gate is off); TRL runs no eval",
+    "both log every step (TRL logging_steps=1: its loss read back each step, as ours reads its loss once a step)",
 ]
 
 
@@ -358,6 +359,24 @@ def table(rows: list[dict[str, Any]], tokens: int) -> str:
     return "\n".join(lines)
 
 
+def make_rows(p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
+    """The recipe's rows, made as its header says: BFCL-derived calls and the base's replayed answers (30%)."""
+    calls, replay = out / "rows" / "calls.jsonl", out / "rows" / "replay.jsonl"
+    calls.parent.mkdir(parents=True, exist_ok=True)
+    steps = [[sys.executable, "-m", "entrenar", "data", "sft-from-bfcl", "--out", str(calls), "--irrelevance",
+              "--swapped-no-call", "650", "--swapped-matched"],
+             [sys.executable, "-m", "entrenar", "data", "replay", "--model", p["model"], "--out", str(replay),
+              *(["--chat-template", p["chat_template"]] if p["chat_template"] else []),
+              *(["--device", "cpu"] if p["device"] == "cpu" else [])]]
+    for cmd, made in zip(steps, (calls, replay), strict=True):
+        if made.is_file():  # made by an earlier call into the same --out: the same rows
+            continue
+        code, _, err = run(cmd, timeout, out / f"rows-{made.stem}.log")
+        if code != 0:
+            raise SystemExit(f"--make-rows: {shlex.join(cmd)} failed (exit {code}): {_tail(err)}")
+    return {"data": str(calls), "mix": [f"{replay}:0.3"]}
+
+
 def make_tiny(out: Path) -> dict[str, Any]:
     """A tiny llama with SmolLM2's tokenizer and a few tool-call rows (no weights downloaded)."""
     from entrenar.config import ModelConfig
@@ -394,6 +413,9 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", help="MODEL: a .gguf, an HF dir or a packaged name (smollm2-135m-instruct)")
     ap.add_argument("--data", help="the training rows (JSONL), e.g. `data sft-from-bfcl`'s")
+    ap.add_argument("--make-rows", action="store_true",
+                    help="make the recipe's rows into OUT/rows/ (data sft-from-bfcl + data replay of --model, mixed "
+                         "at 0.3) instead of --data/--mix")
     ap.add_argument("--mix", action="append", default=[], help="FILE:FRACTION as finetune's --mix (repeatable)")
     ap.add_argument("--steps", type=int, default=250)
     ap.add_argument("--batch", type=int, default=16)
@@ -423,8 +445,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.tiny:
         p.update(make_tiny(out), steps=3, batch=2, rank=4, max_seq_len=512, eval_limit=args.eval_limit or 1,
                  eval_max_new_tokens=16)
+    elif args.make_rows:
+        if not p["model"]:
+            ap.error("--make-rows replays --model's answers: give --model")
+        p.update(make_rows(p, out, args.timeout_s))
     if not p["model"] or not p["data"]:
-        ap.error("--model and --data are required (or --tiny)")
+        ap.error("--model and --data (or --make-rows) are required, or --tiny")
     seq = training_sequence(p["model"], p["data"], p["mix"], p["max_seq_len"], p["chat_template"], p["steps"],
                             p["batch"])
     stats = sequence_stats(seq, p["batch"])
