@@ -25,7 +25,7 @@ tok_s: the time inside steps, evals and checkpoints excluded). tokens/s: the non
 (the same count for every row) over those seconds. Peak memory: torch.cuda.max_memory_allocated in the TRL child
 (reset after the model is loaded); ours: the largest mem_mb of RUN/metrics.jsonl.
 
-Quality: `entrenar eval --task bfcl:CATEGORIES` on each result (ours: the run; TRL's: --model BASE --adapter DIR,
+Quality: `entrenar eval --task bfcl:CATEGORIES` (and humaneval with --humaneval) on each result (ours: the run; TRL's: --model BASE --adapter DIR,
 its PEFT adapter), each peer `--compare`d with ours per category (exact McNemar).
 """
 
@@ -296,13 +296,19 @@ def entrenar_row(p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]
     return row
 
 
-def bfcl_eval(row: dict[str, Any], p: dict[str, Any], out: Path, compare: Path | None, timeout: float) -> None:
-    """BFCL of one row's result; a peer's is paired with ours (--compare)."""
+def task_file(task: str) -> str:
+    """The per-problem rows file of a task: bfcl.jsonl, humaneval.jsonl."""
+    return task.split(":", 1)[0] + ".jsonl"
+
+
+def task_eval(row: dict[str, Any], task: str, p: dict[str, Any], out: Path, compare: Path | None,
+              timeout: float) -> None:
+    """`eval --task TASK` of one row's result into row["evals"][TASK]; a peer's paired with ours (--compare)."""
     name = row["row"]
-    rows_file = out / name / "bfcl.jsonl"
+    rows_file = out / name / task_file(task)
     rows_file.parent.mkdir(parents=True, exist_ok=True)
     model = ["--model", row["adapter"]] if name == "entrenar" else ["--model", p["model"], "--adapter", row["adapter"]]
-    cmd = [sys.executable, "-m", "entrenar", "eval", "--json", *model, "--task", f"bfcl:{p['categories']}",
+    cmd = [sys.executable, "-m", "entrenar", "eval", "--json", *model, "--task", task,
            "--out", str(rows_file), "--overwrite"]
     if p["chat_template"]:
         cmd += ["--chat-template", p["chat_template"]]
@@ -314,30 +320,36 @@ def bfcl_eval(row: dict[str, Any], p: dict[str, Any], out: Path, compare: Path |
         cmd += ["--max-new-tokens", str(p["eval_max_new_tokens"])]
     if compare is not None:
         cmd += ["--compare", str(compare)]
-    code, stdout, err = run(cmd, timeout, out / f"{name}.eval.log")
+    code, stdout, err = run(cmd, timeout, out / f"{name}.{task_file(task)[:-6]}.eval.log")
     last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
     try:
         res = json.loads(last)
     except json.JSONDecodeError:
         res = {}
+    evals = row.setdefault("evals", {})
     if code != 0:
-        row["bfcl"] = {"status": "failed", "reason": f"exit {code}: {_tail(err)}"}
+        evals[task] = {"status": "failed", "reason": f"exit {code}: {_tail(err)}"}
         return
-    row["bfcl"] = {"status": "ok", "rows": str(rows_file), "problems": res.get("problems"),
+    evals[task] = {"status": "ok", "rows": str(rows_file), "problems": res.get("problems"),
                    "passed": res.get("passed_problems"), "accuracy": res.get("accuracy"),
-                   "categories": res.get("categories"),
+                   **({"categories": res["categories"]} if res.get("categories") else {}),
                    **({"compare_with_entrenar": res["compare"]} if "compare" in res else {})}
 
 
-def bfcl_cell(r: dict[str, Any]) -> str:
-    """Per category correct/total, and for a peer the paired verdict against ours."""
-    b = r.get("bfcl") or {}
-    if b.get("status") != "ok":
-        return b.get("status", "-")
-    cats = " ".join(f"{c} {v['correct']}/{v['total']}" for c, v in (b.get("categories") or {}).items())
-    units = (b.get("compare_with_entrenar") or {}).get("units") or {}
-    worse = [u.split(":")[-1] for u, c in units.items() if c.get("p_holm", 1.0) < 0.05]
-    return cats + (f" (differs from ours: {', '.join(worse)})" if worse else " (= ours)" if units else "")
+def evals_cell(r: dict[str, Any]) -> str:
+    """Per task (and BFCL category) passed/total, and for a peer whether any differs from ours (p_holm < 0.05)."""
+    cells = []
+    for task, e in (r.get("evals") or {}).items():
+        if e.get("status") != "ok":
+            cells.append(f"{task}: {e.get('status')}")
+            continue
+        cats = e.get("categories") or {}
+        cells.append(" ".join(f"{c} {v['correct']}/{v['total']}" for c, v in cats.items()) if cats
+                     else f"{task} {e.get('passed')}/{e.get('problems')}")
+        units = (e.get("compare_with_entrenar") or {}).get("units") or {}
+        differ = [u.split(":")[-1] for u, c in units.items() if c.get("p_holm", 1.0) < 0.05]
+        cells[-1] += f" (differs from ours: {', '.join(differ)})" if differ else " (= ours)" if units else ""
+    return "; ".join(cells) or "-"
 
 
 def table(rows: list[dict[str, Any]], tokens: int) -> str:
@@ -345,7 +357,7 @@ def table(rows: list[dict[str, Any]], tokens: int) -> str:
     peers = [r for r in ok if r["row"] != "entrenar" and r.get("tok_s")]
     fastest = max(peers, key=lambda r: r["tok_s"]) if peers else None
     lines = [f"tokens trained per row: {tokens:,}", "",
-             "| row | status | loop s | steps/s | tokens/s | vs fastest peer | peak MiB | final loss | BFCL |",
+             "| row | status | loop s | steps/s | tokens/s | vs fastest peer | peak MiB | final loss | evals |",
              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if r["status"] != "ok":
@@ -355,7 +367,7 @@ def table(rows: list[dict[str, Any]], tokens: int) -> str:
         mem = f"{r['peak_mem_mb']:.0f}" if r.get("peak_mem_mb") is not None else "-"
         loss = f"{r['final_loss']:.4f}" if r.get("final_loss") is not None else "-"
         lines.append(f"| {r['row']} | ok | {r['loop_s']:.1f} | {r['steps_s']:.2f} | {r['tok_s']:,.0f} | {ratio} | "
-                     f"{mem} | {loss} | {bfcl_cell(r)} |")
+                     f"{mem} | {loss} | {evals_cell(r)} |")
     return "\n".join(lines)
 
 
@@ -425,7 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--chat-template", default="chatml_tools")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"which rows, in order ({','.join(ROWS)})")
     ap.add_argument("--categories", default="simple_python,multiple,irrelevance", help="BFCL categories")
-    ap.add_argument("--eval-limit", type=int, default=0, help="BFCL: the first N of each category (0 = all)")
+    ap.add_argument("--humaneval", action="store_true", help="also eval --task humaneval on each result")
+    ap.add_argument("--eval-limit", type=int, default=0,
+                    help="evals: the first N problems (of each category for BFCL); 0 = all")
     ap.add_argument("--no-eval", action="store_true", help="speed rows only")
     ap.add_argument("--entrenar-flag", action="append", default=[],
                     help="an extra finetune flag for our row (repeatable; e.g. --entrenar-flag=--pad-buckets=4)")
@@ -439,7 +453,8 @@ def main(argv: list[str] | None = None) -> int:
 
     p: dict[str, Any] = {"model": args.model, "data": args.data, "mix": args.mix, "steps": args.steps,
                          "batch": args.batch, "rank": args.rank, "lr": args.lr, "max_seq_len": args.max_seq_len,
-                         "chat_template": args.chat_template, "categories": args.categories,
+                         "chat_template": args.chat_template,
+                         "tasks": [f"bfcl:{args.categories}"] + (["humaneval"] if args.humaneval else []),
                          "eval_limit": args.eval_limit, "entrenar_flags": args.entrenar_flag,
                          "device": "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"}
     if args.tiny:
@@ -469,13 +484,13 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
         print(json.dumps(row), flush=True)
     ours = next((r for r in rows if r["row"] == "entrenar" and r["status"] == "ok"), None)
-    if not args.no_eval:
+    for task in [] if args.no_eval else p["tasks"]:
         if ours is not None:
-            bfcl_eval(ours, p, out, None, args.timeout_s)
-        ours_rows = out / "entrenar" / "bfcl.jsonl" if ours and ours["bfcl"]["status"] == "ok" else None
+            task_eval(ours, task, p, out, None, args.timeout_s)
+        ours_rows = out / "entrenar" / task_file(task) if ours and ours["evals"][task]["status"] == "ok" else None
         for r in rows:
             if r is not ours and r["status"] == "ok" and r["row"] != "trl-after":  # after: the same recipe again
-                bfcl_eval(r, p, out, ours_rows, args.timeout_s)
+                task_eval(r, task, p, out, ours_rows, args.timeout_s)
     peers = [r for r in rows if r["status"] == "ok" and r["peer"] != "entrenar" and r.get("tok_s")]
     fastest = max(peers, key=lambda r: r["tok_s"]) if peers else None
     summary = {"params": p, "sequence": stats, "rows": rows, "differences": DIFFERENCES,
