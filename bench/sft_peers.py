@@ -418,10 +418,8 @@ def make_tiny(out: Path) -> dict[str, Any]:
     return {"model": str(model_dir), "data": str(data), "mix": [f"{replay}:0.3"]}
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--child"]:
-        return child_main(argv[1], argv[2])
+def build_parser() -> argparse.ArgumentParser:
+    """The flags; their defaults are recipes/smollm2_tool_calls.yaml's (tests/test_bench_sft_peers.py)."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", help="MODEL: a .gguf, an HF dir or a packaged name (smollm2-135m-instruct)")
     ap.add_argument("--data", help="the training rows (JSONL), e.g. `data sft-from-bfcl`'s")
@@ -446,6 +444,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per child process")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: a tiny model, tiny rows, 3 steps")
     ap.add_argument("--out", required=True)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--child"]:
+        return child_main(argv[1], argv[2])
+    ap = build_parser()
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -479,7 +485,7 @@ def main(argv: list[str] | None = None) -> int:
             row["tok_s"] = stats["tokens"] / row["loop_s"]
             if row["peer"] != "entrenar":
                 row["same_sequence"] = row.get("sequence_sha256") == stats["sha256"]
-            else:  # ours counts padded tokens (padded to each batch's longest): the same batches give the same count
+            elif not p["entrenar_flags"]:  # ours counts padded tokens (to each batch's longest; not with buckets)
                 row["padded_tokens_match"] = row.get("counted_tokens") == stats["padded_tokens"]
         rows.append(row)
         print(json.dumps(row), flush=True)

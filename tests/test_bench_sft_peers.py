@@ -48,3 +48,26 @@ def test_trl_batches_equal_ours(tmp_path):
     seq = sft_peers.training_sequence(p["model"], p["data"], p["mix"], 512, "chatml_tools", steps, 2)
     assert sft_peers.sequence_stats(seq, 2)["sha256"] == sft_peers.sequence_stats(trainer.entrenar_sequence, 2)[
         "sha256"]
+
+
+def test_defaults_are_the_recipes():
+    """The bench's flags default to recipes/smollm2_tool_calls.yaml's, and our row's finetune gets them."""
+    from pathlib import Path
+
+    import yaml
+
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "smollm2_tool_calls.yaml").read_text())
+    args = sft_peers.build_parser().parse_args(["--out", "x"])
+    assert (args.steps, args.batch, args.rank, args.lr, args.max_seq_len, args.chat_template) == (
+        recipe["steps"], recipe["batch_size"], recipe["rank"], recipe["lr"], recipe["max_seq_len"],
+        recipe["chat_template"])
+    assert recipe["mode"] == "lora" and [m.rsplit(":", 1)[1] for m in recipe["mix"]] == ["0.3"]
+    p = {"model": recipe["model"], "data": "calls.jsonl", "mix": ["replay.jsonl:0.3"], "steps": args.steps,
+         "batch": args.batch, "rank": args.rank, "lr": args.lr, "max_seq_len": args.max_seq_len,
+         "chat_template": args.chat_template, "device": "cuda"}
+    cmd = sft_peers.entrenar_command(p, Path("run"))
+    flags = dict(zip(cmd[cmd.index("finetune") + 2::2], cmd[cmd.index("finetune") + 3::2]))
+    assert flags["--mode"] == "lora" and flags["--mix"] == "replay.jsonl:0.3"
+    assert (int(flags["--steps"]), int(flags["--batch-size"]), int(flags["--rank"]), float(flags["--lr"]),
+            int(flags["--max-seq-len"])) == (250, 16, 16, 3e-4, 4096)
+    assert "--eval-task" not in cmd and "--retain-task" not in cmd  # no in-loop task evals in the timed run
