@@ -3,7 +3,11 @@ rows, tokens, rank, steps and batch: time, tokens/s, peak memory and BFCL of eac
 
     python -m bench.sft_peers --model smollm2-135m-instruct --data calls.jsonl --mix replay.jsonl:0.3 \
         --steps 250 --batch 16 --rank 16 --lr 3e-4 --max-seq-len 4096 --chat-template chatml_tools --out DIR
+    python -m bench.sft_peers --model smollm2-135m-instruct --make-rows --humaneval --out DIR   # the rows made too
     python -m bench.sft_peers --tiny --out DIR      # the whole thing on the CPU with a tiny model, a few steps
+
+TRL needs trl and datasets (with dill, multiprocess) importable; --no-eval then --eval-only (same DIR) splits the
+training rows and the evals into two calls.
 
 Rows, each in a child process of its own (separate memory peaks; Liger's patches never reach another row):
 trl (before), trl-liger (use_liger_kernel=True; skipped where liger_kernel does not import), entrenar (the real
@@ -439,12 +443,48 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--eval-limit", type=int, default=0,
                     help="evals: the first N problems (of each category for BFCL); 0 = all")
     ap.add_argument("--no-eval", action="store_true", help="speed rows only")
+    ap.add_argument("--eval-only", action="store_true",
+                    help="only the evals, of the rows an earlier call wrote into --out (its summary.json)")
     ap.add_argument("--entrenar-flag", action="append", default=[],
                     help="an extra finetune flag for our row (repeatable; e.g. --entrenar-flag=--pad-buckets=4)")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per child process")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: a tiny model, tiny rows, 3 steps")
     ap.add_argument("--out", required=True)
     return ap
+
+
+def write_summary(out: Path, p: dict[str, Any], stats: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """DIR/summary.json, rewritten after every row and eval (a run cut short keeps what it measured)."""
+    ours = next((r for r in rows if r["row"] == "entrenar" and r["status"] == "ok"), None)
+    peers = [r for r in rows if r["status"] == "ok" and r["peer"] != "entrenar" and r.get("tok_s")]
+    fastest = max(peers, key=lambda r: r["tok_s"]) if peers else None
+    summary = {"params": p, "sequence": stats, "rows": rows, "differences": DIFFERENCES,
+               "warmup_steps": warmup_steps(p["steps"]), "min_lr_ratio": MIN_LR_RATIO,
+               "fastest_peer": fastest["row"] if fastest else None,
+               "ours_vs_fastest_peer_tok_s": ours["tok_s"] / fastest["tok_s"] if ours and fastest
+               and ours.get("tok_s") else None,
+               "ours_vs_fastest_peer_mem": ours["peak_mem_mb"] / fastest["peak_mem_mb"] if ours and fastest
+               and ours.get("peak_mem_mb") and fastest.get("peak_mem_mb") else None}
+    (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def train_rows(names: list[str], p: dict[str, Any], stats: dict[str, Any], out: Path,
+               timeout: float) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    for name in names:
+        row = entrenar_row(p, out, timeout) if name == "entrenar" else trl_row(name, p, out, timeout)
+        if row["status"] == "ok" and row.get("loop_s"):
+            row["steps_s"] = p["steps"] / row["loop_s"]
+            row["tok_s"] = stats["tokens"] / row["loop_s"]
+            if row["peer"] != "entrenar":
+                row["same_sequence"] = row.get("sequence_sha256") == stats["sha256"]
+            elif not p["entrenar_flags"]:  # ours counts padded tokens (to each batch's longest; not with buckets)
+                row["padded_tokens_match"] = row.get("counted_tokens") == stats["padded_tokens"]
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+        write_summary(out, p, stats, rows)
+    return rows
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -455,12 +495,46 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    tasks = [f"bfcl:{args.categories}"] + (["humaneval"] if args.humaneval else [])
+    if args.eval_only:  # the rows of an earlier call into the same --out (its adapters still there)
+        if not (out / "summary.json").is_file():
+            ap.error(f"--eval-only: {out / 'summary.json'} does not exist; run the training rows into --out first")
+        before = json.loads((out / "summary.json").read_text())
+        p, stats, rows = before["params"], before["sequence"], before["rows"]
+        p.update(tasks=tasks, eval_limit=args.eval_limit or p.get("eval_limit", 0))
+    else:
+        p, stats, rows = prepare(ap, args, out, tasks), {}, []
+        seq = training_sequence(p["model"], p["data"], p["mix"], p["max_seq_len"], p["chat_template"], p["steps"],
+                                p["batch"])
+        stats = sequence_stats(seq, p["batch"])
+        names = [r.strip() for r in args.rows.split(",") if r.strip()]
+        unknown = [n for n in names if n not in ROWS]
+        if unknown:
+            ap.error(f"--rows: unknown row(s) {', '.join(unknown)}; rows: {', '.join(ROWS)}")
+        rows = train_rows(names, p, stats, out, args.timeout_s)
+    ours = next((r for r in rows if r["row"] == "entrenar" and r["status"] == "ok"), None)
+    for task in [] if args.no_eval else p["tasks"]:
+        if ours is not None:
+            task_eval(ours, task, p, out, None, args.timeout_s)
+        ours_rows = out / "entrenar" / task_file(task) if ours and ours["evals"][task]["status"] == "ok" else None
+        for r in rows:
+            if r is not ours and r["status"] == "ok" and r["row"] != "trl-after":  # after: the same recipe again
+                task_eval(r, task, p, out, ours_rows, args.timeout_s)
+            write_summary(out, p, stats, rows)
+    summary = write_summary(out, p, stats, rows)
+    print(table(rows, stats["tokens"]))
+    print(json.dumps({k: summary[k] for k in ("fastest_peer", "ours_vs_fastest_peer_tok_s",
+                                              "ours_vs_fastest_peer_mem")}))
+    return 0 if all(r["status"] != "failed" for r in rows) else 1
+
+
+def prepare(ap: argparse.ArgumentParser, args: argparse.Namespace, out: Path, tasks: list[str]) -> dict[str, Any]:
+    """The run's parameters: the flags, --tiny's model and rows, or --make-rows's rows."""
     import torch
 
     p: dict[str, Any] = {"model": args.model, "data": args.data, "mix": args.mix, "steps": args.steps,
                          "batch": args.batch, "rank": args.rank, "lr": args.lr, "max_seq_len": args.max_seq_len,
-                         "chat_template": args.chat_template,
-                         "tasks": [f"bfcl:{args.categories}"] + (["humaneval"] if args.humaneval else []),
+                         "chat_template": args.chat_template, "tasks": tasks,
                          "eval_limit": args.eval_limit, "entrenar_flags": args.entrenar_flag,
                          "device": "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"}
     if args.tiny:
@@ -472,45 +546,7 @@ def main(argv: list[str] | None = None) -> int:
         p.update(make_rows(p, out, args.timeout_s))
     if not p["model"] or not p["data"]:
         ap.error("--model and --data (or --make-rows) are required, or --tiny")
-    seq = training_sequence(p["model"], p["data"], p["mix"], p["max_seq_len"], p["chat_template"], p["steps"],
-                            p["batch"])
-    stats = sequence_stats(seq, p["batch"])
-    rows: list[dict[str, Any]] = []
-    for name in [r.strip() for r in args.rows.split(",") if r.strip()]:
-        if name not in ROWS:
-            ap.error(f"--rows: unknown row {name!r}; rows: {', '.join(ROWS)}")
-        row = entrenar_row(p, out, args.timeout_s) if name == "entrenar" else trl_row(name, p, out, args.timeout_s)
-        if row["status"] == "ok" and row.get("loop_s"):
-            row["steps_s"] = p["steps"] / row["loop_s"]
-            row["tok_s"] = stats["tokens"] / row["loop_s"]
-            if row["peer"] != "entrenar":
-                row["same_sequence"] = row.get("sequence_sha256") == stats["sha256"]
-            elif not p["entrenar_flags"]:  # ours counts padded tokens (to each batch's longest; not with buckets)
-                row["padded_tokens_match"] = row.get("counted_tokens") == stats["padded_tokens"]
-        rows.append(row)
-        print(json.dumps(row), flush=True)
-    ours = next((r for r in rows if r["row"] == "entrenar" and r["status"] == "ok"), None)
-    for task in [] if args.no_eval else p["tasks"]:
-        if ours is not None:
-            task_eval(ours, task, p, out, None, args.timeout_s)
-        ours_rows = out / "entrenar" / task_file(task) if ours and ours["evals"][task]["status"] == "ok" else None
-        for r in rows:
-            if r is not ours and r["status"] == "ok" and r["row"] != "trl-after":  # after: the same recipe again
-                task_eval(r, task, p, out, ours_rows, args.timeout_s)
-    peers = [r for r in rows if r["status"] == "ok" and r["peer"] != "entrenar" and r.get("tok_s")]
-    fastest = max(peers, key=lambda r: r["tok_s"]) if peers else None
-    summary = {"params": p, "sequence": stats, "rows": rows, "differences": DIFFERENCES,
-               "warmup_steps": warmup_steps(p["steps"]), "min_lr_ratio": MIN_LR_RATIO,
-               "fastest_peer": fastest["row"] if fastest else None,
-               "ours_vs_fastest_peer_tok_s": ours["tok_s"] / fastest["tok_s"] if ours and fastest
-               and ours.get("tok_s") else None,
-               "ours_vs_fastest_peer_mem": ours["peak_mem_mb"] / fastest["peak_mem_mb"] if ours and fastest
-               and ours.get("peak_mem_mb") and fastest.get("peak_mem_mb") else None}
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    print(table(rows, stats["tokens"]))
-    print(json.dumps({k: summary[k] for k in ("fastest_peer", "ours_vs_fastest_peer_tok_s",
-                                              "ours_vs_fastest_peer_mem")}))
-    return 0 if all(r["status"] != "failed" for r in rows) else 1
+    return p
 
 
 if __name__ == "__main__":
