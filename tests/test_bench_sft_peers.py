@@ -1,0 +1,73 @@
+"""bench/sft_peers.py: TRL's SFTTrainer trains on the batches `finetune` trains on (the same token ids, the same
+trained tokens, the same order), so the speed comparison is the same work."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from bench import sft_peers
+
+
+def _ours_batches(p: dict, steps: int) -> list[dict]:
+    """finetune's batches: its data path (load_sft, the --val-fraction split, --mix, SFTLoader at seed 0)."""
+    from entrenar.data.mixing import mix_examples
+    from entrenar.data.sft import SFTLoader, load_sft
+    from entrenar.tokenizer import load_tokenizer, use_chat_template_file
+    from entrenar.train.commands import _split_val
+
+    tok = load_tokenizer(p["model"])
+    use_chat_template_file(tok, p["chat_template"])
+    examples, _ = load_sft(p["data"], tok, p["max_seq_len"])
+    examples, _ = _split_val(examples, 0.05, 0)
+    examples, _ = mix_examples(examples, p["mix"], lambda path: load_sft(path, tok, p["max_seq_len"])[0], 0)
+    loader = SFTLoader(examples, p["batch"], seed=0, max_seq_len=p["max_seq_len"],
+                       pad_id=tok.pad_id if tok.pad_id is not None else tok.eos_id)
+    return [loader.next_batch() for _ in range(steps)]
+
+
+def test_trl_batches_equal_ours(tmp_path):
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    steps = 3
+    p = {**sft_peers.make_tiny(tmp_path), "steps": steps, "batch": 2, "rank": 4, "lr": 3e-4, "max_seq_len": 512,
+         "chat_template": "chatml_tools", "device": "cpu", "work": str(tmp_path / "work")}
+    trainer = sft_peers.build_trl_trainer(p)
+    theirs = list(trainer.get_train_dataloader())[:steps]
+    ours = _ours_batches(p, steps)
+    assert len(theirs) == steps
+    for step, (t, o) in enumerate(zip(theirs, ours, strict=True)):
+        assert t["input_ids"].shape == o["input_ids"].shape, step  # both padded to the batch's longest row
+        real = t["attention_mask"].bool()  # where TRL pads, ours pads too (same T, same rows)
+        assert torch.equal(t["input_ids"][real], o["input_ids"][real]), step
+        # TRL's labels are unshifted (the model shifts them), ours shifted: label t+1 there is label t here
+        assert torch.equal(t["labels"][:, 1:], o["labels"][:, :-1]), step
+        assert (o["labels"][:, -1] == -100).all() and (t["labels"][:, 0] == -100).all()
+        assert (o["labels"] != -100).sum() > 0
+    # and the sequence the TRL child reports is the one counted for tokens/s
+    seq = sft_peers.training_sequence(p["model"], p["data"], p["mix"], 512, "chatml_tools", steps, 2)
+    assert sft_peers.sequence_stats(seq, 2)["sha256"] == sft_peers.sequence_stats(trainer.entrenar_sequence, 2)[
+        "sha256"]
+
+
+def test_defaults_are_the_recipes():
+    """The bench's flags default to recipes/smollm2_tool_calls.yaml's, and our row's finetune gets them."""
+    from pathlib import Path
+
+    import yaml
+
+    recipe = yaml.safe_load((Path(__file__).resolve().parents[1] / "recipes" / "smollm2_tool_calls.yaml").read_text())
+    args = sft_peers.build_parser().parse_args(["--out", "x"])
+    assert (args.steps, args.batch, args.rank, args.lr, args.max_seq_len, args.chat_template) == (
+        recipe["steps"], recipe["batch_size"], recipe["rank"], recipe["lr"], recipe["max_seq_len"],
+        recipe["chat_template"])
+    assert recipe["mode"] == "lora" and [m.rsplit(":", 1)[1] for m in recipe["mix"]] == ["0.3"]
+    p = {"model": recipe["model"], "data": "calls.jsonl", "mix": ["replay.jsonl:0.3"], "steps": args.steps,
+         "batch": args.batch, "rank": args.rank, "lr": args.lr, "max_seq_len": args.max_seq_len,
+         "chat_template": args.chat_template, "device": "cuda"}
+    cmd = sft_peers.entrenar_command(p, Path("run"))
+    flags = dict(zip(cmd[cmd.index("finetune") + 2::2], cmd[cmd.index("finetune") + 3::2]))
+    assert flags["--mode"] == "lora" and flags["--mix"] == "replay.jsonl:0.3"
+    assert (int(flags["--steps"]), int(flags["--batch-size"]), int(flags["--rank"]), float(flags["--lr"]),
+            int(flags["--max-seq-len"])) == (250, 16, 16, 3e-4, 4096)
+    assert "--eval-task" not in cmd and "--retain-task" not in cmd  # no in-loop task evals in the timed run
