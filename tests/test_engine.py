@@ -287,3 +287,36 @@ def test_packaged_smollm_greedy_equals_alone_and_transformers(smollm_model, smol
         got = generate_many(smollm_model, tok, ids, GenerationSettings(max_new_tokens=16, max_slots=slots))
         assert [g.token_ids for g in got] == alone
     assert alone == _hf_batch_greedy(_hf_from_gguf(smollm_path), ids, 16, tok.pad_id, sorted(tok.stop_ids))
+
+
+def test_linear_weights_held_in_bf16_give_autocasts_tokens_and_are_put_back(tok, monkeypatch):
+    """Under bf16 autocast a decode step re-casts every fp32 linear weight; generate_many holds bf16 copies instead
+    (engine.linear_weights_in, on CUDA when they fit): the same tokens as autocast casting per call, and every
+    weight is its own fp32 tensor again after the call, a LoRA model's A and B included."""
+    from entrenar.peft.lora import apply_lora
+
+    model = tiny_model(len(tok), "qwen2")  # q/k/v biases too
+    apply_lora(model, rank=4, alpha=8)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.2)  # a live adapter
+    ids = [tok.encode(t) for t in TEXTS]
+    settings = GenerationSettings(max_new_tokens=10, max_slots=4, stop_ids=[])
+    before = {n: (p.data_ptr(), p.detach().clone()) for n, p in model.named_parameters()}
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        cast_per_call = [g.token_ids for g in generate_many(model, tok, ids, settings)]
+        seen: list[torch.dtype] = []
+        real = eng.Engine.__init__
+
+        def spy(self, model, *a, **kw):
+            seen.extend({m.weight.dtype for m in model.modules() if isinstance(m, torch.nn.Linear)})
+            real(self, model, *a, **kw)
+
+        monkeypatch.setattr(eng, "_cast_dtype", lambda model, device: torch.bfloat16)
+        monkeypatch.setattr(eng.Engine, "__init__", spy)
+        held = [g.token_ids for g in generate_many(model, tok, ids, settings)]
+    assert set(seen) == {torch.bfloat16}  # every linear (base, LoRA A and B) held in bf16 during the call
+    assert held == cast_per_call
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32 and p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]), n

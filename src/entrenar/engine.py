@@ -36,6 +36,7 @@ a stop token (EOS / end-of-turn), `stop_text(text so far)`, or the request's tok
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import time
@@ -159,6 +160,43 @@ class SlotKVCache(StaticKVCache):
 
 
 DECODE_ATTENTION = ("auto", "kernel", "sdpa")
+
+
+LINEAR_COPY_SHARE = 0.1  # bf16 copies of the linear weights at most this share of the free device memory
+
+
+def _cast_dtype(model: CausalLM, device: torch.device) -> torch.dtype | None:
+    """The dtype autocast casts the linear weights to in every decode step, when a copy in it fits (CUDA only)."""
+    if device.type != "cuda" or not torch.is_autocast_enabled("cuda"):
+        return None
+    dtype = torch.get_autocast_dtype("cuda")
+    fp32 = sum(m.weight.numel() for m in model.modules() if isinstance(m, torch.nn.Linear)
+               and m.weight.dtype == torch.float32)
+    return dtype if fp32 * dtype.itemsize <= LINEAR_COPY_SHARE * free_device_memory(device) else None
+
+
+@contextlib.contextmanager
+def linear_weights_in(model: torch.nn.Module, dtype: torch.dtype | None):
+    """Every fp32 nn.Linear's weight and bias (LoRA's A and B too) held as a `dtype` copy while the block runs, then
+    put back. Under autocast to `dtype` a linear casts its fp32 weight at every call: a decode step (and a CUDA
+    graph, which cannot keep autocast's cast cache) re-cast all of a model's weights per token; with the copies the
+    matmuls see the same `dtype` values (autocast's cast is this rounding), so the tokens are the same. The tied
+    embedding / LM head and the norms stay fp32. None: nothing changes."""
+    swapped: list[tuple[torch.nn.Parameter, torch.Tensor]] = []
+    if dtype is not None:
+        for m in model.modules():
+            if not isinstance(m, torch.nn.Linear):
+                continue
+            for p in (m.weight, m.bias):
+                # plain fp32 tensors only (a sharded DTensor parameter is not swapped)
+                if p is not None and p.dtype == torch.float32 and type(p.data) is torch.Tensor:
+                    swapped.append((p, p.data))
+                    p.data = p.data.to(dtype)
+    try:
+        yield
+    finally:
+        for p, data in swapped:
+            p.data = data
 
 
 def use_decode_kernel(choice: str, device: torch.device) -> bool:
@@ -369,7 +407,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
             on_result(r, results[r])
 
     try:
-        with torch.inference_mode():
+        with torch.inference_mode(), linear_weights_in(model, _cast_dtype(model, device)):
             eng = Engine(model, S, max_len, settings, n_real, device)
             steps = _Steps(eng, max_len, device, settings.cuda_graphs and sd.can_capture(device))
 
