@@ -377,3 +377,14 @@ def test_cli_task_eval_resume_continues_and_refuses_another_eval(tmp_path, tasks
     assert out.read_text() == whole
     code, js, _ = main([*argv, "--resume", "--overwrite"], capsys)
     assert code == 2 and "--resume" in js["error"]
+
+
+def test_sandbox_workers_follow_the_cpus(monkeypatch):
+    """Programs tested at once: the CPUs this process may use (16 on a GPU host: pass@10's 1,640 programs took 134 s
+    two at a time there), at least 2, at most MAX_SANDBOX_WORKERS; the default of every task eval."""
+    from entrenar.evaluate import harness
+
+    for cpus, want in ((1, 2), (2, 2), (16, 16), (96, harness.MAX_SANDBOX_WORKERS)):
+        monkeypatch.setattr(harness.os, "sched_getaffinity", lambda pid, n=cpus: set(range(n)))
+        assert harness.sandbox_workers() == want
+        assert harness.TaskEvalSettings().workers == want
