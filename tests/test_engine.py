@@ -320,3 +320,27 @@ def test_linear_weights_held_in_bf16_give_autocasts_tokens_and_are_put_back(tok,
     assert held == cast_per_call
     for n, p in model.named_parameters():
         assert p.dtype == torch.float32 and p.data_ptr() == before[n][0] and torch.equal(p.detach(), before[n][1]), n
+
+
+@pytest.mark.parametrize("attention", ATTENTIONS)
+def test_a_prompt_asked_several_times_is_prefilled_once_and_each_request_is_its_own(tok, attention):
+    """pass@k's samples and GRPO's groups ask one prompt several times in a call: its prefill row is computed once and
+    its keys/values copied to the other requests' slots; each request's tokens equal that prompt sampled alone with
+    its seed (and greedy, alone), whatever the slots. A copy that missed a layer or a slot would change them."""
+    model = tiny_model(len(tok), "qwen2")
+    ids = [tok.encode(t) for t in TEXTS[:4]]
+    asked = [ids[i % 4] for i in range(12)]  # each prompt 3 times, interleaved
+    seeds = list(range(12))
+    for temperature in (0.9, 0.0):
+        kw = {"max_new_tokens": 8, "temperature": temperature, "top_p": 0.95, "stop_ids": [],
+              "decode_attention": attention}
+        alone = [generate_many(model, tok, [p], GenerationSettings(max_slots=1, **kw), seeds=[s])[0].token_ids
+                 for p, s in zip(asked, seeds)]
+        for slots in (12, 5):
+            stats: dict = {}
+            got = generate_many(model, tok, asked, GenerationSettings(max_slots=slots, **kw), seeds=seeds, stats=stats)
+            assert [g.token_ids for g in got] == alone
+            if slots == 12:  # one prefill for all: 4 prompts computed for 12 requests
+                assert stats["prefills"] == 1 and stats["prefill_rows"] == 4
+        if temperature:
+            assert len({tuple(a) for a in alone[0::4]}) > 1  # the samples of one prompt differ: seeds, not copies

@@ -301,6 +301,7 @@ class Engine:
         self.steps = torch.zeros(max_slots, **long)  # tokens picked for the slot's request so far
         self.valid = torch.ones(max_slots, max_len, dtype=torch.bool, device=device)  # False on left padding
         self.first = torch.zeros(max_slots, **long)  # the slot's first valid column: its left padding's width
+        self.prefill_rows = 0  # prompts computed by prefills (a prompt asked several times at once counts once)
         self.span_kernel = use_decode_kernel(settings.decode_attention, device)
         self.key_index = torch.arange(max_len, device=device)
         self.window = max(1, settings.sync_every)
@@ -314,22 +315,37 @@ class Engine:
 
     def prefill(self, slots: list[int], prompts: list[list[int]], keys: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Prompts (left padded to their longest) into `slots`; their first picks [n] and whether those logits
-        were non-finite [n], on the host."""
-        device, n = self.device, len(prompts)
-        W = max(len(p) for p in prompts)
+        were non-finite [n], on the host. A prompt asked several times (pass@k's samples, GRPO's group) is computed
+        once, in its first request's slot; its keys and values are copied to the others' slots and its logits give
+        each request its own first pick."""
+        device = self.device
+        index: dict[tuple[int, ...], int] = {}
+        of = [index.setdefault(tuple(p), len(index)) for p in prompts]  # each request's unique prompt
+        unique = [list(p) for p in index]
+        n, W = len(unique), max(len(p) for p in prompts)
         ids = torch.zeros(n, W, dtype=torch.long)
         mask = torch.zeros(n, W, dtype=torch.bool)
-        for r, p in enumerate(prompts):
+        for r, p in enumerate(unique):
             ids[r, W - len(p):] = torch.tensor(p, dtype=torch.long)
             mask[r, W - len(p):] = True
         ids, mask = ids.to(device), mask.to(device)
-        rows = torch.tensor(slots, dtype=torch.long, device=device)
+        home = [slots[of.index(u)] for u in range(n)]  # the slot each unique prompt is computed in
         positions = padded_positions(mask)
         cache = self.cache
-        cache.rows, cache.mask, cache.spans = rows, padding_mask(mask, W), None  # a 1-token prefill is no decode step
+        cache.rows, cache.mask, cache.spans = (torch.tensor(home, dtype=torch.long, device=device),
+                                               padding_mask(mask, W), None)  # a 1-token prefill is no decode step
         with sdpa_kernel(PREFILL_ATTENTION):  # not cuDNN's: it builds a plan per new shape (~0.1 s a prefill)
             logits = sd.last_logits(self.model, ids, cache, position_ids=positions)
         cache.rows = None
+        copies = [(slot, home[u]) for slot, u in zip(slots, of) if slot != home[u]]
+        if copies:
+            dst, src = (torch.tensor(x, dtype=torch.long, device=device) for x in zip(*copies))
+            for layer in cache.keys + cache.values:
+                layer[dst, :, :W] = layer[src, :, :W]
+        self.prefill_rows += n
+        back = torch.tensor(of, dtype=torch.long, device=device)
+        logits, mask, positions = logits[back], mask[back], positions[back]
+        rows = torch.tensor(slots, dtype=torch.long, device=device)
         keys_t = torch.tensor(keys, dtype=torch.long, device=device)
         first = self.pick(logits, keys_t, torch.zeros_like(keys_t))
         self.valid[rows] = True
@@ -392,7 +408,8 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     max_len = max(len(p) for p in prompts) + max(limits)  # a group's width is its longest prompt
     sync_every = settings.sync_every or (SYNC_EVERY_CUDA if device.type == "cuda" else 1)
     settings = GenerationSettings(**{**settings.__dict__, "sync_every": sync_every})
-    pending = sorted(range(n), key=lambda i: (-len(prompts[i]), i))[::-1]  # popped from the end: longest first
+    # popped from the end: longest first, a prompt's repeats side by side (one prefill row for all of them)
+    pending = sorted(range(n), key=lambda i: (-len(prompts[i]), prompts[i], i))[::-1]
     results: list[GenerationResult | None] = [None] * n
     slot_req = [-1] * S  # the request each slot holds, -1 = free
     width = [0] * S  # the prefill width of each slot's request: its first generated token's column
@@ -420,10 +437,13 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                     if not free or len(free) < min(max(1, S // ADMIT_FRACTION), len(pending)) and len(free) < S:
                         return
                     group: list[int] = []
+                    distinct: set[tuple[int, ...]] = set()  # a prompt asked several times is computed once
                     while pending and len(group) < len(free):
                         w = len(prompts[group[0]]) if group else 0  # the group's width: its first, longest prompt
-                        if group and (len(group) + 1) * w > settings.prefill_tokens:
+                        new = tuple(prompts[pending[-1]]) not in distinct
+                        if group and new and (len(distinct) + 1) * w > settings.prefill_tokens:
                             break
+                        distinct.add(tuple(prompts[pending[-1]]))
                         group.append(pending.pop())
                     slots = free[:len(group)]
                     keys = [request_key(seed_of[r], prompts[r]) if sampling else 0 for r in group]
@@ -466,7 +486,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
         model.train(was_training)
     seconds, decoder = time.perf_counter() - start, "engine_graph" if steps.used_graph else "engine"
     if stats is not None:
-        stats.update(counts, **steps.counts, seconds=seconds, slots=S, max_len=max_len,
+        stats.update(counts, **steps.counts, seconds=seconds, slots=S, max_len=max_len, prefill_rows=eng.prefill_rows,
                      **{k: round(counts[k], 3) for k in ("prefill_seconds", "launch_seconds", "read_seconds")},
                      attend_buckets=sorted(steps.attended))
     for res in results:
@@ -530,7 +550,7 @@ class _Steps:
 def describe_stats(stats: dict) -> str:
     """generate_many's `stats` in one line for a log."""
     return (f"generation: {stats['seconds']:.2f} s on {stats['slots']} slots; {stats['prefills']} prefills "
-            f"({stats['prefill_seconds']:.2f} s), {stats['graph_steps']} decode steps from CUDA graphs + "
+            f"({stats['prefill_seconds']:.2f} s, {stats['prefill_rows']} distinct prompts), {stats['graph_steps']} decode steps from CUDA graphs + "
             f"{stats['eager_steps']} eager, {stats['captures']} graphs captured, {stats['host_reads']} host reads, "
             f"attended columns {stats['attend_buckets']} of {stats['max_len']}; decode steps queued in "
             f"{stats['launch_seconds']:.2f} s, waited for {stats['read_seconds']:.2f} s")
