@@ -124,7 +124,8 @@ def prefill_costs(model, vocab: int, rows: int, prompt: int, device: str) -> dic
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--tiny", action="store_true")
     ap.add_argument("--shape", default="smollm2-135m")
     args = ap.parse_args()

@@ -39,7 +39,8 @@ def run(model, vocab: int, prompts, answers, device: str, seeds=None, temperatur
 
 
 def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 allow_abbrev=False)
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     device = "cpu" if args.tiny else "cuda"

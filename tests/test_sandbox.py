@@ -21,12 +21,28 @@ ROOT_ONLY = pytest.mark.skipif(os.geteuid() != 0, reason="the uid layer needs ro
 SANDBOX_UIDS = range(1 << 30, (1 << 30) + (1 << 29))  # where run_program draws its uids
 
 
-def sandbox_processes() -> list[int]:
-    """Live pids owned by any sandbox uid (there must be none once run_program has returned)."""
+@pytest.fixture()
+def drawn_uids(monkeypatch) -> list[int]:
+    """The uids run_program draws during the test. Other test workers run sandboxed programs at the same time (task
+    evals, rewards), under uids of their own: a check for any sandbox uid saw theirs."""
+    uids: list[int] = []
+    draw = sandbox.secrets.randbelow
+
+    def spy(n: int) -> int:
+        uids.append(draw(n) + (1 << 30))
+        return uids[-1] - (1 << 30)
+
+    monkeypatch.setattr(sandbox.secrets, "randbelow", spy)
+    return uids
+
+
+def sandbox_processes(uids: list[int]) -> list[int]:
+    """Live pids owned by the sandbox uids drawn by this test (none once run_program has returned)."""
+    assert uids and all(u in SANDBOX_UIDS for u in uids)
     pids = []
     for entry in Path("/proc").iterdir():
         try:
-            if entry.name.isdigit() and entry.stat().st_uid in SANDBOX_UIDS and not sandbox._is_zombie(entry):
+            if entry.name.isdigit() and entry.stat().st_uid in uids and not sandbox._is_zombie(entry):
                 pids.append(int(entry.name))
         except OSError:
             continue
@@ -54,16 +70,16 @@ def test_humaneval_solutions_pass_and_a_wrong_one_fails():
     assert wrong.status == "failed" and "AssertionError" in wrong.error
 
 
-def test_infinite_loop_times_out_and_is_killed():
+def test_infinite_loop_times_out_and_is_killed(drawn_uids):
     t0 = time.perf_counter()
     result = run_program("while True:\n    pass\n", FAST)
     assert result.status == "timeout" and not result.passed
     assert time.perf_counter() - t0 < FAST.timeout_s + 3
-    assert not sandbox_processes()
+    assert os.geteuid() != 0 or not sandbox_processes(drawn_uids)  # uids are drawn as root (CI) only
 
 
 @ROOT_ONLY
-def test_fork_bomb_is_bounded_and_every_process_dies(monkeypatch):
+def test_fork_bomb_is_bounded_and_every_process_dies(monkeypatch, drawn_uids):
     """RLIMIT_NPROC's bound, without the system-call filter (which refuses every fork)."""
     without_seccomp(monkeypatch)
     bomb = "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
@@ -71,11 +87,11 @@ def test_fork_bomb_is_bounded_and_every_process_dies(monkeypatch):
     result = run_program(bomb, FAST)
     assert not result.passed and result.status == "timeout"
     assert time.perf_counter() - t0 < FAST.timeout_s + 5
-    assert not sandbox_processes()
+    assert not sandbox_processes(drawn_uids)
 
 
 @ROOT_ONLY
-def test_a_child_that_leaves_the_process_group_is_killed_too(monkeypatch):
+def test_a_child_that_leaves_the_process_group_is_killed_too(monkeypatch, drawn_uids):
     """It passes (the parent exits 0) but the setsid'd child outliving it is found by its uid and killed
     (without the system-call filter, which refuses the fork itself)."""
     without_seccomp(monkeypatch)
@@ -83,7 +99,7 @@ def test_a_child_that_leaves_the_process_group_is_killed_too(monkeypatch):
               "time.sleep(0.2)\n")
     result = run_program(escape, FAST)
     assert result.passed, result.error
-    assert not sandbox_processes()
+    assert not sandbox_processes(drawn_uids)
 
 
 @pytest.fixture()
