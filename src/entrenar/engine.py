@@ -391,11 +391,8 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
     doc); results in the order of `prompts`. `seeds`: each request's sampling seed (default settings.seed),
     e.g. seed + s for sample s of a prompt. `max_new`: each request's own token limit (default
     settings.max_new_tokens; either way at most the context left after its prompt). `on_result(index, result)`
-    is called as each request ends. `stats`, when given, receives where the time went: prefills and their
-    seconds (host and device, up to their first picks), host reads, decode steps replayed from a graph or run
-    eagerly, graph captures and the attended-column buckets used, the host's time queueing decode steps
-    (launch_seconds) and waiting for them at host reads (read_seconds); the rest of `seconds` is the host's own
-    work between reads. Each result's `seconds` is the whole call's."""
+    is called as each request ends. `stats`, when given, receives where the time went (describe_stats).
+    Each result's `seconds` is the whole call's."""
     cfg = model.cfg
     prompts, seed_of, limits = _requests(tokenizer, prompts, settings, cfg, seeds, max_new)
     n = len(prompts)
@@ -436,15 +433,7 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
                     free = [s for s in range(S) if slot_req[s] < 0]
                     if not free or len(free) < min(max(1, S // ADMIT_FRACTION), len(pending)) and len(free) < S:
                         return
-                    group: list[int] = []
-                    distinct: set[tuple[int, ...]] = set()  # a prompt asked several times is computed once
-                    while pending and len(group) < len(free):
-                        w = len(prompts[group[0]]) if group else 0  # the group's width: its first, longest prompt
-                        new = tuple(prompts[pending[-1]]) not in distinct
-                        if group and new and (len(distinct) + 1) * w > settings.prefill_tokens:
-                            break
-                        distinct.add(tuple(prompts[pending[-1]]))
-                        group.append(pending.pop())
+                    group = _prefill_group(pending, prompts, len(free), settings.prefill_tokens)
                     slots = free[:len(group)]
                     keys = [request_key(seed_of[r], prompts[r]) if sampling else 0 for r in group]
                     t0 = time.perf_counter()
@@ -493,6 +482,22 @@ def generate_many(model: CausalLM, tokenizer, prompts: Sequence[Sequence[int]], 
         assert res is not None
         res.seconds, res.decoder = seconds, decoder
     return results  # type: ignore[return-value]
+
+
+def _prefill_group(pending: list[int], prompts: list[list[int]], room: int, prefill_tokens: int) -> list[int]:
+    """The next prefill group, popped from the end of `pending` (longest first): at most `room` requests whose distinct
+    prompts, padded to the first (longest) one's width, stay within `prefill_tokens` (a prompt asked several times is
+    computed once)."""
+    group: list[int] = []
+    distinct: set[tuple[int, ...]] = set()
+    while pending and len(group) < room:
+        w = len(prompts[group[0]]) if group else 0  # the group's width: its first, longest prompt
+        nxt = tuple(prompts[pending[-1]])
+        if group and nxt not in distinct and (len(distinct) + 1) * w > prefill_tokens:
+            break
+        distinct.add(nxt)
+        group.append(pending.pop())
+    return group
 
 
 class _Steps:
@@ -548,7 +553,10 @@ class _Steps:
 
 
 def describe_stats(stats: dict) -> str:
-    """generate_many's `stats` in one line for a log."""
+    """generate_many's `stats` in one line for a log: prefills, their distinct prompts and seconds (host and device, up
+    to their first picks), decode steps replayed from a graph or run eagerly, graph captures, host reads, the
+    attended-column buckets, the host's time queueing decode steps (launch_seconds) and waiting for them at host reads
+    (read_seconds); the rest of `seconds` is the host's own work between reads."""
     return (f"generation: {stats['seconds']:.2f} s on {stats['slots']} slots; {stats['prefills']} prefills "
             f"({stats['prefill_seconds']:.2f} s, {stats['prefill_rows']} distinct prompts), {stats['graph_steps']} decode steps from CUDA graphs + "
             f"{stats['eager_steps']} eager, {stats['captures']} graphs captured, {stats['host_reads']} host reads, "
