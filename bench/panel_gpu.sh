@@ -36,7 +36,8 @@ fi
 root=${WORK:-/tmp/panel}
 base=$root/base
 mkdir -p "$base"
-tpl=(--chat-template chatml_tools)
+tpl=(--chat-template "${TEMPLATE:-chatml_tools}")  # TEMPLATE=own: the model's own chat template
+[ "${TEMPLATE:-}" = own ] && tpl=()
 cats=simple_python,multiple,irrelevance
 
 collect() {  # $1: the stage; what it wrote, no weights, to $OUT
@@ -83,7 +84,7 @@ if [ "$stage" = speed ]; then
     for f in "$sp"/bfcl_*.json "$sp"/he_*.json; do echo "$(basename "$f"): $(grep -o '"generate_seconds": [0-9.]*' "$f")"; done
     timed "$sp/he10" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
       --samples 10 --temperature 0.8 --out "$sp/he10.jsonl" --overwrite
-    if [ "$dev" = cuda ]; then
+    if [ "$dev" = cuda ] && [ "${ENGINE_ROWS:-1}" = 1 ]; then
       echo "== engine vs transformers (random weights, SmolLM2 shape)"
       timeout "$(left)" python3 bench/engine_throughput.py --shapes smollm2-135m --no-checks --hf-batches 128,256 \
         > "$sp/engine.jsonl" 2> "$sp/engine.log"; echo "exit $?"; tail -n 12 "$sp/engine.jsonl"

@@ -9,9 +9,11 @@ rows, tokens, rank, steps and batch: time, tokens/s, peak memory and BFCL of eac
 TRL needs trl and datasets (with dill, multiprocess) importable; --no-eval then --eval-only (same DIR) splits the
 training rows and the evals into two calls.
 
-Rows, each in a child process of its own (separate memory peaks; Liger's patches never reach another row):
-trl (before), trl-liger (use_liger_kernel=True; skipped where liger_kernel does not import), entrenar (the real
-`entrenar finetune` CLI), trl (after: the peer's speed did not change while ours ran).
+Rows, each in a child process of its own (separate memory peaks; Liger's and Unsloth's patches never reach another
+row): trl (before), trl-liger (use_liger_kernel=True; skipped where liger_kernel does not import), unsloth (its
+FastLanguageModel, bf16 weights, its LoRA, in the same SFTTrainer on the same batches; --unsloth-site DIR goes first
+on that child's PYTHONPATH, since Unsloth pins trl <= 1.15 and datasets < 5; skipped where unsloth does not import),
+entrenar (the real `entrenar finetune` CLI), trl (after: the peer's speed did not change while ours ran).
 
 Same work for every row: the training rows are read, split and mixed by entrenar's own functions (load_sft,
 _split_val, mix_examples: what `finetune` does) with our tokenizer and chat template, and drawn in the order our
@@ -47,7 +49,7 @@ from pathlib import Path
 from typing import Any
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ROWS = ("trl", "trl-liger", "entrenar", "trl-after")
+ROWS = ("trl", "trl-liger", "unsloth", "entrenar", "trl-after")
 SEED = 0  # finetune's default --seed: data order and the adapters' init
 MIN_LR_RATIO = 0.1  # finetune's default --min-lr-ratio
 ADAM_BETAS = (0.9, 0.95)  # entrenar's AdamW (train/optim.py)
@@ -59,6 +61,8 @@ DIFFERENCES = [
      "different random A"),
     "entrenar's loss eval at start and end runs outside the timed steps (its QA gate is off); TRL runs no eval",
     "both log every step (TRL logging_steps=1: its loss read back each step, as ours reads its loss once a step)",
+    ("unsloth: its own loading (bf16 weights, no fp32 master copy; TRL and ours keep fp32 weights under bf16 "
+     "autocast), its LoRA and its patched kernels; the model read from an HF dir written from the same GGUF"),
 ]
 
 
@@ -125,8 +129,21 @@ def load_hf(model: str, torch: Any) -> tuple[Any, Any]:
             AutoTokenizer.from_pretrained(where, **kw))
 
 
-def build_trl_trainer(p: dict[str, Any], liger: bool = False) -> Any:
-    """SFTTrainer + PEFT LoRA on our training sequence, configured as finetune's defaults (see DIFFERENCES)."""
+def unsloth_model(p: dict[str, Any], torch: Any) -> tuple[Any, Any]:
+    """Unsloth's FastLanguageModel from the HF dir of MODEL (bf16, no 4-bit) with its LoRA on TARGETS."""
+    from unsloth import FastLanguageModel
+
+    model, tok = FastLanguageModel.from_pretrained(model_name=p["hf_dir"], max_seq_length=p["max_seq_len"],
+                                                   dtype=torch.bfloat16, load_in_4bit=False, local_files_only=True)
+    model = FastLanguageModel.get_peft_model(model, r=p["rank"], lora_alpha=2 * p["rank"], target_modules=TARGETS,
+                                             lora_dropout=0.0, bias="none", random_state=SEED,
+                                             use_gradient_checkpointing=False)
+    return model, tok
+
+
+def build_trl_trainer(p: dict[str, Any], liger: bool = False, unsloth: bool = False) -> Any:
+    """SFTTrainer + PEFT LoRA on our training sequence, configured as finetune's defaults (see DIFFERENCES); with
+    unsloth, Unsloth's model and LoRA in the same trainer."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -137,11 +154,12 @@ def build_trl_trainer(p: dict[str, Any], liger: bool = False) -> Any:
                             p["batch"])
     rows = [trl_columns(e) for e in seq]
     dataset = Dataset.from_dict({k: [r[k] for r in rows] for k in ("input_ids", "assistant_masks")})
-    model, tok = load_hf(p["model"], torch)
+    model, tok = unsloth_model(p, torch) if unsloth else load_hf(p["model"], torch)
     if tok.pad_token_id is None:
         tok.pad_token = tok.eos_token
     cuda = p["device"] == "cuda"
-    model.to(p["device"])
+    if not unsloth:  # Unsloth places its model itself
+        model.to(p["device"])
     config = SFTConfig(
         output_dir=str(Path(p["work"]) / "trainer"), max_steps=p["steps"], per_device_train_batch_size=p["batch"],
         gradient_accumulation_steps=1, learning_rate=p["lr"], lr_scheduler_type="cosine_with_min_lr",
@@ -157,12 +175,18 @@ def build_trl_trainer(p: dict[str, Any], liger: bool = False) -> Any:
         def _get_train_sampler(self, *args: Any, **kwargs: Any) -> Any:
             return SequentialSampler(self.train_dataset)
 
-    trainer = InOrder(model=model, args=config, train_dataset=dataset, processing_class=tok, peft_config=lora)
+    trainer = InOrder(model=model, args=config, train_dataset=dataset, processing_class=tok,
+                      peft_config=None if unsloth else lora)
     trainer.entrenar_sequence = seq
     return trainer
 
 
-def trl_child(p: dict[str, Any], liger: bool) -> dict[str, Any]:
+def trl_child(p: dict[str, Any], liger: bool, unsloth: bool = False) -> dict[str, Any]:
+    if unsloth:  # first: Unsloth patches transformers, trl and peft as it imports, before anything else imports them
+        try:
+            import unsloth as _unsloth  # noqa: F401
+        except Exception as e:  # noqa: BLE001  any failure to import (not only ImportError) is the skip's reason
+            raise Skip(f"unsloth does not import: {type(e).__name__}: {e}"[:500]) from None
     import torch
     from transformers import TrainerCallback
 
@@ -171,7 +195,7 @@ def trl_child(p: dict[str, Any], liger: bool) -> dict[str, Any]:
             import liger_kernel  # noqa: F401
         except ImportError as e:
             raise Skip(f"liger_kernel does not import: {e}") from None
-    trainer = build_trl_trainer(p, liger)
+    trainer = build_trl_trainer(p, liger, unsloth)
     cuda = p["device"] == "cuda"
     times: dict[str, float] = {}
 
@@ -197,12 +221,13 @@ def trl_child(p: dict[str, Any], liger: bool) -> dict[str, Any]:
     import peft
     import transformers
     import trl
+    extra = {"unsloth": __import__("unsloth").__version__} if unsloth else {}
     return {"loop_s": times["end"] - times["begin"], "optimizer_steps": trainer.state.global_step,
             "final_loss": losses[-1] if losses else None, "first_loss": losses[0] if losses else None,
             "peak_mem_mb": torch.cuda.max_memory_allocated() / 2**20 if cuda else None,
             "sequence_sha256": stats["sha256"], "adapter": str(out),
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
-                         "peft": peft.__version__, "torch": torch.__version__}}
+                         "peft": peft.__version__, "torch": torch.__version__, **extra}}
 
 
 class Skip(Exception):
@@ -212,7 +237,7 @@ class Skip(Exception):
 def child_main(kind: str, params: str) -> int:
     p = json.loads(params)
     try:
-        row = trl_child(p, liger=kind == "trl-liger")
+        row = trl_child(p, liger=kind == "trl-liger", unsloth=kind == "unsloth")
     except Skip as e:
         print(f"SKIP {e}", flush=True)
         return 0
@@ -221,10 +246,11 @@ def child_main(kind: str, params: str) -> int:
 
 
 # ---- the parent ----------------------------------------------------------------------------------------------
-def run(cmd: list[str], timeout: float, log: Path) -> tuple[int, str, str]:
+def run(cmd: list[str], timeout: float, log: Path, first_path: str = "") -> tuple[int, str, str]:
+    """CMD with the repository (and FIRST_PATH before everything) on its PYTHONPATH, its output to LOG."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        [str(Path(__file__).resolve().parents[1]), str(Path(__file__).resolve().parents[1] / "src"),
-         os.environ.get("PYTHONPATH", "")])}
+        [*([first_path] if first_path else []), str(Path(__file__).resolve().parents[1]),
+         str(Path(__file__).resolve().parents[1] / "src"), os.environ.get("PYTHONPATH", "")])}
     try:
         r = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=timeout, env=env)
         code, out, err = r.returncode, r.stdout, r.stderr
@@ -239,11 +265,14 @@ def _tail(err: str) -> str:
 
 
 def trl_row(name: str, p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
-    kind = "trl-liger" if name == "trl-liger" else "trl"
+    kind = name if name in ("trl-liger", "unsloth") else "trl"
     params = {**p, "adapter_dir": str(out / name), "work": str(out / name / "work")}
+    if kind == "unsloth":
+        params["hf_dir"] = hf_dir(p, out)
     cmd = [sys.executable, "-m", "bench.sft_peers", "--child", kind, json.dumps(params)]
     t0 = time.perf_counter()
-    code, stdout, err = run(cmd, timeout, out / f"{name}.log")
+    code, stdout, err = run(cmd, timeout, out / f"{name}.log",
+                            first_path=(p.get("unsloth_site") or "") if kind == "unsloth" else "")
     row: dict[str, Any] = {"row": name, "peer": kind, "wall_s": time.perf_counter() - t0}
     last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
     if code == 0 and last.startswith("ROW "):
@@ -253,6 +282,21 @@ def trl_row(name: str, p: dict[str, Any], out: Path, timeout: float) -> dict[str
     else:
         row.update(status="failed", reason=f"exit {code}: {_tail(err)}")
     return row
+
+
+def hf_dir(p: dict[str, Any], out: Path) -> str:
+    """MODEL as an HF directory (what Unsloth's from_pretrained reads): itself if it is one, else written once into
+    OUT/hf-model from transformers' load of it (the GGUF's weights, as the TRL rows load them)."""
+    import torch
+
+    if Path(p["model"], "config.json").is_file():
+        return p["model"]
+    where = out / "hf-model"
+    if not (where / "config.json").is_file():
+        model, tok = load_hf(p["model"], torch)
+        model.save_pretrained(str(where), safe_serialization=True)
+        tok.save_pretrained(str(where))
+    return str(where)
 
 
 def entrenar_command(p: dict[str, Any], run_dir: Path) -> list[str]:
@@ -447,6 +491,8 @@ def build_parser() -> argparse.ArgumentParser:
                     help="only the evals, of the rows an earlier call wrote into --out (its summary.json)")
     ap.add_argument("--entrenar-flag", action="append", default=[],
                     help="an extra finetune flag for our row (repeatable; e.g. --entrenar-flag=--pad-buckets=4)")
+    ap.add_argument("--unsloth-site", default="",
+                    help="a directory put first on the unsloth row's PYTHONPATH (its pinned trl/datasets)")
     ap.add_argument("--timeout-s", type=float, default=3600.0, help="per child process")
     ap.add_argument("--tiny", action="store_true", help="CPU dry run: a tiny model, tiny rows, 3 steps")
     ap.add_argument("--out", required=True)
@@ -469,9 +515,24 @@ def write_summary(out: Path, p: dict[str, Any], stats: dict[str, Any], rows: lis
     return summary
 
 
+def earlier_rows(out: Path, stats: dict[str, Any], names: list[str]) -> list[dict[str, Any]]:
+    """The rows an earlier call into the same --out trained on the same sequence, but for those run again now (so a
+    row can be added in a later call, e.g. one whose packages travel separately)."""
+    path = out / "summary.json"
+    if not path.is_file():
+        return []
+    before = json.loads(path.read_text())
+    if before.get("sequence", {}).get("sha256") != stats["sha256"]:
+        return []
+    kept = [r for r in before.get("rows", []) if r["row"] not in names]
+    if kept:
+        print(f"kept from {path}: {', '.join(r['row'] for r in kept)}", flush=True)
+    return kept
+
+
 def train_rows(names: list[str], p: dict[str, Any], stats: dict[str, Any], out: Path,
-               timeout: float) -> list[dict[str, Any]]:
-    rows: list[dict[str, Any]] = []
+               timeout: float, earlier: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = list(earlier or [])
     for name in names:
         row = entrenar_row(p, out, timeout) if name == "entrenar" else trl_row(name, p, out, timeout)
         if row["status"] == "ok" and row.get("loop_s"):
@@ -511,7 +572,8 @@ def main(argv: list[str] | None = None) -> int:
         unknown = [n for n in names if n not in ROWS]
         if unknown:
             ap.error(f"--rows: unknown row(s) {', '.join(unknown)}; rows: {', '.join(ROWS)}")
-        rows = train_rows(names, p, stats, out, args.timeout_s)
+        earlier = earlier_rows(out, stats, names)
+        rows = train_rows(names, p, stats, out, args.timeout_s, earlier)
     ours = next((r for r in rows if r["row"] == "entrenar" and r["status"] == "ok"), None)
     for task in [] if args.no_eval else p["tasks"]:
         if ours is not None:
@@ -536,6 +598,7 @@ def prepare(ap: argparse.ArgumentParser, args: argparse.Namespace, out: Path, ta
                          "batch": args.batch, "rank": args.rank, "lr": args.lr, "max_seq_len": args.max_seq_len,
                          "chat_template": args.chat_template, "tasks": tasks,
                          "eval_limit": args.eval_limit, "entrenar_flags": args.entrenar_flag,
+                         "unsloth_site": args.unsloth_site,
                          "device": "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"}
     if args.tiny:
         p.update(make_tiny(out), steps=3, batch=2, rank=4, max_seq_len=512, eval_limit=args.eval_limit or 1,

@@ -3,6 +3,9 @@ trained tokens, the same order), so the speed comparison is the same work."""
 
 from __future__ import annotations
 
+import json
+import sys
+
 import pytest
 import torch
 
@@ -71,3 +74,29 @@ def test_defaults_are_the_recipes():
     assert (int(flags["--steps"]), int(flags["--batch-size"]), int(flags["--rank"]), float(flags["--lr"]),
             int(flags["--max-seq-len"])) == (250, 16, 16, 3e-4, 4096)
     assert "--eval-task" not in cmd and "--retain-task" not in cmd  # no in-loop task evals in the timed run
+
+
+def test_unsloth_row_uses_its_site_and_skips_when_it_does_not_import(tmp_path):
+    """The unsloth row imports unsloth from --unsloth-site first (its pinned trl/datasets live there); an import that
+    fails in any way makes the row skipped with the cause, and the other rows' children never see that site."""
+    site = tmp_path / "site"
+    (site / "unsloth").mkdir(parents=True)
+    (site / "unsloth" / "__init__.py").write_text("raise RuntimeError('the unsloth of the carried site')\n")
+    p = {**sft_peers.make_tiny(tmp_path), "steps": 1, "batch": 2, "rank": 4, "lr": 3e-4, "max_seq_len": 512,
+         "chat_template": "chatml_tools", "device": "cpu", "unsloth_site": str(site)}
+    row = sft_peers.trl_row("unsloth", p, tmp_path, timeout=300)
+    assert row["status"] == "skipped", row
+    assert "RuntimeError: the unsloth of the carried site" in row["reason"]
+    code, out, _ = sft_peers.run([sys.executable, "-c", "import os; print(os.environ['PYTHONPATH'])"], 60,
+                                 tmp_path / "env.log")
+    assert code == 0 and str(site) not in out
+
+
+def test_a_later_call_adds_rows_to_the_same_sequence(tmp_path):
+    """Rows of an earlier call into --out stay when they trained on the same sequence and are not run again."""
+    stats = {"sha256": "abc", "tokens": 10}
+    rows = [{"row": "trl", "status": "ok"}, {"row": "entrenar", "status": "ok"}]
+    (tmp_path / "summary.json").write_text(json.dumps({"sequence": stats, "rows": rows}))
+    assert [r["row"] for r in sft_peers.earlier_rows(tmp_path, stats, ["unsloth"])] == ["trl", "entrenar"]
+    assert [r["row"] for r in sft_peers.earlier_rows(tmp_path, stats, ["trl"])] == ["entrenar"]
+    assert sft_peers.earlier_rows(tmp_path, {"sha256": "other"}, ["unsloth"]) == []
