@@ -33,6 +33,7 @@ largest mem_mb of RUN/metrics.jsonl.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import shlex
 import sys
@@ -151,7 +152,7 @@ def build_trl_trainer(p: dict[str, Any]) -> Any:
         lr_scheduler_kwargs={"min_lr_rate": d["min_lr_ratio"]}, warmup_steps=warmup_steps(p["steps"]),
         weight_decay=0.0, max_grad_norm=d["clip"], adam_beta1=ADAM_BETAS[0], adam_beta2=ADAM_BETAS[1],
         adam_epsilon=1e-8, bf16=cuda, fp16=False, use_cpu=not cuda, logging_steps=1, save_strategy="no",
-        report_to="none", gradient_checkpointing=False, dataloader_num_workers=0, seed=SEED, log_completions=False)
+        report_to="none", dataloader_num_workers=0, seed=SEED, log_completions=False)
     lora = LoraConfig(r=p["rank"], lora_alpha=2 * p["rank"], lora_dropout=d["dropout"], target_modules=TARGETS,
                       task_type="CAUSAL_LM", bias="none")
 
@@ -161,6 +162,11 @@ def build_trl_trainer(p: dict[str, Any]) -> Any:
 
     trainer = OurPromptIds(model=model, reward_funcs=[entrenar_reward(tok)], args=config, train_dataset=dataset,
                            processing_class=hf_tok, peft_config=lora)
+    stops = sorted(tok.stop_ids)  # the Trainer may realign the model's eos to the tokenizer's: set after it
+    trainer.eos_token_ids = stops
+    trainer.generation_config.eos_token_id = stops
+    if isinstance(getattr(trainer, "generation_kwargs", None), dict):
+        trainer.generation_kwargs["eos_token_id"] = stops
     trainer.entrenar_sequence = seq
     return trainer
 
@@ -173,7 +179,7 @@ def time_generate(trainer: Any, cuda: bool) -> dict[str, float]:
     model = trainer.model
     inner = model.generate
     eos = torch.tensor(trainer.eos_token_ids)
-    seen = {"seconds": 0.0, "tokens": 0.0, "calls": 0.0}
+    seen: dict[str, Any] = {"seconds": [], "tokens": []}  # per call
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         if cuda:
@@ -182,12 +188,11 @@ def time_generate(trainer: Any, cuda: bool) -> dict[str, float]:
         out = inner(*args, **kwargs)
         if cuda:
             torch.cuda.synchronize()
-        seen["seconds"] += time.perf_counter() - t0
+        seen["seconds"].append(time.perf_counter() - t0)
         completion = out[:, kwargs["input_ids"].shape[1]:]
         is_eos = torch.isin(completion, eos.to(completion.device))
         first = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, completion.shape[1])
-        seen["tokens"] += float(first.sum())
-        seen["calls"] += 1
+        seen["tokens"].append(float(first.sum()))
         return out
 
     model.generate = generate
@@ -208,26 +213,33 @@ def trl_child(p: dict[str, Any]) -> dict[str, Any]:
                 torch.cuda.synchronize()
             times["begin"] = time.perf_counter()
 
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            step_ends.append(time.perf_counter())
+
         def on_train_end(self, *a: Any, **k: Any) -> None:
             if cuda:
                 torch.cuda.synchronize()
             times["end"] = time.perf_counter()
 
+    step_ends: list[float] = []
     trainer.add_callback(Clock())
+    first = trainer.entrenar_sequence[0]  # the reward's imports (BFCL's checker) paid before the clock, as ours
+    trainer.reward_funcs[0]([first.text], [""], [[]], [json.dumps(first.row)])  # pays them in step 0's check
     gen = time_generate(trainer, cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
     logs = [h for h in trainer.state.log_history if "reward" in h]
-    loop_s = times["end"] - times["begin"]
     import peft
     import transformers
     import trl
-    return {"loop_s": loop_s, "optimizer_steps": trainer.state.global_step,
-            "generated_tokens": gen["tokens"], "rollout_s": gen["seconds"] if gen["calls"] else None,
-            "rollout_tok_s": gen["tokens"] / gen["seconds"] if gen["calls"] and gen["seconds"] > 0 else None,
-            "rollout_tok_s_basis": "generate seconds (wrapped)" if gen["calls"] else "none: generate not seen",
-            "generate_calls": int(gen["calls"]),
+    return {"loop_s": times["end"] - times["begin"], "optimizer_steps": trainer.state.global_step,
+            "loop_s_after_first": step_ends[-1] - step_ends[0] if len(step_ends) > 1 else None,
+            **rollout_measures(gen["tokens"], gen["seconds"]),
+            "rollout_tok_s_basis": "generate seconds (wrapped)" if gen["tokens"] else "none: generate not seen",
+            "generate_calls": len(gen["tokens"]),
             "mean_reward": sum(h["reward"] for h in logs) / len(logs) if logs else None,
             "rewards": [h["reward"] for h in logs],
             "mean_completion_length": (sum(h["completions/mean_length"] for h in logs) / len(logs)
@@ -287,21 +299,33 @@ def read_metrics(path: Path) -> list[dict[str, Any]]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
+def rollout_measures(tokens: list[float], seconds: list[float]) -> dict[str, Any]:
+    """Generated tokens, rollout seconds and tokens/s of a row's rollouts (one entry per rollout), and tokens/s
+    without the first rollout (its warm-ups: CUDA graphs, kernels' first calls)."""
+    def rate(t: list[float], s: list[float]) -> float | None:
+        return sum(t) / sum(s) if t and sum(s) > 0 else None
+    return {"generated_tokens": sum(tokens), "rollout_s": sum(seconds) if seconds else None,
+            "rollout_tok_s": rate(tokens, seconds), "rollout_tok_s_after_first": rate(tokens[1:], seconds[1:])}
+
+
 def entrenar_measures(summ: dict[str, Any], records: list[dict[str, Any]], sequences: int) -> dict[str, Any]:
     """Ours from the run's summary and metrics.jsonl: the loop (step seconds + the first rollout, drawn by step 0's
     check), rollout tokens over rollout seconds (per step: completion_length x sequences, / rollout_tok_s), mean
     reward and the largest mem_mb of the steps."""
     steps = [r for r in records if isinstance(r.get("step"), int) and r["step"] >= 1 and "reward" in r]
-    tokens = [r["completion_length"] * sequences for r in steps]
-    seconds = [t / r["rollout_tok_s"] for t, r in zip(tokens, steps, strict=True) if r.get("rollout_tok_s")]
+    rolled = [r for r in steps if r.get("rollout_tok_s")]
+    tokens = [r["completion_length"] * sequences for r in rolled]
+    seconds = [t / r["rollout_tok_s"] for t, r in zip(tokens, rolled, strict=True)]
     step_s = summ["tokens"] / summ["tok_s"] if summ.get("tok_s") else None
     first_rollout = seconds[0] if seconds else 0.0
+    # each step's seconds: its tokens / its tok_s (the loop's step time; step 1's excludes its rollout, step 0's)
+    dts = [(r["tokens"] - prev["tokens"]) / r["tok_s"] for prev, r in itertools.pairwise(steps)
+           if r.get("tok_s")]
     mems = [r["mem_mb"] for r in records if r.get("mem_mb") is not None]
     return {"loop_s": step_s + first_rollout if step_s is not None else None, "step_s_sum": step_s,
             "first_rollout_s": first_rollout, "optimizer_steps": len(steps),
-            "generated_tokens": sum(tokens), "rollout_s": sum(seconds) if seconds else None,
-            "rollout_tok_s": sum(tokens) / sum(seconds) if seconds and sum(seconds) > 0 else None,
-            "rollout_tok_s_basis": "rollout seconds (metrics.jsonl)",
+            "loop_s_after_first": sum(dts) if len(dts) == len(steps) - 1 and dts else None,
+            **rollout_measures(tokens, seconds), "rollout_tok_s_basis": "rollout seconds (metrics.jsonl)",
             "mean_reward": sum(r["reward"] for r in steps) / len(steps) if steps else None,
             "rewards": [r["reward"] for r in steps],
             "mean_completion_length": sum(r["completion_length"] for r in steps) / len(steps) if steps else None,
@@ -346,36 +370,42 @@ def write_summary(out: Path, p: dict[str, Any], rows: list[dict[str, Any]]) -> d
         summary[f"ours_vs_trl{tail}_steps_per_hour"] = _ratio(ours.get("steps_per_hour"),
                                                               theirs.get("steps_per_hour"))
         summary[f"ours_vs_trl{tail}_rollout_tok_s"] = _ratio(ours.get("rollout_tok_s"), theirs.get("rollout_tok_s"))
+        for key in ("steps_per_hour_after_first", "rollout_tok_s_after_first"):
+            summary[f"ours_vs_trl{tail}_{key}"] = _ratio(ours.get(key), theirs.get(key))
         summary[f"ours_vs_trl{tail}_mem"] = _ratio(ours.get("peak_mem_mb"), theirs.get("peak_mem_mb"))
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     return summary
 
 
 def table(rows: list[dict[str, Any]], p: dict[str, Any]) -> str:
-    lines = [f"{p['steps']} steps x {p['batch']} prompts x G {p['num_generations']}, up to {p['max_new_tokens']} "
-             f"new tokens, reward {REWARD}", "",
-             "| row | status | loop s | steps/hour | rollout tok/s | generated tokens | mean reward | peak MiB |",
-             "|---|---|---|---|---|---|---|---|"]
+    lines = [(f"{p['steps']} steps x {p['batch']} prompts x G {p['num_generations']}, up to "
+              f"{p['max_new_tokens']} new tokens, reward {REWARD}"), "",
+             ("| row | status | loop s | steps/hour | (after 1st) | rollout tok/s | (after 1st) | generated tokens "
+              "| mean reward | peak MiB |"),
+             "|---|---|---|---|---|---|---|---|---|---|"]
 
     def f(v: Any, fmt: str) -> str:
         return format(v, fmt) if isinstance(v, (int, float)) else "-"
 
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"| {r['row']} | {r['status']}: {r.get('reason', '')[:80]} | | | | | | |")
+            lines.append(f"| {r['row']} | {r['status']}: {r.get('reason', '')[:80]} | | | | | | | | |")
             continue
         lines.append(f"| {r['row']} | ok | {f(r.get('loop_s'), '.1f')} | {f(r.get('steps_per_hour'), ',.0f')} | "
-                     f"{f(r.get('rollout_tok_s'), ',.0f')} | {f(r.get('generated_tokens'), ',.0f')} | "
+                     f"{f(r.get('steps_per_hour_after_first'), ',.0f')} | {f(r.get('rollout_tok_s'), ',.0f')} | "
+                     f"{f(r.get('rollout_tok_s_after_first'), ',.0f')} | {f(r.get('generated_tokens'), ',.0f')} | "
                      f"{f(r.get('mean_reward'), '.4f')} | {f(r.get('peak_mem_mb'), ',.0f')} |")
     return "\n".join(lines)
 
 
 def make_rows(out: Path, timeout: float) -> str:
-    """The recipe's tool-call rows: `data sft-from-bfcl` (BFCL-derived calls with their ground truth)."""
+    """The tool-call recipe's BFCL rows (recipes/smollm2_tool_calls.yaml, its replay mix left out: GRPO needs ground
+    truth): `data sft-from-bfcl --irrelevance --swapped-no-call 650 --swapped-matched`."""
     calls = out / "rows" / "calls.jsonl"
     calls.parent.mkdir(parents=True, exist_ok=True)
     if not calls.is_file():  # made by an earlier call into the same --out: the same rows
-        cmd = [sys.executable, "-m", "entrenar", "data", "sft-from-bfcl", "--out", str(calls)]
+        cmd = [sys.executable, "-m", "entrenar", "data", "sft-from-bfcl", "--out", str(calls), "--irrelevance",
+               "--swapped-no-call", "650", "--swapped-matched"]
         code, _, err = run(cmd, timeout, out / "rows-calls.log")
         if code != 0:
             raise SystemExit(f"--make-rows: {shlex.join(cmd)} failed (exit {code}): {_tail(err)}")
@@ -412,7 +442,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
     ap.add_argument("--model", help="MODEL: a .gguf, an HF dir or a packaged name (smollm2-135m-instruct)")
     ap.add_argument("--data", help="prompt rows with ground truth (JSONL), e.g. `data sft-from-bfcl`'s")
-    ap.add_argument("--make-rows", action="store_true", help="make `data sft-from-bfcl` rows into OUT/rows/")
+    ap.add_argument("--make-rows", action="store_true",
+                    help="make the recipe's `data sft-from-bfcl` rows into OUT/rows/ instead of --data")
     ap.add_argument("--steps", type=int, default=10)
     ap.add_argument("--batch", type=int, default=4, help="prompts per optimizer step (ours: --batch-size)")
     ap.add_argument("--num-generations", type=int, default=8, help="G: completions per prompt")
@@ -468,6 +499,8 @@ def main(argv: list[str] | None = None) -> int:
         row = entrenar_row(p, out, args.timeout_s) if name == "entrenar" else trl_row(name, p, out, args.timeout_s)
         if row["status"] == "ok" and row.get("loop_s"):
             row["steps_per_hour"] = row["optimizer_steps"] * 3600.0 / row["loop_s"]
+        if row["status"] == "ok" and row.get("loop_s_after_first"):  # steps 2..N: the first step's warm-ups out
+            row["steps_per_hour_after_first"] = (row["optimizer_steps"] - 1) * 3600.0 / row["loop_s_after_first"]
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k != "rewards"}), flush=True)
         write_summary(out, p, rows)
