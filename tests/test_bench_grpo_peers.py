@@ -4,6 +4,7 @@ entrenar's bfcl-graded, so the speed comparison is the same work."""
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import pytest
@@ -92,3 +93,30 @@ def test_reward_is_entrenars_bfcl_graded(built):
                  row=[json.dumps(row)] * 2, trainer_state=None)
     assert got == bfcl_graded_reward(["p", "p"], [right, wrong], [row, row])
     assert got[0] == 1.0 and got[1] < 1.0
+
+
+def test_our_row_runs_the_same_work_and_is_measured_from_its_metrics(tmp_path):
+    """Our row's finetune gets the bench's G, batch, lengths, steps, rank, lr, reward; its loop is the step seconds
+    plus step 0's rollout (step 1 trains on it), its rollout tokens/s the metrics' tokens over rollout seconds."""
+    p = {"model": "M", "data": "D", "steps": 3, "batch": 2, "num_generations": 4, "max_new_tokens": 32, "rank": 8,
+         "lr": 1e-5, "max_seq_len": 2048, "chat_template": "chatml_tools", "device": "cuda", "entrenar_flags": []}
+    cmd = grpo_peers.entrenar_command(p, tmp_path / "run")
+    flags = dict(itertools.pairwise(cmd))  # each flag to the word after it
+    for flag, key in (("--steps", "steps"), ("--batch-size", "batch"), ("--num-generations", "num_generations"),
+                      ("--max-new-tokens", "max_new_tokens"), ("--rank", "rank"), ("--lr", "lr"),
+                      ("--max-seq-len", "max_seq_len")):
+        assert flags[flag] == str(p[key]), flag
+    assert (flags["--objective"], flags["--reward"], flags["--mode"], flags["--grad-accum"]) == (
+        "grpo", "bfcl-graded", "lora", "1")
+    # 3 steps of 8 sequences; step 1's 0.5 s excludes its rollout (drawn by step 0's check: 2 s for 80 tokens)
+    records = [{"step": 1, "tokens": 1000, "tok_s": 2000.0, "completion_length": 10.0, "rollout_tok_s": 40.0,
+                "reward": 0.5, "mem_mb": 100.0},
+               {"step": 2, "tokens": 2000, "tok_s": 400.0, "completion_length": 20.0, "rollout_tok_s": 80.0,
+                "reward": 0.25, "mem_mb": 300.0},
+               {"step": 3, "tokens": 3000, "tok_s": 500.0, "completion_length": 5.0, "rollout_tok_s": 40.0,
+                "reward": 0.0, "mem_mb": 200.0}]
+    m = grpo_peers.entrenar_measures({"tokens": 3000, "tok_s": 3000 / 5.5, "seconds": 9.0}, records, 8)
+    assert m["loop_s"] == pytest.approx(5.5 + 2.0) and m["loop_s_after_first"] == pytest.approx(2.5 + 2.0)
+    assert m["generated_tokens"] == 280 and m["rollout_s"] == pytest.approx(2 + 2 + 1)
+    assert m["rollout_tok_s"] == pytest.approx(280 / 5) and m["rollout_tok_s_after_first"] == pytest.approx(200 / 3)
+    assert (m["optimizer_steps"], m["mean_reward"], m["peak_mem_mb"]) == (3, 0.25, 300.0)
