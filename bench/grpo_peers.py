@@ -51,8 +51,9 @@ DIFFERENCES = [
      "seeds); TRL through transformers' generate on the left-padded batch (padding to the longest prompt, no "
      "graphs); the same distribution (temperature, top_p 1, no top_k), different draws, so completions, their "
      "lengths and rewards differ"),
-    ("the loss: the same formula and normalisation (TRL's _compute_loss; ours equals it, tests/test_grpo_parity.py), "
-     "TRL's log-probs over the whole prompt + completion logits, ours the head on the completion positions only"),
+    ("the loss: the same formula and normalisation (TRL's _compute_loss; ours equals it, tests/test_grpo_parity.py); "
+     "the log-probs: TRL's through its fused, chunked LM-head log-prob kernel (the prompt positions masked), ours "
+     "the head applied at the completion positions only; the body runs over prompt + completion in both"),
     ("the reference: both the adapters switched off (PEFT's disable_adapter, our adapters_disabled), computed once "
      "per rollout batch"),
     ("precision: TRL loads fp32 and trains under bf16 autocast (bf16=True) as transformers' Trainer does; ours fp32 "
