@@ -180,13 +180,21 @@ def time_generate(trainer: Any, cuda: bool) -> dict[str, float]:
     model = trainer.model
     inner = model.generate
     eos = torch.tensor(trainer.eos_token_ids)
-    seen: dict[str, Any] = {"seconds": [], "tokens": []}  # per call
+    seen: dict[str, Any] = {"seconds": [], "tokens": [], "dtypes": set(), "in": False}  # per call
+    # the compute dtype of its rollouts (bf16 under autocast, else the weights'): a first linear's output dtype
+    probe = next(m for m in model.modules() if isinstance(m, torch.nn.Linear))
+    probe.register_forward_hook(lambda m, i, o: seen["dtypes"].add(str(o.dtype).replace("torch.", ""))
+                                if seen["in"] else None)
 
     def generate(*args: Any, **kwargs: Any) -> Any:
         if cuda:
             torch.cuda.synchronize()
         t0 = time.perf_counter()
-        out = inner(*args, **kwargs)
+        seen["in"] = True
+        try:
+            out = inner(*args, **kwargs)
+        finally:
+            seen["in"] = False
         if cuda:
             torch.cuda.synchronize()
         seen["seconds"].append(time.perf_counter() - t0)
@@ -240,7 +248,7 @@ def trl_child(p: dict[str, Any]) -> dict[str, Any]:
             "loop_s_after_first": step_ends[-1] - step_ends[0] if len(step_ends) > 1 else None,
             **rollout_measures(gen["tokens"], gen["seconds"]),
             "rollout_tok_s_basis": "generate seconds (wrapped)" if gen["tokens"] else "none: generate not seen",
-            "generate_calls": len(gen["tokens"]),
+            "generate_calls": len(gen["tokens"]), "generate_dtype": ",".join(sorted(gen["dtypes"])) or None,
             "mean_reward": sum(h["reward"] for h in logs) / len(logs) if logs else None,
             "rewards": [h["reward"] for h in logs],
             "mean_completion_length": (sum(h["completions/mean_length"] for h in logs) / len(logs)
