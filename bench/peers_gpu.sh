@@ -81,8 +81,8 @@ bg)
   rm -rf "/tmp/repo-$tag" && mkdir -p "/tmp/repo-$tag" "/tmp/out-$tag" && cp -r . "/tmp/repo-$tag/"
   waits=$(cat /tmp/bg-*.pid 2>/dev/null | tr '\n' ' ')
   cd "/tmp/repo-$tag" && OUT=/tmp/out-$tag setsid nohup bash -c \
-    "for p in $waits; do while kill -0 \$p 2>/dev/null; do sleep 2; done; done; bash bench/peers_gpu.sh $*" \
-    > "/tmp/bg-$tag.log" 2>&1 < /dev/null &
+    "for p in $waits; do while kill -0 \$p 2>/dev/null; do sleep 2; done; done; bash bench/peers_gpu.sh $*;
+     cp /tmp/bg-$tag.log /tmp/out-$tag/$tag.log" > "/tmp/bg-$tag.log" 2>&1 < /dev/null &
   echo $! > "/tmp/bg-$tag.pid"; sleep 2; cat "/tmp/bg-$tag.log"
   ;;
 *)
