@@ -80,10 +80,12 @@ bg)
   tag=$1; shift
   rm -rf "/tmp/repo-$tag" && mkdir -p "/tmp/repo-$tag" "/tmp/out-$tag" && cp -r . "/tmp/repo-$tag/"
   waits=$(cat /tmp/bg-*.pid 2>/dev/null | tr '\n' ' ')
+  # the pid is written from inside: setsid forks when its caller leads a process group (a shell with job control),
+  # so $! would be a process that has already exited
   cd "/tmp/repo-$tag" && OUT=/tmp/out-$tag setsid nohup bash -c \
-    "for p in $waits; do while kill -0 \$p 2>/dev/null; do sleep 2; done; done; bash bench/peers_gpu.sh $*;
-     cp /tmp/bg-$tag.log /tmp/out-$tag/$tag.log" > "/tmp/bg-$tag.log" 2>&1 < /dev/null &
-  echo $! > "/tmp/bg-$tag.pid"; sleep 2; cat "/tmp/bg-$tag.log"
+    "echo \$\$ > /tmp/bg-$tag.pid; for p in $waits; do while kill -0 \$p 2>/dev/null; do sleep 2; done; done;
+     bash bench/peers_gpu.sh $*; cp /tmp/bg-$tag.log /tmp/out-$tag/$tag.log" > "/tmp/bg-$tag.log" 2>&1 < /dev/null &
+  sleep 2; echo "$tag: pid $(cat "/tmp/bg-$tag.pid"), after: $waits"; cat "/tmp/bg-$tag.log"
   ;;
 *)
   echo "unknown stage $stage (setup | step | sft | grpo | speed | bg)"; exit 2
