@@ -116,17 +116,34 @@ def sequence_stats(seq: list[Any], batch: int) -> dict[str, Any]:
 
 
 # ---- the TRL child -----------------------------------------------------------------------------------------
+def hf_dir_of(model: str) -> str:
+    """MODEL as an HF directory: itself if it is one; else (a GGUF, a packaged name) written once by entrenar's own
+    converter from the weights `finetune` loads (dequantized, fp32) into the temp dir. Why: transformers marks a
+    model it dequantized from a GGUF as quantized (QuantizationMethod.GGUF) and refuses to train or save it."""
+    import tempfile
+
+    import torch
+
+    from entrenar.formats import load_model, resolve_model, save_hf_dir
+    from entrenar.tokenizer import load_tokenizer
+
+    if Path(model, "config.json").is_file():
+        return model
+    path = Path(resolve_model(model))
+    where = Path(tempfile.gettempdir()) / f"entrenar-hf-{path.stem}-{path.stat().st_size}"
+    if not (where / "config.json").is_file():
+        part = where.with_name(f"{where.name}.{os.getpid()}")
+        save_hf_dir(load_model(str(path), dtype=torch.float32), part, load_tokenizer(str(path)))
+        part.rename(where)
+    return str(where)
+
+
 def load_hf(model: str, torch: Any) -> tuple[Any, Any]:
-    """transformers' model (fp32) and tokenizer of MODEL: an HF dir, a GGUF (gguf_file=) or a packaged name."""
+    """transformers' model (fp32) and tokenizer of MODEL (an HF dir, a GGUF or a packaged name: hf_dir_of)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from entrenar.formats import resolve_model
-
-    path = Path(resolve_model(model))
-    kw = {"gguf_file": path.name} if path.suffix == ".gguf" else {}
-    where = str(path.parent if kw else path)
-    return (AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **kw),
-            AutoTokenizer.from_pretrained(where, **kw))
+    where = hf_dir_of(model)
+    return AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32), AutoTokenizer.from_pretrained(where)
 
 
 def unsloth_model(p: dict[str, Any], torch: Any) -> tuple[Any, Any]:
@@ -268,7 +285,7 @@ def trl_row(name: str, p: dict[str, Any], out: Path, timeout: float) -> dict[str
     kind = name if name in ("trl-liger", "unsloth") else "trl"
     params = {**p, "adapter_dir": str(out / name), "work": str(out / name / "work")}
     if kind == "unsloth":
-        params["hf_dir"] = hf_dir(p, out)
+        params["hf_dir"] = hf_dir_of(p["model"])
     cmd = [sys.executable, "-m", "bench.sft_peers", "--child", kind, json.dumps(params)]
     t0 = time.perf_counter()
     code, stdout, err = run(cmd, timeout, out / f"{name}.log",
@@ -282,21 +299,6 @@ def trl_row(name: str, p: dict[str, Any], out: Path, timeout: float) -> dict[str
     else:
         row.update(status="failed", reason=f"exit {code}: {_tail(err)}")
     return row
-
-
-def hf_dir(p: dict[str, Any], out: Path) -> str:
-    """MODEL as an HF directory (what Unsloth's from_pretrained reads): itself if it is one, else written once into
-    OUT/hf-model from transformers' load of it (the GGUF's weights, as the TRL rows load them)."""
-    import torch
-
-    if Path(p["model"], "config.json").is_file():
-        return p["model"]
-    where = out / "hf-model"
-    if not (where / "config.json").is_file():
-        model, tok = load_hf(p["model"], torch)
-        model.save_pretrained(str(where), safe_serialization=True)
-        tok.save_pretrained(str(where))
-    return str(where)
 
 
 def entrenar_command(p: dict[str, Any], run_dir: Path) -> list[str]:
