@@ -6,7 +6,7 @@
 #   bash bench/peers_gpu.sh step SECONDS           the standing step goals' control rows: transformers + Liger,
 #                                                  the CLI default and --dtype bf16-pure on Qwen2.5-0.5B shapes
 #                                                  (python -m bench run), Liger again after
-#   bash bench/peers_gpu.sh sft NAME SECONDS       bench/sft_peers.py on NAME (the README recipe's rows made by
+#   bash bench/peers_gpu.sh sft NAME SECONDS       bench/sft_peers.py on NAME (ROWS=a,b: those rows) (the README recipe's rows made by
 #                                                  --make-rows): TRL, TRL + Liger, Unsloth, entrenar (with its
 #                                                  in-loop eval of 200 BFCL questions, timed), TRL after; then the
 #                                                  BFCL + HumanEval evals of each result
@@ -47,7 +47,7 @@ sft)
     args=(--tiny); rows=trl,unsloth,entrenar,trl-after
   else
     source bench/gpu_model.sh "$name"
-    args=(--model "$model" --make-rows --humaneval); rows=trl,trl-liger,unsloth,entrenar,trl-after
+    args=(--model "$model" --make-rows --humaneval); rows=${ROWS:-trl,trl-liger,unsloth,entrenar,trl-after}
   fi
   in_loop=(--entrenar-flag=--eval-task=bfcl:simple_python,multiple --entrenar-flag=--eval-task-limit=100)
   t0=$SECONDS  # two thirds of SECONDS for the training rows, the rest for the evals

@@ -100,3 +100,23 @@ def test_a_later_call_adds_rows_to_the_same_sequence(tmp_path):
     assert [r["row"] for r in sft_peers.earlier_rows(tmp_path, stats, ["unsloth"])] == ["trl", "entrenar"]
     assert [r["row"] for r in sft_peers.earlier_rows(tmp_path, stats, ["trl"])] == ["entrenar"]
     assert sft_peers.earlier_rows(tmp_path, {"sha256": "other"}, ["unsloth"]) == []
+
+
+@pytest.mark.real_model
+def test_the_trl_rows_train_a_gguf_model(tmp_path):
+    """A GGUF (the packaged SmolLM2) reaches TRL as a plain fp32 HF model: transformers marks a model it dequantized
+    from a GGUF as quantized and its Trainer refuses to train it (what both TRL rows hit on the GPU)."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    p = {**sft_peers.make_tiny(tmp_path), "model": "smollm2-135m-instruct", "steps": 1, "batch": 2, "rank": 4,
+         "lr": 3e-4, "max_seq_len": 512, "chat_template": "chatml_tools", "device": "cpu",
+         "work": str(tmp_path / "work")}
+    trainer = sft_peers.build_trl_trainer(p)  # raised ValueError (QuantizationMethod.GGUF) before
+    assert not getattr(trainer.model, "is_quantized", False)
+    from entrenar.formats import load_model
+
+    ours = load_model("smollm2-135m-instruct", dtype=torch.float32).state_dict()
+    theirs = trainer.model.get_base_model().state_dict()
+    for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.base_layer.weight"):
+        key = name.replace(".base_layer", "")
+        assert torch.equal(theirs[name], ours[key]), name  # the weights finetune loads, bit for bit
