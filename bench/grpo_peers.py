@@ -153,7 +153,8 @@ def build_trl_trainer(p: dict[str, Any]) -> Any:
         lr_scheduler_kwargs={"min_lr_rate": d["min_lr_ratio"]}, warmup_steps=warmup_steps(p["steps"]),
         weight_decay=0.0, max_grad_norm=d["clip"], adam_beta1=ADAM_BETAS[0], adam_beta2=ADAM_BETAS[1],
         adam_epsilon=1e-8, bf16=cuda, fp16=False, use_cpu=not cuda, logging_steps=1, save_strategy="no",
-        report_to="none", dataloader_num_workers=0, seed=SEED, log_completions=False)
+        report_to="none", dataloader_num_workers=0, seed=SEED, log_completions=False,
+        gradient_checkpointing=False)  # GRPOConfig turns it on by default; ours runs without it
     lora = LoraConfig(r=p["rank"], lora_alpha=2 * p["rank"], lora_dropout=d["dropout"], target_modules=TARGETS,
                       task_type="CAUSAL_LM", bias="none")
 

@@ -57,6 +57,7 @@ def test_trl_rolls_out_our_prompts_ids_and_shape(built):
                                                                                                    BATCH * G)
     assert (args.gradient_accumulation_steps, args.num_iterations, args.max_completion_length) == (1, 1, NEW)
     assert args.use_vllm is False and args.shuffle_dataset is False
+    assert args.gradient_checkpointing is False  # as ours (GRPOConfig turns it on by default)
     d = grpo_peers.grpo_defaults()
     assert (args.temperature, args.top_p, args.beta, args.loss_type, args.scale_rewards, args.epsilon) == (
         d["temperature"], d["top_p"], d["beta"], d["loss_type"], d["scale_rewards"], d["epsilon"])
