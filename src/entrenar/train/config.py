@@ -184,6 +184,10 @@ class TrainConfig:
                                 choices=GRPO_SCALE_REWARDS)
     max_kl: float = option(DEFAULT_MAX_KL, "grpo: GUARD-GRPO-KL stops the run (exit 3) when the mean KL per completion "
                                            "token to the reference passes this; 0 = off", commands=("finetune",))
+    grpo_dynamic_sampling: int = option(0, "grpo: DAPO's dynamic sampling: groups whose G rewards are all equal (no "
+                                           "signal) are dropped and replaced by fresh prompts, rolled out in up to "
+                                           "this many extra generation calls per step; 0 = off",
+                                        commands=("finetune",), metavar="N")
     # the optimisation
     steps: int = option(1000, "optimizer steps")
     batch_size: int = option(8, "samples per micro-batch", commands=_EVERY,
@@ -498,11 +502,15 @@ class TrainConfig:
             if self.reward:
                 raise InputError(f"--reward {self.reward[0]} scores completions of --objective grpo; add "
                                  f"--objective grpo, or drop --reward")
+            if self.grpo_dynamic_sampling:
+                raise InputError(f"--grpo-dynamic-sampling {self.grpo_dynamic_sampling} replaces GRPO groups without "
+                                 f"reward spread; add --objective grpo, or drop --grpo-dynamic-sampling")
             return
         if not self.reward:
             raise InputError("--objective grpo needs at least one --reward (bfcl, bfcl-graded, tests, tests-all or "
                              "python:FILE.py:FUNC, each optionally :WEIGHT)")
-        for f, low in (("num_generations", 2), ("max_new_tokens", 1), ("grpo_iterations", 1)):
+        for f, low in (("num_generations", 2), ("max_new_tokens", 1), ("grpo_iterations", 1),
+                       ("grpo_dynamic_sampling", 0)):
             if not isinstance(getattr(self, f), int) or getattr(self, f) < low:
                 raise InputError(f"--{f.replace('_', '-')} must be an integer >= {low}, got {getattr(self, f)}"
                                  + (" (a group of one has no spread: no advantage)" if f == "num_generations" else ""))

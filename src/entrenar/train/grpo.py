@@ -24,12 +24,16 @@ In the loop's terms (objective.py: loss sum and units, each micro-batch's sum di
 `grpo_loss_sum` gives each micro-batch's sum and units. The log-probs are those of the tempered distribution the
 completions were sampled from: log_softmax(logits / --temperature), as TRL's.
 
+--grpo-dynamic-sampling N (DAPO's dynamic sampling, dynamic_refill): a round's groups whose G rewards are all equal are
+dropped and replaced by further prompts of the loader's cursor, rolled out in up to N extra engine calls.
+
 Per-step metrics (metrics.jsonl): reward (mean), reward_std (the mean of the groups' std), frac_reward_zero_std
 (share of groups whose G rewards are all equal: no signal), reward/NAME (each reward's mean, unweighted),
 completion_length (mean tokens, the stop token included), truncated_share (completions cut by --max-new-tokens),
 kl (mean per token, --beta > 0), entropy (the policy's mean per token), clip_ratio (tokens whose ratio was
-clipped), rollout_tok_s (tokens generated per second of rollout). Guards: GUARD-GRPO-KL (exit 3),
-GUARD-GRPO-ENTROPY (a warning); GUARD-REWARD-HACKING judges --eval-task results (GRPOWatch.task_result).
+clipped), rollout_tok_s (tokens generated per second of rollout), frac_groups_dropped (--grpo-dynamic-sampling).
+Guards: GUARD-GRPO-KL (exit 3), GUARD-GRPO-ENTROPY (a warning); GUARD-REWARD-HACKING judges --eval-task results
+(GRPOWatch.task_result).
 """
 
 from __future__ import annotations
@@ -63,7 +67,10 @@ ENTROPY_COLLAPSE_STEPS = 3  # ... for this many steps in a row
 
 # the rollout's statistics carried in each micro-batch (summed over micro-batches and ranks by the loop)
 ROLLOUT_SUMS = ("reward", "reward_std", "zero_std_groups", "groups", "sequences", "completion_tokens",
-                "truncated", "rollout_seconds")
+                "truncated", "rollout_seconds",
+                # --grpo-dynamic-sampling: groups sampled, of them not trained on (no spread), the tokens generated
+                # (those of dropped groups too: rollout_tok_s), groups a micro-batch still lacked after the refills
+                "drawn_groups", "dropped_groups", "generated_tokens", "short_groups")
 
 
 # ---- the math (TRL's; tests/test_grpo_parity.py) --------------------------------------------------------------
@@ -81,6 +88,11 @@ def group_advantages(rewards: torch.Tensor, group: int, scale: str = "group") ->
     elif scale == "batch":
         advantages = advantages / ((rewards.std() if rewards.numel() > 1 else torch.zeros(())) + STD_EPS)
     return advantages, group_std
+
+
+def without_spread(group_std: torch.Tensor) -> torch.Tensor:
+    """Which groups [groups] have all their G rewards equal (std ~ 0): advantage 0 everywhere, no policy gradient."""
+    return torch.isclose(group_std, torch.zeros_like(group_std))
 
 
 def per_token_kl(logps: torch.Tensor, ref_logps: torch.Tensor) -> torch.Tensor:
@@ -236,14 +248,24 @@ class GRPOLoader(SFTLoader):
                     chosen.append(self._peek())
                     self._advance()
                 drawn.append((start, chosen, self.cursor.state_dict(), self._seed(rnd, jj)))
-            batches = obj.rollouts([d[1] for d in drawn], [d[3] for d in drawn])
-            self.buffer[j:] = [(d[0], batch, d[2]) for d, batch in zip(drawn, batches)]
+            batches = obj.rollouts([d[1] for d in drawn], [d[3] for d in drawn], draw=self._draw)
+            # --grpo-dynamic-sampling's refills come after the call's micro-batches: the last one's cursor is after them
+            ends = [d[2] for d in drawn[:-1]] + [self.cursor.state_dict()]
+            self.buffer[j:] = [(d[0], batch, end) for d, batch, end in zip(drawn, batches, ends, strict=True)]
             entry = self.buffer[j]
             self.cursor.load_state_dict(entry[2], "GRPO prompt")
         elif k < obj.grad_accum:  # the same rollout asked for again at the same cursor: replayed
             self.cursor.load_state_dict(entry[2], "GRPO prompt")
         self.calls += 1
         return entry[1]
+
+    def _draw(self, n: int) -> list[PromptExample]:
+        """The next n prompts of the epoch cursor (--grpo-dynamic-sampling's refills)."""
+        out = []
+        for _ in range(n):
+            out.append(self._peek())
+            self._advance()
+        return out
 
     def _seed(self, rnd: int, j: int) -> int:
         """Micro-batch j of round rnd's sampling seed."""
@@ -277,7 +299,8 @@ class GRPOObjective:
                  num_generations: int = 4, temperature: float = 1.0, top_p: float = 1.0,
                  max_new_tokens: int = 256, epsilon: float = 0.2, epsilon_high: float | None = None,
                  iterations: int = 1, grad_accum: int = 1, loss_type: str = "dapo", scale_rewards: str = "group",
-                 max_kl: float = DEFAULT_MAX_KL, dtype: str = "fp32", loader: GRPOLoader | None = None):
+                 max_kl: float = DEFAULT_MAX_KL, dtype: str = "fp32", loader: GRPOLoader | None = None,
+                 dynamic_sampling: int = 0):
         if loss_type not in LOSS_TYPES:
             raise InputError(f"--loss-type {loss_type!r} not in {'|'.join(LOSS_TYPES)}")
         if scale_rewards not in SCALE_REWARDS:
@@ -290,6 +313,7 @@ class GRPOObjective:
         self.eps_high = float(epsilon if epsilon_high is None else epsilon_high)
         self.loss_type, self.scale_rewards = loss_type, scale_rewards
         self.dtype = dtype
+        self.dynamic_sampling = int(dynamic_sampling)  # --grpo-dynamic-sampling: extra rollout calls at most
         self.policy: torch.nn.Module | None = None
         self.reference_model: torch.nn.Module | None = None
         self.watcher = GRPOWatch(max_kl)
@@ -333,21 +357,33 @@ class GRPOObjective:
         advantages [N], old_logps (--grpo-iterations > 1) and ref_logps (--beta > 0) [N, T], the rollout's sums."""
         return self.rollouts([prompts], [seed])[0]
 
-    def rollouts(self, micro_batches: Sequence[Sequence[PromptExample]], seeds: Sequence[int]) -> list[dict[str, Any]]:
+    def rollouts(self, micro_batches: Sequence[Sequence[PromptExample]], seeds: Sequence[int],
+                 draw: Callable[[int], list[PromptExample]] | None = None) -> list[dict[str, Any]]:
         """rollout() of several micro-batches (a step's --grad-accum) from ONE generation call: a short call pays
         its prefill, graph warm-ups and captures whatever it generates (on an H200 a 32-completion micro-batch's
         rollout ran at ~1,000 tokens/s), so the step's micro-batches share them. Micro-batch j samples with seed j
         as rollout() would alone (request i: seeds[j] * its requests + i), so its batch is the same. Each one's
-        rollout_seconds is the call's, shared by its generated tokens."""
+        rollout_seconds is the call's, shared by its generated tokens. With --grpo-dynamic-sampling N > 0 and
+        `draw` (the loader's next prompts), groups without reward spread are replaced (dynamic_refill)."""
+        ids = [[p.input_ids.tolist() for p in prompts for _ in range(self.G)] for prompts in micro_batches]
+        request_seeds = [[seed * len(x) + i for i in range(len(x))] for seed, x in zip(seeds, ids, strict=True)]
+        parts, seconds = self._generate(ids, request_seeds)
+        if draw is None or self.dynamic_sampling == 0:
+            return [self._batch(prompts, x, part, s) for prompts, x, part, s in
+                    zip(micro_batches, ids, parts, seconds, strict=True)]
+        return dynamic_refill(self, micro_batches, ids, parts, seconds, seeds, draw)
+
+    def _generate(self, ids: Sequence[list[list[int]]], request_seeds: Sequence[list[int]]
+                  ) -> tuple[list[list[Sampled]], list[float]]:
+        """(each part's completions, each part's share of the call's seconds by its generated tokens) of the
+        request lists `ids` (one part each) sampled in ONE engine call, request r of part j with request_seeds[j][r]."""
         model = self.policy
         assert model is not None, "GRPOObjective.bind(model) comes first (build_trainer)"
         device = next(model.parameters()).device
-        ids = [[p.input_ids.tolist() for p in prompts for _ in range(self.G)] for prompts in micro_batches]
-        request_seeds = [seed * len(x) + i for seed, x in zip(seeds, ids, strict=True) for i in range(len(x))]
         t0 = time.perf_counter()
         with self._autocast(device):
             flat = sample_completions(model, self.tokenizer, [x for part in ids for x in part], self.max_new_tokens,
-                                      self.temperature, self.top_p, 0, seeds=request_seeds)
+                                      self.temperature, self.top_p, 0, seeds=[s for part in request_seeds for s in part])
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - t0
@@ -357,18 +393,27 @@ class GRPOObjective:
             at += len(x)
         tokens = [sum(len(s.token_ids) for s in part) for part in parts]
         total = sum(tokens)
-        return [self._batch(prompts, x, part, seconds * (n / total if total else 1 / len(parts)))
-                for prompts, x, part, n in zip(micro_batches, ids, parts, tokens, strict=True)]
+        return parts, [seconds * (n / total if total else 1 / len(parts)) for n in tokens]
 
-    def _batch(self, prompts: Sequence[PromptExample], ids: list[list[int]], sampled: list[Sampled],
-               seconds: float) -> dict[str, Any]:
-        """One micro-batch's rollout batch (rollout()'s) from its sampled completions."""
-        model = self.policy
-        device = next(model.parameters()).device
+    def score(self, prompts: Sequence[PromptExample], sampled: Sequence[Sampled]) -> torch.Tensor:
+        """Each reward function's value of each completion [N, rewards] (float64), G completions per prompt."""
         rows = [p for p in prompts for _ in range(self.G)]
         per_func = self.rewards([p.text for p in rows], [s.text for s in sampled], [p.row for p in rows])
-        weighted = torch.tensor(per_func, dtype=torch.float64) @ torch.tensor(self.rewards.weights,
-                                                                                dtype=torch.float64)
+        return torch.tensor(per_func, dtype=torch.float64).reshape(len(rows), len(self.rewards.weights))
+
+    def weighted_rewards(self, per_func: torch.Tensor) -> torch.Tensor:
+        """The rewards [N] (float64): each completion's rewards summed with their --reward weights."""
+        return per_func @ torch.tensor(self.rewards.weights, dtype=torch.float64)
+
+    def _batch(self, prompts: Sequence[PromptExample], ids: list[list[int]], sampled: list[Sampled],
+               seconds: float, per_func: torch.Tensor | None = None, dynamic: dict[str, float] | None = None
+               ) -> dict[str, Any]:
+        """One micro-batch's rollout batch (rollout()'s) from its sampled completions (their rewards `per_func` when
+        already scored; `dynamic`: dynamic_refill's sums of the groups drawn and dropped for it)."""
+        model = self.policy
+        device = next(model.parameters()).device
+        per_func = self.score(prompts, sampled) if per_func is None else per_func
+        weighted = self.weighted_rewards(per_func)
         rewards = weighted.float()
         advantages, group_std = group_advantages(rewards, self.G, self.scale_rewards)
         N = len(ids)
@@ -394,13 +439,16 @@ class GRPOObjective:
                         batch["ref_logps"] = self.reference_logps(d_ids, d_labels).float().cpu()
             finally:
                 model.train(was)
-        zero = torch.isclose(group_std, torch.zeros_like(group_std))
+        zero = without_spread(group_std)
+        completion_tokens = float(sum(len(s.token_ids) for s in sampled))
         sums = {"reward": float(weighted.sum()), "reward_std": float(group_std.double().sum()),
                 "zero_std_groups": float(zero.sum()), "groups": float(len(prompts)), "sequences": float(N),
-                "completion_tokens": float(sum(len(s.token_ids) for s in sampled)),
-                "truncated": float(sum(s.truncated for s in sampled)), "rollout_seconds": seconds}
-        per_name = torch.tensor(per_func, dtype=torch.float64).sum(dim=0).tolist()
-        batch["rollout"] = torch.tensor([sums[k] for k in ROLLOUT_SUMS] + per_name, dtype=torch.float64)
+                "completion_tokens": completion_tokens,
+                "truncated": float(sum(s.truncated for s in sampled)), "rollout_seconds": seconds,
+                "drawn_groups": float(len(prompts)), "dropped_groups": 0.0, "generated_tokens": completion_tokens,
+                "short_groups": 0.0, **(dynamic or {})}
+        batch["rollout"] = torch.tensor([sums[k] for k in ROLLOUT_SUMS] + per_func.sum(dim=0).tolist(),
+                                        dtype=torch.float64)
         return batch
 
     @property
@@ -455,8 +503,16 @@ class GRPOObjective:
             "frac_reward_zero_std": sums["_zero_std_groups"] / groups,
             "completion_length": sums["_completion_tokens"] / seqs, "truncated_share": sums["_truncated"] / seqs,
             "entropy": sums["_entropy"] / tokens, "clip_ratio": sums["_clipped"] / tokens,
-            "rollout_tok_s": sums["_completion_tokens"] / sums["_rollout_seconds"]
+            "rollout_tok_s": sums.get("_generated_tokens", sums["_completion_tokens"]) / sums["_rollout_seconds"]
             if sums.get("_rollout_seconds") else None}
+        if self.dynamic_sampling:
+            out["frac_groups_dropped"] = sums.get("_dropped_groups", 0.0) / max(sums.get("_drawn_groups", 0.0), 1.0)
+            short = int(sums.get("_short_groups", 0.0))
+            if short:
+                out["dynamic_sampling_note"] = (
+                    f"{short} group(s) with reward spread still missing after --grpo-dynamic-sampling "
+                    f"{self.dynamic_sampling} extra rollout calls: the step trained on {int(groups)} groups, "
+                    f"{int(sums['_zero_std_groups'])} of them without spread")
         if "_kl" in sums:
             out["kl"] = sums["_kl"] / tokens
         for k, v in sums.items():
@@ -498,6 +554,64 @@ class GRPOObjective:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.watcher.load_state_dict(sd)
+
+
+# ---- dynamic sampling (DAPO's): groups without reward spread replaced by fresh prompts ------------------------------
+REQUESTS_PER_CALL_MAX = 2**20  # extra_request_seeds' room for a micro-batch's requests in one extra call
+
+
+def extra_request_seeds(seed: int, extra: int, calls: int, n: int) -> list[int]:
+    """The n request seeds of extra call `extra` (1..calls) of the micro-batch whose first call sampled with `seed`
+    (request i: seed * n + i >= 0): negative, so none is a first call's, and distinct over (seed, extra, i)."""
+    assert 1 <= extra <= calls and n <= REQUESTS_PER_CALL_MAX, (extra, calls, n)
+    return [-(1 + i + REQUESTS_PER_CALL_MAX * (seed * calls + extra - 1)) for i in range(n)]
+
+
+def dynamic_refill(obj: GRPOObjective, micro_batches: Sequence[Sequence[PromptExample]], ids: list[list[list[int]]],
+                   parts: list[list[Sampled]], seconds: list[float], seeds: Sequence[int],
+                   draw: Callable[[int], list[PromptExample]]) -> list[dict[str, Any]]:
+    """--grpo-dynamic-sampling N (DAPO's dynamic sampling): of each micro-batch's first-call groups (`parts`), those
+    whose G rewards are all equal are dropped and as many fresh prompts drawn (`draw`: the loader's cursor) and
+    rolled out, every micro-batch's refills in one engine call, up to N calls; then each micro-batch trains on the
+    groups with spread it has (in draw order), or, when it found none, on its last drawn groups (never empty)."""
+    G = obj.G
+    want = [len(prompts) for prompts in micro_batches]
+    kept: list[list[tuple]] = [[] for _ in micro_batches]  # (prompt, its G ids, G completions, G x rewards)
+    last: list[list[tuple]] = [[] for _ in micro_batches]
+    drawn, spent, generated = [0] * len(want), [0.0] * len(want), [0] * len(want)
+
+    def take(j: int, prompts: Sequence[PromptExample], x: list[list[int]], part: list[Sampled], secs: float) -> None:
+        per_func = obj.score(prompts, part)
+        _, group_std = group_advantages(obj.weighted_rewards(per_func).float(), G, "none")
+        groups = [(p, x[g * G:(g + 1) * G], part[g * G:(g + 1) * G], per_func[g * G:(g + 1) * G])
+                  for g, p in enumerate(prompts)]
+        kept[j] += [grp for grp, flat in zip(groups, without_spread(group_std).tolist(), strict=True) if not flat]
+        last[j] = groups
+        drawn[j] += len(prompts)
+        spent[j] += secs
+        generated[j] += sum(len(s.token_ids) for s in part)
+
+    for j, prompts in enumerate(micro_batches):
+        take(j, prompts, ids[j], parts[j], seconds[j])
+    for extra in range(1, obj.dynamic_sampling + 1):
+        js = [j for j in range(len(want)) if len(kept[j]) < want[j]]
+        if not js:
+            break
+        fresh = [draw(want[j] - len(kept[j])) for j in js]
+        xs = [[p.input_ids.tolist() for p in prompts for _ in range(G)] for prompts in fresh]
+        new_parts, secs = obj._generate(xs, [extra_request_seeds(seeds[j], extra, obj.dynamic_sampling, len(x))
+                                             for j, x in zip(js, xs, strict=True)])
+        for j, prompts, x, part, s in zip(js, fresh, xs, new_parts, secs, strict=True):
+            take(j, prompts, x, part, s)
+    batches = []
+    for j in range(len(want)):
+        groups = kept[j] or last[j]
+        dynamic = {"drawn_groups": float(drawn[j]), "dropped_groups": float(drawn[j] - len(groups)),
+                   "generated_tokens": float(generated[j]), "short_groups": float(want[j] - len(kept[j]))}
+        batches.append(obj._batch([g[0] for g in groups], [i for g in groups for i in g[1]],
+                                  [s for g in groups for s in g[2]], spent[j], torch.cat([g[3] for g in groups]),
+                                  dynamic))
+    return batches
 
 
 # ---- guards ------------------------------------------------------------------------------------------------------
@@ -695,7 +809,8 @@ def build_grpo(cfg: Any, tokenizer: Any, loader: GRPOLoader, mode: str, log: Cal
                          temperature=cfg.temperature, top_p=cfg.top_p, max_new_tokens=cfg.max_new_tokens,
                          epsilon=cfg.epsilon, epsilon_high=cfg.epsilon_high, iterations=cfg.grpo_iterations,
                          grad_accum=cfg.grad_accum, loss_type=cfg.loss_type, scale_rewards=cfg.scale_rewards,
-                         max_kl=cfg.max_kl, dtype=cfg.dtype, loader=loader)
+                         max_kl=cfg.max_kl, dtype=cfg.dtype, loader=loader,
+                         dynamic_sampling=getattr(cfg, "grpo_dynamic_sampling", 0))
 
 
 __all__ = ["DEFAULT_GRPO_BETA", "LOSS_TYPES", "SCALE_REWARDS", "GRPOLoader", "GRPOObjective", "GRPOWatch",

@@ -1,0 +1,169 @@
+"""`finetune --objective grpo --grpo-dynamic-sampling N` (DAPO's dynamic sampling) on the CPU, with test_grpo_train's
+tiny model and a reward that is constant on the prompts of kind "flat" (their groups never have reward spread) and
+the share of vowels of the completion on the others:
+
+  - N > 0: every micro-batch trained on has reward spread in each of its groups (no all-zero advantage group), the
+    flat prompts' groups were dropped and replaced by further prompts of the cursor (more than --batch-size x
+    --grad-accum consumed a step), the metrics count them (frac_groups_dropped) and the extra calls' seeds are new;
+  - N = 0: the batches are exactly those of the code before dynamic sampling (a stored digest of its batches);
+  - the same seed, the same batches (the drop and the refills are deterministic);
+  - --grpo-dynamic-sampling < 0, or without --objective grpo: exit 2 naming the flag.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers.cli import run_cli
+from tests.test_distributed import base_model, sft_data  # noqa: F401
+from tests.test_grpo_train import records
+
+REWARD_PY = '''\
+def flat_or_vowels(prompt, completion, row):
+    if row.get("kind") == "flat":
+        return 0.5
+    text = completion.lower()
+    return sum(text.count(v) for v in "aeiou") / max(1, len(text))
+'''
+PROMPTS = 16  # every other one "flat"
+# sha256 of the batches (input_ids, labels, advantages rounded to 1e-4) of dyn_args(N=0) computed by the code before
+# dynamic sampling existed: N = 0 is that code path, bit for bit
+BEFORE_DYNAMIC_SAMPLING = "859a65901c24a6f5281f00e1a9a7b53974b3340ae6ef5972c7d5ebc5c74f5d34"
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory) -> tuple[Path, Path]:
+    d = tmp_path_factory.mktemp("grpo-dyn-data")
+    (d / "r.py").write_text(REWARD_PY)
+    (d / "prompts.jsonl").write_text("".join(
+        json.dumps({"prompt": f"Say word number {i}.", "kind": "flat" if i % 2 else "vowels"}) + "\n"
+        for i in range(PROMPTS)))
+    return d / "prompts.jsonl", d / "r.py"
+
+
+def dyn_args(model: Path, data: Path, reward: Path, out: Path, n: int, steps: int = 2, seed: int = 3) -> list[str]:
+    return ["finetune", "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(steps),
+            "--objective", "grpo", "--reward", f"python:{reward}:flat_or_vowels", "--batch-size", "2",
+            "--grad-accum", "2", "--num-generations", "4", "--max-new-tokens", "6", "--max-seq-len", "64",
+            "--lr", "1e-2", "--warmup", "0", "--seed", str(seed), "--device", "cpu", "--no-preflight", "--json",
+            "--mode", "lora", "--rank", "4", "--grpo-dynamic-sampling", str(n)]
+
+
+def run_recording(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[list[dict], list[list[int]]]:
+    """Run the CLI in this process; (each micro-batch the loader handed the loop, each rollout call's seeds)."""
+    from entrenar import engine
+    from entrenar.train.grpo import GRPOLoader
+
+    batches: list[dict] = []
+    calls: list[list[int]] = []
+    real_next, real_generate = GRPOLoader.next_batch, engine.generate_many
+
+    def next_batch(self):
+        batch = real_next(self)
+        batches.append(batch)
+        return batch
+
+    def generate_many(model, tokenizer, prompts, settings, **kw):
+        if settings.temperature > 0:  # the rollouts
+            calls.append(list(kw["seeds"]))
+        return real_generate(model, tokenizer, prompts, settings, **kw)
+
+    with monkeypatch.context() as patch:  # undone after the run: a second run records afresh
+        patch.setattr(GRPOLoader, "next_batch", next_batch)
+        patch.setattr(engine, "generate_many", generate_many)
+        code, result, err = run_cli(args, capture=True)
+    assert code == 0, (result, err)
+    return batches, calls
+
+
+def digest(batches: list[dict]) -> str:
+    h = hashlib.sha256()
+    for b in batches:
+        h.update(b["input_ids"].numpy().tobytes())
+        h.update(b["labels"].numpy().tobytes())
+        h.update(json.dumps([round(float(a), 4) for a in b["advantages"]]).encode())
+    return h.hexdigest()
+
+
+def data_state(run: Path) -> dict:
+    return json.loads((run / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+
+
+@pytest.fixture(scope="module")
+def dyn_run(tmp_path_factory, base_model, data) -> tuple[Path, list[dict], list[list[int]]]:  # noqa: F811
+    """Two steps with --grpo-dynamic-sampling 4: (the run, its micro-batches, its rollout calls' seeds)."""
+    out = tmp_path_factory.mktemp("grpo-dyn") / "run"
+    with pytest.MonkeyPatch.context() as monkeypatch:
+        batches, calls = run_recording(monkeypatch, dyn_args(base_model, *data, out, n=4))
+    return out, batches, calls
+
+
+def test_every_trained_group_has_reward_spread(dyn_run):
+    from entrenar.train.grpo import ROLLOUT_SUMS
+
+    out, batches, calls = dyn_run
+    assert len(batches) == 2 + 2 * 2  # step 0's check of the first step's batches, then 2 steps x --grad-accum 2
+    for b in batches:
+        flat = (b["advantages"].view(-1, 4) == 0).all(dim=1)
+        assert not flat.any(), b["advantages"]  # no group without spread trained on
+        assert len(b["sample_ids"]) == 2  # the micro-batch was refilled to --batch-size groups
+        assert all(line % 2 == 1 for line in b["sample_ids"]), b["sample_ids"]  # lines 1, 3, ...: the "vowels" rows
+        sums = dict(zip(ROLLOUT_SUMS, b["rollout"].tolist(), strict=False))
+        assert sums["zero_std_groups"] == 0 and sums["short_groups"] == 0
+        assert sums["dropped_groups"] == sums["drawn_groups"] - 2  # (the shuffled cursor may draw no flat one)
+        # the dropped groups' tokens were generated too
+        assert (sums["generated_tokens"] > sums["completion_tokens"]) == (sums["dropped_groups"] > 0)
+    # each step: one first call, then one extra call for both micro-batches' refills at least
+    assert len(calls) >= 4
+    first_call_seeds = {s for c in calls for s in c if s >= 0}
+    extra_seeds = [s for c in calls for s in c if s < 0]
+    assert extra_seeds and len(set(extra_seeds)) == len(extra_seeds) and not first_call_seeds & set(extra_seeds)
+    steps = records(out)
+    assert [r["step"] for r in steps] == [1, 2]
+    for r in steps:
+        assert r["frac_reward_zero_std"] == 0.0 and 0.0 < r["frac_groups_dropped"] < 1.0
+        assert "dynamic_sampling_note" not in r
+    # the cursor moved past every prompt drawn: more than the 2 x 2 x 2 prompts of two steps without refills
+    drawn = sum(dict(zip(ROLLOUT_SUMS, b["rollout"].tolist(), strict=False))["drawn_groups"] for b in batches[2:])
+    st = data_state(out)
+    assert drawn > 8 and st["epoch"] * PROMPTS + st["position"] == drawn
+
+
+def test_off_is_the_code_before_it(tmp_path, monkeypatch, base_model, data):  # noqa: F811
+    batches, calls = run_recording(monkeypatch, dyn_args(base_model, *data, tmp_path / "run", n=0))
+    assert len(calls) == 2 and all(s >= 0 for c in calls for s in c)  # one call a step, no extra seeds
+    assert any((b["advantages"].view(-1, 4) == 0).all(dim=1).any() for b in batches)  # the flat groups train
+    assert digest(batches) == BEFORE_DYNAMIC_SAMPLING
+    assert "frac_groups_dropped" not in records(tmp_path / "run")[0]
+
+
+def test_same_seed_same_batches(tmp_path, monkeypatch, base_model, data, dyn_run):  # noqa: F811
+    from entrenar.train.grpo import ROLLOUT_SUMS
+
+    _, a, calls_a = dyn_run
+    b, calls_b = run_recording(monkeypatch, dyn_args(base_model, *data, tmp_path / "again", n=4))
+    assert calls_a == calls_b and digest(a) == digest(b)
+    timed = ROLLOUT_SUMS.index("rollout_seconds")
+    for x, y in zip(a, b, strict=True):  # the same groups drawn and dropped (all but the seconds)
+        keep = torch.arange(len(x["rollout"])) != timed
+        assert torch.equal(x["rollout"][keep], y["rollout"][keep])
+
+
+@pytest.mark.parametrize("change,needle", [
+    (("--grpo-dynamic-sampling", "-1"), "--grpo-dynamic-sampling must be an integer >= 0"),
+    (("--objective", "sft"), "--grpo-dynamic-sampling 2 replaces GRPO groups"),
+], ids=["negative", "without-grpo"])
+def test_bad_flags_exit_2(tmp_path, base_model, data, change, needle):  # noqa: F811
+    args = dyn_args(base_model, *data, tmp_path / "run", n=2, steps=1)
+    flag, value = change
+    args[args.index(flag) + 1] = value
+    if flag == "--objective":  # --reward has its own refusal without grpo
+        i = args.index("--reward")
+        del args[i:i + 2]
+    code, result, _err = run_cli(args, capture=True)
+    assert code == 2 and needle in result["error"], result
