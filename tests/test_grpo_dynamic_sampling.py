@@ -30,10 +30,15 @@ def flat_or_vowels(prompt, completion, row):
     text = completion.lower()
     return sum(text.count(v) for v in "aeiou") / max(1, len(text))
 '''
-PROMPTS = 16  # every other one "flat"
+PROMPTS = 16
+
+
+def is_flat(line: int) -> bool:
+    """Whether the prompt of this line of the data (1-based) is of kind "flat": its groups never have spread."""
+    return line % 3 == 2
 # sha256 of the batches (input_ids, labels, advantages rounded to 1e-4) of dyn_args(N=0) computed by the code before
 # dynamic sampling existed: N = 0 is that code path, bit for bit
-BEFORE_DYNAMIC_SAMPLING = "859a65901c24a6f5281f00e1a9a7b53974b3340ae6ef5972c7d5ebc5c74f5d34"
+BEFORE_DYNAMIC_SAMPLING = "fc0f47f79548f9e25a08f7aa8c6934d4527f26cb51b089919ee67a17539ba1b8"
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +46,7 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     d = tmp_path_factory.mktemp("grpo-dyn-data")
     (d / "r.py").write_text(REWARD_PY)
     (d / "prompts.jsonl").write_text("".join(
-        json.dumps({"prompt": f"Say word number {i}.", "kind": "flat" if i % 2 else "vowels"}) + "\n"
+        json.dumps({"prompt": f"Say word number {i}.", "kind": "flat" if is_flat(i + 1) else "vowels"}) + "\n"
         for i in range(PROMPTS)))
     return d / "prompts.jsonl", d / "r.py"
 
@@ -112,7 +117,7 @@ def test_every_trained_group_has_reward_spread(dyn_run):
         flat = (b["advantages"].view(-1, 4) == 0).all(dim=1)
         assert not flat.any(), b["advantages"]  # no group without spread trained on
         assert len(b["sample_ids"]) == 2  # the micro-batch was refilled to --batch-size groups
-        assert all(line % 2 == 1 for line in b["sample_ids"]), b["sample_ids"]  # lines 1, 3, ...: the "vowels" rows
+        assert not any(is_flat(line) for line in b["sample_ids"]), b["sample_ids"]  # the "vowels" rows only
         sums = dict(zip(ROLLOUT_SUMS, b["rollout"].tolist(), strict=False))
         assert sums["zero_std_groups"] == 0 and sums["short_groups"] == 0
         assert sums["dropped_groups"] == sums["drawn_groups"] - 2  # (the shuffled cursor may draw no flat one)
@@ -137,7 +142,8 @@ def test_every_trained_group_has_reward_spread(dyn_run):
 def test_off_is_the_code_before_it(tmp_path, monkeypatch, base_model, data):  # noqa: F811
     batches, calls = run_recording(monkeypatch, dyn_args(base_model, *data, tmp_path / "run", n=0))
     assert len(calls) == 2 and all(s >= 0 for c in calls for s in c)  # one call a step, no extra seeds
-    assert any((b["advantages"].view(-1, 4) == 0).all(dim=1).any() for b in batches)  # the flat groups train
+    flat_groups = [(b["advantages"].view(-1, 4) == 0).all(dim=1) for b in batches]
+    assert any(f.any() and not f.all() for f in flat_groups)  # a micro-batch mixes flat groups with others: kept
     assert digest(batches) == BEFORE_DYNAMIC_SAMPLING
     assert "frac_groups_dropped" not in records(tmp_path / "run")[0]
 
