@@ -6,7 +6,8 @@ the share of vowels of the completion on the others:
     flat prompts' groups were dropped and replaced by further prompts of the cursor (more than --batch-size x
     --grad-accum consumed a step), the metrics count them (frac_groups_dropped) and the extra calls' seeds are new;
   - N = 0: the batches are exactly those of the code before dynamic sampling (a stored digest of its batches);
-  - the same seed, the same batches (the drop and the refills are deterministic);
+  - the same seed, the same batches (the drop and the refills are deterministic); a resume from a checkpoint
+    continues the run (the same refills and rewards);
   - --grpo-dynamic-sampling < 0, or without --objective grpo: exit 2 naming the flag.
 """
 
@@ -14,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -51,12 +53,13 @@ def data(tmp_path_factory) -> tuple[Path, Path]:
     return d / "prompts.jsonl", d / "r.py"
 
 
-def dyn_args(model: Path, data: Path, reward: Path, out: Path, n: int, steps: int = 2, seed: int = 3) -> list[str]:
+def dyn_args(model: Path, data: Path, reward: Path, out: Path, n: int, steps: int = 2, seed: int = 3,
+             extra: tuple = ()) -> list[str]:
     return ["finetune", "--model", str(model), "--data", str(data), "--out", str(out), "--steps", str(steps),
             "--objective", "grpo", "--reward", f"python:{reward}:flat_or_vowels", "--batch-size", "2",
             "--grad-accum", "2", "--num-generations", "4", "--max-new-tokens", "6", "--max-seq-len", "64",
             "--lr", "1e-2", "--warmup", "0", "--seed", str(seed), "--device", "cpu", "--no-preflight", "--json",
-            "--mode", "lora", "--rank", "4", "--grpo-dynamic-sampling", str(n)]
+            "--mode", "lora", "--rank", "4", "--grpo-dynamic-sampling", str(n), *extra]
 
 
 def run_recording(monkeypatch: pytest.MonkeyPatch, args: list[str]) -> tuple[list[dict], list[list[int]]]:
@@ -101,10 +104,12 @@ def data_state(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def dyn_run(tmp_path_factory, base_model, data) -> tuple[Path, list[dict], list[list[int]]]:  # noqa: F811
-    """Two steps with --grpo-dynamic-sampling 4: (the run, its micro-batches, its rollout calls' seeds)."""
+    """Four steps with --grpo-dynamic-sampling 4, a checkpoint every 2: (the run, its micro-batches, its rollout
+    calls' seeds)."""
     out = tmp_path_factory.mktemp("grpo-dyn") / "run"
     with pytest.MonkeyPatch.context() as monkeypatch:
-        batches, calls = run_recording(monkeypatch, dyn_args(base_model, *data, out, n=4))
+        batches, calls = run_recording(monkeypatch, dyn_args(base_model, *data, out, n=4, steps=4,
+                                                             extra=("--save-every", "2")))
     return out, batches, calls
 
 
@@ -112,7 +117,7 @@ def test_every_trained_group_has_reward_spread(dyn_run):
     from entrenar.train.grpo import ROLLOUT_SUMS
 
     out, batches, calls = dyn_run
-    assert len(batches) == 2 + 2 * 2  # step 0's check of the first step's batches, then 2 steps x --grad-accum 2
+    assert len(batches) == 2 + 4 * 2  # step 0's check of the first step's batches, then 4 steps x --grad-accum 2
     for b in batches:
         flat = (b["advantages"].view(-1, 4) == 0).all(dim=1)
         assert not flat.any(), b["advantages"]  # no group without spread trained on
@@ -129,14 +134,14 @@ def test_every_trained_group_has_reward_spread(dyn_run):
     extra_seeds = [s for c in calls for s in c if s < 0]
     assert extra_seeds and len(set(extra_seeds)) == len(extra_seeds) and not first_call_seeds & set(extra_seeds)
     steps = records(out)
-    assert [r["step"] for r in steps] == [1, 2]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4]
     for r in steps:
         assert r["frac_reward_zero_std"] == 0.0 and 0.0 < r["frac_groups_dropped"] < 1.0
         assert "dynamic_sampling_note" not in r
-    # the cursor moved past every prompt drawn: more than the 2 x 2 x 2 prompts of two steps without refills
+    # the cursor moved past every prompt drawn: more than the 4 x 2 x 2 prompts of four steps without refills
     drawn = sum(dict(zip(ROLLOUT_SUMS, b["rollout"].tolist(), strict=False))["drawn_groups"] for b in batches[2:])
     st = data_state(out)
-    assert drawn > 8 and st["epoch"] * PROMPTS + st["position"] == drawn
+    assert drawn > 16 and st["epoch"] * PROMPTS + st["position"] == drawn
 
 
 def test_off_is_the_code_before_it(tmp_path, monkeypatch, base_model, data):  # noqa: F811
@@ -152,12 +157,35 @@ def test_same_seed_same_batches(tmp_path, monkeypatch, base_model, data, dyn_run
     from entrenar.train.grpo import ROLLOUT_SUMS
 
     _, a, calls_a = dyn_run
-    b, calls_b = run_recording(monkeypatch, dyn_args(base_model, *data, tmp_path / "again", n=4))
-    assert calls_a == calls_b and digest(a) == digest(b)
+    b, calls_b = run_recording(monkeypatch, dyn_args(base_model, *data, tmp_path / "again", n=4, steps=1))
+    a = a[:len(b)]  # step 0's check and step 1
+    assert calls_a[:len(calls_b)] == calls_b and digest(a) == digest(b)
     timed = ROLLOUT_SUMS.index("rollout_seconds")
     for x, y in zip(a, b, strict=True):  # the same groups drawn and dropped (all but the seconds)
         keep = torch.arange(len(x["rollout"])) != timed
         assert torch.equal(x["rollout"][keep], y["rollout"][keep])
+
+
+def test_resume_continues_the_run(tmp_path, base_model, data, dyn_run):  # noqa: F811
+    """A copy of the run as it was after step 2's checkpoint, resumed: the refilled steps 3-4 draw the same prompts
+    (the cursor saved is after step 2's refills) and the same rewards."""
+    run, _, _ = dyn_run
+    rewound = tmp_path / "rewound"
+    shutil.copytree(run, rewound, symlinks=True)
+    shutil.rmtree(rewound / "final")
+    for d in (rewound / "checkpoints").iterdir():
+        if d.name.startswith("step-") and int(d.name.split("-")[1]) > 2:
+            shutil.rmtree(d)
+    (rewound / "checkpoints" / "latest").unlink()
+    (rewound / "checkpoints" / "latest").symlink_to("step-0000002")
+    code, _, err = run_cli([*dyn_args(base_model, *data, rewound, n=4, steps=4, extra=("--save-every", "2")),
+                            "--resume", "auto"], capture=True)
+    assert code == 0, err
+    a, b = records(rewound), records(run)
+    assert [r["step"] for r in a] == [1, 2, 3, 4]
+    for key in ("reward", "frac_groups_dropped", "completion_length"):
+        assert [r[key] for r in a] == [r[key] for r in b], key
+    assert data_state(rewound) == data_state(run)
 
 
 @pytest.mark.parametrize("change,needle", [
