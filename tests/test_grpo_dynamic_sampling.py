@@ -8,6 +8,7 @@ the share of vowels of the completion on the others:
   - N = 0: the batches are exactly those of the code before dynamic sampling (a stored digest of its batches);
   - the same seed, the same batches (the drop and the refills are deterministic); a resume from a checkpoint
     continues the run (the same refills and rewards);
+  - no group with spread found at all: the micro-batch keeps its last drawn groups and the step says so;
   - --grpo-dynamic-sampling < 0, or without --objective grpo: exit 2 naming the flag.
 """
 
@@ -186,6 +187,29 @@ def test_resume_continues_the_run(tmp_path, base_model, data, dyn_run):  # noqa:
     for key in ("reward", "frac_groups_dropped", "completion_length"):
         assert [r[key] for r in a] == [r[key] for r in b], key
     assert data_state(rewound) == data_state(run)
+
+
+def test_no_spread_found_keeps_the_last_groups_and_says_so(tmp_path, monkeypatch, base_model, data):  # noqa: F811
+    """Every prompt flat: the one extra call finds no group with spread, so each micro-batch trains on its last drawn
+    groups (never empty) and the step's metrics carry the note."""
+    from entrenar.train.grpo import ROLLOUT_SUMS
+
+    flat_only = tmp_path / "flat.jsonl"
+    flat_only.write_text("".join(json.dumps({"prompt": f"Say word number {i}.", "kind": "flat"}) + "\n"
+                                 for i in range(8)))
+    out = tmp_path / "run"
+    batches, calls = run_recording(monkeypatch, dyn_args(base_model, flat_only, data[1], out, n=1, steps=1))
+    assert len(calls) == 2  # the first call and one extra call for both micro-batches
+    for b in batches:
+        sums = dict(zip(ROLLOUT_SUMS, b["rollout"].tolist(), strict=False))
+        assert len(b["sample_ids"]) == 2 and b["input_ids"].shape[0] == 2 * 4
+        assert (sums["drawn_groups"], sums["dropped_groups"], sums["short_groups"]) == (4, 2, 2)
+        assert sums["zero_std_groups"] == 2
+    assert len({line for b in batches[2:] for line in b["sample_ids"]}) == 4  # the extra call's 4 prompts
+    assert data_state(out)["epoch"] * 8 + data_state(out)["position"] == 8  # all 8 drawn: 4 first, 4 refills
+    (r,) = records(out)
+    assert r["frac_reward_zero_std"] == 1.0 and r["frac_groups_dropped"] == 0.5
+    assert "4 group(s) with reward spread still missing after --grpo-dynamic-sampling 1" in r["dynamic_sampling_note"]
 
 
 @pytest.mark.parametrize("change,needle", [
