@@ -40,7 +40,7 @@ def _ours_rollout_prompts(p: dict) -> list[list[list[int]]]:
     class Recorder:
         grad_accum, iterations = 1, 1
 
-        def rollouts(self, micro_batches, seeds):
+        def rollouts(self, micro_batches, seeds, draw=None):  # draw: --grpo-dynamic-sampling (off here)
             drawn.extend([[e.input_ids.tolist() for e in mb] for mb in micro_batches])
             return [{} for _ in micro_batches]
 
