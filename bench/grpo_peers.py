@@ -41,7 +41,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from bench.sft_peers import ADAM_BETAS, MIN_LR_RATIO, TARGETS, Skip, _tail, load_hf, run, warmup_steps
+from bench.sft_peers import (
+    ADAM_BETAS,
+    MIN_LR_RATIO,
+    TARGETS,
+    Skip,
+    _tail,
+    load_hf,
+    run,
+    run_entrenar,
+    warmup_steps,
+)
 
 ROWS = ("trl", "entrenar", "trl-after")
 SEED = 0  # finetune's default --seed: prompt order, sampling seeds and the adapters' init
@@ -344,20 +354,9 @@ def entrenar_measures(summ: dict[str, Any], records: list[dict[str, Any]], seque
 
 def entrenar_row(p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
     run_dir = out / "entrenar"
-    cmd = entrenar_command(p, run_dir)
-    t0 = time.perf_counter()
-    code, stdout, err = run(cmd, timeout, out / "entrenar.log")
-    row: dict[str, Any] = {"row": "entrenar", "peer": "entrenar", "wall_s": time.perf_counter() - t0,
-                           "command": shlex.join(cmd)}
-    last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-    try:
-        res = json.loads(last)
-    except json.JSONDecodeError:
-        res = {}
-    if code != 0 or not res.get("ok", True):
-        row.update(status="failed", reason=f"exit {code}: {_tail(err)}")
+    row, summ = run_entrenar(entrenar_command(p, run_dir), out, timeout)
+    if summ is None:
         return row
-    summ = res.get("train") if isinstance(res.get("train"), dict) else res
     row.update(entrenar_measures(summ, read_metrics(run_dir / "metrics.jsonl"), p["batch"] * p["num_generations"]),
                status="ok", run=str(run_dir))
     return row

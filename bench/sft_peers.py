@@ -316,9 +316,9 @@ def entrenar_command(p: dict[str, Any], run_dir: Path) -> list[str]:
     return cmd + list(p.get("entrenar_flags") or [])
 
 
-def entrenar_row(p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
-    run_dir = out / "entrenar"
-    cmd = entrenar_command(p, run_dir)
+def run_entrenar(cmd: list[str], out: Path, timeout: float) -> tuple[dict[str, Any], dict[str, Any] | None]:
+    """Our row's `finetune --json` command, its output in OUT/entrenar.log: (the row so far, the run's summary; None
+    and the row marked failed when it did not finish)."""
     t0 = time.perf_counter()
     code, stdout, err = run(cmd, timeout, out / "entrenar.log")
     row: dict[str, Any] = {"row": "entrenar", "peer": "entrenar", "wall_s": time.perf_counter() - t0,
@@ -330,8 +330,15 @@ def entrenar_row(p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]
         res = {}
     if code != 0 or not res.get("ok", True):
         row.update(status="failed", reason=f"exit {code}: {_tail(err)}")
+        return row, None
+    return row, res.get("train") if isinstance(res.get("train"), dict) else res
+
+
+def entrenar_row(p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
+    run_dir = out / "entrenar"
+    row, summ = run_entrenar(entrenar_command(p, run_dir), out, timeout)
+    if summ is None:
         return row
-    summ = res.get("train") if isinstance(res.get("train"), dict) else res
     tok_s, tokens = summ.get("tok_s"), summ.get("tokens")
     mems = []
     metrics = run_dir / "metrics.jsonl"
