@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ import torch
 
 from tests.helpers.cli import run_cli
 from tests.test_distributed import base_model, sft_data  # noqa: F401
-from tests.test_grpo_train import records
+from tests.test_grpo_train import records, rewound_copy
 
 REWARD_PY = '''\
 def flat_or_vowels(prompt, completion, row):
@@ -178,14 +177,7 @@ def test_resume_continues_the_run(tmp_path, base_model, data, dyn_run):  # noqa:
     """A copy of the run as it was after step 2's checkpoint, resumed: the refilled steps 3-4 draw the same prompts
     (the cursor saved is after step 2's refills) and the same rewards."""
     run, _, _ = dyn_run
-    rewound = tmp_path / "rewound"
-    shutil.copytree(run, rewound, symlinks=True)
-    shutil.rmtree(rewound / "final")
-    for d in (rewound / "checkpoints").iterdir():
-        if d.name.startswith("step-") and int(d.name.split("-")[1]) > 2:
-            shutil.rmtree(d)
-    (rewound / "checkpoints" / "latest").unlink()
-    (rewound / "checkpoints" / "latest").symlink_to("step-0000002")
+    rewound = rewound_copy(run, tmp_path / "rewound", 2)
     code, _, err = run_cli([*dyn_args(base_model, *data, rewound, n=4, steps=4, extra=("--save-every", "2")),
                             "--resume", "auto"], capture=True)
     assert code == 0, err

@@ -58,6 +58,18 @@ def records(run: Path) -> list[dict]:
     return [r for _, r in read_jsonl(run / "metrics.jsonl") if "reward" in r]
 
 
+def rewound_copy(run: Path, dest: Path, step: int) -> Path:
+    """A copy of RUN as it was after step STEP's checkpoint (later checkpoints and final/ removed), to resume."""
+    shutil.copytree(run, dest, symlinks=True)
+    shutil.rmtree(dest / "final")
+    for d in (dest / "checkpoints").iterdir():
+        if d.name.startswith("step-") and int(d.name.split("-")[1]) > step:
+            shutil.rmtree(d)
+    (dest / "checkpoints" / "latest").unlink()
+    (dest / "checkpoints" / "latest").symlink_to(f"step-{step:07d}")
+    return dest
+
+
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, base_model, prompts) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("grpo-lora") / "run"
@@ -93,15 +105,7 @@ def test_same_seed_same_run_and_resume_continues(tmp_path, lora_run, base_model,
     assert code == 0, err
     assert [r["reward"] for r in records(again)] == [r["reward"] for r in records(lora_run)]
     assert [r["loss"] for r in records(again)] == [r["loss"] for r in records(lora_run)]
-    # a copy of the run as it was after step 2's checkpoint, resumed
-    rewound = tmp_path / "rewound"
-    shutil.copytree(lora_run, rewound, symlinks=True)
-    shutil.rmtree(rewound / "final")
-    for d in (rewound / "checkpoints").iterdir():
-        if d.name.startswith("step-") and int(d.name.split("-")[1]) > 2:
-            shutil.rmtree(d)
-    (rewound / "checkpoints" / "latest").unlink()
-    (rewound / "checkpoints" / "latest").symlink_to("step-0000002")
+    rewound = rewound_copy(lora_run, tmp_path / "rewound", 2)  # the run as it was after step 2's checkpoint
     code, _, err = run_cli([*grpo_args(base_model, *prompts, rewound, steps=4), "--resume", "auto"], capture=True)
     assert code == 0, err
     a, b = records(rewound), records(lora_run)
