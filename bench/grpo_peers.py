@@ -47,6 +47,7 @@ from bench.sft_peers import (
     TARGETS,
     Skip,
     _tail,
+    child_row,
     load_hf,
     run,
     run_entrenar,
@@ -284,18 +285,8 @@ def child_main(params: str) -> int:
 # ---- the parent ----------------------------------------------------------------------------------------------
 def trl_row(name: str, p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
     params = {**p, "work": str(out / name / "work")}
-    cmd = [sys.executable, "-m", "bench.grpo_peers", "--child", json.dumps(params)]
-    t0 = time.perf_counter()
-    code, stdout, err = run(cmd, timeout, out / f"{name}.log")
-    row: dict[str, Any] = {"row": name, "peer": "trl", "wall_s": time.perf_counter() - t0}
-    last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
-    if code == 0 and last.startswith("ROW "):
-        row.update(json.loads(last[4:]), status="ok")
-    elif code == 0 and last.startswith("SKIP "):
-        row.update(status="skipped", reason=last[5:])
-    else:
-        row.update(status="failed", reason=f"exit {code}: {_tail(err)}")
-    return row
+    return child_row(name, "trl", [sys.executable, "-m", "bench.grpo_peers", "--child", json.dumps(params)], out,
+                     timeout)
 
 
 def entrenar_command(p: dict[str, Any], run_dir: Path) -> list[str]:

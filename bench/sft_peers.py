@@ -287,10 +287,16 @@ def trl_row(name: str, p: dict[str, Any], out: Path, timeout: float) -> dict[str
     if kind == "unsloth":
         params["hf_dir"] = hf_dir_of(p["model"])
     cmd = [sys.executable, "-m", "bench.sft_peers", "--child", kind, json.dumps(params)]
+    return child_row(name, kind, cmd, out, timeout, first_path=(p.get("unsloth_site") or "") if kind == "unsloth"
+                     else "")
+
+
+def child_row(name: str, peer: str, cmd: list[str], out: Path, timeout: float, first_path: str = "") -> dict[str, Any]:
+    """A peer row from its child process (output in OUT/NAME.log): its last line `ROW {json}` (ok), `SKIP reason`
+    (skipped), anything else failed with the exit code and the end of its stderr."""
     t0 = time.perf_counter()
-    code, stdout, err = run(cmd, timeout, out / f"{name}.log",
-                            first_path=(p.get("unsloth_site") or "") if kind == "unsloth" else "")
-    row: dict[str, Any] = {"row": name, "peer": kind, "wall_s": time.perf_counter() - t0}
+    code, stdout, err = run(cmd, timeout, out / f"{name}.log", first_path=first_path)
+    row: dict[str, Any] = {"row": name, "peer": peer, "wall_s": time.perf_counter() - t0}
     last = stdout.strip().splitlines()[-1] if stdout.strip() else ""
     if code == 0 and last.startswith("ROW "):
         row.update(json.loads(last[4:]), status="ok")
