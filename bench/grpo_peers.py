@@ -51,6 +51,7 @@ from bench.sft_peers import (
     load_hf,
     run,
     run_entrenar,
+    train_clock,
     warmup_steps,
 )
 
@@ -222,30 +223,12 @@ def time_generate(trainer: Any, cuda: bool) -> dict[str, float]:
 
 def trl_child(p: dict[str, Any]) -> dict[str, Any]:
     import torch
-    from transformers import TrainerCallback
 
     trainer = build_trl_trainer(p)
     cuda = p["device"] == "cuda"
-    times: dict[str, float] = {}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            times["begin"] = time.perf_counter()
-
-        def on_step_end(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            step_ends.append(time.perf_counter())
-
-        def on_train_end(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            times["end"] = time.perf_counter()
-
-    step_ends: list[float] = []
-    trainer.add_callback(Clock())
+    times: dict[str, Any] = {}
+    trainer.add_callback(train_clock(cuda, times, step_ends=True))
+    step_ends = times["step_ends"]
     first = trainer.entrenar_sequence[0]  # the reward's imports (BFCL's checker) paid before the clock, as ours
     trainer.reward_funcs[0]([first.text], [""], [[]], [json.dumps(first.row)])  # pays them in step 0's check
     gen = time_generate(trainer, cuda)

@@ -205,7 +205,6 @@ def trl_child(p: dict[str, Any], liger: bool, unsloth: bool = False) -> dict[str
         except Exception as e:  # noqa: BLE001  any failure to import (not only ImportError) is the skip's reason
             raise Skip(f"unsloth does not import: {type(e).__name__}: {e}"[:500]) from None
     import torch
-    from transformers import TrainerCallback
 
     if liger:
         try:
@@ -214,20 +213,8 @@ def trl_child(p: dict[str, Any], liger: bool, unsloth: bool = False) -> dict[str
             raise Skip(f"liger_kernel does not import: {e}") from None
     trainer = build_trl_trainer(p, liger, unsloth)
     cuda = p["device"] == "cuda"
-    times: dict[str, float] = {}
-
-    class Clock(TrainerCallback):
-        def on_train_begin(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            times["begin"] = time.perf_counter()
-
-        def on_train_end(self, *a: Any, **k: Any) -> None:
-            if cuda:
-                torch.cuda.synchronize()
-            times["end"] = time.perf_counter()
-
-    trainer.add_callback(Clock())
+    times: dict[str, Any] = {}
+    trainer.add_callback(train_clock(cuda, times))
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     trainer.train()
@@ -245,6 +232,33 @@ def trl_child(p: dict[str, Any], liger: bool, unsloth: bool = False) -> dict[str
             "sequence_sha256": stats["sha256"], "adapter": str(out),
             "versions": {"trl": trl.__version__, "transformers": transformers.__version__,
                          "peft": peft.__version__, "torch": torch.__version__, **extra}}
+
+
+def train_clock(cuda: bool, times: dict[str, Any], step_ends: bool = False) -> Any:
+    """A Trainer callback writing into TIMES the seconds (CUDA synchronised) at on_train_begin ("begin"), at
+    on_train_end ("end") and, with STEP_ENDS, at each step's end ("step_ends": one more sync a step)."""
+    import torch
+    from transformers import TrainerCallback
+
+    def now() -> float:
+        if cuda:
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    times["step_ends"] = []
+
+    class Clock(TrainerCallback):
+        def on_train_begin(self, *a: Any, **k: Any) -> None:
+            times["begin"] = now()
+
+        def on_step_end(self, *a: Any, **k: Any) -> None:
+            if step_ends:
+                times["step_ends"].append(now())
+
+        def on_train_end(self, *a: Any, **k: Any) -> None:
+            times["end"] = now()
+
+    return Clock()
 
 
 class Skip(Exception):

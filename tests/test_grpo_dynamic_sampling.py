@@ -23,8 +23,8 @@ import pytest
 import torch
 
 from tests.helpers.cli import run_cli
-from tests.test_distributed import base_model, sft_data  # noqa: F401
-from tests.test_grpo_train import records, rewound_copy
+from tests.test_distributed import _rewind, base_model, sft_data  # noqa: F401
+from tests.test_grpo_train import records
 
 REWARD_PY = '''\
 def flat_or_vowels(prompt, completion, row):
@@ -177,7 +177,8 @@ def test_resume_continues_the_run(tmp_path, base_model, data, dyn_run):  # noqa:
     """A copy of the run as it was after step 2's checkpoint, resumed: the refilled steps 3-4 draw the same prompts
     (the cursor saved is after step 2's refills) and the same rewards."""
     run, _, _ = dyn_run
-    rewound = rewound_copy(run, tmp_path / "rewound", 2)
+    rewound = tmp_path / "rewound"
+    _rewind(run, rewound, 2)  # the run as it was after step 2's checkpoint
     code, _, err = run_cli([*dyn_args(base_model, *data, rewound, n=4, steps=4, extra=("--save-every", "2")),
                             "--resume", "auto"], capture=True)
     assert code == 0, err

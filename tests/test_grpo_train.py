@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import shutil
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ import torch
 
 from entrenar.fileio import read_jsonl
 from tests.helpers.cli import run_cli
-from tests.test_distributed import base_model, sft_data  # noqa: F401
+from tests.test_distributed import _rewind, base_model, sft_data  # noqa: F401
 
 REWARD_PY = '''\
 def vowels(prompt, completion, row):
@@ -56,18 +55,6 @@ def grpo_args(model: Path, data: Path, reward: Path, out: Path, steps: int = 3, 
 
 def records(run: Path) -> list[dict]:
     return [r for _, r in read_jsonl(run / "metrics.jsonl") if "reward" in r]
-
-
-def rewound_copy(run: Path, dest: Path, step: int) -> Path:
-    """A copy of RUN as it was after step STEP's checkpoint (later checkpoints and final/ removed), to resume."""
-    shutil.copytree(run, dest, symlinks=True)
-    shutil.rmtree(dest / "final")
-    for d in (dest / "checkpoints").iterdir():
-        if d.name.startswith("step-") and int(d.name.split("-")[1]) > step:
-            shutil.rmtree(d)
-    (dest / "checkpoints" / "latest").unlink()
-    (dest / "checkpoints" / "latest").symlink_to(f"step-{step:07d}")
-    return dest
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +92,8 @@ def test_same_seed_same_run_and_resume_continues(tmp_path, lora_run, base_model,
     assert code == 0, err
     assert [r["reward"] for r in records(again)] == [r["reward"] for r in records(lora_run)]
     assert [r["loss"] for r in records(again)] == [r["loss"] for r in records(lora_run)]
-    rewound = rewound_copy(lora_run, tmp_path / "rewound", 2)  # the run as it was after step 2's checkpoint
+    rewound = tmp_path / "rewound"
+    _rewind(lora_run, rewound, 2)  # the run as it was after step 2's checkpoint
     code, _, err = run_cli([*grpo_args(base_model, *prompts, rewound, steps=4), "--resume", "auto"], capture=True)
     assert code == 0, err
     a, b = records(rewound), records(lora_run)
