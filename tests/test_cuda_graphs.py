@@ -14,6 +14,7 @@ from entrenar.errors import InputError
 from entrenar.model import CausalLM
 from entrenar.train import cuda_graphs as cg
 from entrenar.train.metrics import read_jsonl
+from entrenar.train.objective import CausalLMLoss
 from tests.helpers.graphs import ReplayedStep
 from tests.test_train_loop import make_samples, run, tiny_model
 
@@ -25,6 +26,8 @@ def cpu_step_graphs(monkeypatch):
     monkeypatch.setattr(cg, "capture", lambda fn, pool: ReplayedStep(fn))
     monkeypatch.setattr(cg, "warmup", lambda fn, device: fn())
     monkeypatch.setattr(CausalLM, "_check_ids", lambda self, ids: None)
+    # the eager references apply the head at every position, as a run with graphs does (tests/test_head_at.py)
+    monkeypatch.setattr(CausalLMLoss, "head_at", False)
     made: list[cg.StepGraphs] = []
     original = cg.StepGraphs.__init__
 

@@ -430,7 +430,8 @@ class CausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
-                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None, per_token: bool = False):
+                cache: KVCache | None = None, attention_mask: torch.Tensor | None = None, per_token: bool = False,
+                head_at: torch.Tensor | None = None):
         """The one entry point (train, eval, generation, torch.compile, FSDP hooks).
 
         Without labels: logits [B, T, V]. With labels (already shifted, IGNORE_INDEX ignored):
@@ -440,8 +441,22 @@ class CausalLM(nn.Module):
         With labels and per_token: each token's cross-entropy [B, T] in fp32 (0 where ignored), from fp32
         logits (a preference objective sums them per sequence: train/objective.py). Inside forward, so
         FSDP's hooks have the head gathered.
+        head_at: flat positions into B*T (int64, on the device) where the head is applied, the rest never reaching
+        it (TRL's logits_to_keep, for any positions): without labels the logits [P, V] of those positions; with
+        labels (not per_token) the summed CE and count over those positions, the caller vouching that every label
+        elsewhere is IGNORE_INDEX. An SFT batch's labels are its responses: the prompts and padding, most of its
+        positions, skip the head's matmuls (forward and backward) at the same loss.
         """
         h = self.hidden_states(input_ids, position_ids, doc_ids, cache, attention_mask)
+        if head_at is not None:
+            assert not per_token, "head_at with per_token: gather the positions from the logits instead"
+            h = h.reshape(-1, h.shape[-1]).index_select(0, head_at)
+            if labels is None:
+                return F.linear(h, self.head_weight)
+            flat_labels = labels.reshape(-1).index_select(0, head_at)
+            loss = self.ops.linear_cross_entropy(h, self.head_weight, flat_labels, ignore_index=IGNORE_INDEX,
+                                                 reduction="sum")
+            return loss, (flat_labels != IGNORE_INDEX).sum()
         if labels is None:
             return F.linear(h, self.head_weight)
         if per_token:

@@ -143,12 +143,13 @@ def units_of(loss_type: str, labels: torch.Tensor, max_completion_length: int) -
 def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.Tensor, temperature: float,
                 entropy: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
     """(log-prob [N, T] of each label token under softmax(logits / temperature), 0 where ignored; the entropy
-    [N, T] of that distribution, without gradient, 0 where ignored, when asked). Our CausalLM: the head is applied to
-    the hidden states of the label positions only (the completion's), as its forward applies it to all: the
-    logits of a long prompt are never built. Another module: its forward's logits."""
+    [N, T] of that distribution, without gradient, 0 where ignored, when asked). Our CausalLM: its forward applies
+    the head at the label positions only (`head_at`, the completion's): the logits of a long prompt are never built,
+    and a DDP/FSDP wrapper sees its forward. Another module: its forward's logits."""
     mask = labels != IGNORE_INDEX
-    if hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
-        logits = F.linear(model.hidden_states(input_ids)[mask], model.head_weight).float()
+    inner = getattr(model, "module", model)  # DDP's wrapped module
+    if hasattr(inner, "hidden_states") and hasattr(inner, "head_weight"):
+        logits = model(input_ids, head_at=mask.reshape(-1).nonzero().squeeze(1)).float()
     else:
         logits = model(input_ids).float()[mask]
     if temperature != 1.0:

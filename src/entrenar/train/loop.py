@@ -371,6 +371,7 @@ class Trainer:
         self.graphs: StepGraphs | None = None  # --cuda-graphs: the step's graphs (train/cuda_graphs.py)
         assert cfg.cuda_graphs in ("on", "off"), "build_trainer resolves --cuda-graphs"
         if cfg.cuda_graphs == "on":
+            objective.head_at = False  # a captured step's shapes must not vary: the head everywhere, eager steps too
             self.graphs = StepGraphs(functools.partial(objective.loss_sum, strategy.forward_module), precision,
                                      self.device, self.message)
         self.timed_saves = TimedSaves(cfg.save_every_minutes, self.ctx)  # train/periodic.py

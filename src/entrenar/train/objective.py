@@ -47,6 +47,21 @@ def to_device(batch: dict, device: torch.device) -> dict:
             for k, v in batch.items()}
 
 
+# The LM head runs only at the label positions when at most this share of a batch's positions has a label (SFT
+# rows' responses after long prompts and padding); above it (pretraining) the gather would cost more than it saves.
+HEAD_AT_MAX_SHARE = 0.9
+
+
+def head_positions(labels: torch.Tensor) -> torch.Tensor | None:
+    """The flat positions (into B*T) of the labels that are not IGNORE_INDEX, for the model's `head_at`, or None
+    when more than HEAD_AT_MAX_SHARE of the positions have one. Meant for the loader's CPU labels: no device sync."""
+    keep = labels.reshape(-1) != IGNORE_INDEX
+    n = int(keep.sum())
+    if n > HEAD_AT_MAX_SHARE * keep.numel():
+        return None
+    return keep.nonzero().squeeze(1)
+
+
 class Objective(Protocol):
     """The interface the Trainer and `evaluate` use (see the module docstring)."""
 
@@ -95,15 +110,21 @@ class CausalLMLoss:
     perplexity = True
     diverged = (guards.DIVERGED_CAUSE, guards.DIVERGED_REMEDY)
 
+    head_at = True  # the head at the label positions only (head_positions); a run with CUDA graphs turns it off
+
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-        return self.loss_sum(model, to_device(batch, device)), self.count(batch), {}
+        at = head_positions(batch["labels"]) if self.head_at else None
+        b = to_device(batch if at is None else {**batch, "head_at": at}, device)
+        return self.loss_sum(model, b), self.count(batch), {}
 
     @staticmethod
     def loss_sum(model: torch.nn.Module, b: dict) -> torch.Tensor:
-        """The summed cross-entropy of a batch already on the device: no host read (a CUDA graph captures it)."""
+        """The summed cross-entropy of a batch already on the device: no host read (a CUDA graph captures it, with
+        no "head_at": its shapes must not change between replays)."""
+        extra = {"head_at": b["head_at"]} if "head_at" in b else {}
         loss_sum, _ = model(b["input_ids"], labels=b["labels"], position_ids=b.get("position_ids"),
-                            doc_ids=b.get("doc_ids"))
+                            doc_ids=b.get("doc_ids"), **extra)
         return loss_sum
 
     def count(self, batch: dict) -> int:
@@ -317,4 +338,4 @@ def objective_for(name: str, beta: float = DEFAULT_BETA, mode: str = "full") -> 
 
 
 __all__ = ["DEFAULT_BETA", "OBJECTIVES", "PREFERENCE_LOSSES", "CausalLMLoss", "Objective", "PreferenceLoss",
-           "objective_for", "sequence_logps", "to_device"]
+           "head_positions", "objective_for", "sequence_logps", "to_device"]
