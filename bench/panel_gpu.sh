@@ -13,6 +13,12 @@
 #                                                 bench.task_proof toolcall, --base-from those evals
 #   bash bench/panel_gpu.sh grpo NAME SECONDS     GRPO (LoRA, --reward bfcl-graded) on the best variant's SFT model
 #                                                 (merged), and its evals paired against that SFT model's
+#                                                 (GRPO_FROM=VARIANT: that one's; GRPO_FROM=base: the base model,
+#                                                 paired against the base's evals; GRPO_ROWS="FLAGS": the prompts made
+#                                                 by `data sft-from-bfcl FLAGS` instead of the SFT rows; GRPO_ARGS:
+#                                                 more finetune flags)
+# SFT_STEPS: the A/B's steps (250); the variant's flags come after the recipe's, so a variant may override them (qwen);
+# SFT_EXTRA: flags after the variant's (DRY=1 with a random model: "--replay 0", its answers pass no chat gate).
 # Everything a stage wrote goes to $OUT as one STAGE-results.tgz (per-problem files, logs, summaries; no weights) and
 # STAGE-summary.txt. DRY=1: the same steps on the CPU with tiny settings (checks the script, not the numbers).
 set -uo pipefail
@@ -25,7 +31,7 @@ if [ "${DRY:-0}" = 1 ]; then
   dev=cpu; limit=(--limit 2); task_limit=2; steps=4; every=2; batch=2; grpo_steps=2; gens=2; seq=2048; sft_batch=2
   new=24
 else
-  dev=cuda; limit=(); task_limit=100; steps=250; every=125; batch=16; grpo_steps=${GRPO_STEPS:-80}; gens=8; seq=4096
+  dev=cuda; limit=(); task_limit=100; steps=${SFT_STEPS:-250}; every=125; batch=16; grpo_steps=${GRPO_STEPS:-80}; gens=8; seq=4096
   sft_batch=16; new=128
 fi
 if [ "${DRY:-0}" = 1 ]; then
@@ -66,6 +72,10 @@ declare -A VARIANTS=(  # ONLY="a b": just those
   [nearest]="--swapped-no-call 650 --swapped-nearest --replay 0.3"
   [nearest-kl]="--swapped-no-call 650 --swapped-nearest --replay 0.3 --kl-to-base 0.1"
   [swapped-kl]="--swapped-no-call 1000 --replay 0.3 --kl-to-base 0.1"
+  # Qwen2.5-Coder-0.5B-Instruct's recipe (TEMPLATE=qwen2_tools_json SFT_STEPS=300): r16 at lr 1e-4, 8 x 2 a step,
+  # 300 live_irrelevance and 300 matched no-call rows, replay, HumanEval in the panel (the r64 recipe lost 28 problems)
+  [qwen]="--lr 1e-4 --batch-size 8 --grad-accum 2 --irrelevance-rows 300 --swapped-no-call 300 --swapped-matched
+          --replay 0.3 --retain humaneval"
 )
 
 if [ "$stage" = speed ]; then
@@ -105,7 +115,7 @@ if [ "$stage" = ab ]; then
     for v in ${ONLY:-${!VARIANTS[@]}}; do
       # shellcheck disable=SC2086
       timeout "$(left)" python3 -m bench.task_proof toolcall "${common[@]}" --work "$root/$v" --base-from "$base" \
-        ${VARIANTS[$v]} > "$root/$v.out" 2>&1
+        ${VARIANTS[$v]} ${SFT_EXTRA:-} > "$root/$v.out" 2>&1
     done
     for v in ${ONLY:-${!VARIANTS[@]}}; do
       echo "== $v: ${VARIANTS[$v]}"; grep -E "^(bfcl|chat|humaneval) |exit [1-9]|Error" "$root/$v.out" | head -12
@@ -120,23 +130,35 @@ if [ "$stage" = grpo ]; then
   mkdir -p "$g"
   {
     # the SFT model to start from: the variant whose irrelevance held best, then the most simple_python
-    pick=$(python3 -m bench.panel_pick "$root" ${ONLY:-nearest-kl nearest matched replay})
+    pick=${GRPO_FROM:-$(python3 -m bench.panel_pick "$root" ${ONLY:-nearest-kl nearest matched replay})}
     echo "== GRPO from the SFT adapter of: $pick"
-    timed "$g/merge" python3 -m entrenar merge --base "$model" --adapter "$root/$pick/run" --out "$g/merged"
-    timed "$g/finetune" python3 -m entrenar finetune --model "$g/merged" "${tpl[@]}" --objective grpo --data "$root/$pick/rows.jsonl" \
+    if [ "$pick" = base ]; then
+      start=$model; before=$base/base_; rows=$g/prompts.jsonl
+    else
+      timed "$g/merge" python3 -m entrenar merge --base "$model" --adapter "$root/$pick/run" --out "$g/merged"
+      start=$g/merged; before=$root/$pick/after_; rows=$root/$pick/rows.jsonl
+    fi
+    [ "$pick" = base ] && GRPO_ROWS=${GRPO_ROWS:---irrelevance}
+    if [ -n "${GRPO_ROWS:-}" ]; then
+      rows=$g/prompts.jsonl
+      # shellcheck disable=SC2086
+      python3 -m entrenar data sft-from-bfcl --out "$rows" --overwrite $GRPO_ROWS | tail -n 3
+    fi
+    # shellcheck disable=SC2086
+    timed "$g/finetune" python3 -m entrenar finetune --model "$start" "${tpl[@]}" --objective grpo --data "$rows" \
       --reward bfcl-graded --mode lora --rank 16 --lr "${GRPO_LR:-5e-5}" --num-generations "$gens" \
       --batch-size "${GRPO_BATCH:-$batch}" --grad-accum "${GRPO_ACCUM:-1}" --max-new-tokens "$new" --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" \
       --eval-task bfcl:simple_python,multiple --eval-task-limit "$task_limit" --eval-task-every $((grpo_steps / 2)) \
-      --retain-task bfcl:irrelevance --retain-task chat --keep-best task --seed 0 --out "$g/run"
+      --retain-task bfcl:irrelevance --retain-task chat --keep-best task --seed 0 --out "$g/run" ${GRPO_ARGS:-}
     grep -E "^step [0-9]+/" "$g/finetune.log" | awk 'NR % 10 == 1' | head -20
     timed "$g/after_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$g/run" "${limit[@]}" --device "$dev" \
-      --out "$g/after_bfcl.jsonl" --overwrite --compare "$root/$pick/after_bfcl.jsonl"
+      --out "$g/after_bfcl.jsonl" --overwrite --compare "${before}bfcl.jsonl"
     grep -E "^bfcl " "$g/after_bfcl.log"
     timed "$g/after_chat" python3 -m entrenar eval --task chat --model "$g/run" "${limit[@]}" --device "$dev" \
-      --out "$g/after_chat.jsonl" --overwrite --compare "$root/$pick/after_chat.jsonl"
+      --out "$g/after_chat.jsonl" --overwrite --compare "${before}chat.jsonl"
     grep -E "^chat" "$g/after_chat.log"
     timed "$g/after_he" python3 -m entrenar eval --task humaneval --model "$g/run" "${limit[@]}" --device "$dev" \
-      --out "$g/after_he.jsonl" --overwrite --compare "$root/$pick/after_he.jsonl"
+      --out "$g/after_he.jsonl" --overwrite --compare "${before}he.jsonl"
     grep -E "^humaneval" "$g/after_he.log"
   } 2>&1 | tee "$OUT/grpo-summary.txt"
   collect grpo

@@ -13,8 +13,11 @@
 #   bash bench/peers_gpu.sh grpo NAME SECONDS      bench/grpo_peers.py on NAME: TRL's GRPOTrainer, ours, TRL after
 #   bash bench/peers_gpu.sh speed NAME SECONDS     the engine through the CLI on NAME (bench/panel_gpu.sh speed
 #                                                  with the model's own chat template, the kernel only)
+#   bash bench/peers_gpu.sh panel STAGE NAME SECONDS  bench/panel_gpu.sh STAGE on NAME in /tmp/panel-NAME (its env:
+#                                                  ONLY, TEMPLATE, SFT_STEPS, GRPO_*)
 #   bash bench/peers_gpu.sh bg TAG STAGE ARGS      STAGE detached from a copy of this tree, after the detached steps
-#                                                  already running have ended (one GPU job at a time); its results go
+#                                                  already running have ended (one GPU job at a time; AFTER="TAG ...":
+#                                                  after those only, so two chains share the GPU); its results go
 #                                                  to /tmp/out-TAG (bench/issue35_gpu.sh collect brings them to $OUT)
 # DRY=1: sft and grpo on the CPU with --tiny (checks the script, not the numbers).
 set -uo pipefail
@@ -72,6 +75,10 @@ grpo)
   tar czf "$OUT/grpo-results.tgz" -C "$root" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
     --exclude=checkpoints --exclude=trainer grpo
   ;;
+panel)
+  what=$1; name=$2; seconds=$3
+  WORK=/tmp/panel-$name bash bench/panel_gpu.sh "$what" "$name" "$seconds"
+  ;;
 speed)
   name=$1; seconds=$2
   TEMPLATE=own ATTNS="kernel kernel" ENGINE_ROWS=0 WORK=$root/panel-$name bash bench/panel_gpu.sh speed "$name" "$seconds"
@@ -79,7 +86,11 @@ speed)
 bg)
   tag=$1; shift
   rm -rf "/tmp/repo-$tag" && mkdir -p "/tmp/repo-$tag" "/tmp/out-$tag" && cp -r . "/tmp/repo-$tag/"
-  waits=$(cat /tmp/bg-*.pid 2>/dev/null | tr '\n' ' ')
+  if [ -n "${AFTER:-}" ]; then
+    waits=$(for t in $AFTER; do cat "/tmp/bg-$t.pid"; done | tr '\n' ' ')
+  else
+    waits=$(cat /tmp/bg-*.pid 2>/dev/null | tr '\n' ' ')
+  fi
   # the pid is written from inside: setsid forks when its caller leads a process group (a shell with job control),
   # so $! would be a process that has already exited
   cd "/tmp/repo-$tag" && OUT=/tmp/out-$tag setsid nohup bash -c \
@@ -88,6 +99,6 @@ bg)
   sleep 2; echo "$tag: pid $(cat "/tmp/bg-$tag.pid"), after: $waits"; cat "/tmp/bg-$tag.log"
   ;;
 *)
-  echo "unknown stage $stage (setup | step | sft | grpo | speed | bg)"; exit 2
+  echo "unknown stage $stage (setup | step | sft | grpo | panel | speed | bg)"; exit 2
   ;;
 esac
