@@ -1,0 +1,140 @@
+"""`torchrun --nproc-per-node 2 -m entrenar finetune --objective grpo` on the CPU (gloo) against one process.
+
+The rule (docs/design.md, "GRPO"): W ranks x --batch-size B equal one process x --batch-size B*W. Every rank draws the
+job's micro-batch of B*W prompts from the same cursor and rolls out its contiguous share of B prompts, request i of
+rank r with the seed one process gives request r*B*G + i of the whole micro-batch; the loss is divided by the job's
+units (dapo: every rank's completion tokens) and the gradients are SUM-reduced. So the union of the ranks' rollouts is
+the one process's rollout, and with it the rewards, the losses, the step metrics and the LoRA weights.
+
+  - LoRA under DDP, --grad-accum 2: rewards identical, losses and adapter weights within 1e-5 relative;
+  - the step metrics of a 2-rank step are the job's (reward, its spread, KL, entropy, ... equal one process's);
+  - --grpo-dynamic-sampling: the ranks refill their own groups from the shared cursor, the job's draws one process's;
+  - resume under 2 ranks from a checkpoint continues the run;
+  - --scale-rewards batch and --mode full without --parallel ddp under torchrun: exit 2 naming the flag.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.helpers.cli import run_cli_process
+from tests.test_distributed import _rewind, base_model, close, ok, sft_data, weights, worst_rel  # noqa: F401
+from tests.test_grpo_train import grpo_args, prompts, records  # noqa: F401
+
+METRICS = ("reward", "reward_std", "frac_reward_zero_std", "completion_length", "truncated_share", "kl", "entropy",
+           "clip_ratio", "loss_tokens")
+
+
+def grpo(model: Path, data: tuple[Path, Path], out: Path, batch: int, steps: int = 2, extra: tuple = ()) -> list[str]:
+    args = grpo_args(model, *data, out, steps=steps, extra=("--grad-accum", "2", "--save-every", "1", *extra))
+    args[args.index("--batch-size") + 1] = str(batch)
+    return args
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory, base_model, prompts) -> Path:  # noqa: F811
+    out = tmp_path_factory.mktemp("grpo-one") / "run"
+    ok(run_cli_process(grpo(base_model, prompts, out, 4)))
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory, base_model, prompts) -> Path:  # noqa: F811
+    out = tmp_path_factory.mktemp("grpo-two") / "run"
+    ok(run_cli_process(grpo(base_model, prompts, out, 2), nproc=2))
+    return out
+
+
+def test_two_ranks_equal_one_process(one_process, two_ranks):
+    a, b = records(two_ranks), records(one_process)
+    assert [r["step"] for r in a] == [1, 2] == [r["step"] for r in b]
+    # the same rollouts, the same rewards: their float64 mean equal but for the order of the sum over the ranks
+    assert [r["reward"] for r in a] == pytest.approx([r["reward"] for r in b], rel=1e-12, abs=0)
+    assert len({r["reward"] for r in b}) == 2  # two different rollouts
+    assert close([r["loss"] for r in a], [r["loss"] for r in b])
+    wa, wb = weights(two_ranks / "final/adapter_model.safetensors"), weights(one_process / "final/adapter_model.safetensors")
+    assert len(wa) > 0 and worst_rel(wa, wb) <= 1e-5
+
+
+def test_step_metrics_are_the_jobs(one_process, two_ranks):
+    for x, y in zip(records(two_ranks), records(one_process), strict=True):
+        for k in METRICS:
+            assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-9), (k, x[k], y[k])
+    assert records(two_ranks)[-1]["kl"] > 0.0
+
+
+def test_loader_state_is_the_jobs(one_process, two_ranks):
+    states = [json.loads((run / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+              for run in (two_ranks, one_process)]
+    keys = ("epoch", "position", "calls", "batch_size")
+    assert [states[0][k] for k in keys] == [states[1][k] for k in keys]
+
+
+def test_resume_under_two_ranks_continues_the_run(tmp_path, one_process, two_ranks, base_model, prompts):  # noqa: F811
+    """From step 1's checkpoint of the 2-rank run, and of the one-process run (the same global batch), two ranks
+    continue the run: the same rollout and loss at step 2."""
+    for src in (two_ranks, one_process):
+        rewound = tmp_path / src.parent.name
+        _rewind(src, rewound, 1)
+        res = ok(run_cli_process([*grpo(base_model, prompts, rewound, 2), "--resume", "auto"], nproc=2))
+        assert res["start_step"] == 1
+        a, b = records(rewound), records(one_process)
+        assert [r["step"] for r in a] == [1, 2]
+        assert [r["reward"] for r in a] == pytest.approx([r["reward"] for r in b], rel=1e-12, abs=0)
+        assert close([r["loss"] for r in a], [r["loss"] for r in b])
+
+
+def test_dynamic_sampling_two_ranks_draw_what_one_process_draws(tmp_path, base_model):  # noqa: F811
+    """--grpo-dynamic-sampling 2 with a third of the prompts flat (no reward spread ever): each rank drops its flat
+    groups and refills them from the shared cursor; the job refills what one process refilling the whole
+    micro-batch does (lower ranks' refills first, the same request seeds), so rewards, drops and losses match."""
+    from tests.test_grpo_dynamic_sampling import REWARD_PY, dyn_args, is_flat
+
+    (tmp_path / "r.py").write_text(REWARD_PY)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": f"Say word number {i}.",
+                                        "kind": "flat" if is_flat(i + 1) else "vowels"}) + "\n" for i in range(16)))
+    runs = {}
+    for nproc, batch in ((1, 4), (2, 2)):
+        out = tmp_path / f"n{nproc}"
+        args = dyn_args(base_model, data, tmp_path / "r.py", out, 2, extra=("--save-every", "1"))
+        args[args.index("--batch-size") + 1] = str(batch)
+        ok(run_cli_process(args, nproc=nproc))
+        runs[nproc] = out
+    a, b = records(runs[2]), records(runs[1])
+    assert all(r["frac_groups_dropped"] > 0 for r in b)  # refills happened
+    for k in ("frac_groups_dropped", "frac_reward_zero_std", "completion_length"):
+        assert [r[k] for r in a] == pytest.approx([r[k] for r in b], rel=1e-12, abs=0), k
+    assert [r["reward"] for r in a] == pytest.approx([r["reward"] for r in b], rel=1e-12, abs=0)
+    assert close([r["loss"] for r in a], [r["loss"] for r in b])
+    states = [json.loads((run / "checkpoints" / "latest" / "trainer_state.json").read_text())["data"]
+              for run in (runs[2], runs[1])]
+    assert (states[0]["epoch"], states[0]["position"]) == (states[1]["epoch"], states[1]["position"])
+
+
+@pytest.mark.parametrize("extra,needle", [
+    (("--scale-rewards", "batch"), "--scale-rewards batch under torchrun"),
+    (("--mode", "full", "--parallel", "fsdp"), "needs --parallel ddp"),
+], ids=["scale-batch", "full-fsdp"])
+def test_torchrun_refusals_exit_2(tmp_path, base_model, prompts, extra, needle):  # noqa: F811
+    out = tmp_path / "run"
+    proc = run_cli_process([*grpo(base_model, prompts, out, 2, steps=1), *extra], nproc=2)
+    assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # torchrun: 1; ranks: 2
+    assert needle in proc.stderr and not out.exists()
+
+
+def test_full_mode_under_ddp_equals_one_process(tmp_path, base_model, prompts):  # noqa: F811
+    """--mode full --parallel ddp: each rank's frozen reference copy and replica; the same run as one process."""
+    runs = {}
+    for nproc, batch in ((1, 4), (2, 2)):
+        out = tmp_path / f"n{nproc}"
+        ok(run_cli_process(grpo(base_model, prompts, out, batch, extra=("--mode", "full", "--parallel", "ddp")),
+                           nproc=nproc))
+        runs[nproc] = out
+    a, b = records(runs[2]), records(runs[1])
+    assert [r["reward"] for r in a] == pytest.approx([r["reward"] for r in b], rel=1e-12, abs=0)
+    assert close([r["loss"] for r in a], [r["loss"] for r in b]) and a[-1]["kl"] > 0
+    assert worst_rel(weights(runs[2] / "final/model.safetensors"), weights(runs[1] / "final/model.safetensors")) <= 1e-5
