@@ -88,19 +88,20 @@ def test_resume_under_two_ranks_continues_the_run(tmp_path, one_process, two_ran
 
 
 def test_dynamic_sampling_two_ranks_draw_what_one_process_draws(tmp_path, base_model):  # noqa: F811
-    """--grpo-dynamic-sampling 2 with a third of the prompts flat (no reward spread ever): each rank drops its flat
-    groups and refills them from the shared cursor; the job refills what one process refilling the whole
-    micro-batch does (lower ranks' refills first, the same request seeds), so rewards, drops and losses match."""
-    from tests.test_grpo_dynamic_sampling import REWARD_PY, dyn_args, is_flat
+    """--grpo-dynamic-sampling 4 with half the prompts flat (no reward spread ever), so both ranks refill the same
+    micro-batch in the same extra call: each rank drops its flat groups and refills them from the shared cursor; the
+    job refills what one process refilling the whole micro-batch does (lower ranks' refills first, their request
+    seeds after the lower ranks'), so rewards, drops and losses match."""
+    from tests.test_grpo_dynamic_sampling import REWARD_PY, dyn_args
 
     (tmp_path / "r.py").write_text(REWARD_PY)
     data = tmp_path / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": f"Say word number {i}.",
-                                        "kind": "flat" if is_flat(i + 1) else "vowels"}) + "\n" for i in range(16)))
+                                        "kind": "flat" if i % 2 else "vowels"}) + "\n" for i in range(16)))
     runs = {}
     for nproc, batch in ((1, 4), (2, 2)):
         out = tmp_path / f"n{nproc}"
-        args = dyn_args(base_model, data, tmp_path / "r.py", out, 2, extra=("--save-every", "1"))
+        args = dyn_args(base_model, data, tmp_path / "r.py", out, 4, extra=("--save-every", "1"))
         args[args.index("--batch-size") + 1] = str(batch)
         ok(run_cli_process(args, nproc=nproc))
         runs[nproc] = out
