@@ -139,3 +139,48 @@ def test_full_mode_under_ddp_equals_one_process(tmp_path, base_model, prompts): 
     assert [r["reward"] for r in a] == pytest.approx([r["reward"] for r in b], rel=1e-12, abs=0)
     assert close([r["loss"] for r in a], [r["loss"] for r in b]) and a[-1]["kl"] > 0
     assert worst_rel(weights(runs[2] / "final/model.safetensors"), weights(runs[1] / "final/model.safetensors")) <= 1e-5
+
+
+def test_policy_forward_through_ddp_builds_the_completion_logits_only(monkeypatch):
+    """Under DDP the loss's forward goes through DDP's forward (it prepares the gradient reduction), which would
+    return the logits of every position ([N, T, V] fp32: tens of GB for long tool prompts); token_logps swaps the
+    inner forward for that call so the head sees the completion positions only, as in one process: the same
+    log-probs, entropy and gradients, the class's forward back afterwards."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+
+    from entrenar.tensors import IGNORE_INDEX
+    from entrenar.train.grpo import token_logps
+    from tests.helpers.models import tiny_causal_lm, tiny_config
+
+    model = tiny_causal_lm(tiny_config(), 1)
+    ids = torch.randint(0, 97, (3, 12), generator=torch.Generator().manual_seed(0))
+    labels = torch.full_like(ids, IGNORE_INDEX)
+    labels[:, 8:11] = ids[:, 9:12]
+    head_rows: list[tuple] = []
+    real_linear = F.linear
+
+    def spy(x, w, *a):
+        if w is model.head_weight:
+            head_rows.append(tuple(x.shape[:-1]))
+        return real_linear(x, w, *a)
+
+    want, want_ent = token_logps(model, ids, labels, 0.7, entropy=True)
+    want.sum().backward()
+    want_grads = [p.grad.clone() for p in model.parameters()]
+    model.zero_grad()
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        ddp = DistributedDataParallel(model)
+        monkeypatch.setattr(F, "linear", spy)
+        got, got_ent = token_logps(ddp, ids, labels, 0.7, entropy=True)
+        got.sum().backward()
+    finally:
+        dist.destroy_process_group()
+    assert head_rows == [(9,)]  # 3 rows x 3 completion tokens, not (3, 12)
+    assert torch.allclose(got, want, rtol=1e-6, atol=1e-7) and torch.allclose(got_ent, want_ent, rtol=1e-6, atol=1e-7)
+    for p, g in zip(model.parameters(), want_grads, strict=True):
+        assert torch.allclose(p.grad, g, rtol=1e-5, atol=1e-7)
+    assert "forward" not in vars(model)  # the swap is undone

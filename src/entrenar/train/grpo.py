@@ -152,8 +152,11 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     the hidden states of the label positions only (the completion's), as its forward applies it to all: the
     logits of a long prompt are never built. Another module: its forward's logits."""
     mask = labels != IGNORE_INDEX
+    inner = getattr(model, "module", None)  # DistributedDataParallel's model (torchrun)
     if hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
         logits = F.linear(model.hidden_states(input_ids)[mask], model.head_weight).float()
+    elif hasattr(inner, "hidden_states") and hasattr(inner, "head_weight"):
+        logits = completion_logits_through(model, inner, input_ids, mask).float()
     else:
         logits = model(input_ids).float()[mask]
     if temperature != 1.0:
@@ -166,6 +169,22 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
             lp = torch.log_softmax(logits, dim=-1)
             ent = torch.zeros_like(logps).masked_scatter(mask, -(lp.exp() * lp).sum(-1))
     return logps, ent
+
+
+def completion_logits_through(wrapper: torch.nn.Module, inner: torch.nn.Module, input_ids: torch.Tensor,
+                              mask: torch.Tensor) -> torch.Tensor:
+    """The logits [mask.sum(), V] of the masked positions, computed by `inner` (our CausalLM) called through
+    `wrapper` (DDP, whose forward must run: it prepares the step's gradient reduction). The inner forward is swapped
+    for this call only: its own returns the logits of every position, [N, T, V] in fp32 for a long tool-calling
+    prompt being tens of GB that one process (head on the completion positions only) never builds."""
+    def forward(ids: torch.Tensor) -> torch.Tensor:
+        return F.linear(inner.hidden_states(ids)[mask], inner.head_weight)
+
+    inner.forward = forward
+    try:
+        return wrapper(input_ids)
+    finally:
+        del inner.forward  # the class's forward again
 
 
 # ---- generation: the one call (another decoder may replace it) ------------------------------------------------
