@@ -116,25 +116,24 @@ def test_dynamic_sampling_two_ranks_draw_what_one_process_draws(tmp_path, base_m
     assert (states[0]["epoch"], states[0]["position"]) == (states[1]["epoch"], states[1]["position"])
 
 
-@pytest.mark.parametrize("extra,needle", [
-    (("--scale-rewards", "batch"), "--scale-rewards batch under torchrun"),
-    (("--mode", "full", "--parallel", "fsdp"), "needs --parallel ddp"),
-], ids=["scale-batch", "full-fsdp"])
-def test_torchrun_refusals_exit_2(tmp_path, base_model, prompts, extra, needle):  # noqa: F811
-    out = tmp_path / "run"
-    proc = run_cli_process([*grpo(base_model, prompts, out, 2, steps=1), *extra], nproc=2)
+def test_scale_rewards_batch_under_torchrun_is_exit_2(tmp_path, base_model, prompts):  # noqa: F811
+    out, needle = tmp_path / "run", "--scale-rewards batch under torchrun"
+    proc = run_cli_process([*grpo(base_model, prompts, out, 2, steps=1), "--scale-rewards", "batch"], nproc=2)
     assert proc.returncode == 1 and "exitcode  : 2" in proc.stderr, proc.stderr[-3000:]  # torchrun: 1; ranks: 2
     assert needle in proc.stderr and not out.exists()
 
 
-def test_full_mode_under_ddp_equals_one_process(tmp_path, base_model, prompts):  # noqa: F811
-    """--mode full --parallel ddp: each rank's frozen reference copy and replica; the same run as one process."""
+@pytest.mark.parametrize("parallel", ["ddp", "fsdp"])
+def test_full_mode_equals_one_process(tmp_path, base_model, prompts, parallel):  # noqa: F811
+    """--mode full: each rank's frozen reference copy; DDP replicas, or FSDP2 shards whose rollouts sample from a plain
+    replica given the gathered weights each round (rollout_policy); the same run as one process."""
     runs = {}
     for nproc, batch in ((1, 4), (2, 2)):
         out = tmp_path / f"n{nproc}"
-        ok(run_cli_process(grpo(base_model, prompts, out, batch, extra=("--mode", "full", "--parallel", "ddp")),
+        ok(run_cli_process(grpo(base_model, prompts, out, batch, extra=("--mode", "full", "--parallel", parallel)),
                            nproc=nproc))
         runs[nproc] = out
+    assert json.loads((runs[2] / "run.json").read_text())["distributed"]["parallel"] == parallel
     a, b = records(runs[2]), records(runs[1])
     assert [r["reward"] for r in a] == pytest.approx([r["reward"] for r in b], rel=1e-12, abs=0)
     assert close([r["loss"] for r in a], [r["loss"] for r in b]) and a[-1]["kl"] > 0

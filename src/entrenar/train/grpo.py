@@ -27,7 +27,8 @@ completions were sampled from: log_softmax(logits / --temperature), as TRL's.
 --grpo-dynamic-sampling N (DAPO's dynamic sampling, dynamic_refill): a round's groups whose G rewards are all equal are
 dropped and replaced by further prompts of the loader's cursor, rolled out in up to N extra engine calls.
 
-Under torchrun (GRPOLoader.shard; DDP replicas): W ranks x --batch-size B train as one process x --batch-size B*W.
+Under torchrun (GRPOLoader.shard; DDP replicas, or FSDP2 for --mode full with rollouts from a plain replica:
+rollout_policy): W ranks x --batch-size B train as one process x --batch-size B*W.
 Each rank draws the job's micro-batch from the shared cursor and rolls out its own B prompts, each request with the
 seed the one process gives it, so the ranks' rollouts together are that process's; the loop all-reduces the loss
 units and the metric sums (docs/design.md, "GRPO").
@@ -153,7 +154,9 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     logits of a long prompt are never built. Another module: its forward's logits."""
     mask = labels != IGNORE_INDEX
     inner = getattr(model, "module", None)  # DistributedDataParallel's model (torchrun)
-    if hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
+    if is_fsdp(model):  # FSDP2's root hooks gather its weights in its forward: through it, not hidden_states
+        logits = completion_logits_through(model, model, input_ids, mask).float()
+    elif hasattr(model, "hidden_states") and hasattr(model, "head_weight"):
         logits = F.linear(model.hidden_states(input_ids)[mask], model.head_weight).float()
     elif hasattr(inner, "hidden_states") and hasattr(inner, "head_weight"):
         logits = completion_logits_through(model, inner, input_ids, mask).float()
@@ -171,10 +174,18 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     return logps, ent
 
 
+def is_fsdp(model: torch.nn.Module) -> bool:
+    """Whether fully_shard (FSDP2) sharded this module."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def completion_logits_through(wrapper: torch.nn.Module, inner: torch.nn.Module, input_ids: torch.Tensor,
                               mask: torch.Tensor) -> torch.Tensor:
     """The logits [mask.sum(), V] of the masked positions, computed by `inner` (our CausalLM) called through
-    `wrapper` (DDP, whose forward must run: it prepares the step's gradient reduction). The inner forward is swapped
+    `wrapper` (DDP, whose forward must run: it prepares the step's gradient reduction; or FSDP2's module itself,
+    whose forward hooks gather its weights). The inner forward is swapped
     for this call only: its own returns the logits of every position, [N, T, V] in fp32 for a long tool-calling
     prompt being tens of GB that one process (head on the completion positions only) never builds."""
     def forward(ids: torch.Tensor) -> torch.Tensor:
@@ -372,6 +383,8 @@ class GRPOObjective:
         self.dtype = dtype
         self.dynamic_sampling = int(dynamic_sampling)  # --grpo-dynamic-sampling: extra rollout calls at most
         self.policy: torch.nn.Module | None = None
+        self.replica: torch.nn.Module | None = None  # --mode full under torchrun: what an FSDP2 policy rolls out with
+        self.sampler: torch.nn.Module | None = None  # the module this rollout samples from (rollout_policy)
         self.reference_model: torch.nn.Module | None = None
         self.watcher = GRPOWatch(max_kl)
         if loader is not None:
@@ -382,6 +395,11 @@ class GRPOObjective:
         """Before parallelism wraps `model` (build_trainer): the policy rollouts sample from, and a full fine-tune's
         frozen copy of it as the reference (none when --beta 0); LoRA/QLoRA switch their adapters off."""
         self.policy = model
+        from .distributed import env_world
+
+        if self.reference == "frozen-copy" and env_world()[1] > 1:
+            # torchrun may shard the weights (FSDP2): rollouts then sample from this plain replica (rollout_policy)
+            self.replica = copy.deepcopy(model).requires_grad_(False).eval()
         if self.beta == 0.0:
             return
         if self.reference == "frozen-copy":
@@ -392,6 +410,24 @@ class GRPOObjective:
         if not lora_modules(model):
             raise InputError("--objective grpo with the adapters-off reference needs a LoRA/QLoRA model "
                              "(--mode lora|qlora); --mode full uses a frozen copy")
+
+    def rollout_policy(self) -> torch.nn.Module:
+        """The module a rollout samples from: the policy itself, or, when FSDP2 sharded it (--mode full under
+        torchrun), the plain replica given the policy's current full weights: a rank generates for as many tokens as
+        its own completions take, which sharded weights (gathered by every rank's forward in step) cannot do. The
+        weights are gathered once per rollout call, on every rank at once (the loader's calls are in step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        assert self.policy is not None, "GRPOObjective.bind(model) comes first (build_trainer)"
+        if not isinstance(self.policy, FSDPModule):
+            self.replica = None  # replicas (DDP) or one process: the policy samples itself
+            return self.policy
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.replica is not None, "bind() keeps a replica of a full fine-tune under torchrun"
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True))
+        self.replica.load_state_dict(full)
+        return self.replica
 
     def _autocast(self, device: torch.device) -> Any:
         from .precision import precision_policy
@@ -426,6 +462,7 @@ class GRPOObjective:
         (rank, world): these micro-batches are rank's share of the job's, whose request i is that of one process's
         micro-batch of world x as many prompts: seed * (world x len) + rank x len + i."""
         rank, world = shard
+        self.sampler = self.rollout_policy()
         ids = [[p.input_ids.tolist() for p in prompts for _ in range(self.G)] for prompts in micro_batches]
         request_seeds = [[seed * len(x) * world + rank * len(x) + i for i in range(len(x))]
                          for seed, x in zip(seeds, ids, strict=True)]
@@ -439,8 +476,8 @@ class GRPOObjective:
                   ) -> tuple[list[list[Sampled]], list[float]]:
         """(each part's completions, each part's share of the call's seconds by its generated tokens) of the
         request lists `ids` (one part each) sampled in ONE engine call, request r of part j with request_seeds[j][r]."""
-        model = self.policy
-        assert model is not None, "GRPOObjective.bind(model) comes first (build_trainer)"
+        model = self.sampler
+        assert model is not None, "rollouts() chooses the module that samples (rollout_policy)"
         device = next(model.parameters()).device
         t0 = time.perf_counter()
         with self._autocast(device):
@@ -472,7 +509,7 @@ class GRPOObjective:
                ) -> dict[str, Any]:
         """One micro-batch's rollout batch (rollout()'s) from its sampled completions (their rewards `per_func` when
         already scored; `dynamic`: dynamic_refill's sums of the groups drawn and dropped for it)."""
-        model = self.policy
+        model = self.sampler  # the policy, or its plain replica under FSDP2 (rollout_policy)
         device = next(model.parameters()).device
         per_func = self.score(prompts, sampled) if per_func is None else per_func
         weighted = self.weighted_rewards(per_func)
@@ -851,8 +888,8 @@ class PromptReport:
 def check_grpo_run(args: Any, cfg: Any) -> Callable[..., tuple[list[PromptExample], PromptReport]]:
     """`finetune --objective grpo`'s refusals before anything loads (exit 2), and its prompt loader in the shape of
     load_sft's. No --val (rewards are logged per step; --eval-task judges held-out problems). Under torchrun
-    (each rank rolls out its share of a micro-batch's prompts: GRPOLoader.shard) the policy's replicas train with
-    DDP, and --scale-rewards batch (a std over the whole micro-batch, every rank's groups) is refused."""
+    (each rank rolls out its share of a micro-batch's prompts: GRPOLoader.shard) --scale-rewards batch (a std over
+    the whole micro-batch, every rank's groups) is refused."""
     from .distributed import env_world
 
     world = env_world()[1]
@@ -860,12 +897,6 @@ def check_grpo_run(args: Any, cfg: Any) -> Callable[..., tuple[list[PromptExampl
         raise InputError(f"--scale-rewards batch under torchrun ({world} processes): each rank scales its own "
                          f"groups' advantages, and the std of the whole micro-batch would need every rank's rewards; "
                          f"use --scale-rewards group (the default) or none, or run without torchrun")
-    if world > 1 and args.mode == "full" and cfg.parallel != "ddp":
-        raise InputError(f"--objective grpo --mode full under torchrun needs --parallel ddp (got --parallel "
-                         f"{cfg.parallel}): each rank generates its rollouts with its whole model, for as many "
-                         f"tokens as its own completions take, which sharded (FSDP) weights gathered in step by "
-                         f"every rank cannot do; pass --parallel ddp (the model's training state must fit one "
-                         f"device), or use --mode lora|qlora")
     if args.val:
         raise InputError(f"--val {args.val}: --objective grpo has no eval set (its rewards are logged per step); "
                          f"judge held-out problems with --eval-task")
