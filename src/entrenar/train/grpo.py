@@ -185,9 +185,9 @@ def completion_logits_through(wrapper: torch.nn.Module, inner: torch.nn.Module, 
                               mask: torch.Tensor) -> torch.Tensor:
     """The logits [mask.sum(), V] of the masked positions, computed by `inner` (our CausalLM) called through
     `wrapper` (DDP, whose forward must run: it prepares the step's gradient reduction; or FSDP2's module itself,
-    whose forward hooks gather its weights). The inner forward is swapped
-    for this call only: its own returns the logits of every position, [N, T, V] in fp32 for a long tool-calling
-    prompt being tens of GB that one process (head on the completion positions only) never builds."""
+    whose forward hooks gather its weights). The inner forward is swapped for this call only: its own returns the
+    logits of every position, [N, T, V] in fp32 for a long tool-calling prompt being tens of GB that one process
+    (head on the completion positions only) never builds."""
     def forward(ids: torch.Tensor) -> torch.Tensor:
         return F.linear(inner.hidden_states(ids)[mask], inner.head_weight)
 
@@ -393,10 +393,11 @@ class GRPOObjective:
     # -- the reference and the policy used for rollouts
     def bind(self, model: torch.nn.Module) -> None:
         """Before parallelism wraps `model` (build_trainer): the policy rollouts sample from, and a full fine-tune's
-        frozen copy of it as the reference (none when --beta 0); LoRA/QLoRA switch their adapters off."""
-        self.policy = model
+        frozen copy of it as the reference (none when --beta 0); LoRA/QLoRA switch their adapters off. A full
+        fine-tune under torchrun also keeps a plain replica, for FSDP2 (rollout_policy; dropped under DDP)."""
         from .distributed import env_world
 
+        self.policy = model
         if self.reference == "frozen-copy" and env_world()[1] > 1:
             # torchrun may shard the weights (FSDP2): rollouts then sample from this plain replica (rollout_policy)
             self.replica = copy.deepcopy(model).requires_grad_(False).eval()
