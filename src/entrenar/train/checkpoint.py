@@ -393,8 +393,10 @@ def load_sharded(path: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         dcp.load(state, checkpoint_id=str(path), no_dist=not (dist.is_available() and dist.is_initialized()))
+    # strict=False: the state holds the trainable tensors only (a LoRA model's frozen base is not in it); dcp.load
+    # above already refused a checkpoint that lacks any of them
     set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"],
-                   options=_state_options(ignore_frozen_params=True))
+                   options=_state_options(ignore_frozen_params=True, strict=False))
 
 
 def _fqn_optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer,

@@ -611,7 +611,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     cfg, lora, data = _configs(args, "finetune")
     load_rows, Loader, kind = _rows_kind(cfg.objective, args.pack)
     if kind == "grpo-prompts":
-        load_rows = check_grpo_run(args, cfg)  # prompt rows with room for the completions; no eval split, one process
+        load_rows = check_grpo_run(args, cfg)  # prompt rows with room for the completions; no eval split
     buckets = resolve_pad_buckets(data.pad_buckets, data.max_seq_len, kind)
     join_job(cfg.device)  # under torchrun: the process group and this rank's GPU, before anything is built
     _check_out(out, args.resume)

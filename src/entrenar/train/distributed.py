@@ -400,10 +400,13 @@ class RankSlice:
 
 def shard_loader(loader: Any, ctx: DistContext | None = None,
                  counts: Callable[[dict[str, Any]], tuple[int, int, int]] = batch_counts) -> Any:
-    """`loader` itself in a single process, else its `RankSlice` for this rank (`counts`: the objective's)."""
+    """`loader` itself in a single process, else its `RankSlice` for this rank (`counts`: the objective's), or what
+    a loader that splits itself returns from `shard(ctx)` (GRPO's: each rank rolls out only its share)."""
     ctx = ctx or current()
     if loader is None or not ctx.active:
         return loader
+    if hasattr(loader, "shard"):
+        return loader.shard(ctx)
     return RankSlice(loader, ctx, counts)
 
 

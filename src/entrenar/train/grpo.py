@@ -27,6 +27,12 @@ completions were sampled from: log_softmax(logits / --temperature), as TRL's.
 --grpo-dynamic-sampling N (DAPO's dynamic sampling, dynamic_refill): a round's groups whose G rewards are all equal are
 dropped and replaced by further prompts of the loader's cursor, rolled out in up to N extra engine calls.
 
+Under torchrun (GRPOLoader.shard; DDP replicas, or FSDP2 for --mode full with rollouts from a plain replica:
+rollout_policy): W ranks x --batch-size B train as one process x --batch-size B*W.
+Each rank draws the job's micro-batch from the shared cursor and rolls out its own B prompts, each request with the
+seed the one process gives it, so the ranks' rollouts together are that process's; the loop all-reduces the loss
+units and the metric sums (docs/design.md, "GRPO").
+
 Per-step metrics (metrics.jsonl): reward (mean), reward_std (the mean of the groups' std), frac_reward_zero_std
 (share of groups whose G rewards are all equal: no signal), reward/NAME (each reward's mean, unweighted),
 completion_length (mean tokens, the stop token included), truncated_share (completions cut by --max-new-tokens),
@@ -147,8 +153,9 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     the head at the label positions only (`head_at`, the completion's): the logits of a long prompt are never built,
     and a DDP/FSDP wrapper sees its forward. Another module: its forward's logits."""
     mask = labels != IGNORE_INDEX
-    inner = getattr(model, "module", model)  # DDP's wrapped module
+    inner = getattr(model, "module", model)  # DDP's wrapped model (torchrun); FSDP2 shards in place
     if hasattr(inner, "hidden_states") and hasattr(inner, "head_weight"):
+        # through the wrapper's forward: DDP prepares the step's gradient reduction there, FSDP2's hooks gather
         logits = model(input_ids, head_at=mask.reshape(-1).nonzero().squeeze(1)).float()
     else:
         logits = model(input_ids).float()[mask]
@@ -228,6 +235,17 @@ class GRPOLoader(SFTLoader):
         self.calls = 0  # next_batch calls so far: the round and the micro-batch within it
         self.buffer: list[tuple[dict, dict, dict]] = []  # (cursor before, batch, cursor after) of this round
         self.buffer_round = -1
+        self.ctx: Any = None  # under torchrun (shard): the job's DistContext; this rank's share of each micro-batch
+        self.rank, self.world = 0, 1
+
+    def shard(self, ctx: Any) -> GRPOLoader:
+        """This loader as rank ctx.rank of ctx.world (distributed.shard_loader, in place of SFT's RankSlice): every
+        rank draws the job's micro-batch of world x batch_size prompts from the same cursor and rolls out only its
+        own contiguous share (a prompt's G completions stay on one rank, so group advantages are local), each request
+        with the seed one process drawing the whole micro-batch gives it: the union of the ranks' rollouts is that
+        process's rollout (docs/design.md, "GRPO")."""
+        self.ctx, self.rank, self.world = ctx, int(ctx.rank), int(ctx.world)
+        return self
 
     def next_batch(self) -> dict[str, Any]:
         obj = self.objective
@@ -245,11 +263,13 @@ class GRPOLoader(SFTLoader):
             drawn = []
             for jj in js:
                 start, chosen = self.cursor.state_dict(), []
-                for _ in range(self.batch_size):
+                for _ in range(self.batch_size * self.world):  # the job's micro-batch; this rank rolls out its share
                     chosen.append(self._peek())
                     self._advance()
-                drawn.append((start, chosen, self.cursor.state_dict(), self._seed(rnd, jj)))
-            batches = obj.rollouts([d[1] for d in drawn], [d[3] for d in drawn], draw=self._draw)
+                mine = chosen[self.rank * self.batch_size:(self.rank + 1) * self.batch_size]
+                drawn.append((start, mine, self.cursor.state_dict(), self._seed(rnd, jj)))
+            share = {"shard": (self.rank, self.world)} if self.world > 1 else {}
+            batches = obj.rollouts([d[1] for d in drawn], [d[3] for d in drawn], draw=self._draw_refills, **share)
             # --grpo-dynamic-sampling's refills come after the call's micro-batches: the last one's cursor is after them
             ends = [d[2] for d in drawn[:-1]] + [self.cursor.state_dict()]
             self.buffer[j:] = [(d[0], batch, end) for d, batch, end in zip(drawn, batches, ends, strict=True)]
@@ -268,6 +288,25 @@ class GRPOLoader(SFTLoader):
             self._advance()
         return out
 
+    def _draw_refills(self, needs: Sequence[int]) -> tuple[list[list[PromptExample]], list[int], list[int]]:
+        """One extra call's refills (dynamic_refill): needs[j] fresh prompts for this rank's micro-batch j ->
+        (each micro-batch's prompts, how many of micro-batch j's refills the lower ranks took, the job's refills of
+        micro-batch j). In one process the next needs[j] prompts of the cursor, j in order. Under torchrun every rank
+        learns every rank's needs (one all_gather) and draws them all from the shared cursor, micro-batch by
+        micro-batch and rank by rank, keeping its own: the cursor stays the same on every rank, and the job draws
+        what one process refilling the whole micro-batch draws."""
+        every = [list(needs)] if self.ctx is None else self.ctx.all_gather_object(list(needs))
+        mine: list[list[PromptExample]] = []
+        before, total = [], []
+        for j in range(len(needs)):
+            for r, theirs in enumerate(every):
+                got = self._draw(int(theirs[j]))
+                if r == self.rank:
+                    mine.append(got)
+                    before.append(sum(int(t[j]) for t in every[:r]))
+            total.append(sum(int(t[j]) for t in every))
+        return mine, before, total
+
     def _seed(self, rnd: int, j: int) -> int:
         """Micro-batch j of round rnd's sampling seed."""
         return (self.seed * 1_000_003 + rnd * 1009 + j) % 2**62
@@ -276,7 +315,8 @@ class GRPOLoader(SFTLoader):
         raise InputError("GRPO has no eval set of prompts (its rewards are logged per step); drop --val")
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "calls": self.calls}
+        # batch_size: the job's micro-batch (as RankSlice's SFT loader records it); the cursor is the same on every rank
+        return {**super().state_dict(), "batch_size": self.batch_size * self.world, "calls": self.calls}
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         super().load_state_dict(sd)
@@ -316,6 +356,8 @@ class GRPOObjective:
         self.dtype = dtype
         self.dynamic_sampling = int(dynamic_sampling)  # --grpo-dynamic-sampling: extra rollout calls at most
         self.policy: torch.nn.Module | None = None
+        self.replica: torch.nn.Module | None = None  # --mode full under torchrun: what an FSDP2 policy rolls out with
+        self.sampler: torch.nn.Module | None = None  # the module this rollout samples from (rollout_policy)
         self.reference_model: torch.nn.Module | None = None
         self.watcher = GRPOWatch(max_kl)
         if loader is not None:
@@ -324,8 +366,14 @@ class GRPOObjective:
     # -- the reference and the policy used for rollouts
     def bind(self, model: torch.nn.Module) -> None:
         """Before parallelism wraps `model` (build_trainer): the policy rollouts sample from, and a full fine-tune's
-        frozen copy of it as the reference (none when --beta 0); LoRA/QLoRA switch their adapters off."""
+        frozen copy of it as the reference (none when --beta 0); LoRA/QLoRA switch their adapters off. A full
+        fine-tune under torchrun also keeps a plain replica, for FSDP2 (rollout_policy; dropped under DDP)."""
+        from .distributed import env_world
+
         self.policy = model
+        if self.reference == "frozen-copy" and env_world()[1] > 1:
+            # torchrun may shard the weights (FSDP2): rollouts then sample from this plain replica (rollout_policy)
+            self.replica = copy.deepcopy(model).requires_grad_(False).eval()
         if self.beta == 0.0:
             return
         if self.reference == "frozen-copy":
@@ -336,6 +384,24 @@ class GRPOObjective:
         if not lora_modules(model):
             raise InputError("--objective grpo with the adapters-off reference needs a LoRA/QLoRA model "
                              "(--mode lora|qlora); --mode full uses a frozen copy")
+
+    def rollout_policy(self) -> torch.nn.Module:
+        """The module a rollout samples from: the policy itself, or, when FSDP2 sharded it (--mode full under
+        torchrun), the plain replica given the policy's current full weights: a rank generates for as many tokens as
+        its own completions take, which sharded weights (gathered by every rank's forward in step) cannot do. The
+        weights are gathered once per rollout call, on every rank at once (the loader's calls are in step)."""
+        from torch.distributed.fsdp import FSDPModule
+
+        assert self.policy is not None, "GRPOObjective.bind(model) comes first (build_trainer)"
+        if not isinstance(self.policy, FSDPModule):
+            self.replica = None  # replicas (DDP) or one process: the policy samples itself
+            return self.policy
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.replica is not None, "bind() keeps a replica of a full fine-tune under torchrun"
+        full = get_model_state_dict(self.policy, options=StateDictOptions(full_state_dict=True))
+        self.replica.load_state_dict(full)
+        return self.replica
 
     def _autocast(self, device: torch.device) -> Any:
         from .precision import precision_policy
@@ -359,15 +425,21 @@ class GRPOObjective:
         return self.rollouts([prompts], [seed])[0]
 
     def rollouts(self, micro_batches: Sequence[Sequence[PromptExample]], seeds: Sequence[int],
-                 draw: Callable[[int], list[PromptExample]] | None = None) -> list[dict[str, Any]]:
+                 draw: Callable[[Sequence[int]], tuple[list[list[PromptExample]], list[int], list[int]]] | None = None,
+                 shard: tuple[int, int] = (0, 1)) -> list[dict[str, Any]]:
         """rollout() of several micro-batches (a step's --grad-accum) from ONE generation call: a short call pays
         its prefill, graph warm-ups and captures whatever it generates (on an H200 a 32-completion micro-batch's
         rollout ran at ~1,000 tokens/s), so the step's micro-batches share them. Micro-batch j samples with seed j
         as rollout() would alone (request i: seeds[j] * its requests + i), so its batch is the same. Each one's
         rollout_seconds is the call's, shared by its generated tokens. With --grpo-dynamic-sampling N > 0 and
-        `draw` (the loader's next prompts), groups without reward spread are replaced (dynamic_refill)."""
+        `draw` (the loader's _draw_refills), groups without reward spread are replaced (dynamic_refill). `shard`
+        (rank, world): these micro-batches are rank's share of the job's, whose request i is that of one process's
+        micro-batch of world x as many prompts: seed * (world x len) + rank x len + i."""
+        rank, world = shard
+        self.sampler = self.rollout_policy()
         ids = [[p.input_ids.tolist() for p in prompts for _ in range(self.G)] for prompts in micro_batches]
-        request_seeds = [[seed * len(x) + i for i in range(len(x))] for seed, x in zip(seeds, ids, strict=True)]
+        request_seeds = [[seed * len(x) * world + rank * len(x) + i for i in range(len(x))]
+                         for seed, x in zip(seeds, ids, strict=True)]
         parts, seconds = self._generate(ids, request_seeds)
         if draw is None or self.dynamic_sampling == 0:
             return [self._batch(prompts, x, part, s) for prompts, x, part, s in
@@ -378,8 +450,8 @@ class GRPOObjective:
                   ) -> tuple[list[list[Sampled]], list[float]]:
         """(each part's completions, each part's share of the call's seconds by its generated tokens) of the
         request lists `ids` (one part each) sampled in ONE engine call, request r of part j with request_seeds[j][r]."""
-        model = self.policy
-        assert model is not None, "GRPOObjective.bind(model) comes first (build_trainer)"
+        model = self.sampler
+        assert model is not None, "rollouts() chooses the module that samples (rollout_policy)"
         device = next(model.parameters()).device
         t0 = time.perf_counter()
         with self._autocast(device):
@@ -411,7 +483,7 @@ class GRPOObjective:
                ) -> dict[str, Any]:
         """One micro-batch's rollout batch (rollout()'s) from its sampled completions (their rewards `per_func` when
         already scored; `dynamic`: dynamic_refill's sums of the groups drawn and dropped for it)."""
-        model = self.policy
+        model = self.sampler  # the policy, or its plain replica under FSDP2 (rollout_policy)
         device = next(model.parameters()).device
         per_func = self.score(prompts, sampled) if per_func is None else per_func
         weighted = self.weighted_rewards(per_func)
@@ -570,7 +642,8 @@ def extra_request_seeds(seed: int, extra: int, calls: int, n: int) -> list[int]:
 
 def dynamic_refill(obj: GRPOObjective, micro_batches: Sequence[Sequence[PromptExample]], ids: list[list[list[int]]],
                    parts: list[list[Sampled]], seconds: list[float], seeds: Sequence[int],
-                   draw: Callable[[int], list[PromptExample]]) -> list[dict[str, Any]]:
+                   draw: Callable[[Sequence[int]], tuple[list[list[PromptExample]], list[int], list[int]]]
+                   ) -> list[dict[str, Any]]:
     """--grpo-dynamic-sampling N (DAPO's dynamic sampling): of each micro-batch's first-call groups (`parts`), those
     whose G rewards are all equal are dropped and as many fresh prompts drawn (`draw`: the loader's cursor) and
     rolled out, every micro-batch's refills in one engine call, up to N calls; then each micro-batch trains on the
@@ -595,12 +668,18 @@ def dynamic_refill(obj: GRPOObjective, micro_batches: Sequence[Sequence[PromptEx
     for j, prompts in enumerate(micro_batches):
         take(j, prompts, ids[j], parts[j], seconds[j])
     for extra in range(1, obj.dynamic_sampling + 1):
-        js = [j for j in range(len(want)) if len(kept[j]) < want[j]]
-        if not js:
+        needs = [max(0, want[j] - len(kept[j])) for j in range(len(want))]
+        drawn_now, before, total = draw(needs)  # under torchrun every rank's needs: the job stops refilling together
+        if not any(total):
             break
-        fresh = [draw(want[j] - len(kept[j])) for j in js]
+        js = [j for j in range(len(want)) if needs[j]]
+        fresh = [drawn_now[j] for j in js]
         xs = [[p.input_ids.tolist() for p in prompts for _ in range(G)] for prompts in fresh]
-        new_parts, secs = obj._generate(xs, [extra_request_seeds(seeds[j], extra, obj.dynamic_sampling, len(x))
+        if not js:
+            continue  # this rank's groups are full; another rank's still refill
+        # micro-batch j's requests numbered as in one process refilling the job's micro-batch (lower ranks first)
+        new_parts, secs = obj._generate(xs, [extra_request_seeds(seeds[j], extra, obj.dynamic_sampling,
+                                                                 total[j] * G)[before[j] * G:before[j] * G + len(x)]
                                              for j, x in zip(js, xs, strict=True)])
         for j, prompts, x, part, s in zip(js, fresh, xs, new_parts, secs, strict=True):
             take(j, prompts, x, part, s)
@@ -782,12 +861,16 @@ class PromptReport:
 
 def check_grpo_run(args: Any, cfg: Any) -> Callable[..., tuple[list[PromptExample], PromptReport]]:
     """`finetune --objective grpo`'s refusals before anything loads (exit 2), and its prompt loader in the shape of
-    load_sft's. No --val (rewards are logged per step; --eval-task judges held-out problems), one process."""
+    load_sft's. No --val (rewards are logged per step; --eval-task judges held-out problems). Under torchrun
+    (each rank rolls out its share of a micro-batch's prompts: GRPOLoader.shard) --scale-rewards batch (a std over
+    the whole micro-batch, every rank's groups) is refused."""
     from .distributed import env_world
 
-    if env_world()[1] > 1:
-        raise InputError("--objective grpo runs in one process for now (its rollouts are not split over ranks yet): "
-                         "run it without torchrun")
+    world = env_world()[1]
+    if world > 1 and cfg.scale_rewards == "batch":
+        raise InputError(f"--scale-rewards batch under torchrun ({world} processes): each rank scales its own "
+                         f"groups' advantages, and the std of the whole micro-batch would need every rank's rewards; "
+                         f"use --scale-rewards group (the default) or none, or run without torchrun")
     if args.val:
         raise InputError(f"--val {args.val}: --objective grpo has no eval set (its rewards are logged per step); "
                          f"judge held-out problems with --eval-task")
