@@ -32,6 +32,8 @@ D.init_from_env("cpu")
 cg.capture = lambda fn, pool: ReplayedStep(fn)  # the CPU stand-in for torch.cuda.CUDAGraph
 cg.warmup = lambda fn, device: fn()
 CausalLM._check_ids = lambda self, ids: None  # a host read the model makes for CPU inputs only
+from entrenar.train.objective import CausalLMLoss
+CausalLMLoss.head_at = False  # the eager DDP reference applies the head everywhere, as the captured run does
 out, rank = Path(sys.argv[1]), D.current().rank
 captured = []
 original = cg.StepGraphs.__init__

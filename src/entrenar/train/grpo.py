@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from ..data.sft import SFTLoader
 from ..errors import GuardError, InputError
 from ..tensors import IGNORE_INDEX
-from .objective import to_device
+from .objective import takes_head_at, to_device
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's GRPOConfig.loss_type names
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards
@@ -153,8 +153,7 @@ def token_logps(model: torch.nn.Module, input_ids: torch.Tensor, labels: torch.T
     the head at the label positions only (`head_at`, the completion's): the logits of a long prompt are never built,
     and a DDP/FSDP wrapper sees its forward. Another module: its forward's logits."""
     mask = labels != IGNORE_INDEX
-    inner = getattr(model, "module", model)  # DDP's wrapped model (torchrun); FSDP2 shards in place
-    if hasattr(inner, "hidden_states") and hasattr(inner, "head_weight"):
+    if takes_head_at(model):  # DDP's wrapped model (torchrun) too; FSDP2 shards in place
         # through the wrapper's forward: DDP prepares the step's gradient reduction there, FSDP2's hooks gather
         logits = model(input_ids, head_at=mask.reshape(-1).nonzero().squeeze(1)).float()
     else:

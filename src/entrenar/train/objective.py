@@ -52,6 +52,12 @@ def to_device(batch: dict, device: torch.device) -> dict:
 HEAD_AT_MAX_SHARE = 0.9
 
 
+def takes_head_at(model: torch.nn.Module) -> bool:
+    """Whether `model` (or the module a DDP wrapper holds) is our CausalLM, whose forward takes `head_at`."""
+    inner = getattr(model, "module", model)
+    return hasattr(inner, "hidden_states") and hasattr(inner, "head_weight")
+
+
 def head_positions(labels: torch.Tensor) -> torch.Tensor | None:
     """The flat positions (into B*T) of the labels that are not IGNORE_INDEX, for the model's `head_at`, or None
     when more than HEAD_AT_MAX_SHARE of the positions have one. Meant for the loader's CPU labels: no device sync."""
@@ -114,7 +120,7 @@ class CausalLMLoss:
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]:
-        at = head_positions(batch["labels"]) if self.head_at else None
+        at = head_positions(batch["labels"]) if self.head_at and takes_head_at(model) else None
         b = to_device(batch if at is None else {**batch, "head_at": at}, device)
         return self.loss_sum(model, b), self.count(batch), {}
 
@@ -338,4 +344,4 @@ def objective_for(name: str, beta: float = DEFAULT_BETA, mode: str = "full") -> 
 
 
 __all__ = ["DEFAULT_BETA", "OBJECTIVES", "PREFERENCE_LOSSES", "CausalLMLoss", "Objective", "PreferenceLoss",
-           "head_positions", "objective_for", "sequence_logps", "to_device"]
+           "head_positions", "objective_for", "sequence_logps", "takes_head_at", "to_device"]
