@@ -451,12 +451,8 @@ class CausalLM(nn.Module):
         if head_at is not None:
             assert not per_token, "head_at with per_token: gather the positions from the logits instead"
             h = h.reshape(-1, h.shape[-1]).index_select(0, head_at)
-            if labels is None:
-                return F.linear(h, self.head_weight)
-            flat_labels = labels.reshape(-1).index_select(0, head_at)
-            loss = self.ops.linear_cross_entropy(h, self.head_weight, flat_labels, ignore_index=IGNORE_INDEX,
-                                                 reduction="sum")
-            return loss, (flat_labels != IGNORE_INDEX).sum()
+            if labels is not None:
+                labels = labels.reshape(-1).index_select(0, head_at)
         if labels is None:
             return F.linear(h, self.head_weight)
         if per_token:
