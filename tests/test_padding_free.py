@@ -178,10 +178,11 @@ def fake_varlen(kind: str, calls: list):
     return fn
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])  # GQA (4 heads over 2) and plain multi-head
 @pytest.mark.parametrize("kind", ["2.11", "2.13", "is_causal"])
-def test_varlen_adapter_equals_the_dense_doc_mask(kind, monkeypatch):
+def test_varlen_adapter_equals_the_dense_doc_mask(kind, kv_heads, monkeypatch):
     calls: list = []
-    model = tiny_causal_lm(tiny_config(), seed=3).float().eval()  # 4 heads over 2 kv heads: GQA
+    model = tiny_causal_lm(tiny_config(num_kv_heads=kv_heads), seed=3).float().eval()
     b = collate_padding_free(examples(4, seed=2), 0)
     with torch.no_grad():
         dense = model.hidden_states(b["input_ids"], b["position_ids"], b["doc_ids"])
@@ -191,9 +192,26 @@ def test_varlen_adapter_equals_the_dense_doc_mask(kind, monkeypatch):
         spans = model.hidden_states(b["input_ids"], b["position_ids"], b["doc_ids"], cu_seqlens=b["cu_seqlens"],
                                     max_seqlen=b["max_seqlen"])
     assert len(calls) == model.cfg.num_layers  # the varlen path ran in every block
-    want = {"2.11": (-1, 0), "2.13": ((-1, 0), True), "is_causal": True}[kind]
+    want = {"2.11": (-1, 0), "2.13": ((-1, 0), kv_heads != 4), "is_causal": True}[kind]
     assert all(c == want for c in calls), calls
     assert rel_l2(spans, dense) <= 1e-6
+
+
+def test_verify_records_the_dense_attention_of_a_padding_free_row(monkeypatch):
+    """record_internals (verify) needs the attention probabilities, which flash never builds: the dense mask runs."""
+    calls: list = []
+    model = tiny_causal_lm(tiny_config(), seed=3).float().eval()
+    b = collate_padding_free(examples(3, seed=2), 0)
+    monkeypatch.setattr(varlen, "varlen_function", lambda: fake_varlen("2.13", calls))
+    monkeypatch.setattr("entrenar.model.varlen_usable", lambda device, dtype: True)
+    with torch.no_grad(), model.record_internals({}) as trace:
+        model.hidden_states(b["input_ids"], b["position_ids"], b["doc_ids"], cu_seqlens=b["cu_seqlens"],
+                            max_seqlen=b["max_seqlen"])
+    assert not calls
+    probs = trace["layers.0.attn_probs"][0, 0]
+    doc = b["doc_ids"][0]
+    assert float(probs[doc[:, None] != doc[None, :]].abs().max()) == 0.0  # no attention across samples
+    assert torch.allclose(probs.sum(-1), torch.ones(len(doc)))
 
 
 def test_varlen_style_reads_each_signature():
@@ -205,6 +223,13 @@ def test_varlen_style_reads_each_signature():
     def no_causal(q, k, v, cu_q, cu_k, max_q, max_k):
         return q
     assert varlen.varlen_style(no_causal) == (None, False)
+
+    class Unreadable:  # a callable whose signature cannot be read: how to ask for causal is unknown
+        __signature__ = "not a signature"
+
+        def __call__(self, *args):
+            return args[0]
+    assert varlen.varlen_style(Unreadable()) == (None, False)
     assert not varlen.varlen_usable(torch.device("cpu"), torch.bfloat16)  # the CPU: the dense mask
     assert not varlen.varlen_usable(torch.device("cuda"), torch.float32)  # fp32: flash cannot
 
