@@ -309,3 +309,17 @@ def test_padding_free_is_refused_under_torchrun():
         check_padding_free(DataConfig(padding_free=True), "sft", world=2)
     check_padding_free(DataConfig(padding_free=True), "sft", world=1)
     check_padding_free(DataConfig(pack=True, pad_buckets=2), "dpo", world=4)  # without the flag: nothing to say
+
+
+def test_config_file_and_api_take_padding_free(tmp_path, sft_base):
+    import entrenar
+
+    base, data = sft_base
+    config = tmp_path / "run.yaml"
+    config.write_text("padding_free: true\npad_buckets: 2\n")
+    with pytest.raises(InputError, match="drop --pad-buckets 2"):
+        entrenar.finetune(config=config, model=str(base), data=str(data), out=str(tmp_path / "run"), steps=1)
+    with pytest.raises(InputError, match="choose one"):
+        entrenar.finetune(model=str(base), data=str(data), out=str(tmp_path / "run"), steps=1, padding_free=True,
+                          pack=True)
+    assert not (tmp_path / "run").exists()
