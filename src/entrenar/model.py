@@ -32,6 +32,7 @@ from .config import ModelConfig
 from .kernels import Ops, get_ops
 from .long_context import ActivationOffload, checkpoint_block, chunked_rows
 from .tensors import IGNORE_INDEX, positions_from_doc_ids
+from .varlen import VarlenSpans, dense_doc_mask, varlen_usable
 
 
 # ---- RoPE tables --------------------------------------------------------------------------
@@ -182,6 +183,10 @@ class Attention(nn.Module):
         if internals is not None:
             p = f"layers.{self.layer}."
             internals[p + "q_rope"], internals[p + "k_rope"] = q.detach(), k.detach()
+        if isinstance(mask, VarlenSpans):  # a padding-free row (varlen.py): flash over its spans, or its dense mask
+            if internals is None and cache is None:
+                return self.o_proj(mask.attend(q, k, v).reshape(B, T, cfg.num_heads * cfg.head_dim))
+            mask = mask.dense()
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [B, heads, T, D]
         if cache is not None:
             k, v = cache.update(self.layer, k, v)
@@ -378,11 +383,14 @@ class CausalLM(nn.Module):
 
     def hidden_states(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                       doc_ids: torch.Tensor | None = None, cache: KVCache | None = None,
-                      attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+                      attention_mask: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
+                      max_seqlen: int | None = None) -> torch.Tensor:
         """Final-norm hidden states [B, T, C].
 
         doc_ids [B, T]: attention stays inside runs of equal id (packed sequences); positions
         restart at each new document unless position_ids is given.
+        cu_seqlens (int32 [n+1]) and max_seqlen with doc_ids and B == 1: a padding-free row of n samples; on CUDA in
+        fp16/bf16 the attention is varlen flash attention over those spans (varlen.py), elsewhere the doc-id mask.
         attention_mask [B, past + T] (1/True = a real token, 0 = padding; generation's left padding):
         no query attends to a padding key, and positions count real tokens only, as transformers'.
         """
@@ -409,10 +417,10 @@ class CausalLM(nn.Module):
         mask = None
         if static:
             mask = cache.mask
+        elif doc_ids is not None and cu_seqlens is not None and B == 1 and varlen_usable(input_ids.device, dtype):
+            mask = VarlenSpans(cu_seqlens.to(input_ids.device, torch.int32), int(max_seqlen or T), doc_ids)
         elif doc_ids is not None:
-            same = doc_ids[:, :, None] == doc_ids[:, None, :]
-            causal = torch.ones(T, T, dtype=torch.bool, device=input_ids.device).tril()
-            mask = (same & causal)[:, None]  # [B, 1, T, T]
+            mask = dense_doc_mask(doc_ids)  # [B, 1, T, T]
         elif attention_mask is not None:
             mask = padding_mask(attention_mask, T)
         elif past and T > 1:
@@ -431,7 +439,8 @@ class CausalLM(nn.Module):
     def forward(self, input_ids: torch.Tensor, labels: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, doc_ids: torch.Tensor | None = None,
                 cache: KVCache | None = None, attention_mask: torch.Tensor | None = None, per_token: bool = False,
-                head_at: torch.Tensor | None = None):
+                head_at: torch.Tensor | None = None, *, cu_seqlens: torch.Tensor | None = None,
+                max_seqlen: int | None = None):
         """The one entry point (train, eval, generation, torch.compile, FSDP hooks).
 
         Without labels: logits [B, T, V]. With labels (already shifted, IGNORE_INDEX ignored):
@@ -446,8 +455,10 @@ class CausalLM(nn.Module):
         labels (not per_token) the summed CE and count over those positions, the caller vouching that every label
         elsewhere is IGNORE_INDEX. An SFT batch's labels are its responses: the prompts and padding, most of its
         positions, skip the head's matmuls (forward and backward) at the same loss.
+        cu_seqlens, max_seqlen: a padding-free row's spans (hidden_states).
         """
-        h = self.hidden_states(input_ids, position_ids, doc_ids, cache, attention_mask)
+        h = self.hidden_states(input_ids, position_ids, doc_ids, cache, attention_mask, cu_seqlens=cu_seqlens,
+                               max_seqlen=max_seqlen)
         if head_at is not None:
             assert not per_token, "head_at with per_token: gather the positions from the logits instead"
             h = h.reshape(-1, h.shape[-1]).index_select(0, head_at)

@@ -615,12 +615,17 @@ class SFTLoader:
 
     ``buckets`` (``bucket_lengths``): each batch's T is padded up to the smallest bucket that holds its longest
     row, so a run sees len(buckets) shapes; () pads to the longest row (T changes every batch).
+
+    ``padding_free``: the samples padded mode draws (the same ones, in the same order, the same cursor and state)
+    laid end to end in ONE row of exactly their total length (`collate_padding_free`: no padding at all), with
+    ``cu_seqlens``/``max_seqlen`` for varlen attention (varlen.py). Not with ``pack`` or ``buckets``.
     """
 
     kind = "sft"
 
     def __init__(self, examples: Sequence[SFTExample], batch_size: int, seed: int = 0, pack: bool = False,
-                 max_seq_len: int | None = None, pad_id: int | None = 0, buckets: Sequence[int] = ()):
+                 max_seq_len: int | None = None, pad_id: int | None = 0, buckets: Sequence[int] = (),
+                 padding_free: bool = False):
         if not examples:
             raise InputError("SFT loader: no examples (every row was skipped?)")
         if batch_size < 1:
@@ -638,7 +643,10 @@ class SFTLoader:
         if buckets and buckets[-1] < need:
             raise InputError(f"the last SFT length bucket {buckets[-1]} is shorter than a batch row can be ({need} "
                              f"tokens); the last bucket must be max_seq_len (bucket_lengths)")
-        self.buckets = buckets
+        if padding_free and (pack or buckets):
+            raise InputError("padding-free SFT batches are one row of exactly their samples' tokens: they take no "
+                             "--pack and no --pad-buckets")
+        self.buckets, self.padding_free = buckets, padding_free
         self.examples = list(examples)
         self.batch_size, self.seed, self.pack = batch_size, seed, pack
         # The pad id only fills input positions whose labels are -100 (any valid id works; 0 if None).
@@ -668,7 +676,7 @@ class SFTLoader:
             for _ in range(self.batch_size):
                 chosen.append(self._peek())
                 self._advance()
-            return collate_padded(chosen, self.pad_id, self.buckets)
+            return self._collate(chosen)
         rows = []
         for _ in range(self.batch_size):
             row, used = [], 0
@@ -684,7 +692,7 @@ class SFTLoader:
         """One pass over all examples in file order; the last batch may be smaller. State untouched."""
         if not self.pack:
             for i in range(0, len(self.examples), self.batch_size):
-                yield collate_padded(self.examples[i:i + self.batch_size], self.pad_id, self.buckets)
+                yield self._collate(self.examples[i:i + self.batch_size])
             return
         rows, row, used = [], [], 0
         for ex in self.examples:
@@ -699,8 +707,14 @@ class SFTLoader:
         rows.append(row)
         yield collate_packed(rows, self.pad_id, self.buckets)
 
+    def _collate(self, chosen: Sequence[SFTExample]) -> dict[str, Any]:
+        """One batch of unpacked samples: padded rows, or one padding-free row."""
+        if self.padding_free:
+            return collate_padding_free(chosen, self.pad_id)
+        return collate_padded(chosen, self.pad_id, self.buckets)
+
     def state_dict(self) -> dict[str, Any]:
-        return {"kind": self.kind, **self.cursor.state_dict(), "pack": self.pack,
+        return {"kind": self.kind, **self.cursor.state_dict(), "pack": self.pack, "padding_free": self.padding_free,
                 "batch_size": self.batch_size, "max_seq_len": self.max_seq_len,
                 "num_examples": len(self.examples), "fingerprint": self.fingerprint,
                 "buckets": list(self.buckets)}  # for information: batch shapes only, not which samples
@@ -768,4 +782,14 @@ def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int, pad_to: Se
              "sample_ids": sample_ids}
     if kl_mask.any():
         batch["kl_mask"] = kl_mask
+    return batch
+
+
+def collate_padding_free(examples: Sequence[SFTExample], pad_id: int) -> dict[str, Any]:
+    """The samples end to end in one row [1, N], N = their total length (collate_packed's row, so no padding), plus
+    "cu_seqlens" (int32 [n+1], CPU: the cumulative lengths, varlen attention's spans) and "max_seqlen" (int)."""
+    batch = collate_packed([examples], pad_id)
+    lengths = [len(e) for e in examples]
+    batch["cu_seqlens"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
+    batch["max_seqlen"] = max(lengths)
     return batch

@@ -601,6 +601,24 @@ def resolve_pad_buckets(requested: int | None, max_seq_len: int, kind: str = "sf
         raise InputError(f"--pad-buckets: {e}") from None
 
 
+def check_padding_free(data: DataConfig, objective: str, world: int) -> None:
+    """The one place --padding-free is refused (exit 2): it lays an SFT batch's samples end to end in one row."""
+    if not data.padding_free:
+        return
+    if objective != "sft":
+        raise InputError(f"--padding-free lays SFT samples end to end; --objective {objective} batches its own rows "
+                         f"(pairs or rollouts): drop --padding-free")
+    if data.pack:
+        raise InputError("--padding-free and --pack both put several samples in a row: --pack fills rows of "
+                         "--max-seq-len tokens, --padding-free makes one row of exactly a batch's samples; choose one")
+    if data.pad_buckets:
+        raise InputError(f"--padding-free batches have no padding to bucket: drop --pad-buckets {data.pad_buckets} "
+                         f"(or --padding-free)")
+    if world > 1:
+        raise InputError(f"--padding-free under torchrun ({world} ranks): each rank takes rows of the global batch, "
+                         f"and a padding-free batch is one row that cannot be split; drop --padding-free or use --pack")
+
+
 def cmd_finetune(args: Any) -> dict[str, Any]:
     from ..formats import load_model, resolve_model
     from ..tokenizer import load_tokenizer, use_chat_template_file
@@ -609,6 +627,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
 
     out = Path(args.out)
     cfg, lora, data = _configs(args, "finetune")
+    check_padding_free(data, cfg.objective, env_world()[1])  # before the data is read
     load_rows, Loader, kind = _rows_kind(cfg.objective, args.pack)
     if kind == "grpo-prompts":
         load_rows = check_grpo_run(args, cfg)  # prompt rows with room for the completions; no eval split
@@ -648,6 +667,8 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     _check_batch(cfg.batch_size, len(examples), f"training samples left in {args.data}")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
     shapes = {"buckets": buckets} if buckets else {}  # preference loaders take none (resolve_pad_buckets)
+    if data.padding_free:  # SFT only (check_padding_free)
+        shapes["padding_free"] = True
     if buckets:
         _log(f"--pad-buckets {len(buckets)}: batches padded to one of {', '.join(map(str, buckets))} tokens")
     train_loader = Loader(examples, cfg.batch_size, seed=cfg.seed, pack=args.pack, max_seq_len=args.max_seq_len,

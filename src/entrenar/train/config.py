@@ -601,6 +601,10 @@ class DataConfig:
                                  "(multiples of 64, the last --max-seq-len) instead of its longest row, so the "
                                  "training step sees N shapes (e.g. for CUDA graphs); 0 = pad to the longest row",
                               commands=("finetune",), metavar="N")
+    padding_free: bool = option(False, "each batch's samples end to end in one row of exactly their tokens (no "
+                                       "padding; varlen flash attention on CUDA), the same samples and loss as "
+                                       "padded batches; SFT only, not with --pack, --pad-buckets or torchrun",
+                                commands=("finetune",))
 
     def validate(self) -> None:
         if not (math.isfinite(self.val_fraction) and 0.0 <= self.val_fraction < 1.0):

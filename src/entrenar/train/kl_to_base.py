@@ -26,7 +26,7 @@ import torch.nn.functional as F
 
 from ..errors import InputError
 from ..tensors import IGNORE_INDEX
-from .objective import CausalLMLoss, to_device
+from .objective import CausalLMLoss, model_inputs, to_device
 
 KL_ROWS = ("mix", "all")
 KL_TOKENS = "_kl_tokens"  # a metric sum only: the chosen rows' label tokens, for kl_to_base per token
@@ -62,7 +62,7 @@ class SFTWithKL(CausalLMLoss):
     def _ref_logits(self, model: torch.nn.Module, b: dict) -> torch.Tensor:
         from ..peft import adapters_disabled
 
-        kwargs = {"position_ids": b.get("position_ids"), "doc_ids": b.get("doc_ids")}
+        kwargs = model_inputs(b)
         with torch.no_grad():
             if self.reference_model is not None:
                 return self.reference_model(b["input_ids"], **kwargs)
@@ -76,7 +76,7 @@ class SFTWithKL(CausalLMLoss):
             zero = torch.zeros((), device=loss_sum.device)
             return loss_sum, n, {"kl_to_base": zero, KL_TOKENS: zero.clone()}
         b = to_device(batch, device)
-        logits = model(b["input_ids"], position_ids=b.get("position_ids"), doc_ids=b.get("doc_ids"))
+        logits = model(b["input_ids"], **model_inputs(b))
         ce = F.cross_entropy(logits.float().flatten(0, 1), b["labels"].flatten(), ignore_index=IGNORE_INDEX,
                              reduction="sum")
         mask = b["kl_mask"] & (b["labels"] != IGNORE_INDEX)

@@ -68,6 +68,15 @@ def head_positions(labels: torch.Tensor) -> torch.Tensor | None:
     return keep.nonzero().squeeze(1)
 
 
+def model_inputs(b: dict) -> dict[str, Any]:
+    """The model's keyword arguments from a batch besides input_ids and labels: the packed rows' positions and doc
+    ids, and a padding-free row's spans (cu_seqlens, max_seqlen: data/sft.py, varlen.py) when the batch has them."""
+    out = {"position_ids": b.get("position_ids"), "doc_ids": b.get("doc_ids")}
+    if b.get("cu_seqlens") is not None:
+        out["cu_seqlens"], out["max_seqlen"] = b["cu_seqlens"], b["max_seqlen"]
+    return out
+
+
 class Objective(Protocol):
     """The interface the Trainer and `evaluate` use (see the module docstring)."""
 
@@ -129,8 +138,7 @@ class CausalLMLoss:
         """The summed cross-entropy of a batch already on the device: no host read (a CUDA graph captures it, with
         no "head_at": its shapes must not change between replays)."""
         extra = {"head_at": b["head_at"]} if "head_at" in b else {}
-        loss_sum, _ = model(b["input_ids"], labels=b["labels"], position_ids=b.get("position_ids"),
-                            doc_ids=b.get("doc_ids"), **extra)
+        loss_sum, _ = model(b["input_ids"], labels=b["labels"], **model_inputs(b), **extra)
         return loss_sum
 
     def count(self, batch: dict) -> int:

@@ -1,0 +1,89 @@
+"""Padding-free attention: one row of several samples, each attending causally to itself only.
+
+A padding-free batch (`finetune --padding-free`, data/sft.py) is one row of N = sum(lengths) tokens with
+``cu_seqlens`` (int32 [n+1], the samples' cumulative lengths) and ``doc_ids``. `VarlenSpans` is what the model's
+blocks receive as their ``mask``: on CUDA in fp16/bf16 `Attention.forward` calls its `attend`, torch's varlen
+flash attention over the spans (no [T, T] mask is ever built); everywhere else it hands over `dense()`, the
+doc-id causal mask of packed rows, and the attention is today's SDPA under that mask (the same result).
+
+torch's varlen function changed across versions (we run on 2.11-2.14): causal attention is
+``window_size=(-1, 0)`` (2.11+) or ``is_causal=True`` (older); GQA is ``enable_gqa=True`` where the signature
+has it (2.13+), else the keys/values are repeated per head. `varlen_style` reads the signature once.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+HALF_DTYPES = (torch.float16, torch.bfloat16)  # flash attention computes in these only
+
+
+def varlen_function() -> Callable | None:
+    """torch's varlen attention, or None where this torch has none."""
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:
+        return None
+    return varlen_attn
+
+
+@functools.lru_cache(maxsize=8)
+def varlen_style(fn: Callable) -> tuple[str | None, bool]:
+    """(how `fn` is told "causal": "window_size", "is_causal" or None = cannot be, whether it takes enable_gqa)."""
+    try:
+        params = inspect.signature(fn).parameters
+    except (TypeError, ValueError):  # a builtin without a signature: we cannot know how to ask for causal
+        return None, False
+    causal = "window_size" if "window_size" in params else "is_causal" if "is_causal" in params else None
+    return causal, "enable_gqa" in params
+
+
+def varlen_usable(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether a forward on `device` computing in `dtype` runs the varlen kernel (else the dense doc-id mask)."""
+    fn = varlen_function()
+    return device.type == "cuda" and dtype in HALF_DTYPES and fn is not None and varlen_style(fn)[0] is not None
+
+
+def dense_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
+    """The SDPA mask [B, 1, T, T] of packed rows: causal, and only inside a run of one doc id."""
+    T = doc_ids.shape[1]
+    same = doc_ids[:, :, None] == doc_ids[:, None, :]
+    causal = torch.ones(T, T, dtype=torch.bool, device=doc_ids.device).tril()
+    return (same & causal)[:, None]
+
+
+@dataclass
+class VarlenSpans:
+    """The spans of a padding-free row, passed to the blocks as their attention ``mask``."""
+
+    cu_seqlens: torch.Tensor  # int32 [n+1], on the device of the activations
+    max_seqlen: int
+    doc_ids: torch.Tensor  # [1, T]
+    _dense: torch.Tensor | None = field(default=None, repr=False)
+
+    def dense(self) -> torch.Tensor:
+        """The doc-id causal mask [1, 1, T, T] (the fallback, and verify's attention_probs), built once."""
+        if self._dense is None:
+            self._dense = dense_doc_mask(self.doc_ids)
+        return self._dense
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Causal attention inside each span: q [1, T, H, D], k/v [1, T, K, D] -> [1, T, H, D]."""
+        fn = varlen_function()
+        assert fn is not None, "VarlenSpans.attend without a varlen function (varlen_usable said no)"
+        causal, has_gqa = varlen_style(fn)
+        q, k, v = q[0], k[0], v[0]  # [T, heads, D]: total tokens first
+        kwargs: dict = {"window_size": (-1, 0)} if causal == "window_size" else {"is_causal": True}
+        groups = q.shape[1] // k.shape[1]
+        if groups > 1 and has_gqa:
+            kwargs["enable_gqa"] = True
+        elif groups > 1:
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+        cu, n = self.cu_seqlens, self.max_seqlen
+        y = fn(q, k, v, cu, cu, n, n, **kwargs)
+        return y.unsqueeze(0)
