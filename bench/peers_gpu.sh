@@ -13,6 +13,8 @@
 #   bash bench/peers_gpu.sh grpo NAME SECONDS      bench/grpo_peers.py on NAME: TRL's GRPOTrainer, ours, TRL after
 #   bash bench/peers_gpu.sh speed NAME SECONDS     the engine through the CLI on NAME (bench/panel_gpu.sh speed
 #                                                  with the model's own chat template, the kernel only)
+#   bash bench/peers_gpu.sh profile NAME SECONDS   the README recipe's step (the sft stage's rows) profiled, padded
+#                                                  and --padding-free: 40 steps each, --profile 30:3
 #   bash bench/peers_gpu.sh panel STAGE NAME SECONDS  bench/panel_gpu.sh STAGE on NAME in /tmp/panel-NAME (its env:
 #                                                  ONLY, TEMPLATE, SFT_STEPS, GRPO_*)
 #   bash bench/peers_gpu.sh bg TAG STAGE ARGS      STAGE detached from a copy of this tree, after the detached steps
@@ -53,6 +55,7 @@ sft)
     args=(--model "$model" --make-rows --humaneval); rows=${ROWS:-trl,trl-liger,unsloth,entrenar,trl-after}
   fi
   in_loop=(--entrenar-flag=--eval-task=bfcl:simple_python,multiple --entrenar-flag=--eval-task-limit=100)
+  for f in ${SFT_FLAGS:-}; do in_loop+=("--entrenar-flag=$f"); done  # SFT_FLAGS="--padding-free": ours with them
   t0=$SECONDS  # two thirds of SECONDS for the training rows, the rest for the evals
   timeout $((seconds * 2 / 3)) python3 -m bench.sft_peers "${args[@]}" --rows "$rows" --no-eval \
     --unsloth-site /tmp/site_u "${in_loop[@]}" --out "$root/sft" 2>&1 | tail -n 30
@@ -74,6 +77,24 @@ grpo)
   timeout $((seconds - 10)) python3 -m bench.grpo_peers "${args[@]}" ${GRPO_ARGS:-} --out "$root/grpo" 2>&1 | tail -n 25
   tar czf "$OUT/grpo-results.tgz" -C "$root" --exclude='*.safetensors' --exclude='*.bin' --exclude='*.pt' \
     --exclude=checkpoints --exclude=trainer grpo
+  ;;
+profile)  # the README recipe's step profiled, padded and padding-free, on the rows the sft stage made
+  name=$1; seconds=$2; rows=$root/sft/rows
+  source bench/gpu_model.sh "$name"
+  [ -f "$rows/calls.jsonl" ] || { echo "no rows: run the sft stage first"; exit 1; }
+  for v in padded padding-free; do
+    extra=(); [ "$v" = padding-free ] && extra=(--padding-free)
+    rm -rf "$root/profile-$v"
+    timeout $((seconds / 2 - 5)) python3 -m entrenar finetune --model "$model" --data "$rows/calls.jsonl" \
+      --mix "$rows/replay.jsonl:0.3" --chat-template chatml_tools --mode lora --rank 16 --lr 3e-4 --steps 40 \
+      --batch-size 16 --max-seq-len 4096 --profile 30:3 --device cuda --out "$root/profile-$v" \
+      "${extra[@]}" > "$root/profile-$v.log" 2>&1
+    echo "== $v: exit $?"; grep -E "^done:" "$root/profile-$v.log"
+    python3 -c "import json, sys; d = json.load(open(sys.argv[1])); print(json.dumps(d, indent=None)[:3000])" \
+      "$root/profile-$v/profile.json"
+  done 2>&1 | tee "$OUT/profile-summary.txt"
+  tar czf "$OUT/profile-results.tgz" -C "$root" --exclude='*.safetensors' --exclude=checkpoints --exclude=final \
+    profile-padded profile-padding-free profile-padded.log profile-padding-free.log
   ;;
 panel)
   what=$1; name=$2; seconds=$3
@@ -99,6 +120,6 @@ bg)
   sleep 2; echo "$tag: pid $(cat "/tmp/bg-$tag.pid"), after: $waits"; cat "/tmp/bg-$tag.log"
   ;;
 *)
-  echo "unknown stage $stage (setup | step | sft | grpo | panel | speed | bg)"; exit 2
+  echo "unknown stage $stage (setup | step | sft | grpo | profile | panel | speed | bg)"; exit 2
   ;;
 esac
