@@ -42,6 +42,7 @@ import hashlib
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
 import time
@@ -331,6 +332,8 @@ def entrenar_command(p: dict[str, Any], run_dir: Path) -> list[str]:
         cmd += ["--mix", m]
     if p["chat_template"]:
         cmd += ["--chat-template", p["chat_template"]]
+    if p.get("padding_free"):
+        cmd += ["--padding-free"]
     if p["device"] == "cpu":
         cmd += ["--device", "cpu"]
     return cmd + list(p.get("entrenar_flags") or [])
@@ -356,6 +359,8 @@ def run_entrenar(cmd: list[str], out: Path, timeout: float) -> tuple[dict[str, A
 
 def entrenar_row(p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
     run_dir = out / "entrenar"
+    if run_dir.exists():  # an earlier call's run (one cut by its time limit too): finetune refuses an --out in use
+        shutil.rmtree(run_dir)
     row, summ = run_entrenar(entrenar_command(p, run_dir), out, timeout)
     if summ is None:
         return row
@@ -510,6 +515,8 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--lr", type=float, default=3e-4)
     ap.add_argument("--max-seq-len", type=int, default=4096)
     ap.add_argument("--chat-template", default="chatml_tools")
+    ap.add_argument("--padding-free", action=argparse.BooleanOptionalAction, default=True,
+                    help="our row with finetune --padding-free, as the recipe (--no-padding-free: padded batches)")
     ap.add_argument("--rows", default=",".join(ROWS), help=f"which rows, in order ({','.join(ROWS)})")
     ap.add_argument("--categories", default="simple_python,multiple,irrelevance", help="BFCL categories")
     ap.add_argument("--humaneval", action="store_true", help="also eval --task humaneval on each result")
@@ -569,8 +576,10 @@ def train_rows(names: list[str], p: dict[str, Any], stats: dict[str, Any], out: 
             row["tok_s"] = stats["tokens"] / row["loop_s"]
             if row["peer"] != "entrenar":
                 row["same_sequence"] = row.get("sequence_sha256") == stats["sha256"]
-            elif not p["entrenar_flags"]:  # ours counts padded tokens (to each batch's longest; not with buckets)
-                row["padded_tokens_match"] = row.get("counted_tokens") == stats["padded_tokens"]
+            elif not p["entrenar_flags"]:  # ours counts the tokens it ran: padded to each batch's longest, or the
+                # real ones with --padding-free (not with buckets)
+                want = stats["tokens"] if p.get("padding_free") else stats["padded_tokens"]
+                row["counted_tokens_match"] = row.get("counted_tokens") == want
         rows.append(row)
         print(json.dumps(row), flush=True)
         write_summary(out, p, stats, rows)
@@ -625,7 +634,7 @@ def prepare(ap: argparse.ArgumentParser, args: argparse.Namespace, out: Path, ta
 
     p: dict[str, Any] = {"model": args.model, "data": args.data, "mix": args.mix, "steps": args.steps,
                          "batch": args.batch, "rank": args.rank, "lr": args.lr, "max_seq_len": args.max_seq_len,
-                         "chat_template": args.chat_template, "tasks": tasks,
+                         "chat_template": args.chat_template, "padding_free": args.padding_free, "tasks": tasks,
                          "eval_limit": args.eval_limit, "entrenar_flags": args.entrenar_flag,
                          "unsloth_site": args.unsloth_site,
                          "device": "cuda" if torch.cuda.is_available() and not args.tiny else "cpu"}

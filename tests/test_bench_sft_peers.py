@@ -67,13 +67,17 @@ def test_defaults_are_the_recipes():
     assert recipe["mode"] == "lora" and [m.rsplit(":", 1)[1] for m in recipe["mix"]] == ["0.3"]
     p = {"model": recipe["model"], "data": "calls.jsonl", "mix": ["replay.jsonl:0.3"], "steps": args.steps,
          "batch": args.batch, "rank": args.rank, "lr": args.lr, "max_seq_len": args.max_seq_len,
-         "chat_template": args.chat_template, "device": "cuda"}
+         "chat_template": args.chat_template, "padding_free": args.padding_free, "device": "cuda"}
     cmd = sft_peers.entrenar_command(p, Path("run"))
     flags = dict(zip(cmd[cmd.index("finetune") + 2::2], cmd[cmd.index("finetune") + 3::2]))
     assert flags["--mode"] == "lora" and flags["--mix"] == "replay.jsonl:0.3"
     assert (int(flags["--steps"]), int(flags["--batch-size"]), int(flags["--rank"]), float(flags["--lr"]),
             int(flags["--max-seq-len"])) == (250, 16, 16, 3e-4, 4096)
     assert "--eval-task" not in cmd and "--retain-task" not in cmd  # no in-loop task evals in the timed run
+    # the recipe's padding-free batches, unless --no-padding-free
+    assert recipe["padding_free"] is True and args.padding_free is True and "--padding-free" in cmd
+    p["padding_free"] = sft_peers.build_parser().parse_args(["--out", "x", "--no-padding-free"]).padding_free
+    assert "--padding-free" not in sft_peers.entrenar_command(p, Path("run"))
 
 
 def test_unsloth_row_uses_its_site_and_skips_when_it_does_not_import(tmp_path):
@@ -120,3 +124,32 @@ def test_the_trl_rows_train_a_gguf_model(tmp_path):
     for name in ("model.embed_tokens.weight", "model.layers.0.self_attn.q_proj.base_layer.weight"):
         key = name.replace(".base_layer", "")
         assert torch.equal(theirs[name], ours[key]), name  # the weights finetune loads, bit for bit
+
+
+def test_our_row_is_checked_against_the_tokens_it_ran(tmp_path, monkeypatch):
+    """counted_tokens_match: a padding-free run counts the real tokens, a padded one the tokens padded to each
+    batch's longest row; a run that counted the other number does not match."""
+    stats = {"samples": 4, "tokens": 100, "padded_tokens": 160, "loss_tokens": 20, "sha256": "x"}
+    for padding_free, counted, want in ((True, 100, True), (True, 160, False), (False, 160, True),
+                                        (False, 100, False)):
+        monkeypatch.setattr(sft_peers, "entrenar_row", lambda p, out, timeout, n=counted: {
+            "row": "entrenar", "peer": "entrenar", "status": "ok", "loop_s": 2.0, "counted_tokens": n})
+        p = {"steps": 2, "entrenar_flags": [], "padding_free": padding_free}
+        monkeypatch.setattr(sft_peers, "write_summary", lambda *a, **k: None)
+        row = sft_peers.train_rows(["entrenar"], p, stats, tmp_path, 10.0)[0]
+        assert row["counted_tokens_match"] is want and row["tok_s"] == 50.0
+
+
+def test_our_row_starts_from_an_empty_run_dir(tmp_path, monkeypatch):
+    """A later call into the same --out (after a job's time limit cut our row) runs ours again from scratch:
+    finetune refuses an --out that holds an unfinished run."""
+    old = tmp_path / "entrenar"
+    old.mkdir()
+    (old / "metrics.jsonl").write_text('{"step": 1}\n')
+    seen = []
+    monkeypatch.setattr(sft_peers, "run_entrenar", lambda cmd, out, timeout: (
+        seen.append(old.exists()) or ({"row": "entrenar", "status": "failed"}, None)))
+    p = {"model": "m", "data": "d", "mix": [], "steps": 1, "batch": 1, "rank": 4, "lr": 1e-3, "max_seq_len": 64,
+         "chat_template": "", "device": "cpu"}
+    sft_peers.entrenar_row(p, tmp_path, 10.0)
+    assert seen == [False]
