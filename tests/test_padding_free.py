@@ -128,6 +128,24 @@ def test_padding_free_loss_and_gradients_equal_the_padded_batch():
         assert rel_l2(grads_f[k], grads_p[k]) <= 1e-5, k
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and plain multi-head
+def test_without_the_varlen_kernel_each_span_is_attended_alone(kv_heads, monkeypatch):
+    """CPU / fp32: one causal SDPA per span, equal to the dense doc-id mask, and no N x N mask is ever built (16
+    samples of 4k tokens would make one of 4 G entries)."""
+    model = tiny_causal_lm(tiny_config(num_kv_heads=kv_heads), seed=3).float().eval()
+    b = collate_padding_free(examples(4, seed=2), 0)
+    with torch.no_grad():
+        dense = model.hidden_states(b["input_ids"], b["position_ids"], b["doc_ids"])
+
+    def no_dense(doc_ids):
+        raise AssertionError("the padding-free fallback built the N x N doc-id mask")
+    monkeypatch.setattr(varlen, "dense_doc_mask", no_dense)
+    with torch.no_grad():
+        spans = model.hidden_states(b["input_ids"], b["position_ids"], b["doc_ids"], cu_seqlens=b["cu_seqlens"],
+                                    max_seqlen=b["max_seqlen"])
+    assert rel_l2(spans, dense) <= 1e-6
+
+
 # ---- the varlen adapter -----------------------------------------------------------------------------------------
 def span_sdpa(q, k, v, cu, causal: bool):
     """What varlen attention computes: SDPA per span. q [T, H, D], k/v [T, H, D] (heads already matched)."""

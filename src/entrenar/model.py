@@ -183,7 +183,7 @@ class Attention(nn.Module):
         if internals is not None:
             p = f"layers.{self.layer}."
             internals[p + "q_rope"], internals[p + "k_rope"] = q.detach(), k.detach()
-        if isinstance(mask, VarlenSpans):  # a padding-free row (varlen.py): flash over its spans, or its dense mask
+        if isinstance(mask, VarlenSpans):  # a padding-free row (varlen.py): flash or SDPA per span; verify: dense mask
             if internals is None and cache is None:
                 return self.o_proj(mask.attend(q, k, v).reshape(B, T, cfg.num_heads * cfg.head_dim))
             mask = mask.dense()
@@ -417,8 +417,9 @@ class CausalLM(nn.Module):
         mask = None
         if static:
             mask = cache.mask
-        elif doc_ids is not None and cu_seqlens is not None and B == 1 and varlen_usable(input_ids.device, dtype):
-            mask = VarlenSpans(cu_seqlens.to(input_ids.device, torch.int32), int(max_seqlen or T), doc_ids)
+        elif doc_ids is not None and cu_seqlens is not None and B == 1:
+            mask = VarlenSpans(cu_seqlens.to(input_ids.device, torch.int32), int(max_seqlen or T), doc_ids,
+                               flash=varlen_usable(input_ids.device, dtype))
         elif doc_ids is not None:
             mask = dense_doc_mask(doc_ids)  # [B, 1, T, T]
         elif attention_mask is not None:

@@ -3,8 +3,8 @@
 A padding-free batch (`finetune --padding-free`, data/sft.py) is one row of N = sum(lengths) tokens with
 ``cu_seqlens`` (int32 [n+1], the samples' cumulative lengths) and ``doc_ids``. `VarlenSpans` is what the model's
 blocks receive as their ``mask``: on CUDA in fp16/bf16 `Attention.forward` calls its `attend`, torch's varlen
-flash attention over the spans (no [T, T] mask is ever built); everywhere else it hands over `dense()`, the
-doc-id causal mask of packed rows, and the attention is today's SDPA under that mask (the same result).
+flash attention over the spans (no [T, T] mask is ever built); everywhere else (CPU, fp32) each span is one causal
+SDPA call, the same result; only verify's attention probabilities take `dense()`, the doc-id mask of packed rows.
 
 torch's varlen function changed across versions (we run on 2.11-2.14): causal attention is
 ``window_size=(-1, 0)`` (2.11+) or ``is_causal=True`` (older); GQA is ``enable_gqa=True`` where the signature
@@ -19,6 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn.functional as F
 
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # flash attention computes in these only
 
@@ -59,11 +60,14 @@ def dense_doc_mask(doc_ids: torch.Tensor) -> torch.Tensor:
 
 @dataclass
 class VarlenSpans:
-    """The spans of a padding-free row, passed to the blocks as their attention ``mask``."""
+    """The spans of a padding-free row, passed to the blocks as their attention ``mask``. ``flash``: torch's varlen
+    kernel runs (`varlen_usable`); else each span is its own causal SDPA call (`attend_per_span`): never an N x N
+    mask, which for a batch of 16 samples of 4k tokens would be 4 G entries."""
 
     cu_seqlens: torch.Tensor  # int32 [n+1], on the device of the activations
     max_seqlen: int
     doc_ids: torch.Tensor  # [1, T]
+    flash: bool = True
     _dense: torch.Tensor | None = field(default=None, repr=False)
 
     def dense(self) -> torch.Tensor:
@@ -72,8 +76,20 @@ class VarlenSpans:
             self._dense = dense_doc_mask(self.doc_ids)
         return self._dense
 
+    def attend_per_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """`attend` by one causal SDPA call per span (CPU, fp32, no varlen kernel): the spans' own lengths, squared,
+        instead of the row's. Reads cu_seqlens on the host (free on the CPU; one sync on CUDA's fp32 path)."""
+        bounds = self.cu_seqlens.tolist()
+        gqa = q.shape[2] != k.shape[2]
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D]
+        ys = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
+                                             enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:])]
+        return torch.cat(ys, dim=2).transpose(1, 2)
+
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention inside each span: q [1, T, H, D], k/v [1, T, K, D] -> [1, T, H, D]."""
+        if not self.flash:
+            return self.attend_per_span(q, k, v)
         fn = varlen_function()
         assert fn is not None, "VarlenSpans.attend without a varlen function (varlen_usable said no)"
         causal, has_gqa = varlen_style(fn)
