@@ -14,6 +14,7 @@ has it (2.13+), else the keys/values are repeated per head. `varlen_style` reads
 from __future__ import annotations
 
 import functools
+import itertools
 import inspect
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -83,7 +84,7 @@ class VarlenSpans:
         gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D]
         ys = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
-                                             enable_gqa=gqa) for a, b in zip(bounds[:-1], bounds[1:])]
+                                             enable_gqa=gqa) for a, b in itertools.pairwise(bounds)]
         return torch.cat(ys, dim=2).transpose(1, 2)
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
