@@ -14,8 +14,8 @@ has it (2.13+), else the keys/values are repeated per head. `varlen_style` reads
 from __future__ import annotations
 
 import functools
-import itertools
 import inspect
+import itertools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
