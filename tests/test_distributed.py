@@ -172,12 +172,14 @@ def test_ddp_two_ranks_equal_one_process(tmp_path, single, base_model, sft_data)
     assert worst_rel(weights(out / "final/model.safetensors"), weights(single / "final/model.safetensors")) <= 1e-5
 
 
-@pytest.mark.parametrize("extra", [("--activation-checkpointing",), ("--mode", "lora", "--rank", "4", "--lr", "2e-3")],
-                         ids=["full-checkpointing", "lora"])
+@pytest.mark.parametrize("extra", [("--activation-checkpointing",), ("--mode", "lora", "--rank", "4", "--lr", "2e-3"),
+                                   ("--mode", "lora", "--rank", "4", "--lr", "2e-3", "--padding-free")],
+                         ids=["full-checkpointing", "lora", "lora-padding-free"])
 def test_ddp_static_graph_one_micro_batch_equals_one_process(tmp_path, base_model, sft_data, extra):
     """A step of one micro-batch: DDP declares its graph static (parallel.DDP_OPTIONS). With the blocks
     recomputed in the backward, or only the adapters trainable (frozen parameters never reduced), two
-    ranks still train what one process does with the whole batch, evals and checkpoints included."""
+    ranks still train what one process does with the whole batch, evals and checkpoints included. With
+    --padding-free each rank trains its samples of the global batch as one row of their own (slice_spans)."""
     one, two = tmp_path / "one", tmp_path / "two"
     ok(run_cli(finetune_args(base_model, sft_data, one, 8, (*extra, "--grad-accum", "1"))))
     ok(run_cli(finetune_args(base_model, sft_data, two, 4, (*extra, "--grad-accum", "1", "--parallel", "ddp")),

@@ -322,11 +322,59 @@ def test_cli_padding_free_refusals_exit_2(tmp_path, sft_base, capsys, extra, mes
     assert not out.exists()
 
 
-def test_padding_free_is_refused_under_torchrun():
-    with pytest.raises(InputError, match="drop --padding-free or use --pack"):
-        check_padding_free(DataConfig(padding_free=True), "sft", world=2)
-    check_padding_free(DataConfig(padding_free=True), "sft", world=1)
-    check_padding_free(DataConfig(pack=True, pad_buckets=2), "dpo", world=4)  # without the flag: nothing to say
+def test_padding_free_refusals_and_nothing_to_say_without_the_flag():
+    check_padding_free(DataConfig(padding_free=True), "sft")
+    check_padding_free(DataConfig(pack=True, pad_buckets=2), "dpo")  # without the flag: nothing to say
+    with pytest.raises(InputError, match="choose one"):
+        check_padding_free(DataConfig(padding_free=True, pack=True), "sft")
+
+
+def rank_shares(exs: list, per_rank: int, world: int, epoch: bool = False) -> list[dict]:
+    """Each rank's first batch (or its eval batches) from its own loader, as under torchrun (RankSlice)."""
+    from entrenar.train.distributed import DistContext, RankSlice
+
+    out = []
+    for rank in range(world):
+        ranked = RankSlice(SFTLoader(exs, per_rank, seed=5, padding_free=True), DistContext(rank=rank, world=world))
+        out.append(list(ranked.iter_epoch()) if epoch else ranked.next_batch())
+    return out
+
+
+def test_torchrun_ranks_share_a_padding_free_batch_by_samples():
+    """Under torchrun each rank takes its samples of the global padding-free batch as a padding-free batch of its
+    own; together they are one process's batch of world x B samples: the same samples, counts and loss."""
+    from entrenar.tensors import JOB_COUNTS
+
+    exs, per_rank, world = examples(11, seed=6), 3, 2
+    whole = SFTLoader(exs, per_rank * world, seed=5).next_batch()  # one process, padded, B x W samples
+    shares = rank_shares(exs, per_rank, world)
+    model = lora_model()
+    total = 0.0
+    for rank, share in enumerate(shares):
+        mine = whole["sample_ids"][rank * per_rank:(rank + 1) * per_rank]
+        want = collate_padding_free([next(e for e in exs if e.line == i) for i in mine], 0)
+        assert share["sample_ids"] == mine and share["max_seqlen"] == want["max_seqlen"]
+        for k in ("input_ids", "labels", "doc_ids", "position_ids", "cu_seqlens"):
+            assert torch.equal(share[k], want[k]), k
+        flat = collate_padding_free([next(e for e in exs if e.line == i) for i in whole["sample_ids"]], 0)
+        assert share[JOB_COUNTS] == batch_counts(flat)  # every rank counts the whole step, no collective
+        loss, _, _ = CausalLMLoss().loss(model, share, torch.device("cpu"))
+        total += float(loss.detach())
+    loss_whole, _, _ = CausalLMLoss().loss(model, whole, torch.device("cpu"))
+    assert abs(total - float(loss_whole.detach())) <= 1e-6 * abs(float(loss_whole.detach()))
+
+
+def test_a_rank_left_without_samples_runs_one_without_loss_tokens():
+    """The last eval batch may leave a rank no sample: it runs the first sample with every label ignored (FSDP:
+    every rank runs the forward), a padding-free batch of its own."""
+    exs = examples(7, seed=6)  # batches of 2 x 3: 6, then 1 sample
+    last = [batches[-1] for batches in rank_shares(exs, 3, 2, epoch=True)]
+    assert last[0]["sample_ids"] == [exs[6].line] and last[1]["sample_ids"] == []
+    idle = last[1]
+    n = len(exs[6])  # the global batch's first (and only) sample, with no loss token
+    assert bool((idle["labels"] == IGNORE_INDEX).all()) and idle["input_ids"].shape == (1, n)
+    assert idle["cu_seqlens"].tolist() == [0, n] and idle["max_seqlen"] == n
+    assert torch.equal(idle["input_ids"], last[0]["input_ids"])
 
 
 def test_config_file_and_api_take_padding_free(tmp_path, sft_base):

@@ -601,7 +601,7 @@ def resolve_pad_buckets(requested: int | None, max_seq_len: int, kind: str = "sf
         raise InputError(f"--pad-buckets: {e}") from None
 
 
-def check_padding_free(data: DataConfig, objective: str, world: int) -> None:
+def check_padding_free(data: DataConfig, objective: str) -> None:
     """The one place --padding-free is refused (exit 2): it lays an SFT batch's samples end to end in one row."""
     if not data.padding_free:
         return
@@ -614,9 +614,6 @@ def check_padding_free(data: DataConfig, objective: str, world: int) -> None:
     if data.pad_buckets:
         raise InputError(f"--padding-free batches have no padding to bucket: drop --pad-buckets {data.pad_buckets} "
                          f"(or --padding-free)")
-    if world > 1:
-        raise InputError(f"--padding-free under torchrun ({world} ranks): each rank takes rows of the global batch, "
-                         f"and a padding-free batch is one row that cannot be split; drop --padding-free or use --pack")
 
 
 def cmd_finetune(args: Any) -> dict[str, Any]:
@@ -627,7 +624,7 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
 
     out = Path(args.out)
     cfg, lora, data = _configs(args, "finetune")
-    check_padding_free(data, cfg.objective, env_world()[1])  # before the data is read
+    check_padding_free(data, cfg.objective)  # before the data is read
     load_rows, Loader, kind = _rows_kind(cfg.objective, args.pack)
     if kind == "grpo-prompts":
         load_rows = check_grpo_run(args, cfg)  # prompt rows with room for the completions; no eval split

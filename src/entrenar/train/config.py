@@ -603,7 +603,8 @@ class DataConfig:
                               commands=("finetune",), metavar="N")
     padding_free: bool = option(False, "each batch's samples end to end in one row of exactly their tokens (no "
                                        "padding; varlen flash attention on CUDA), the same samples and loss as "
-                                       "padded batches; SFT only, not with --pack, --pad-buckets or torchrun",
+                                       "padded batches (under torchrun: each rank its samples as one row); SFT only, not with "
+                                       "--pack or --pad-buckets",
                                 commands=("finetune",))
 
     def validate(self) -> None:

@@ -334,11 +334,32 @@ def slice_rows(batch: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
     return out
 
 
+def slice_spans(batch: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
+    """Samples [lo, hi) of a padding-free batch (one row with cu_seqlens, data/sft.py:collate_padding_free) as a
+    padding-free batch of their own: their tokens, spans rebased to 0, doc ids from 0. An empty range gives the
+    first sample with every label ignored (0 loss tokens): under FSDP every rank must run the forward."""
+    idle = hi <= lo
+    if idle:
+        lo, hi = 0, 1
+    cu = batch["cu_seqlens"]
+    a, b = int(cu[lo]), int(cu[hi])
+    out = {k: batch[k][:, a:b].clone() for k in ("input_ids", "labels", "doc_ids", "position_ids", "kl_mask")
+           if k in batch}
+    out["doc_ids"] -= lo
+    out["cu_seqlens"] = (cu[lo:hi + 1] - a).to(torch.int32)
+    out["max_seqlen"] = int((out["cu_seqlens"][1:] - out["cu_seqlens"][:-1]).max())
+    out["sample_ids"] = [] if idle else list(batch.get("sample_ids") or [])[lo:hi]
+    if idle:
+        out["labels"].fill_(IGNORE_INDEX)
+    return out
+
+
 class RankSlice:
     """A loader of this rank's share of every global micro-batch.
 
     The wrapped loader is switched to draw world x batch rows per `next_batch` (the global
-    micro-batch, in its seeded order); rank r keeps rows [r*batch, (r+1)*batch). Its state (epoch,
+    micro-batch, in its seeded order); rank r keeps rows [r*batch, (r+1)*batch), or of a padding-free batch (one row
+    of world x batch samples) samples [r*batch, (r+1)*batch) as a padding-free batch of its own (slice_spans). Its state (epoch,
     position in samples) is therefore the same on every rank and independent of the world size,
     which is what makes resuming on a different world size continue the same sample order.
     Eval (`iter_epoch`) splits each global batch the same way.
@@ -353,17 +374,25 @@ class RankSlice:
     def _bounds(self, rows: int, rank: int) -> tuple[int, int]:
         return min(rank * self.per_rank, rows), min((rank + 1) * self.per_rank, rows)
 
+    @staticmethod
+    def _units(batch: dict[str, Any]) -> int:
+        """What the ranks split: rows, or the samples of a padding-free row."""
+        spans = batch.get("cu_seqlens")
+        return int(batch["input_ids"].shape[0]) if spans is None else len(spans) - 1
+
     def _mine(self, batch: dict[str, Any]) -> dict[str, Any]:
-        return slice_rows(batch, *self._bounds(int(batch["input_ids"].shape[0]), self.rank))
+        split = slice_rows if batch.get("cu_seqlens") is None else slice_spans
+        return split(batch, *self._bounds(self._units(batch), self.rank))
 
     def _job_counts(self, batch: dict[str, Any]) -> tuple[int, int, int]:
         """batch_counts summed over every rank's share: the shares with rows split the global batch, and
-        a rank left without rows runs one dummy row without loss tokens (slice_rows)."""
+        a rank left without rows runs one dummy row without loss tokens (slice_rows; slice_spans: the first sample)."""
         loss_tokens, empty, tokens = self.counts(batch)  # the objective's (tokens, or pairs)
-        rows = int(batch["input_ids"].shape[0])
-        row_tokens = batch["input_ids"][0].numel()
-        idle = sum(1 for r in range(self.world) if self._bounds(rows, r)[0] == rows)
-        return loss_tokens, empty + idle, tokens + idle * int(row_tokens)
+        units = self._units(batch)
+        spans = batch.get("cu_seqlens")
+        dummy_tokens = batch["input_ids"][0].numel() if spans is None else int(spans[1] - spans[0])
+        idle = sum(1 for r in range(self.world) if self._bounds(units, r)[0] == units)
+        return loss_tokens, empty + idle, tokens + idle * int(dummy_tokens)
 
     def next_batch(self) -> dict[str, Any]:
         """This rank's rows, carrying (JOB_COUNTS) the counts of every rank's rows: each rank holds the
@@ -417,4 +446,4 @@ def global_batch(batch_size: int, grad_accum: int, world: int) -> int:
 
 __all__ = ["HSDP_DIMS", "DistContext", "DistReduce", "RankSlice", "current", "env_nodes", "env_world",
            "global_batch", "init_from_env", "other_rank", "row_sample_ids", "settle_ranks", "shard_loader", "shutdown",
-           "slice_rows"]
+           "slice_rows", "slice_spans"]
