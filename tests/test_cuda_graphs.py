@@ -164,6 +164,7 @@ def test_auto_is_off_for_batches_of_ever_new_shapes_and_on_still_captures_them()
     varying = cg.varying_shapes("finetune", 0)
     assert "longest row" in varying and cg.varying_shapes("finetune", 4) is None
     assert cg.varying_shapes("pretrain", 0) is None
+    assert "padding-free" in cg.varying_shapes("finetune", 0, padding_free=True)  # not "padded to the longest"
     on, reason = cg.graph_decision("auto", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)
     assert not on and reason == f"--cuda-graphs auto: {varying}"
     assert cg.graph_decision("on", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)[0]

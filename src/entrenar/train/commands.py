@@ -511,8 +511,9 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     from .parallel import job_parallel
 
     kind = job_parallel(model, ctx, cfg.parallel, cfg.mode in ("lora", "qlora"))
+    varying = varying_shapes(command, getattr(args, "pad_buckets", 0), bool(getattr(args, "padding_free", False)))
     if resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name if objective else "causal-lm",
-                           model, varying_shapes(command, getattr(args, "pad_buckets", 0)), kind):  # before run.json
+                           model, varying, kind):  # before run.json
         _log(f"cuda graphs: {cfg.cuda_graphs} ({cfg.cuda_graphs_reason})")
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)

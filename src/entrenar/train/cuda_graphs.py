@@ -90,8 +90,10 @@ def resolve_cuda_graphs(cfg: Any, device: torch.device, world_size: int, objecti
     return True
 
 
-def varying_shapes(command: str, pad_buckets: int) -> str | None:
+def varying_shapes(command: str, pad_buckets: int, padding_free: bool = False) -> str | None:
     """Why a command's batches come in ever new shapes (graph_decision's `varying_shapes`), or None."""
+    if command == "finetune" and padding_free:
+        return "--padding-free batches are one row of their samples' total length, a new shape every step"
     if command == "finetune" and not pad_buckets:
         return ("finetune batches are padded to their longest row, a new shape almost every step (--pad-buckets N "
                 "pads to N lengths, each captured once)")
