@@ -26,7 +26,7 @@ LAYERS: list[tuple[str, tuple[str, ...]]] = [
     ("utils", ("entrenar.fileio", "entrenar.devices", "entrenar.outpaths", "entrenar.chat_limits")),
     ("config", ("entrenar.families", "entrenar.config")),
     ("kernels", ("entrenar.kernels",)),
-    ("model", ("entrenar.long_context", "entrenar.model")),
+    ("model", ("entrenar.long_context", "entrenar.varlen", "entrenar.model")),
     # what the tokenizer needs (a model spec's path, the GGUF parser) is below it; formats/ (whose gguf_write.py
     # imports the tokenizer) above it. Outside formats/: importing formats.x runs formats/__init__ too.
     ("files", ("entrenar.model_spec", "entrenar.gguf_file")),
