@@ -25,8 +25,9 @@ import torch.nn.functional as F
 HALF_DTYPES = (torch.float16, torch.bfloat16)  # flash attention computes in these only
 
 
+@functools.cache
 def varlen_function() -> Callable | None:
-    """torch's varlen attention, or None where this torch has none."""
+    """torch's varlen attention, or None where this torch has none (looked up once: every block asks)."""
     try:
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:
@@ -70,6 +71,7 @@ class VarlenSpans:
     doc_ids: torch.Tensor  # [1, T]
     flash: bool = True
     _dense: torch.Tensor | None = field(default=None, repr=False)
+    _bounds: list[int] | None = field(default=None, repr=False)
 
     def dense(self) -> torch.Tensor:
         """The doc-id causal mask [1, 1, T, T] (the fallback, and verify's attention_probs), built once."""
@@ -79,8 +81,11 @@ class VarlenSpans:
 
     def attend_per_span(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """`attend` by one causal SDPA call per span (CPU, fp32, no varlen kernel): the spans' own lengths, squared,
-        instead of the row's. Reads cu_seqlens on the host (free on the CPU; one sync on CUDA's fp32 path)."""
-        bounds = self.cu_seqlens.tolist()
+        instead of the row's. Reads cu_seqlens on the host once per forward, not per block (free on the CPU; one
+        sync on CUDA's fp32 path)."""
+        if self._bounds is None:
+            self._bounds = self.cu_seqlens.tolist()
+        bounds = self._bounds
         gqa = q.shape[2] != k.shape[2]
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # [1, heads, T, D]
         ys = [F.scaled_dot_product_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], is_causal=True,
