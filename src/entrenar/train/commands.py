@@ -664,15 +664,14 @@ def cmd_finetune(args: Any) -> dict[str, Any]:
     data_report["train_examples"], data_report["val_examples"] = len(examples), len(val_examples)
     _check_batch(cfg.batch_size, len(examples), f"training samples left in {args.data}")
     pad_id = tokenizer.pad_id if tokenizer.pad_id is not None else tokenizer.eos_id
-    shapes = {"buckets": buckets} if buckets else {}  # preference loaders take none (resolve_pad_buckets)
-    if data.padding_free:  # SFT only (check_padding_free)
-        shapes["padding_free"] = True
+    # how SFT rows become batches (preference loaders take neither: resolve_pad_buckets, check_padding_free)
+    batching = {"buckets": buckets} if buckets else {"padding_free": True} if data.padding_free else {}
     if buckets:
         _log(f"--pad-buckets {len(buckets)}: batches padded to one of {', '.join(map(str, buckets))} tokens")
     train_loader = Loader(examples, cfg.batch_size, seed=cfg.seed, pack=args.pack, max_seq_len=args.max_seq_len,
-                          pad_id=pad_id, **shapes)
+                          pad_id=pad_id, **batching)
     eval_loader = Loader(val_examples, cfg.batch_size, seed=cfg.seed, pack=False, max_seq_len=args.max_seq_len,
-                         pad_id=pad_id, **shapes) if val_examples else None
+                         pad_id=pad_id, **batching) if val_examples else None
 
     model = load_model(args.model, dtype=torch.float32, kernels=args.kernels)
     if args.mode in ("lora", "qlora"):  # the adapter wraps the model before the optimizer is built
