@@ -13,7 +13,8 @@ Rows, each in a child process of its own (separate memory peaks; Liger's and Uns
 row): trl (before), trl-liger (use_liger_kernel=True; skipped where liger_kernel does not import), unsloth (its
 FastLanguageModel, bf16 weights, its LoRA, in the same SFTTrainer on the same batches; --unsloth-site DIR goes first
 on that child's PYTHONPATH, since Unsloth pins trl <= 1.15 and datasets < 5; skipped where unsloth does not import),
-entrenar (the real `entrenar finetune` CLI), trl (after: the peer's speed did not change while ours ran).
+entrenar (the real `entrenar finetune` CLI), trl-after and trl-liger-after (that peer again: its speed did not change
+while ours ran; not evaluated, the same recipe again).
 
 Same work for every row: the training rows are read, split and mixed by entrenar's own functions (load_sft,
 _split_val, mix_examples: what `finetune` does) with our tokenizer and chat template, and drawn in the order our
@@ -50,7 +51,7 @@ from pathlib import Path
 from typing import Any
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
-ROWS = ("trl", "trl-liger", "unsloth", "entrenar", "trl-after")
+ROWS = ("trl", "trl-liger", "unsloth", "entrenar", "trl-after", "trl-liger-after")
 SEED = 0  # finetune's default --seed: data order and the adapters' init
 MIN_LR_RATIO = 0.1  # finetune's default --min-lr-ratio
 ADAM_BETAS = (0.9, 0.95)  # entrenar's AdamW (train/optim.py)
@@ -296,8 +297,15 @@ def _tail(err: str) -> str:
     return " | ".join([ln for ln in err.strip().splitlines() if ln.strip()][-6:])[-900:]
 
 
+def row_kind(name: str) -> str:
+    """The peer a row runs: a row named NAME-after is NAME's peer run again after ours."""
+    kind = name.removesuffix("-after")
+    assert kind in ("trl", "trl-liger", "unsloth"), name
+    return kind
+
+
 def trl_row(name: str, p: dict[str, Any], out: Path, timeout: float) -> dict[str, Any]:
-    kind = name if name in ("trl-liger", "unsloth") else "trl"
+    kind = row_kind(name)
     params = {**p, "adapter_dir": str(out / name), "work": str(out / name / "work")}
     if kind == "unsloth":
         params["hf_dir"] = hf_dir_of(p["model"])
@@ -586,6 +594,21 @@ def train_rows(names: list[str], p: dict[str, Any], stats: dict[str, Any], out: 
     return rows
 
 
+def eval_rows(rows: list[dict[str, Any]], p: dict[str, Any], stats: dict[str, Any], out: Path,
+              timeout: float) -> None:
+    """Each of p["tasks"] on ours, then on every peer's result paired with ours; a row run again after ours
+    (NAME-after) is the same recipe again, measured for its speed only."""
+    ours = next((r for r in rows if r["row"] == "entrenar" and r["status"] == "ok"), None)
+    for task in p["tasks"]:
+        if ours is not None:
+            task_eval(ours, task, p, out, None, timeout)
+        ours_rows = out / "entrenar" / task_file(task) if ours and ours["evals"][task]["status"] == "ok" else None
+        for r in rows:
+            if r is not ours and r["status"] == "ok" and not r["row"].endswith("-after"):
+                task_eval(r, task, p, out, ours_rows, timeout)
+            write_summary(out, p, stats, rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--child"]:
@@ -612,15 +635,8 @@ def main(argv: list[str] | None = None) -> int:
             ap.error(f"--rows: unknown row(s) {', '.join(unknown)}; rows: {', '.join(ROWS)}")
         earlier = earlier_rows(out, stats, names)
         rows = train_rows(names, p, stats, out, args.timeout_s, earlier)
-    ours = next((r for r in rows if r["row"] == "entrenar" and r["status"] == "ok"), None)
-    for task in [] if args.no_eval else p["tasks"]:
-        if ours is not None:
-            task_eval(ours, task, p, out, None, args.timeout_s)
-        ours_rows = out / "entrenar" / task_file(task) if ours and ours["evals"][task]["status"] == "ok" else None
-        for r in rows:
-            if r is not ours and r["status"] == "ok" and r["row"] != "trl-after":  # after: the same recipe again
-                task_eval(r, task, p, out, ours_rows, args.timeout_s)
-            write_summary(out, p, stats, rows)
+    if not args.no_eval:
+        eval_rows(rows, p, stats, out, args.timeout_s)
     summary = write_summary(out, p, stats, rows)
     print(table(rows, stats["tokens"]))
     print(json.dumps({k: summary[k] for k in ("fastest_peer", "ours_vs_fastest_peer_tok_s",

@@ -153,3 +153,20 @@ def test_our_row_starts_from_an_empty_run_dir(tmp_path, monkeypatch):
          "chat_template": "", "device": "cpu"}
     sft_peers.entrenar_row(p, tmp_path, 10.0)
     assert seen == [False]
+
+
+def test_a_peer_after_ours_runs_that_peer_again_and_is_not_evaluated(tmp_path, monkeypatch):
+    """trl-liger-after trains Liger's row again after ours (the faster peer's speed before and after); like
+    trl-after it is the same recipe again: only the rows before it are evaluated and paired with ours."""
+    assert [sft_peers.row_kind(n) for n in ("trl", "trl-after", "trl-liger", "trl-liger-after", "unsloth")] == [
+        "trl", "trl", "trl-liger", "trl-liger", "unsloth"]
+    with pytest.raises(AssertionError):
+        sft_peers.row_kind("entrenar-after")
+    assert "trl-liger-after" in sft_peers.ROWS
+    seen = []
+    monkeypatch.setattr(sft_peers, "task_eval", lambda r, task, *a: (
+        seen.append(r["row"]), r.setdefault("evals", {}).update({task: {"status": "ok"}})))
+    monkeypatch.setattr(sft_peers, "write_summary", lambda *a, **k: None)
+    rows = [{"row": n, "status": "ok"} for n in ("trl-liger", "entrenar", "trl-liger-after", "trl-after")]
+    sft_peers.eval_rows(rows, {"tasks": ["bfcl:simple_python"]}, {}, tmp_path, 10.0)
+    assert seen == ["entrenar", "trl-liger"]
