@@ -334,6 +334,9 @@ class GRPOObjective:
     lm_key, lm_name = "nll/none", "no language-model loss (GRPO)"  # no NLL series: TrainWatch stays idle
     perplexity = False
     diverged = ("the policy moved far from where it started", "lower --lr or raise --beta")
+    # the clipped surrogate sits near 0 and changes sign with each batch's advantages: "2.8x the starting loss"
+    # fired at every other step of a healthy Qwen run (starting loss 0.025); its gradient norm is still watched
+    loss_spikes = False
 
     def __init__(self, tokenizer: Any, rewards: Any, *, mode: str = "lora", beta: float = DEFAULT_GRPO_BETA,
                  num_generations: int = 4, temperature: float = 1.0, top_p: float = 1.0,

@@ -4,7 +4,7 @@
                          that are non-finite or exploded when a checkpoint or final/ would be written
 - GUARD-INIT-LOSS        a pretrained start is no better than a uniform guess at step 0
 - GUARD-ZERO-LOSS-TOKENS a step with no loss tokens (never averaged in as 0)
-- GUARD-SPIKE            rolling z-score of loss / grad-norm over a window
+- GUARD-SPIKE            rolling z-score of loss / grad-norm over a window (grad-norm only for GRPO's surrogate)
 - GUARD-EVAL-ANOMALY     eval loss implausibly far below train loss, or perplexity ~1
 - GUARD-EVAL-COLLAPSE    eval loss back at ln(vocab) after having been well below it
 - GUARD-EVAL-DIVERGED    eval loss far above the run's best eval: training destroyed the model
@@ -26,6 +26,7 @@ import math
 from collections import deque
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -507,14 +508,21 @@ class SpikeDetector:
         self.values.extend(sd["values"])
 
 
+def spike_guard(policy: str, window: int, sigma: float, objective: Any) -> SpikeGuard:
+    """The run's GUARD-SPIKE: on the loss and the gradient norm, or the gradient norm only where the objective's
+    loss is no fit whose jumps mean trouble (objective.loss_spikes False: GRPO's surrogate)."""
+    return SpikeGuard(policy, window, sigma, watch_loss=objective.loss_spikes)
+
+
 class SpikeGuard:
     """GUARD-SPIKE over loss and grad-norm. Returns 'ok' | 'warn' | 'skip'; raises for stop."""
 
     def __init__(self, policy: str = "warn", window: int = 128, sigma: float = 6.0, min_history: int = 16,
-                 early_factor: float = 2.0):
+                 early_factor: float = 2.0, watch_loss: bool = True):
         if policy not in SPIKE_POLICIES:
             raise ValueError(f"spike policy {policy!r} not in {SPIKE_POLICIES}")
         self.policy, self.min_history, self.early_factor = policy, min_history, early_factor
+        self.watch_loss = watch_loss  # False: the gradient norm only (an objective whose loss is no fit: GRPO)
         self.loss = SpikeDetector("loss", window, sigma, min_history)
         self.grad_norm = SpikeDetector("grad_norm", window, sigma, min_history)
         self.count = 0
@@ -533,11 +541,12 @@ class SpikeGuard:
         if not self.first_seen:  # reference = max(step-0 eval loss, first train loss)
             self.first_seen = True
             self.set_reference(loss)
-        if early and self.reference is not None and self.reference > 0 and loss > self.early_factor * self.reference:
+        watched = ((self.loss, loss), (self.grad_norm, grad_norm)) if self.watch_loss else ((self.grad_norm, grad_norm),)
+        if (self.watch_loss and early and self.reference is not None and self.reference > 0
+                and loss > self.early_factor * self.reference):
             spikes = [("loss", loss, None)]
         else:
-            spikes = [(d.name, v, z) for d, v in ((self.loss, loss), (self.grad_norm, grad_norm))
-                      if (z := d.update(v)) is not None]
+            spikes = [(d.name, v, z) for d, v in watched if (z := d.update(v)) is not None]
         if not spikes:
             return "ok", ""
         self.count += 1

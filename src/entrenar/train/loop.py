@@ -339,7 +339,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         self.optimizer = build_optimizer(model, cfg.lr, cfg.weight_decay, master_dtype=precision.master_dtype)
         self.schedule = Schedule(cfg.lr, cfg.warmup, cfg.steps, cfg.schedule, cfg.min_lr_ratio)
-        self.spikes = guards.SpikeGuard(cfg.on_spike, cfg.spike_window, cfg.spike_sigma)
+        self.spikes = guards.spike_guard(cfg.on_spike, cfg.spike_window, cfg.spike_sigma, objective)
         # only rank 0 writes the logs
         self.metrics_log = JsonlLog(self.run_dir / "metrics.jsonl") if self.ctx.is_main else NullLog()
         self.eval_log = JsonlLog(self.run_dir / "eval.jsonl", kind="eval") if self.ctx.is_main else NullLog()

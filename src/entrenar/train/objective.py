@@ -88,6 +88,7 @@ class Objective(Protocol):
     lm_name: str  # how the guards' messages name it
     perplexity: bool  # whether exp(loss) means something (a per-token cross-entropy): logged with the eval loss
     diverged: tuple[str, str]  # GUARD-EVAL-DIVERGED's (usual cause, remedy) for this objective's knobs
+    loss_spikes: bool  # whether GUARD-SPIKE watches the loss (else the gradient norm only): guards.spike_guard
 
     def loss(self, model: torch.nn.Module, batch: dict, device: torch.device
              ) -> tuple[torch.Tensor, int, dict[str, torch.Tensor]]: ...
@@ -124,6 +125,7 @@ class CausalLMLoss:
     lm_key, lm_name = "loss", "train loss"  # the loss is the language model's NLL per token
     perplexity = True
     diverged = (guards.DIVERGED_CAUSE, guards.DIVERGED_REMEDY)
+    loss_spikes = True
 
     head_at = True  # the head at the label positions only (head_positions); a run with CUDA graphs turns it off
 
@@ -209,6 +211,7 @@ class PreferenceLoss:
     # the policy's NLL per token of the chosen responses (the SFT loss on them): what the pairs' loss cannot see
     lm_key, lm_name = "nll/chosen", "train NLL per token of the chosen responses"
     perplexity = False  # exp of a pair loss is no perplexity (issue 38 item 10: "ppl 5.2e21" was logged)
+    loss_spikes = True  # from ln 2 down: a jump up is the policy thrown off
 
     def __init__(self, name: str = "dpo", beta: float = DEFAULT_BETA, reference: str = "adapters-off",
                  details: bool = False):
