@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Issue 35 on the GPU machine, one device call per step (see ../shared/device/README.md for the pieces):
-#   bash bench/issue35_gpu.sh piece NAME          copy .carry/NAME/p* that travelled with this call to /tmp/carry
+#   bash bench/issue35_gpu.sh piece NAME          copy .carry/NAME/p* (and NAME.sha256 where carried) that travelled
+#                                                 with this call to /tmp/carry
 #   bash bench/issue35_gpu.sh toolcall NAME ARGS  join NAME's pieces, then bench.task_proof toolcall ARGS on it
 #   bash bench/issue35_gpu.sh humaneval NAME ARGS likewise, bench.task_proof humaneval
 #   bash bench/issue35_gpu.sh bg TAG WHAT NAME ARGS  the step WHAT detached, from a copy of this tree in /tmp (it outlives
@@ -16,7 +17,9 @@ set -euo pipefail
 what=$1; name=$2; shift 2
 export PYTHONPATH=src:. PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 if [ "$what" = piece ]; then
-  mkdir -p /tmp/carry/$name && cp .carry/$name/p* /tmp/carry/$name/ && ls -la /tmp/carry/$name; exit 0
+  mkdir -p /tmp/carry/$name && cp .carry/$name/p* /tmp/carry/$name/ && ls -la /tmp/carry/$name
+  [ -f .carry/$name.sha256 ] && cp .carry/$name.sha256 /tmp/carry/  # for steps launched from later calls
+  exit 0
 fi
 if [ "$what" = collect ]; then
   for d in /tmp/out-*/; do [ -d "$d" ] && cp "$d"* "$OUT/" 2>/dev/null; done; ls -la "$OUT"; tail -n 3 /tmp/bg-*.log; exit 0
@@ -36,18 +39,8 @@ if [ "$what" = bg ]; then  # NAME here is the tag; the step and its model follow
   cd /tmp/repo-$tag && OUT=/tmp/out-$tag TAG=$tag setsid nohup bash bench/issue35_gpu.sh "$@" >/tmp/bg-$tag.log 2>&1 </dev/null &
   echo $! > /tmp/bg-$tag.pid; sleep 2; cat /tmp/bg-$tag.log; exit 0
 fi
-if [ -d .whl ] && [ ! -d /tmp/site ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site.$$ .whl/*.whl
-  mv -T /tmp/site.$$ /tmp/site 2>/dev/null || rm -rf /tmp/site.$$  # atomic: a detached step may be doing the same
-fi
+source bench/gpu_model.sh "$name"
 export PYTHONPATH=$PYTHONPATH:/tmp/site
-model=/tmp/$name
-if [ ! -f "$model" ]; then
-  cat /tmp/carry/$name/p* > "$model.$$"
-  [ "$(sha256sum "$model.$$" | cut -d' ' -f1)" = "$(cat .carry/$name.sha256)" ] || { echo "a piece of $name is missing"; exit 1; }
-  mv "$model.$$" "$model"
-fi
-nvidia-smi --query-gpu=name,memory.total --format=csv,noheader
 tag=${TAG:-$what}
 work=/tmp/work-$tag-$name
 python3 -m bench.task_proof "$what" --model "$model" --work "$work" "$@" 2>&1 | tee "$work.log" | grep -v "^step [0-9]*/" || true

@@ -2,6 +2,7 @@
 # The fine-tune against its peers on the GPU machine (one H200), as detached steps that outlive the calls carrying
 # the next model's pieces (../shared/device/README.md; bench/issue35_gpu.sh piece NAME, wait SECONDS, collect):
 #   bash bench/peers_gpu.sh setup                  install .whl into /tmp/site and .whl-u (Unsloth and its pins:
+#                                                  (.carry/*.sha256 kept in /tmp/carry for the detached steps)
 #                                                  trl <= 1.15, datasets < 5) into /tmp/site_u; print the versions
 #   bash bench/peers_gpu.sh step SECONDS           the standing step goals' control rows: transformers + Liger,
 #                                                  the CLI default and --dtype bf16-pure on Qwen2.5-0.5B shapes
@@ -37,6 +38,7 @@ install() {  # install DIR TARGET: the wheels of DIR into TARGET once
 case $stage in
 setup)
   install .whl /tmp/site; install .whl-u /tmp/site_u
+  mkdir -p /tmp/carry && cp .carry/*.sha256 /tmp/carry/ 2>/dev/null  # bench/gpu_model.sh finds them there later
   python3 -m pip show torch transformers peft pyarrow fsspec huggingface_hub accelerate 2>/dev/null | grep -E '^(Name|Version)'
   python3 -c "import trl, datasets, liger_kernel; print('trl', trl.__version__, 'datasets', datasets.__version__)"
   PYTHONPATH=/tmp/site_u:$PYTHONPATH python3 -c "import unsloth; print('unsloth', unsloth.__version__)" 2>&1 | tail -3
