@@ -16,6 +16,8 @@
 #                                                  with the model's own chat template, the kernel only)
 #   bash bench/peers_gpu.sh profile NAME SECONDS   the README recipe's step (the sft stage's rows) profiled, padded
 #                                                  and --padding-free: 40 steps each, --profile 30:3
+#   bash bench/peers_gpu.sh padfree-graphs NAME SECONDS  the recipe's calls (no replay), --padding-free with the
+#                                                  step in CUDA graphs (auto) and eager (off): STEPS (250) each
 #   bash bench/peers_gpu.sh panel STAGE NAME SECONDS  bench/panel_gpu.sh STAGE on NAME in /tmp/panel-NAME (its env:
 #                                                  ONLY, TEMPLATE, SFT_STEPS, GRPO_*)
 #   bash bench/peers_gpu.sh bg TAG STAGE ARGS      STAGE detached from a copy of this tree, after the detached steps
@@ -98,6 +100,22 @@ profile)  # the README recipe's step profiled, padded and padding-free, on the r
   tar czf "$OUT/profile-results.tgz" -C "$root" --exclude='*.safetensors' --exclude=checkpoints --exclude=final \
     profile-padded profile-padding-free profile-padded.log profile-padding-free.log
   ;;
+padfree-graphs)  # --padding-free with the step in CUDA graphs (auto: rows padded to a few lengths) against eager
+  name=$1; seconds=$2; rows=$root/pf-calls.jsonl
+  source bench/gpu_model.sh "$name"
+  python3 -m entrenar data sft-from-bfcl --irrelevance --swapped-no-call 650 --swapped-matched --out "$rows" \
+    --overwrite 2>&1 | tail -n 1 | cut -c1-200
+  for g in ${GRAPHS:-auto off}; do
+    rm -rf "$root/pf-$g"
+    timeout $((seconds / 2 - 10)) python3 -m entrenar finetune --model "$model" --data "$rows" --chat-template \
+      chatml_tools --mode lora --rank 16 --lr 3e-4 --steps "${STEPS:-250}" --batch-size 16 --max-seq-len 4096 \
+      --padding-free --cuda-graphs "$g" --no-preflight --on-qa-fail off --device cuda --out "$root/pf-$g" \
+      > "$root/pf-$g.log" 2>&1
+    echo "== --cuda-graphs $g: exit $?"; grep -E "^done:|cuda graphs|padded to|eval loss" "$root/pf-$g.log" | head -8
+  done 2>&1 | tee "$OUT/padfree-graphs-summary.txt"
+  tar czf "$OUT/padfree-graphs-results.tgz" -C "$root" --exclude=final --exclude=checkpoints pf-auto pf-off \
+    pf-auto.log pf-off.log 2>/dev/null
+  ;;
 panel)
   what=$1; name=$2; seconds=$3
   WORK=/tmp/panel-$name bash bench/panel_gpu.sh "$what" "$name" "$seconds"
@@ -122,6 +140,6 @@ bg)
   sleep 2; echo "$tag: pid $(cat "/tmp/bg-$tag.pid"), after: $waits"; cat "/tmp/bg-$tag.log"
   ;;
 *)
-  echo "unknown stage $stage (setup | step | sft | grpo | profile | panel | speed | bg)"; exit 2
+  echo "unknown stage $stage (setup | step | sft | grpo | profile | padfree-graphs | panel | speed | bg)"; exit 2
   ;;
 esac

@@ -164,7 +164,11 @@ def test_auto_is_off_for_batches_of_ever_new_shapes_and_on_still_captures_them()
     varying = cg.varying_shapes("finetune", 0)
     assert "longest row" in varying and cg.varying_shapes("finetune", 4) is None
     assert cg.varying_shapes("pretrain", 0) is None
-    assert "padding-free" in cg.varying_shapes("finetune", 0, padding_free=True)  # not "padded to the longest"
+    # padding-free rows are padded to a few lengths for the graphs in one process whose attention is the varlen
+    # kernel's; under torchrun (each rank's own row) and in fp32 (spans attended one by one) they vary
+    assert cg.varying_shapes("finetune", 0, padding_free=True) is None
+    assert "torchrun" in cg.varying_shapes("finetune", 0, padding_free=True, world_size=2)
+    assert "fp32" in cg.varying_shapes("finetune", 0, padding_free=True, dtype="fp32")
     on, reason = cg.graph_decision("auto", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)
     assert not on and reason == f"--cuda-graphs auto: {varying}"
     assert cg.graph_decision("on", CUDA, 1, "bf16", "causal-lm", tiny_model(), False, varying)[0]
@@ -201,3 +205,56 @@ def test_lora_finetune_with_pad_buckets_replays_and_equals_the_eager_run(tmp_pat
     (graphs,) = cpu_step_graphs[-1:]
     assert graphs.replays > 0 and graphs.captured >= 1, graphs.state()
     assert replayed == eager
+
+
+def test_padding_free_finetune_pads_rows_for_the_graphs_and_equals_the_eager_run(tmp_path, cpu_step_graphs,
+                                                                                  monkeypatch, capsys):
+    """finetune --padding-free with the step in graphs: rows padded to graph_row_length (a span of padding), a
+    graph per row length, max_seqlen handed to each replay; the losses, gradient norms and counted tokens of the
+    eager run of exact rows. (The stand-in fails a capture on a host read: each span's causal SDPA reads the
+    spans' bounds, so attention here is the doc-id mask, the varlen kernel's result without a host read.)"""
+    import json
+
+    import torch.nn.functional as F
+
+    from entrenar import varlen
+    from entrenar.cli.main import main
+    from tests.test_peft_seed import WORDS, tiny_base_and_data
+
+    base, data = tiny_base_and_data(tmp_path / "base")
+    rows = [{"prompt": " ".join([f"Say {w}."] * (1 + i % 3)), "completion": f"{w}!"} for i, w in enumerate(WORDS)]
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    seen: list[int] = []
+
+    def attend(self, q, k, v):
+        seen.append(self.max_seqlen)
+        q, k, v = (x.transpose(1, 2) for x in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=self.dense(), enable_gqa=q.shape[1] != k.shape[1])
+        return y.transpose(1, 2)
+
+    monkeypatch.setattr(varlen.VarlenSpans, "attend", attend)
+    monkeypatch.setattr(varlen.VarlenSpans, "attend_per_span", attend)
+
+    def run_losses(name: str, graphs: str) -> tuple[list[tuple[float, float]], dict]:
+        out = tmp_path / name
+        code = main(["finetune", "--model", str(base), "--data", str(data), "--out", str(out), "--mode", "lora",
+                     "--steps", "8", "--batch-size", "3", "--max-seq-len", "128", "--padding-free", "--val-fraction",
+                     "0", "--cuda-graphs", graphs, "--no-preflight", "--json"])
+        assert code == 0, capsys.readouterr().err[-2000:]
+        recs = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines() if x.strip()]
+        steps = [r for r in recs if "loss" in r and "step" in r]
+        return [(r["loss"], r["grad_norm"]) for r in steps], {"tokens": sum(r["tokens"] for r in steps)}
+
+    eager, eager_counts = run_losses("eager", "off")
+    assert cpu_step_graphs == [] or not cpu_step_graphs[-1].captured
+    monkeypatch.setattr(cg, "graph_decision", lambda requested, *a, **k: (requested == "on", "forced by the test"))
+    seen.clear()
+    replayed, counts = run_losses("graphs", "on")
+    graphs = cpu_step_graphs[-1]
+    assert graphs.captured >= 1 and graphs.replays >= 1, graphs.state()
+    assert graphs.captured + len(graphs.refused) <= 3  # 8 steps of 3 short rows: a row length or two, not 8
+    assert all(m >= 128 for m in seen)  # the max_seqlen of rows padded for graphs: max(max_seq_len, T // 4)
+    assert counts == eager_counts  # the real tokens: the padding span is not counted
+    assert len(replayed) == len(eager) == 8
+    for (a, ga), (b, gb) in zip(replayed, eager):
+        assert abs(a - b) <= 1e-5 * abs(b) and abs(ga - gb) <= 1e-4 * abs(gb), (replayed, eager)

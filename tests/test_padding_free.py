@@ -13,7 +13,14 @@ import torch
 import torch.nn.functional as F
 
 from entrenar import varlen
-from entrenar.data.sft import IGNORE_INDEX, SFTExample, SFTLoader, collate_padded, collate_padding_free
+from entrenar.data.sft import (
+    IGNORE_INDEX,
+    SFTExample,
+    SFTLoader,
+    collate_padded,
+    collate_padding_free,
+    graph_row_length,
+)
 from entrenar.errors import InputError
 from entrenar.peft import apply_lora
 from entrenar.tensors import batch_counts
@@ -126,6 +133,42 @@ def test_padding_free_loss_and_gradients_equal_the_padded_batch():
     assert grads_f.keys() == grads_p.keys() and any("lora_A" in k for k in grads_p)
     for k in grads_p:
         assert rel_l2(grads_f[k], grads_p[k]) <= 1e-5, k
+
+
+def test_rows_padded_for_graphs_take_a_few_lengths_and_keep_the_samples_counts_and_loss():
+    """With the step in CUDA graphs (SFTLoader.pad_rows_for_graphs) a padding-free row is padded to
+    graph_row_length: 4 lengths per doubling, < 25% padding; the padding is a span of its own (labels -100) that
+    batch_counts leaves out, and the loss and gradients are the exact row's."""
+    lengths = {graph_row_length(n) for n in range(4097, 32769)}  # (4k, 32k]: 5k, 6k, 7k, 8k, 10k, ..., 32k
+    assert len(lengths) == 12  # 3 doublings x 4
+    for n in [1, 255, 256, 257, 1000, 4096, 4097, 11_800, 30_000, 65_536]:
+        t = graph_row_length(n)
+        assert n <= t < max(1.25 * n, n + 256) and t % 256 == 0, (n, t)  # short rows: a step of 256
+    exs = examples(5, seed=1)
+    exs[2].labels[:] = IGNORE_INDEX  # a sample without loss tokens stays counted as one
+    exact, padded = collate_padding_free(exs, 0), collate_padding_free(exs, 0, graph_rows=64)
+    n, T = exact["input_ids"].shape[1], padded["input_ids"].shape[1]
+    assert T == graph_row_length(n) > n and padded["samples"] == len(exs)
+    for key in ("input_ids", "labels", "doc_ids", "position_ids"):
+        assert padded[key][:, :n].tolist() == exact[key].tolist(), key
+    assert (padded["labels"][0, n:] == IGNORE_INDEX).all() and (padded["doc_ids"][0, n:] == -1).all()
+    assert padded["cu_seqlens"].tolist() == [*exact["cu_seqlens"].tolist(), T]
+    assert T >= padded["max_seqlen"] == min(T, max(64, T // 4, 256)) >= max(exact["max_seqlen"], T - n)
+    for m in range(1, 70_000, 7):  # the padding span is never longer than the max_seqlen its row length gets
+        t = graph_row_length(m)
+        assert t - m <= min(t, max(t // 4, 256)), (m, t)
+    assert batch_counts(padded) == batch_counts(exact) == (sum(e.loss_tokens for e in exs), 1, n)
+    model = lora_model()
+    loss_e, n_e, grads_e = loss_and_grads(model, exact)
+    loss_p, n_p, grads_p = loss_and_grads(model, padded)
+    assert n_p == n_e and abs(loss_p - loss_e) <= 1e-6 * abs(loss_e)
+    for k in grads_e:
+        assert rel_l2(grads_p[k], grads_e[k]) <= 1e-5, k
+    loader = SFTLoader(exs, 3, seed=2, max_seq_len=64, padding_free=True)
+    first = loader.next_batch()
+    loader.pad_rows_for_graphs()
+    second = loader.next_batch()
+    assert "samples" not in first and second["input_ids"].shape[1] == graph_row_length(int(second["cu_seqlens"][3]))
 
 
 @pytest.mark.parametrize("kv_heads", [2, 4])  # GQA and plain multi-head

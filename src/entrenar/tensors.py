@@ -25,12 +25,16 @@ def batch_counts(batch: dict) -> tuple[int, int, int]:
     its tokens are all real (what the model processed)."""
     # numpy: a third of torch's time on one thread (this is host time in front of every step)
     labelled = batch["labels"].cpu().numpy() != IGNORE_INDEX
+    tokens = int(batch["input_ids"].numel())
     if batch.get("cu_seqlens") is not None:  # per sample: its span's labelled positions
-        starts = batch["cu_seqlens"].cpu().numpy()[:-1].astype(np.int64)
-        per_row = np.add.reduceat(labelled.reshape(-1).astype(np.int64), starts)
+        cu = batch["cu_seqlens"].cpu().numpy().astype(np.int64)
+        # a row padded for CUDA graphs ends in a span of padding: neither a sample nor tokens the samples have
+        n = batch.get("samples", len(cu) - 1)
+        per_row = np.add.reduceat(labelled.reshape(-1).astype(np.int64), cu[:-1])[:n]
+        tokens = int(cu[n])
     else:
         per_row = np.count_nonzero(labelled, axis=-1)
-    return int(per_row.sum()), int(np.count_nonzero(per_row == 0)), int(batch["input_ids"].numel())
+    return int(per_row.sum()), int(np.count_nonzero(per_row == 0)), tokens
 
 
 def positions_from_doc_ids(doc_ids: torch.Tensor) -> torch.Tensor:

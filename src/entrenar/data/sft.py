@@ -619,6 +619,8 @@ class SFTLoader:
     ``padding_free``: the samples padded mode draws (the same ones, in the same order, the same cursor and state)
     laid end to end in ONE row of exactly their total length (`collate_padding_free`: no padding at all), with
     ``cu_seqlens``/``max_seqlen`` for varlen attention (varlen.py). Not with ``pack`` or ``buckets``.
+    `pad_rows_for_graphs()` (a run whose step is captured in CUDA graphs) then pads each row to one of a few lengths
+    (`graph_row_length`) with a span of padding of its own.
     """
 
     kind = "sft"
@@ -647,6 +649,7 @@ class SFTLoader:
             raise InputError("padding-free SFT batches are one row of exactly their samples' tokens: they take no "
                              "--pack and no --pad-buckets")
         self.buckets, self.padding_free = buckets, padding_free
+        self.graph_rows = 0  # pad_rows_for_graphs: the max_seqlen of rows padded to graph_row_length; 0 = exact rows
         self.examples = list(examples)
         self.batch_size, self.seed, self.pack = batch_size, seed, pack
         # The pad id only fills input positions whose labels are -100 (any valid id works; 0 if None).
@@ -710,8 +713,14 @@ class SFTLoader:
     def _collate(self, chosen: Sequence[SFTExample]) -> dict[str, Any]:
         """One batch of unpacked samples: padded rows, or one padding-free row."""
         if self.padding_free:
-            return collate_padding_free(chosen, self.pad_id)
+            return collate_padding_free(chosen, self.pad_id, self.graph_rows)
         return collate_padded(chosen, self.pad_id, self.buckets)
+
+    def pad_rows_for_graphs(self) -> None:
+        """Padding-free rows padded to graph_row_length from now on (the same samples and counts), so a run whose
+        step is captured in CUDA graphs sees a few row shapes, each captured once."""
+        assert self.padding_free and self.max_seq_len, "rows padded for graphs are padding-free rows of a max_seq_len"
+        self.graph_rows = int(self.max_seq_len)
 
     def state_dict(self) -> dict[str, Any]:
         return {"kind": self.kind, **self.cursor.state_dict(), "pack": self.pack, "padding_free": self.padding_free,
@@ -785,11 +794,34 @@ def collate_packed(rows: Sequence[Sequence[SFTExample]], pad_id: int, pad_to: Se
     return batch
 
 
-def collate_padding_free(examples: Sequence[SFTExample], pad_id: int) -> dict[str, Any]:
+GRAPH_ROW_STEPS = 4  # lengths per doubling of a padding-free row padded for CUDA graphs (graph_row_length)
+
+
+def graph_row_length(n: int) -> int:
+    """The length a padding-free row of n tokens is padded to when the step is captured in CUDA graphs: n rounded up
+    to a multiple of 2^(floor(log2 n) - 2), at least 256: GRAPH_ROW_STEPS lengths per doubling, so a run sees a few
+    shapes (each captured once) at less than 25% padding (12% on average)."""
+    step = max(256, 1 << max(0, n.bit_length() - 1 - (GRAPH_ROW_STEPS.bit_length() - 1)))
+    return -(-n // step) * step
+
+
+def collate_padding_free(examples: Sequence[SFTExample], pad_id: int, graph_rows: int = 0) -> dict[str, Any]:
     """The samples end to end in one row [1, N], N = their total length (collate_packed's row, so no padding), plus
-    "cu_seqlens" (int32 [n+1], CPU: the cumulative lengths, varlen attention's spans) and "max_seqlen" (int)."""
-    batch = collate_packed([examples], pad_id)
+    "cu_seqlens" (int32 [n+1], CPU: the cumulative lengths, varlen attention's spans) and "max_seqlen" (int).
+
+    ``graph_rows`` (the run's max_seq_len; SFTLoader.pad_rows_for_graphs): the row padded to graph_row_length(N) by a
+    last span of padding (labels -100, a document of its own: every token of the row is in a span, so flash
+    attention writes every output), "samples" = n (the spans before it: what batch_counts counts), and a max_seqlen
+    that is the same for every row of that length (a graph replays the value it captured): at most T, and at least
+    every sample (<= max_seq_len, graph_rows) and the padding span (shorter than the rounding step: 256, or <= T // 4
+    above it)."""
     lengths = [len(e) for e in examples]
-    batch["cu_seqlens"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int32)
-    batch["max_seqlen"] = max(lengths)
+    n = sum(lengths)
+    T = graph_row_length(n) if graph_rows else n
+    batch = collate_packed([examples], pad_id, (T,) if T > n else ())
+    batch["cu_seqlens"] = torch.tensor(np.concatenate([[0], np.cumsum(lengths), [T] if T > n else []]),
+                                       dtype=torch.int32)
+    batch["max_seqlen"] = min(T, max(graph_rows, T // 4, 256)) if graph_rows else max(lengths)
+    if T > n:
+        batch["samples"] = len(examples)
     return batch

@@ -511,10 +511,15 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
     from .parallel import job_parallel
 
     kind = job_parallel(model, ctx, cfg.parallel, cfg.mode in ("lora", "qlora"))
-    varying = varying_shapes(command, getattr(args, "pad_buckets", 0), bool(getattr(args, "padding_free", False)))
+    padding_free = bool(getattr(args, "padding_free", False))
+    varying = varying_shapes(command, getattr(args, "pad_buckets", 0), padding_free, ctx.world, cfg.dtype)
     if resolve_cuda_graphs(cfg, torch.device(cfg.device), ctx.world, objective.name if objective else "causal-lm",
                            model, varying, kind):  # before run.json
         _log(f"cuda graphs: {cfg.cuda_graphs} ({cfg.cuda_graphs_reason})")
+    if padding_free and cfg.cuda_graphs == "on" and hasattr(train_loader, "pad_rows_for_graphs"):
+        train_loader.pad_rows_for_graphs()  # a few row lengths, each captured once (the same samples and counts)
+        _log("--padding-free rows padded to 4 lengths per doubling of their tokens for the graphs (< 25% padding, "
+             "a span of its own)")
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
         if ctx.active:  # the job's shape (resuming on another world size keeps the global batch)

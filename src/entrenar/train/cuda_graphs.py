@@ -90,10 +90,17 @@ def resolve_cuda_graphs(cfg: Any, device: torch.device, world_size: int, objecti
     return True
 
 
-def varying_shapes(command: str, pad_buckets: int, padding_free: bool = False) -> str | None:
-    """Why a command's batches come in ever new shapes (graph_decision's `varying_shapes`), or None."""
+def varying_shapes(command: str, pad_buckets: int, padding_free: bool = False, world_size: int = 1,
+                   dtype: str = "bf16") -> str | None:
+    """Why a command's batches come in ever new shapes (graph_decision's `varying_shapes`), or None. Padding-free rows
+    are padded to a few lengths when the step is captured (SFTLoader.pad_rows_for_graphs), in one process whose
+    attention is the varlen kernel's (fp32 attends span by span, the spans' bounds read on the host)."""
+    if command == "finetune" and padding_free and world_size > 1:
+        return "--padding-free under torchrun: each rank's row is its own samples' length, a new shape every step"
+    if command == "finetune" and padding_free and dtype == "fp32":
+        return "--padding-free in fp32 attends span by span, the spans' bounds read on the host every step"
     if command == "finetune" and padding_free:
-        return "--padding-free batches are one row of their samples' total length, a new shape every step"
+        return None
     if command == "finetune" and not pad_buckets:
         return ("finetune batches are padded to their longest row, a new shape almost every step (--pad-buckets N "
                 "pads to N lengths, each captured once)")
@@ -106,13 +113,18 @@ def loss_scale(inv_total: float, like: torch.Tensor) -> torch.Tensor:
     return torch.full((), inv_total, dtype=like.dtype, device=like.device)
 
 
+# the batch's Python numbers a captured forward reads (frozen at capture: part of the graph's key, handed to it)
+GRAPH_NUMBERS = ("max_seqlen",)  # a padding-free row's longest span: the varlen kernel's grid
+
+
 def signature(batch: dict) -> tuple:
-    """What a graph is captured for: the batch's tensor entries with their shapes and dtypes."""
-    return tuple(sorted((k, tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)))
+    """What a graph is captured for: the batch's tensor entries with their shapes and dtypes, and its GRAPH_NUMBERS."""
+    return tuple(sorted([(k, tuple(v.shape), v.dtype) for k, v in batch.items() if isinstance(v, torch.Tensor)]
+                        + [(k, (int(batch[k]),), None) for k in GRAPH_NUMBERS if batch.get(k) is not None]))
 
 
 def _shapes(sig: tuple) -> str:
-    return ", ".join(f"{k} {list(shape)}" for k, shape, _ in sig)
+    return ", ".join(f"{k} {list(shape)}" if dtype is not None else f"{k} {shape[0]}" for k, shape, dtype in sig)
 
 
 # the capture step's eager micro-batch on a side stream (a seam: the CPU tests replace it)
@@ -151,7 +163,7 @@ class StepGraphs:
     def __init__(self, loss_sum: Callable[[dict], torch.Tensor], precision: Precision, device: torch.device,
                  log: Callable[[str], None]):
         self.loss_sum, self.precision, self.device, self.log = loss_sum, precision, device, log
-        self.graphs: dict[tuple, tuple[Any, dict[str, torch.Tensor], torch.Tensor]] = {}
+        self.graphs: dict[tuple, tuple[Any, dict[str, Any], torch.Tensor]] = {}
         self.refused: set[tuple] = set()  # shapes whose capture failed or came after MAX_SHAPES
         self.pool: Any = None
         self.steps = 0
@@ -168,7 +180,7 @@ class StepGraphs:
         return torch.autocast(self.device.type, dtype=torch.bfloat16, enabled=self.precision.compute_bf16,
                               cache_enabled=False)
 
-    def _forward_backward(self, static: dict[str, torch.Tensor], scale: torch.Tensor) -> torch.Tensor:
+    def _forward_backward(self, static: dict[str, Any], scale: torch.Tensor) -> torch.Tensor:
         with self._autocast():
             s = self.loss_sum(static)
         (s * scale).backward()
@@ -181,6 +193,8 @@ class StepGraphs:
         if sig in self.graphs:
             graph, static, static_scale = self.graphs[sig]
             for k, buf in static.items():
+                if not isinstance(buf, torch.Tensor):  # a GRAPH_NUMBERS entry: the same value (the key)
+                    continue
                 src = batch[k]
                 buf.copy_(src.pin_memory() if src.device.type == "cpu" and self.device.type == "cuda" else src,
                           non_blocking=True)
@@ -198,7 +212,9 @@ class StepGraphs:
         # makes every gradient exist, so the captured backward accumulates into them in place
         s = warmup(eager, self.device)
         # the buffers hold this batch (valid token ids) while the capture records (it reads nothing on CUDA)
-        static = {k: v.to(self.device, copy=True) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        static: dict[str, Any] = {k: v.to(self.device, copy=True) for k, v in batch.items()
+                                  if isinstance(v, torch.Tensor)}
+        static.update({k: int(batch[k]) for k in GRAPH_NUMBERS if batch.get(k) is not None})
         static_scale = torch.zeros((), dtype=s.dtype, device=self.device)
         self.set_scale(static_scale, inv_total)
         try:

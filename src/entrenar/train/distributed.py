@@ -338,6 +338,7 @@ def slice_spans(batch: dict[str, Any], lo: int, hi: int) -> dict[str, Any]:
     """Samples [lo, hi) of a padding-free batch (one row with cu_seqlens, data/sft.py:collate_padding_free) as a
     padding-free batch of their own: their tokens, spans rebased to 0, doc ids from 0. An empty range gives the
     first sample with every label ignored (0 loss tokens): under FSDP every rank must run the forward."""
+    assert "samples" not in batch, "a row padded for CUDA graphs is one process's (varying_shapes under torchrun)"
     idle = hi <= lo
     if idle:
         lo, hi = 0, 1
