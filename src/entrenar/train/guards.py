@@ -511,7 +511,7 @@ class SpikeDetector:
 def spike_guard(policy: str, window: int, sigma: float, objective: Any) -> SpikeGuard:
     """The run's GUARD-SPIKE: on the loss and the gradient norm, or the gradient norm only where the objective's
     loss is no fit whose jumps mean trouble (objective.loss_spikes False: GRPO's surrogate)."""
-    return SpikeGuard(policy, window, sigma, watch_loss=objective.loss_spikes)
+    return SpikeGuard(policy, window, sigma, watch_loss=getattr(objective, "loss_spikes", True))  # a user objective: True
 
 
 class SpikeGuard:
