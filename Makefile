@@ -41,7 +41,7 @@ demo: setup-runtime
 # make test: the suite on $(WORKERS) workers, the sensitive files on another ISA, then the fast contract
 # mutations within MUTANT_BUDGET seconds (the ones touched by the last commits first, the rest rotated by commit:
 # tools/mutants.py --help); MUTANTS=0 skips them, `make mutants` runs every one
-MUTANT_BUDGET ?= 60
+MUTANT_BUDGET ?= 30
 test: setup contracts-lint
 	$(PYTEST) -n $(WORKERS) --dist loadfile --no-loadscope-reorder --durations=25 tests
 	$(MAKE) --no-print-directory test-other-isa
