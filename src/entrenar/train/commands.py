@@ -518,8 +518,10 @@ def _run_locked(args, command, cfg, model, tokenizer, train_loader, eval_loader,
         _log(f"cuda graphs: {cfg.cuda_graphs} ({cfg.cuda_graphs_reason})")
     if padding_free and cfg.cuda_graphs == "on" and hasattr(train_loader, "pad_rows_for_graphs"):
         train_loader.pad_rows_for_graphs()  # a few row lengths, each captured once (the same samples and counts)
-        _log("--padding-free rows padded to 4 lengths per doubling of their tokens for the graphs (< 25% padding, "
-             "a span of its own)")
+        from ..data.sft import GRAPH_ROW_STEPS
+
+        _log(f"--padding-free rows padded to {GRAPH_ROW_STEPS} lengths per doubling of their tokens for the graphs "
+             f"(a span of padding of its own, not counted)")
     if ctx.is_main:
         run_json = _run_json(args, command, cfg, model, tokenizer)
         if ctx.active:  # the job's shape (resuming on another world size keeps the global batch)
