@@ -16,7 +16,11 @@
 #                                                 (GRPO_FROM=VARIANT: that one's; GRPO_FROM=base: the base model,
 #                                                 paired against the base's evals; GRPO_ROWS="FLAGS": the prompts made
 #                                                 by `data sft-from-bfcl FLAGS` instead of the SFT rows; GRPO_ARGS:
-#                                                 more finetune flags)
+#                                                 more finetune flags; GRPO_REWARD="SPEC ...": the rewards,
+#                                                 bfcl-graded by default)
+#   bash bench/panel_gpu.sh code NAME SECONDS     GRPO (LoRA, --reward tests) from the base on `data tasks-from-code
+#                                                 stdlib` prompts (CODE_SOURCES: more source trees), HumanEval in
+#                                                 the loop; HumanEval, BFCL and chat after, paired with the base's
 # SFT_STEPS: the A/B's steps (250); the variant's flags come after the recipe's, so a variant may override them (qwen);
 # SFT_EXTRA: flags after the variant's (DRY=1 with a random model: "--replay 0", its answers pass no chat gate).
 # Everything a stage wrote goes to $OUT as one STAGE-results.tgz (per-problem files, logs, summaries; no weights) and
@@ -104,14 +108,36 @@ if [ "$stage" = speed ]; then
   exit 0
 fi
 
+base_evals() {  # the base model's BFCL, HumanEval and chat, once per $WORK
+  [ -f "$base/base_bfcl.jsonl" ] || timed "$base/base_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    --out "$base/base_bfcl.jsonl" --overwrite
+  [ -f "$base/base_he.jsonl" ] || timed "$base/base_he" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    --out "$base/base_he.jsonl" --overwrite
+  [ -f "$base/base_chat.jsonl" ] || timed "$base/base_chat" python3 -m entrenar eval --task chat --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
+    --out "$base/base_chat.jsonl" --overwrite
+}
+
+after_evals() {  # after_evals DIR RUN BEFORE: RUN's BFCL, chat and HumanEval, each paired with BEFORE{bfcl,chat,he}.jsonl
+  local d=$1 run=$2 before=$3
+  timed "$d/after_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$run" "${limit[@]}" --device "$dev" \
+    --out "$d/after_bfcl.jsonl" --overwrite --compare "${before}bfcl.jsonl"
+  grep -E "^bfcl " "$d/after_bfcl.log"
+  timed "$d/after_chat" python3 -m entrenar eval --task chat --model "$run" "${limit[@]}" --device "$dev" \
+    --out "$d/after_chat.jsonl" --overwrite --compare "${before}chat.jsonl"
+  grep -E "^chat" "$d/after_chat.log"
+  timed "$d/after_he" python3 -m entrenar eval --task humaneval --model "$run" "${limit[@]}" --device "$dev" \
+    --out "$d/after_he.jsonl" --overwrite --compare "${before}he.jsonl"
+  grep -E "^humaneval" "$d/after_he.log"
+}
+
+rewards=()  # GRPO_REWARD="SPEC ...": one --reward each (tests for the code stage, bfcl-graded for grpo)
+default_reward=bfcl-graded
+[ "$stage" = code ] && default_reward=tests
+for r in ${GRPO_REWARD:-$default_reward}; do rewards+=(--reward "$r"); done
+
 if [ "$stage" = ab ]; then
   {
-    [ -f "$base/base_bfcl.jsonl" ] || timed "$base/base_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
-      --out "$base/base_bfcl.jsonl" --overwrite
-    [ -f "$base/base_he.jsonl" ] || timed "$base/base_he" python3 -m entrenar eval --task humaneval --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
-      --out "$base/base_he.jsonl" --overwrite
-    [ -f "$base/base_chat.jsonl" ] || timed "$base/base_chat" python3 -m entrenar eval --task chat --model "$model" "${tpl[@]}" "${limit[@]}" --device "$dev" \
-      --out "$base/base_chat.jsonl" --overwrite
+    base_evals
     for v in ${ONLY:-${!VARIANTS[@]}}; do
       # shellcheck disable=SC2086
       timeout "$(left)" python3 -m bench.task_proof toolcall "${common[@]}" --work "$root/$v" --base-from "$base" \
@@ -146,22 +172,35 @@ if [ "$stage" = grpo ]; then
     fi
     # shellcheck disable=SC2086
     timed "$g/finetune" python3 -m entrenar finetune --model "$start" "${tpl[@]}" --objective grpo --data "$rows" \
-      --reward bfcl-graded --mode lora --rank 16 --lr "${GRPO_LR:-5e-5}" --num-generations "$gens" \
+      "${rewards[@]}" --mode lora --rank 16 --lr "${GRPO_LR:-5e-5}" --num-generations "$gens" \
       --batch-size "${GRPO_BATCH:-$batch}" --grad-accum "${GRPO_ACCUM:-1}" --max-new-tokens "$new" --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" \
       --eval-task bfcl:simple_python,multiple --eval-task-limit "$task_limit" --eval-task-every $((grpo_steps / 2)) \
       --retain-task bfcl:irrelevance --retain-task chat --keep-best task --seed 0 --out "$g/run" ${GRPO_ARGS:-}
     grep -E "^step [0-9]+/" "$g/finetune.log" | awk 'NR % 10 == 1' | head -20
-    timed "$g/after_bfcl" python3 -m entrenar eval --task "bfcl:$cats" --model "$g/run" "${limit[@]}" --device "$dev" \
-      --out "$g/after_bfcl.jsonl" --overwrite --compare "${before}bfcl.jsonl"
-    grep -E "^bfcl " "$g/after_bfcl.log"
-    timed "$g/after_chat" python3 -m entrenar eval --task chat --model "$g/run" "${limit[@]}" --device "$dev" \
-      --out "$g/after_chat.jsonl" --overwrite --compare "${before}chat.jsonl"
-    grep -E "^chat" "$g/after_chat.log"
-    timed "$g/after_he" python3 -m entrenar eval --task humaneval --model "$g/run" "${limit[@]}" --device "$dev" \
-      --out "$g/after_he.jsonl" --overwrite --compare "${before}he.jsonl"
-    grep -E "^humaneval" "$g/after_he.log"
+    after_evals "$g" "$g/run" "$before"
   } 2>&1 | tee "$OUT/grpo-summary.txt"
   collect grpo
   exit 0
 fi
-echo "unknown stage $stage (speed | ab | grpo)"; exit 2
+
+if [ "$stage" = code ]; then
+  c=$root/code
+  mkdir -p "$c"
+  {
+    base_evals
+    # shellcheck disable=SC2086
+    python3 -m entrenar data tasks-from-code --out "$c/tasks.jsonl" --overwrite stdlib ${CODE_SOURCES:-} | tail -n 2
+    # shellcheck disable=SC2086
+    timed "$c/finetune" python3 -m entrenar finetune --model "$model" "${tpl[@]}" --objective grpo --data "$c/tasks.jsonl" \
+      "${rewards[@]}" --mode lora --rank 16 --lr "${GRPO_LR:-1e-4}" --num-generations "$gens" \
+      --batch-size "${GRPO_BATCH:-$batch}" --grad-accum "${GRPO_ACCUM:-1}" --max-new-tokens "${CODE_NEW:-$((new * 4))}" \
+      --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" --eval-task humaneval --eval-task-limit "$task_limit" \
+      --eval-task-every $((grpo_steps / 2)) --retain-task bfcl:simple_python --retain-task chat --keep-best task \
+      --seed 0 --out "$c/run" ${GRPO_ARGS:-}
+    grep -E "^step [0-9]+/" "$c/finetune.log" | awk 'NR % 5 == 1' | head -20
+    after_evals "$c" "$c/run" "$base/base_"
+  } 2>&1 | tee "$OUT/code-summary.txt"
+  collect code
+  exit 0
+fi
+echo "unknown stage $stage (speed | ab | grpo | code)"; exit 2
