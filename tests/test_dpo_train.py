@@ -94,6 +94,11 @@ def test_other_objectives_and_modes_run_and_start_at_their_start_value(objective
     start = 1.0 if objective == "ipo" else math.log(2)  # ipo: (1 / (2 beta))^2 at beta 0.5
     assert ev0["loss"] == pytest.approx(start, rel=1e-6)
     assert "GUARD-INIT-LOSS ok" in err
+    lines = [ln for ln in err.splitlines() if ln.startswith("step ") and "/2 " in ln]
+    steps = records(out / "metrics.jsonl")
+    assert len(lines) == len(steps) == 2, err
+    for line, r in zip(lines, steps, strict=True):  # the progress line carries the step's preference means
+        assert f"acc {r['rewards/accuracies']:.3f}" in line and f"margin {r['rewards/margins']:.3f}" in line, line
 
 
 def test_a_reference_that_is_not_the_start_stops_with_guard_init_loss(tmp_path, base_model, pref_data,  # noqa: F811

@@ -13,6 +13,8 @@ run deterministic.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 from pathlib import Path
@@ -60,9 +62,12 @@ def records(run: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def lora_run(tmp_path_factory, base_model, prompts) -> Path:  # noqa: F811
     out = tmp_path_factory.mktemp("grpo-lora") / "run"
-    code, result, err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=("--save-every", "2")),
-                                capture=True)
-    assert code == 0, (result, err)
+    stderr = io.StringIO()  # the progress lines, for test_progress_lines_show_the_rollout_metrics
+    with contextlib.redirect_stderr(stderr):
+        code, result, _err = run_cli(grpo_args(base_model, *prompts, out, steps=4, extra=("--save-every", "2")),
+                                     capture=True)
+    assert code == 0, (result, stderr.getvalue())
+    (out.parent / "stderr.txt").write_text(stderr.getvalue())
     return out
 
 
@@ -84,6 +89,21 @@ def test_lora_logs_the_rollout_metrics_and_starts_at_the_reference(lora_run, pro
     assert (data["epoch"], data["position"], data["calls"]) == (1, 0, 4)  # 4 x 2 of the 8 prompts: step 0 replayed
     run = json.loads((lora_run / "run.json").read_text())["config"]
     assert run["objective"] == "grpo" and run["beta"] == 0.04 and run["loss_type"] == "dapo"
+
+
+def test_progress_lines_show_the_rollout_metrics(lora_run):
+    """Each step's progress line (a plain line off a terminal) carries the step's GRPO means as metrics.jsonl has
+    them: reward, its spread, the groups without spread, KL, entropy, completion length, the share cut."""
+    err = (lora_run.parent / "stderr.txt").read_text()
+    lines = {int(ln.split()[1].split("/")[0]): ln for ln in err.splitlines() if ln.startswith("step ") and "/4 " in ln}
+    assert sorted(lines) == [1, 2, 3, 4], err
+    for r in records(lora_run):
+        line = lines[r["step"]]
+        for text in (f"reward {r['reward']:.3f}", f"std {r['reward_std']:.3f}",
+                     f"no-spread {r['frac_reward_zero_std']:.0%}", f"kl {r['kl']:.4f}", f"entropy {r['entropy']:.3f}",
+                     f"len {r['completion_length']:.0f}", f"cut {r['truncated_share']:.0%}"):
+            assert text in line, (text, line)
+        assert "dropped" not in line  # no --grpo-dynamic-sampling: no groups dropped to report
 
 
 def test_same_seed_same_run_and_resume_continues(tmp_path, lora_run, base_model, prompts):  # noqa: F811
@@ -274,3 +294,15 @@ def test_tool_rows_need_a_template_that_renders_tools(tmp_path, base_model, prom
     args[args.index("--reward") + 1] = "bfcl"
     code, result, _err = run_cli(args, capture=True)
     assert code == 2 and f"{data}:1" in result["error"] and "--chat-template" in result["error"], result
+
+
+def test_progress_fields_leave_out_what_a_step_lacks():
+    """format_fields: a key the record lacks, a non-finite value or a bool is left out of the line; the share
+    fields print as percentages; --grpo-dynamic-sampling's dropped groups appear when the record has them."""
+    from entrenar.train.grpo import PROGRESS_FIELDS
+    from entrenar.train.objective import format_fields
+
+    line = format_fields({"reward": 0.5, "reward_std": float("nan"), "frac_reward_zero_std": 0.25,
+                          "frac_groups_dropped": 0.455, "kl": True, "completion_length": 48.6}, PROGRESS_FIELDS)
+    assert line == "reward 0.500 no-spread 25% dropped 46% len 49"
+    assert format_fields({}, PROGRESS_FIELDS) == ""

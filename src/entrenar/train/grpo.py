@@ -60,7 +60,7 @@ import torch.nn.functional as F
 from ..data.sft import SFTLoader
 from ..errors import GuardError, InputError
 from ..tensors import IGNORE_INDEX
-from .objective import takes_head_at, to_device
+from .objective import format_fields, takes_head_at, to_device
 
 LOSS_TYPES = ("grpo", "bnpo", "dr_grpo", "dapo")  # TRL's GRPOConfig.loss_type names
 SCALE_REWARDS = ("group", "batch", "none")  # TRL's GRPOConfig.scale_rewards
@@ -70,6 +70,11 @@ DEFAULT_MAX_KL = 1.0  # GUARD-GRPO-KL: mean k3 KL per completion token above thi
 ENTROPY_COLLAPSE_RATIO = 0.1  # GUARD-GRPO-ENTROPY: entropy below this share of its first step's ...
 ENTROPY_COLLAPSE_FLOOR = 0.05  # ... and below this many nats per token
 ENTROPY_COLLAPSE_STEPS = 3  # ... for this many steps in a row
+
+# the progress line's fields: (label, metrics.jsonl key, format); a key missing from the step's record is left out
+PROGRESS_FIELDS = (("reward", "reward", ".3f"), ("std", "reward_std", ".3f"), ("no-spread", "frac_reward_zero_std", ".0%"),
+                   ("dropped", "frac_groups_dropped", ".0%"), ("kl", "kl", ".4f"), ("entropy", "entropy", ".3f"),
+                   ("len", "completion_length", ".0f"), ("cut", "truncated_share", ".0%"))
 
 # the rollout's statistics carried in each micro-batch (summed over micro-batches and ranks by the loop)
 ROLLOUT_SUMS = ("reward", "reward_std", "zero_std_groups", "groups", "sequences", "completion_tokens",
@@ -612,6 +617,13 @@ class GRPOObjective:
 
     def watch(self, record: dict[str, Any]) -> list[str]:
         return self.watcher.update(record)
+
+    def progress_fields(self, record: dict[str, Any]) -> str:
+        """The progress line's GRPO fields (the step's means, as in metrics.jsonl): the reward and its spread within
+        groups, the share of trained groups without spread (no signal) and, with --grpo-dynamic-sampling, of drawn
+        groups dropped for it, the KL to the reference, the entropy, the completion length and the share cut at
+        --max-new-tokens."""
+        return format_fields(record, PROGRESS_FIELDS)
 
     def watch_task(self, step: int, task: Any) -> list[str]:
         """After an --eval-task eval (Trainer.task_evaluate, `task` its TaskTracker): GUARD-REWARD-HACKING for each

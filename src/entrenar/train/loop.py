@@ -1010,8 +1010,11 @@ class Trainer:
                         self.step_warnings.append({"guard": warning.split(" ", 1)[0].rstrip(":"), "step": step,
                                                    "message": warning})
                     self.watch_train(record)
+                    fields = getattr(self.objective, "progress_fields", None)  # a library user's may lack it
+                    extra = fields(record) if fields is not None else ""
                     self.progress.update(step, record["loss"], record["tok_s"],
-                                         f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f}")
+                                         f"lr {record['lr']:.2e} gnorm {record['grad_norm']:.3f}"
+                                         + (f" {extra}" if extra else ""))
                     self.after_step(step)
                     # a background checkpoint write that ended: COMPLETE, or its error (exit 2) raised here; under
                     # torchrun errors wait for the next save or the end, which every rank reaches at the same step

@@ -109,9 +109,21 @@ class Objective(Protocol):
 
     def watch(self, record: dict[str, Any]) -> list[str]: ...
 
+    def progress_fields(self, record: dict[str, Any]) -> str: ...
+
     def state_dict(self) -> dict[str, Any]: ...
 
     def load_state_dict(self, sd: dict[str, Any]) -> None: ...
+
+
+def format_fields(record: dict[str, Any], fields: tuple[tuple[str, str, str], ...]) -> str:
+    """'label value ...' for each (label, record key, format spec) whose value is a finite number in `record`."""
+    out = []
+    for label, key, spec in fields:
+        v = record.get(key)
+        if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out.append(f"{label} {v:{spec}}")
+    return " ".join(out)
 
 
 class CausalLMLoss:
@@ -170,6 +182,9 @@ class CausalLMLoss:
 
     def watch(self, record: dict[str, Any]) -> list[str]:
         return []
+
+    def progress_fields(self, record: dict[str, Any]) -> str:
+        return ""  # the loss is the progress line's own field
 
     def state_dict(self) -> dict[str, Any]:
         return {}
@@ -338,6 +353,11 @@ class PreferenceLoss:
 
     def watch(self, record: dict[str, Any]) -> list[str]:
         return self.watcher.update(record)
+
+    def progress_fields(self, record: dict[str, Any]) -> str:
+        """The progress line's preference fields: the share of pairs whose chosen reward beats the rejected one, the
+        mean reward margin."""
+        return format_fields(record, (("acc", "rewards/accuracies", ".3f"), ("margin", "rewards/margins", ".3f")))
 
     def state_dict(self) -> dict[str, Any]:
         return self.watcher.state_dict()
