@@ -195,7 +195,7 @@ if [ "$stage" = code ]; then
       "${rewards[@]}" --mode lora --rank 16 --lr "${GRPO_LR:-1e-4}" --num-generations "$gens" \
       --batch-size "${GRPO_BATCH:-$batch}" --grad-accum "${GRPO_ACCUM:-1}" --max-new-tokens "${CODE_NEW:-$((new * 4))}" \
       --steps "$grpo_steps" --max-seq-len "$seq" --device "$dev" --eval-task humaneval --eval-task-limit "$task_limit" \
-      --eval-task-every $((grpo_steps / 2)) --retain-task bfcl:simple_python --retain-task chat --keep-best task \
+      --eval-task-every $((grpo_steps / 2)) --retain-task bfcl:simple_python,irrelevance --retain-task chat --keep-best task \
       --seed 0 --out "$c/run" ${GRPO_ARGS:-}
     grep -E "^step [0-9]+/" "$c/finetune.log" | awk 'NR % 5 == 1' | head -20
     after_evals "$c" "$c/run" "$base/base_"
