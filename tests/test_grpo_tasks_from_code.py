@@ -123,3 +123,71 @@ def test_grpo_on_task_rows_with_the_tests_reward(tmp_path, base_model):  # noqa:
     (row,) = [json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()]
     assert row["reward"] == 0.0 and row["reward/tests"] == 0.0  # 4 random tokens pass no test
     assert row["frac_reward_zero_std"] == 1.0  # so the group has no spread: no signal
+
+
+PACKAGE_SOURCE = '''\
+from mylib import helper
+from .sibling import thing
+
+
+def uses_package(a):
+    """
+    >>> uses_package(1)
+    2
+    """
+    return helper(a)
+
+
+def imports_inside(a):
+    """
+    >>> imports_inside(1)
+    1
+    """
+    import sympy
+    return a
+
+
+def example_imports(a):
+    """
+    >>> from sympy import Integer
+    >>> example_imports(Integer(2))
+    2
+    """
+    return a
+
+
+def relative(a):
+    """
+    >>> relative(1)
+    1
+    """
+    return thing(a)
+
+
+def doubled(a):
+    """
+    >>> import math
+    >>> doubled(math.floor(2.5))
+    4
+    """
+    return 2 * a
+'''
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_tasks_importing_beyond_the_standard_library_are_left_out_and_named(tmp_path, verify, capsys):
+    """The tests' sandbox has the standard library only: a task whose prompt imports, body or examples import a
+    package (or the tree's own modules) could never pass there. It is left out before verification (also with
+    --no-verify) and counted per module, instead of counted as "failing its own tests"."""
+    (tmp_path / "src").mkdir()
+    (tmp_path / "src" / "pkgmod.py").write_text(PACKAGE_SOURCE)
+    out = tmp_path / "tasks.jsonl"
+    argv = ["data", "tasks-from-code", "--out", str(out), str(tmp_path / "src"), *([] if verify else ["--no-verify"])]
+    code, result, err = run_cli([*argv, "--json"], capture=True)
+    assert code == 0, err
+    assert result["needs_packages"] == 4 and result["failed_verification"] == 0 and result["rows"] == 1, result
+    assert result["packages"] == {"sympy": 2, ".sibling": 1, "mylib": 1}
+    assert [json.loads(x)["entry_point"] for x in out.read_text().splitlines()] == ["doubled"]
+    run = run_cli([*argv, "--overwrite"], capsys)
+    assert run[0] == 0 and "4 importing modules outside the standard library" in run.out, run.out
+    assert "(sympy 2, .sibling 1, mylib 1)" in run.out

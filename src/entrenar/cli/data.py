@@ -100,10 +100,12 @@ def cmd_tasks_from_code(args: argparse.Namespace) -> dict[str, Any]:
     stats = tasks_from_code(args.sources, args.out, excludes=args.exclude, overwrite=args.overwrite,
                             verify=not args.no_verify, limit=args.limit)
     if not args.json:
+        named = ", ".join(f"{name} {n}" for name, n in list(stats["packages"].items())[:5])
         print(f"wrote {stats['rows']} tasks to {stats['out']} from {stats['files']} files: "
               f"{stats['functions_with_doctests']} functions with doctests, {stats['not_self_contained']} not "
-              f"self-contained, {stats['humaneval_overlap']} overlapping HumanEval, {stats['failed_verification']} "
-              f"failing their own tests (left out)")
+              f"self-contained, {stats['humaneval_overlap']} overlapping HumanEval, {stats['needs_packages']} "
+              f"importing modules outside the standard library, which the tests' sandbox does not have"
+              f"{f' ({named})' if named else ''}, {stats['failed_verification']} failing their own tests (left out)")
     return stats
 
 

@@ -11,7 +11,11 @@ signature and the docstring (HumanEval's form); the tests run the examples throu
 Disjoint from HumanEval: a function whose name is one of HumanEval's 164 entry points, or whose prompt's docstring
 shares a line of 30+ characters with a HumanEval prompt, is left out (counted as `humaneval_overlap`). With
 `--verify` (the default) each task keeps only if the function's own source passes its "test" in the sandbox (the
-same isolation as `eval --task humaneval`): examples that depend on state outside the function are dropped.
+same isolation as `eval --task humaneval`): examples that depend on state outside the function are dropped. That
+sandbox has Python's standard library only: a task importing anything else (a package such as sympy, or the source
+tree's own modules, relative imports included), in its prompt's imports, its body or its examples, could never pass
+there (not in verification, `--reward tests` or `eval --task humaneval --data`), so it is left out, with or without
+`--verify`, and counted as `needs_packages`, per module in `packages`.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import ast
 import doctest
 import json
+import sys
 import sysconfig
 from pathlib import Path
 from typing import Any
@@ -99,8 +104,30 @@ def _import_lines(tree: ast.Module, needed: set[str]) -> list[str]:
     return out
 
 
-def file_tasks(path: Path, rel: str, entry_points: set[str], shared: set[str], counts: dict[str, int]
-               ) -> list[dict[str, Any]]:
+def _import_roots(stmt: ast.Import | ast.ImportFrom) -> set[str]:
+    """The top-level modules an import statement loads (a relative import: "." + its module, its package's own)."""
+    if isinstance(stmt, ast.ImportFrom):
+        return {"." + (stmt.module or "")} if stmt.level else {(stmt.module or "").split(".")[0]}
+    return {a.name.split(".")[0] for a in stmt.names}
+
+
+def modules_outside_stdlib(node: ast.FunctionDef, import_lines: list[str], examples: list[doctest.Example]
+                           ) -> set[str]:
+    """The modules a task imports that are not Python's standard library: in its prompt's import lines, its body and
+    its doctest examples. The sandbox that runs the tests (evaluate/sandbox.py) has the standard library only, so a
+    task needing one of these could never pass there (a package, or the source tree's own modules)."""
+    stmts: list[ast.AST] = [s for s in ast.walk(node) if isinstance(s, (ast.Import, ast.ImportFrom))]
+    for text in [*import_lines, *(ex.source for ex in examples)]:
+        try:
+            stmts += [s for s in ast.walk(ast.parse(text)) if isinstance(s, (ast.Import, ast.ImportFrom))]
+        except SyntaxError:  # an example that is not a statement on its own (a continuation): no import to read
+            continue
+    roots = set().union(*(_import_roots(s) for s in stmts)) if stmts else set()
+    return {r for r in roots if r != "__future__" and r not in sys.stdlib_module_names}
+
+
+def file_tasks(path: Path, rel: str, entry_points: set[str], shared: set[str], counts: dict[str, int],
+               packages: dict[str, int] | None = None) -> list[dict[str, Any]]:
     try:
         text = path.read_text(encoding="utf-8")
         tree = ast.parse(text)
@@ -126,9 +153,16 @@ def file_tasks(path: Path, rel: str, entry_points: set[str], shared: set[str], c
                                             if len(ln.strip()) >= MIN_SHARED_LINE):
             counts["humaneval_overlap"] += 1
             continue
+        import_lines = _import_lines(tree, needed)
+        outside = modules_outside_stdlib(node, import_lines, examples)
+        if outside:
+            counts["needs_packages"] += 1
+            for name in outside:
+                if packages is not None:
+                    packages[name] = packages.get(name, 0) + 1
+            continue
         check, snippets = task_tests(node.name, examples)
-        rows.append({"task_id": f"{rel}:{node.name}", "prompt": _prompt(node, docstring or "",
-                                                                        _import_lines(tree, needed)),
+        rows.append({"task_id": f"{rel}:{node.name}", "prompt": _prompt(node, docstring or "", import_lines),
                      "entry_point": node.name, "test": check, "tests": snippets,
                      "canonical_solution": _source(lines, node), "source": rel})
     return rows
@@ -150,7 +184,8 @@ def tasks_from_code(sources: list[str], out: str | Path, excludes: list[str] | N
     out = check_jsonl_out(out, overwrite)
     entry_points, shared = _humaneval()
     counts = {"files": 0, "files_unparsable": 0, "functions_with_doctests": 0, "not_self_contained": 0,
-              "humaneval_overlap": 0, "failed_verification": 0}
+              "humaneval_overlap": 0, "needs_packages": 0, "failed_verification": 0}
+    packages: dict[str, int] = {}
     rows: list[dict[str, Any]] = []
     for source in sources:
         is_stdlib = source == "stdlib"
@@ -164,7 +199,7 @@ def tasks_from_code(sources: list[str], out: str | Path, excludes: list[str] | N
         for path in files:
             counts["files"] += 1
             rel = ("stdlib/" if is_stdlib else "") + path.relative_to(base).as_posix()
-            rows.extend(file_tasks(path, rel, entry_points, shared, counts))
+            rows.extend(file_tasks(path, rel, entry_points, shared, counts, packages))
     if verify:
         kept = []
         for row in rows:
@@ -179,8 +214,9 @@ def tasks_from_code(sources: list[str], out: str | Path, excludes: list[str] | N
         rows = rows[:limit]
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in rows))
-    return {**counts, "rows": len(rows), "out": str(out), "sources": list(sources), "verified": verify,
+    return {**counts, "packages": dict(sorted(packages.items(), key=lambda kv: (-kv[1], kv[0]))),
+            "rows": len(rows), "out": str(out), "sources": list(sources), "verified": verify,
             "humaneval_entry_points_excluded": len(entry_points)}
 
 
-__all__ = ["STDLIB_EXCLUDES", "file_tasks", "task_tests", "tasks_from_code", "verify_task"]
+__all__ = ["STDLIB_EXCLUDES", "file_tasks", "modules_outside_stdlib", "task_tests", "tasks_from_code", "verify_task"]
