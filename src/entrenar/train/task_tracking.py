@@ -51,6 +51,7 @@ class TaskTracker:
         self._best_weights: list[torch.Tensor] | None = None  # --keep-best task: CPU copies of the best step's
         self._fallback: tuple[int, list[torch.Tensor] | None] | None = None  # the least bad step, none eligible
         self._fallback_key: tuple[int, int, int] = (0, 0, 0)
+        self._trained_step_kept_all = False  # a trained step (> 0) with no retained drop: no fallback then
 
     def due(self, step: int) -> bool:
         return step == 0 or step == self.steps or bool(self.every and step % self.every == 0)
@@ -177,6 +178,8 @@ class TaskTracker:
                 self._fallback = (step, [_local(p).detach().to("cpu", copy=True) for p in params]
                                   if self.keep_best else None)
             return
+        if step > 0:
+            self._trained_step_kept_all = True
         if self.best_step is not None and self._targets(step)[0] < self._targets(self.best_step)[0]:
             return
         self.best_step = step
@@ -184,13 +187,19 @@ class TaskTracker:
             self._best_weights = [_local(p).detach().to("cpu", copy=True) for p in params]
 
     # ---- the end of the run -----------------------------------------------------------------------
+    def _no_step_qualified(self) -> bool:
+        """No trained step kept every retained task (only the base qualified): --keep-best task falls back to the
+        least bad trained step. When one did, the best qualifying step is kept, the base included."""
+        return (self.best_step == 0 and max(self.results) > 0 and self._fallback is not None
+                and not self._trained_step_kept_all)
+
     def restore_best(self, params: list[torch.nn.Parameter]) -> int | None:
         """--keep-best task: put the best step's weights back before final/ is written; returns that step
         (None when the last step is the best, or the best was measured before a resume: not in memory)."""
         if not self.keep_best or self.best_step is None:
             return None
         last = max(self.results)
-        if self.best_step == 0 and last > 0 and self._fallback is not None:
+        if self._no_step_qualified():
             step, weights = self._fallback  # no trained step kept every retained task: the least bad one
             self.message(f"--keep-best task: no trained step kept every retained task; final/ holds step {step}, "
                          f"the least bad (its retained drops: {', '.join(self._retained_drops(self.changes(step)))})")
@@ -215,8 +224,7 @@ class TaskTracker:
 
     def keep_best_choice(self) -> dict[str, Any]:
         """Which step --keep-best task chose and why (also reported with --keep-best last)."""
-        last = max(self.results)
-        if self.best_step == 0 and last > 0 and self._fallback is not None:
+        if self._no_step_qualified():
             step = self._fallback[0]
             return {"step": step, "eligible": False,
                     "reason": f"no trained step kept every retained task; step {step} is the least bad "
@@ -282,6 +290,8 @@ class TaskTracker:
         self.best_step = None
         for s in sorted(self.scores):  # the best of the measurements so far (weights are not kept across a resume)
             changes = self.changes(s)
+            if s > 0 and not self._retained_drops(changes):
+                self._trained_step_kept_all = True
             if not self._retained_drops(changes) and (
                     self.best_step is None or self._targets(s)[0] >= self._targets(self.best_step)[0]):
                 self.best_step = s
