@@ -1,5 +1,6 @@
 """`entrenar plot RUN` -> RUN/curves.png: train and eval loss, learning rate, grad norm, tokens/s vs step, and
-the --eval-task metric when the run measured one (metrics.jsonl's rows with a "task" key).
+the --eval-task / --retain-task metrics when the run measured them (metrics.jsonl's rows with a "task" key), one
+line per task or BFCL category in one panel.
 
 Uses matplotlib when importable; otherwise draws the same four panels (no text) with numpy and
 zlib so the command never needs a plotting stack.
@@ -37,6 +38,17 @@ def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
     return xs, ys
 
 
+def _task_lines(tasks: list[dict]) -> list[tuple[str, list[float], list[float]]]:
+    """One line per --eval-task / --retain-task unit (a task, or a BFCL category), through its own rows' metric:
+    units are judged one by one, so they are drawn one by one, never pooled into one line."""
+    lines = []
+    for unit in dict.fromkeys(r["task"] for r in tasks):
+        rows = [r for r in tasks if r["task"] == unit]
+        metric, role = rows[0]["metric"], rows[0].get("role")
+        lines.append((f"{unit} {metric}" + (f" ({role})" if role else ""), *_series(rows, metric)))
+    return lines
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
@@ -56,9 +68,11 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
         ("grad norm (global L2, before clipping)", [("grad norm", *_series(metrics, "grad_norm"))], True),
         ("tokens / s", [("tok/s", *_series(metrics, "tok_s"))], False),
     ]
-    if tasks:
-        metric = tasks[0]["metric"]
-        panels.append((f"{tasks[0]['task']} {metric}", [(metric, *_series(tasks, metric))], False))
+    task_lines = _task_lines(tasks)
+    if task_lines:
+        title = "task metrics (step 0 = the start)" if len(task_lines) > 1 else task_lines[0][0]
+        panels.append((title, task_lines, False))
+    marked = {"eval loss", *(label for label, _, _ in task_lines)}  # evals: points, not a line through steps
     try:
         import matplotlib
 
@@ -76,8 +90,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
         for ax, (title, lines, logy) in zip(axes.flat, panels):
             for label, xs, ys in lines:
                 if xs:
-                    ax.plot(xs, ys, marker="o" if label in ("eval loss", *(t["metric"] for t in tasks[:1])) else None,
-                            ms=3, lw=1.2, label=label)
+                    ax.plot(xs, ys, marker="o" if label in marked else None, ms=3, lw=1.2, label=label)
             ax.set_title(title)
             ax.set_xlabel("step")
             if logy and any(y > 0 for _, _, ys in lines for y in ys):
