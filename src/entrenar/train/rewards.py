@@ -70,12 +70,17 @@ class Rewards:
 
 # ---- specs ---------------------------------------------------------------------------------------------------
 def _split_weight(spec: str) -> tuple[str, float]:
+    """(NAME, WEIGHT) of NAME[:WEIGHT]. The last field is the weight when float() reads it, except the FUNC of
+    python:FILE.py:FUNC without a weight: a function may be named `nan`, `inf` or `Infinity`, which float() reads
+    (non-finite) but which leave python:FILE.py without a function."""
     head, sep, tail = spec.rpartition(":")
     if sep:
         try:
-            return head, float(tail)
+            weight = float(tail)
         except ValueError:
-            pass
+            return spec, 1.0
+        if math.isfinite(weight) or not (head.startswith("python:") and head.count(":") == 1):
+            return head, weight
     return spec, 1.0
 
 
