@@ -157,9 +157,8 @@ def file_tasks(path: Path, rel: str, entry_points: set[str], shared: set[str], c
         outside = modules_outside_stdlib(node, import_lines, examples)
         if outside:
             counts["needs_packages"] += 1
-            for name in outside:
-                if packages is not None:
-                    packages[name] = packages.get(name, 0) + 1
+            for name in outside if packages is not None else ():
+                packages[name] = packages.get(name, 0) + 1
             continue
         check, snippets = task_tests(node.name, examples)
         rows.append({"task_id": f"{rel}:{node.name}", "prompt": _prompt(node, docstring or "", import_lines),
