@@ -180,8 +180,8 @@ class TrainConfig:
                                     "(tokens of each micro-batch), grpo (per sequence, then the mean), dr_grpo "
                                     "(sequences x --max-new-tokens)", commands=("finetune",), choices=GRPO_LOSS_TYPES)
     scale_rewards: str = option("group", "grpo: advantages divided by the group's reward std (group), the "
-                                         "micro-batch's (batch: its --batch-size groups), or not (none: Dr. GRPO)", commands=("finetune",),
-                                choices=GRPO_SCALE_REWARDS)
+                                         "micro-batch's (batch: its --batch-size groups), or not (none: Dr. GRPO)",
+                                commands=("finetune",), choices=GRPO_SCALE_REWARDS)
     max_kl: float = option(DEFAULT_MAX_KL, "grpo: GUARD-GRPO-KL stops the run (exit 3) when the mean KL per completion "
                                            "token to the reference passes this; 0 = off", commands=("finetune",))
     grpo_dynamic_sampling: int = option(0, "grpo: DAPO's dynamic sampling: groups whose G rewards are all equal (no "

@@ -72,9 +72,10 @@ ENTROPY_COLLAPSE_FLOOR = 0.05  # ... and below this many nats per token
 ENTROPY_COLLAPSE_STEPS = 3  # ... for this many steps in a row
 
 # the progress line's fields: (label, metrics.jsonl key, format); a key missing from the step's record is left out
-PROGRESS_FIELDS = (("reward", "reward", ".3f"), ("std", "reward_std", ".3f"), ("no-spread", "frac_reward_zero_std", ".0%"),
-                   ("dropped", "frac_groups_dropped", ".0%"), ("kl", "kl", ".4f"), ("entropy", "entropy", ".3f"),
-                   ("len", "completion_length", ".0f"), ("cut", "truncated_share", ".0%"))
+PROGRESS_FIELDS = (("reward", "reward", ".3f"), ("std", "reward_std", ".3f"),
+                   ("no-spread", "frac_reward_zero_std", ".0%"), ("dropped", "frac_groups_dropped", ".0%"),
+                   ("kl", "kl", ".4f"), ("entropy", "entropy", ".3f"), ("len", "completion_length", ".0f"),
+                   ("cut", "truncated_share", ".0%"))
 
 # the rollout's statistics carried in each micro-batch (summed over micro-batches and ranks by the loop)
 ROLLOUT_SUMS = ("reward", "reward_std", "zero_std_groups", "groups", "sequences", "completion_tokens",
