@@ -428,8 +428,9 @@ def test_cli_bfcl_rows_are_kept_as_questions_finish_and_resume_continues(tiny_di
 
 @pytest.mark.parametrize("extra, expect", [
     (["--task", "bfcl:nope"], "unknown BFCL category 'nope'"),
-    (["--task", "bfcl", "--samples", "2", "--temperature", "0.8"], "--samples applies to --task humaneval"),
+    (["--task", "bfcl", "--samples", "2"], "--samples 2 with --temperature 0"),
     (["--task", "bfcl", "--timeout", "3"], "--timeout applies to --task humaneval"),
+    (["--task", "bfcl", "--prompt-format", "chat"], "--prompt-format applies to --task humaneval"),
     (["--task", "bfcl", "--data", "x.jsonl"], "--data does not apply to --task bfcl"),
     (["--task", "bfcl:simple", "--limit", "1"], "does not render tools"),
 ])

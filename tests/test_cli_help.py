@@ -98,13 +98,15 @@ def test_eval_task_flags_are_grouped_by_task():
     groups = {g.title: {a.dest for a in g._group_actions} for g in leaf._action_groups}
     assert {"limit", "max_new_tokens", "out", "overwrite", "system_prompt_file", "resume"} <= \
         groups["--task humaneval, bfcl and chat"]
-    assert {"samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed"} == \
-        groups["--task humaneval only"]
+    assert {"samples", "temperature", "top_p", "task_seed"} == groups["--task humaneval and bfcl: sampling (pass@k)"]
+    assert {"timeout", "prompt_format"} == groups["--task humaneval only"]
     from entrenar.cli.evaluate import (
         NOT_BFCL,  # the flags refused with --task bfcl are exactly the humaneval ones
+        SAMPLING,
     )
 
     assert set(NOT_BFCL) == groups["--task humaneval only"]
+    assert set(SAMPLING) == groups["--task humaneval and bfcl: sampling (pass@k)"]
 
 
 def test_the_dtype_guide_is_written_once(capsys):

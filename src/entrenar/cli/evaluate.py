@@ -25,9 +25,11 @@ DEFAULT_MAX_NEW_TOKENS = 512  # humaneval's; bfcl's is evaluate/bfcl.py's DEFAUL
 TASK_ONLY = {"samples": 1, "temperature": 0.0, "top_p": 1.0, "limit": 0, "max_new_tokens": None,
              "timeout": 10.0, "prompt_format": "auto", "out": None, "overwrite": False, "task_seed": 0,
              "system_prompt_file": None, "resume": False, "compare": None}
-# humaneval-only flags (greedy single answers, nothing run in a sandbox, questions from the package): refused
-# with --task bfcl, where they would be silently ignored
-NOT_BFCL = ("samples", "temperature", "top_p", "timeout", "prompt_format", "task_seed")
+# the sampling flags of humaneval and bfcl (pass@k): refused with --task chat, answered greedily
+SAMPLING = ("samples", "temperature", "top_p", "task_seed")
+# humaneval-only flags (nothing run in a sandbox, the chat format always): refused with --task bfcl, where they
+# would be silently ignored
+NOT_BFCL = ("timeout", "prompt_format")
 FLAGS = {"task_seed": "--seed"}  # dest -> flag where they differ (eval's --seed is the sampling seed of a task)
 # flag -> its default: eval on preference pairs only (--data PAIRS.jsonl, --task loss); refused anywhere else
 PAIRS_ONLY = {"ref_model": None, "beta": None}
@@ -83,31 +85,34 @@ def add_task_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", action="store_true",
                    help="continue an interrupted eval: keep --out's complete rows (made with the same settings), "
                         "evaluate the rest, rewrite --out whole (humaneval and bfcl)")
-    g = p.add_argument_group("--task humaneval only")
+    g = p.add_argument_group("--task humaneval and bfcl: sampling (pass@k)")
     g.add_argument("--samples", type=int, default=1, help="completions per problem, the n of pass@k (1)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy; > 0 needed for --samples > 1 (0.0)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling with --temperature > 0 (1.0)")
+    g.add_argument("--seed", dest="task_seed", type=int, default=0, metavar="SEED",
+                   help="sampling seed: sample s draws with seed + s (0)")
+    g = p.add_argument_group("--task humaneval only")
     g.add_argument("--timeout", type=float, default=10.0, help="seconds of wall clock per program (10.0)")
     g.add_argument("--prompt-format", choices=PROMPT_FORMATS, default="auto",
                    help="chat: the model's chat template with an instruction; completion: the problem's prompt "
                         "as it is; auto: chat when the model has a chat template (auto)")
-    g.add_argument("--seed", dest="task_seed", type=int, default=0, metavar="SEED",
-                   help="sampling seed: sample s draws with seed + s (0)")
 
 
 def check_task_flags(args: argparse.Namespace) -> None:
-    """A task flag that the task would not use is refused (exit 2): any with --task loss, humaneval's
-    sampling/sandbox/format flags and --data with --task bfcl; the preference-pair flags with any task but loss."""
+    """A task flag that the task would not use is refused (exit 2): any with --task loss, the sampling flags with
+    --task chat, humaneval's sandbox/format flags and --data with --task bfcl (and chat); the preference-pair flags
+    with any task but loss."""
     if args.task != "loss":
         for name, default in PAIRS_ONLY.items():
             if getattr(args, name, default) != default:
                 raise InputError(f"--{name.replace('_', '-')} applies to eval on preference pairs (--data "
                                  f"PAIRS.jsonl, --task loss), not --task {args.task}")
     if args.task == "chat":
-        for name in (*NOT_BFCL, "system_prompt_file", "resume"):
+        for name in (*SAMPLING, *NOT_BFCL, "system_prompt_file", "resume"):
             if getattr(args, name, TASK_ONLY[name]) != TASK_ONLY[name]:
                 flag = FLAGS.get(name, "--" + name.replace("_", "-"))
-                raise InputError(f"{flag} applies to --task humaneval, not --task chat (its requests are built in, "
+                tasks = "humaneval or bfcl" if name in SAMPLING else "humaneval"
+                raise InputError(f"{flag} applies to --task {tasks}, not --task chat (its requests are built in, "
                                  f"answered greedily in the chat template's own format)")
         if getattr(args, "data", None):
             raise InputError("--data does not apply to --task chat: its 120 requests are built in")
@@ -116,8 +121,8 @@ def check_task_flags(args: argparse.Namespace) -> None:
         for name in NOT_BFCL:
             if getattr(args, name, TASK_ONLY[name]) != TASK_ONLY[name]:
                 flag = FLAGS.get(name, "--" + name.replace("_", "-"))
-                raise InputError(f"{flag} applies to --task humaneval, not --task bfcl (BFCL is scored on one "
-                                 f"greedy answer per question, in the chat format, nothing run)")
+                raise InputError(f"{flag} applies to --task humaneval, not --task bfcl (BFCL's questions are "
+                                 f"asked in the chat format and scored by its AST rules, nothing run)")
         if getattr(args, "data", None):
             raise InputError("--data does not apply to --task bfcl: its questions come from the bfcl-eval "
                              "package; choose categories with --task bfcl:CATEGORY,...")
@@ -275,12 +280,22 @@ def _cmd_humaneval(args: argparse.Namespace) -> dict[str, Any]:
     return result
 
 
+def bfcl_row_settings(args: argparse.Namespace, max_new: int) -> dict[str, Any]:
+    """What each `--task bfcl` --out row records of how it was made, and what --resume requires to be the same; the
+    sampling settings only when sampling (--temperature > 0), so a greedy eval's rows are those it always wrote."""
+    made = {"task": args.task, "model": args.model, "adapter": args.adapter, "chat_template": args.chat_template,
+            "system_prompt_file": args.system_prompt_file, "max_new_tokens": max_new, "dtype": args.dtype}
+    if args.temperature > 0:
+        made.update(samples=args.samples, temperature=args.temperature, top_p=args.top_p, seed=args.task_seed)
+    return made
+
+
 def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
-    """`eval --task bfcl[:CATEGORIES]`: accuracy per category and overall; --out: one line per question."""
+    """`eval --task bfcl[:CATEGORIES]`: accuracy per category and overall (pass@k with --samples > 1); --out: one
+    line per question and sample."""
     from ..evaluate.bfcl import DEFAULT_MAX_NEW_TOKENS as BFCL_MAX_NEW_TOKENS
-    from ..evaluate.bfcl import bfcl_records, load_bfcl, no_early_stop, parse_bfcl_spec, summarize_bfcl
-    from ..evaluate.harness import entrenar_completer, prompts_per_call, read_results, truncation_note
-    from ..fileio import atomic_write
+    from ..evaluate.bfcl import load_bfcl, no_early_stop, parse_bfcl_spec, summarize_bfcl
+    from ..evaluate.harness import entrenar_completer, read_results, truncation_note
     from ..peft.load import load_any_model
     from ..tokenizer import use_chat_template_file
     from .data import read_system_prompt
@@ -290,10 +305,9 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
     questions = load_bfcl(categories, args.limit)  # before the model: a missing package fails in a second
     system = read_system_prompt(args.system_prompt_file) if args.system_prompt_file else None
     max_new = args.max_new_tokens if args.max_new_tokens is not None else BFCL_MAX_NEW_TOKENS
-    made = {"task": args.task, "model": args.model, "adapter": args.adapter, "chat_template": args.chat_template,
-            "system_prompt_file": args.system_prompt_file, "max_new_tokens": max_new, "dtype": args.dtype}
+    made = bfcl_row_settings(args, max_new)
     # --resume: another eval's rows are refused before the model loads (the same check as humaneval's)
-    done = read_results(args.out, questions, 1, made) if args.resume else {}
+    done = read_results(args.out, questions, args.samples, made) if args.resume else {}
     model, tok, path = load_any_model(args.model, args.device, args.kernels, args.adapter,
                                       getattr(args, "force_base", False))
     if tok is None:
@@ -306,31 +320,13 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
                          f"template's `tools`: give one that does: --chat-template chatml_tools (packaged, for "
                          f"ChatML models such as SmolLM2 and Qwen2.5) or --chat-template FILE")
     dtype, _ = resolve_dtype(args.dtype, args.device)
-    # greedy; a row ends at its end-of-turn / EOS only (no_early_stop: parallel answers hold several blocks)
-    def log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
-        print(line, file=sys.stderr, flush=True)
-
-    complete = entrenar_completer(model, tok, max_new, True, device=args.device, dtype=dtype, stop=no_early_stop,
-                                  slots=args.batch_size, log=log)
+    # a row ends at its end-of-turn / EOS only (no_early_stop: parallel answers hold several blocks); sample s of
+    # a question draws with --seed + s (greedy at --temperature 0)
+    complete = entrenar_completer(model, tok, max_new, True, temperature=args.temperature, top_p=args.top_p,
+                                  seed=args.task_seed, device=args.device, dtype=dtype, stop=no_early_stop,
+                                  slots=args.batch_size, log=_log)
     start = time.perf_counter()
-    per_call = prompts_per_call(args.batch_size, args.device, len(questions))
-    if args.out is None:
-        records = bfcl_records(questions, tok, complete, per_call, system, log, row_settings=made)
-    else:  # each row appended as its question is scored: an interrupted eval keeps what it finished
-        atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in done.values()))  # no cut last line
-        kept = [len(done)]
-        with open(args.out, "a", encoding="utf-8") as f:
-            def append(record: dict[str, Any]) -> None:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-                kept[0] += 1
-            try:
-                records = bfcl_records(questions, tok, complete, per_call, system, log, done_rows=done,
-                                       on_record=append, row_settings=made)
-            except KeyboardInterrupt:
-                raise KeyboardInterrupt(f"the {kept[0]} of {len(questions)} questions done so far are in "
-                                        f"{args.out}; the same command with --resume continues it") from None
-        atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in records))  # whole, in question order
+    records = _bfcl_answers(args, questions, tok, complete, system, done, made)
     summary = summarize_bfcl(records)
     summary["generate_seconds"] = round(sum(r["generate_seconds"] for r in records), 3)
     summary["seconds"] = round(time.perf_counter() - start, 3)
@@ -339,19 +335,67 @@ def cmd_bfcl_eval(args: argparse.Namespace) -> dict[str, Any]:
         if args.resume:
             summary["resumed"] = len(done)
     result = {"task": args.task, "model": str(path), "data": "bfcl-eval (package)", **summary,
+              "temperature": args.temperature, "top_p": args.top_p, "seed": args.task_seed,
               "max_new_tokens": max_new, "system_prompt_file": args.system_prompt_file,
               "chat_template": args.chat_template}
     if not args.json:
-        print(f"{'category':<24} {'correct':>7} {'total':>6} {'accuracy':>9} {'truncated':>9}")
-        for name, c in summary["categories"].items():
-            print(f"{name:<24} {c['correct']:>7} {c['total']:>6} {c['accuracy']:>9.4f} {c['truncated']:>9}")
-        print(f"{'all':<24} {summary['passed_problems']:>7} {summary['problems']:>6} {summary['accuracy']:>9.4f} "
-              f"{summary['truncated']:>9}   ({summary['seconds']:.0f} s"
-              + (f"; per-question results in {args.out})" if args.out else ")"))
-    note = truncation_note(summary["truncated"], summary["problems"], "--max-new-tokens", max_new)
+        _print_bfcl(summary, args.out)
+    note = truncation_note(summary["truncated"], summary["problems"] * args.samples, "--max-new-tokens", max_new)
     if note:
         print(note, file=sys.stderr, flush=True)
     return result
+
+
+def _log(line: str) -> None:  # progress on stderr also with --json (stdout's last line is the JSON)
+    print(line, file=sys.stderr, flush=True)
+
+
+def _bfcl_answers(args: argparse.Namespace, questions: list, tok, complete, system: str | None, done: dict,
+                  made: dict[str, Any]) -> list[dict[str, Any]]:
+    """bfcl_records of the questions x --samples; with --out each row appended as it is scored (an interrupted
+    eval keeps what it finished: Ctrl-C says how many), then the file rewritten whole in question order."""
+    from ..evaluate.bfcl import bfcl_records
+    from ..evaluate.harness import prompts_per_call
+    from ..fileio import atomic_write
+
+    per_call = prompts_per_call(args.batch_size, args.device, len(questions))
+    if args.out is None:
+        return bfcl_records(questions, tok, complete, per_call, system, _log, samples=args.samples,
+                            row_settings=made)
+    atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in done.values()))  # no cut last line
+    kept = [len(done)]
+    with open(args.out, "a", encoding="utf-8") as f:
+        def append(record: dict[str, Any]) -> None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            kept[0] += 1
+        try:
+            records = bfcl_records(questions, tok, complete, per_call, system, _log, samples=args.samples,
+                                   done_rows=done, on_record=append, row_settings=made)
+        except KeyboardInterrupt:
+            of = f"{len(questions)} questions" if args.samples == 1 else \
+                f"{len(questions) * args.samples} answers ({len(questions)} questions x {args.samples} samples)"
+            raise KeyboardInterrupt(f"the {kept[0]} of {of} done so far are in {args.out}; the same command with "
+                                    f"--resume continues it") from None
+    atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in records))  # whole, in question order
+    return records
+
+
+def _print_bfcl(summary: dict[str, Any], out: str | None) -> None:
+    """The table: per category (then all) correct, total, accuracy (sample 0's answers), truncated, and pass@k
+    with several samples (then a line of the overall pass@k)."""
+    ks = [k for k in summary if k.startswith("pass@")]
+    print(f"{'category':<24} {'correct':>7} {'total':>6} {'accuracy':>9} {'truncated':>9}"
+          + "".join(f" {k:>9}" for k in ks))
+    for name, c in summary["categories"].items():
+        print(f"{name:<24} {c['correct']:>7} {c['total']:>6} {c['accuracy']:>9.4f} {c['truncated']:>9}"
+              + "".join(f" {c[k]:>9.4f}" for k in ks))
+    print(f"{'all':<24} {summary['passed_problems']:>7} {summary['problems']:>6} {summary['accuracy']:>9.4f} "
+          f"{summary['truncated']:>9}" + "".join(f" {summary[k]:>9.4f}" for k in ks)
+          + f"   ({summary['seconds']:.0f} s" + (f"; per-question results in {out})" if out else ")"))
+    if ks:
+        print(f"{', '.join(f'{k} {summary[k]:.4f}' for k in ks)} ({summary['problems']} questions x "
+              f"{summary['samples']} samples; correct and accuracy: each question's sample 0)")
 
 
 def cmd_chat_eval(args: argparse.Namespace) -> dict[str, Any]:

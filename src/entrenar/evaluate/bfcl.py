@@ -27,7 +27,15 @@ from ..data.bfcl_data import (
 )
 from ..data.tool_calls import parse_tool_calls
 from ..errors import InputError
-from .harness import Complete, completion_parts, eta_text, no_early_stop, truncated_count
+from .harness import (
+    Complete,
+    completion_parts,
+    eta_text,
+    mean_pass_at_k,
+    no_early_stop,
+    pass_ks,
+    truncated_count,
+)
 
 __all__ = [
     "DEFAULT_MAX_NEW_TOKENS",
@@ -400,63 +408,97 @@ def score(question: BfclQuestion, calls: list[dict[str, Any]]) -> tuple[bool, st
 
 
 # ---- the eval ------------------------------------------------------------------------------------------
+def _bfcl_record(question: BfclQuestion, sample: int, text: str, truncated: bool | None, prompt_tokens: int,
+                 seconds: float) -> dict[str, Any]:
+    """One answer to `question`, read back and scored."""
+    calls, parse_error = parse_calls(text)
+    passed, error = score(question, calls)
+    return {"task_id": question.task_id, "category": question.category, "passed": passed,
+            "status": "passed" if passed else "failed", "error": error, "parse_error": parse_error,
+            "completion": text, "truncated": truncated, "calls": calls, "prompt_tokens": prompt_tokens,
+            "generate_seconds": round(seconds, 3), "sample": sample}
+
+
 def bfcl_records(questions: Sequence[BfclQuestion], tokenizer, complete: Complete, batch_size: int = 8,
-                 system: str | None = None, log: Callable[[str], None] | None = None, *,
+                 system: str | None = None, log: Callable[[str], None] | None = None, *, samples: int = 1,
                  done_rows: dict[tuple[str, int], dict[str, Any]] | None = None,
                  on_record: Callable[[dict[str, Any]], None] | None = None,
                  row_settings: dict[str, Any] | None = None) -> list[dict[str, Any]]:
-    """Greedy answers to each question, read back and scored: one record per question, in question order.
-    `done_rows` ({(task_id, 0): row}, harness.read_results for --resume) are taken as they are; `on_record` gets each
-    new record as soon as it is scored (the CLI appends it to --out); `row_settings` goes into each new record."""
+    """`samples` answers to each question (greedy or sampled: as `complete` decodes), read back and scored: one
+    record per (question, sample), in question order then sample order. `complete` gets a batch of `batch_size`
+    questions at once, each with its samples not done yet (harness.Complete: the prompt once per sample, each
+    request with its sample index). `done_rows` ({(task_id, sample): row}, harness.read_results for --resume) are
+    taken as they are; `on_record` gets each new record as soon as it is scored (the CLI appends it to --out);
+    `row_settings` goes into each new record."""
     start = time.perf_counter()
     done_rows = done_rows or {}
     ids = [bfcl_prompt_ids(q, tokenizer, system) for q in questions]
-    records: list[dict[str, Any] | None] = [done_rows.get((q.task_id, 0)) for q in questions]
-    # similar lengths together, longest first; questions already answered (--resume) are not asked again
-    order = sorted((i for i in range(len(questions)) if records[i] is None), key=lambda i: -len(ids[i]))
-    done = len(questions) - len(order)
+    records: list[dict[str, Any] | None] = [done_rows.get((q.task_id, s)) for q in questions for s in range(samples)]
+    # similar lengths together, longest first; answers already made (--resume) are not asked again
+    order = sorted((i for i in range(len(questions)) if None in records[i * samples:(i + 1) * samples]),
+                   key=lambda i: -len(ids[i]))
+    done, todo, made_here = len(questions) - len(order), sum(1 for r in records if r is None), 0
     for at in range(0, len(order), batch_size):
         batch = order[at:at + batch_size]
+        missing = [(i, s) for i in batch for s in range(samples) if records[i * samples + s] is None]
         if log is not None:
-            log(f"questions {done + 1}-{done + len(batch)} of {len(questions)}: generating")
+            log(f"questions {done + 1}-{done + len(batch)} of {len(questions)}: generating"
+                + (f" {len(missing)} answers ({samples} samples each)" if samples > 1 else ""))
         t0 = time.perf_counter()
-        made = [completion_parts(c) for c in complete([ids[i] for i in batch], [0] * len(batch))]
-        seconds = (time.perf_counter() - t0) / len(batch)
-        assert len(made) == len(batch), (len(made), len(batch))
-        for i, (text, truncated) in zip(batch, made):
-            calls, parse_error = parse_calls(text)
-            passed, error = score(questions[i], calls)
-            records[i] = {"task_id": questions[i].task_id, "category": questions[i].category, "passed": passed,
-                          "status": "passed" if passed else "failed",
-                          "error": error,
-                          "parse_error": parse_error, "completion": text, "truncated": truncated, "calls": calls,
-                          "prompt_tokens": len(ids[i]), "generate_seconds": round(seconds, 3), "sample": 0}
+        made = [completion_parts(c) for c in complete([ids[i] for i, _ in missing], [s for _, s in missing])]
+        seconds = (time.perf_counter() - t0) / len(missing)
+        assert len(made) == len(missing), (len(made), len(missing))
+        for (i, s), (text, truncated) in zip(missing, made):
+            record = _bfcl_record(questions[i], s, text, truncated, len(ids[i]), seconds)
             if row_settings is not None:
-                records[i]["settings"] = row_settings
+                record["settings"] = row_settings
+            records[i * samples + s] = record
             if on_record is not None:
-                on_record(records[i])
-        done += len(batch)
+                on_record(record)
+        done, made_here = done + len(batch), made_here + len(missing)
         if log is not None:
             passed = sum(1 for r in records if r is not None and r["passed"])
             elapsed = time.perf_counter() - start
-            log(f"{done}/{len(questions)} questions, {passed} correct so far ({elapsed:.0f} s, "
-                f"{eta_text(at + len(batch), len(order), elapsed)})")
+            log(f"{done}/{len(questions)} questions, {passed} {'correct' if samples == 1 else 'correct answers'} "
+                f"so far ({elapsed:.0f} s, {eta_text(made_here, todo, elapsed)})")
     assert all(r is not None for r in records)
     return records  # type: ignore[return-value]
 
 
+def _pass_counts(records: Sequence[dict[str, Any]]) -> tuple[int, dict[str, list[int]]]:
+    """(the answers per question, {category: each question's count of right answers}), over every sample."""
+    counts: dict[tuple[str, str], list[int]] = {}  # (category, task id) -> [answers, right answers]
+    for r in records:
+        n_c = counts.setdefault((r["category"], r["task_id"]), [0, 0])
+        n_c[0] += 1
+        n_c[1] += int(r["passed"])
+    samples = min((n for n, _ in counts.values()), default=1)
+    assert all(n == samples for n, _ in counts.values()), "every question needs the same number of samples"
+    per_category: dict[str, list[int]] = {}
+    for (category, _), (_, right) in counts.items():
+        per_category.setdefault(category, []).append(right)
+    return samples, per_category
+
+
 def summarize_bfcl(records: Sequence[dict[str, Any]]) -> dict[str, Any]:
     """Accuracy overall and per category (in the order first seen), with counts; "truncated": the answers the token
-    limit cut (overall and per category)."""
+    limit cut (overall and per category, every sample's). `correct`/`total`/`accuracy` and `passed_problems`/
+    `problems`/`accuracy` count one answer per question: its sample 0. "samples": the answers per question; with
+    more than one, "pass@k" per category and overall (harness.mean_pass_at_k, the unbiased estimator over every
+    sample of a question) for k = 1, 10, 100 up to the samples and k = the samples."""
     cats: dict[str, dict[str, Any]] = {}
     for r in records:
         c = cats.setdefault(r["category"], {"correct": 0, "total": 0, "truncated": 0})
-        c["total"] += 1
-        c["correct"] += int(r["passed"])
         c["truncated"] += int(bool(r.get("truncated")))
-    for c in cats.values():
+        if r.get("sample", 0) == 0:
+            c["total"] += 1
+            c["correct"] += int(r["passed"])
+    samples, passes = _pass_counts(records)
+    ks = sorted({*pass_ks(samples), samples}) if samples > 1 else []  # one sample: accuracy is pass@1
+    for name, c in cats.items():
         c["accuracy"] = c["correct"] / c["total"]
-    passed = sum(int(r["passed"]) for r in records)
-    return {"problems": len(records), "passed_problems": passed,
-            "accuracy": passed / len(records) if records else 0.0, "truncated": truncated_count(records),
-            "categories": cats}
+        c.update(mean_pass_at_k(passes[name], samples, ks))
+    passed, problems = sum(c["correct"] for c in cats.values()), sum(c["total"] for c in cats.values())
+    return {"problems": problems, "passed_problems": passed, "accuracy": passed / problems if problems else 0.0,
+            "truncated": truncated_count(records), "categories": cats, "samples": samples,
+            **mean_pass_at_k([c for right in passes.values() for c in right], samples, ks)}

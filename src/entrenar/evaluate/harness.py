@@ -92,7 +92,18 @@ class TaskEvalSettings:
 
     def ks(self) -> list[int]:
         """The k of pass@k reported: 1, 10, 100 up to the number of samples."""
-        return [k for k in (1, 10, 100) if k <= self.samples]
+        return pass_ks(self.samples)
+
+
+def pass_ks(samples: int) -> list[int]:
+    """The k of pass@k a task eval of `samples` completions per problem reports: 1, 10, 100 up to `samples`."""
+    return [k for k in (1, 10, 100) if k <= samples]
+
+
+def mean_pass_at_k(passes: Sequence[int], samples: int, ks: Sequence[int]) -> dict[str, float]:
+    """{"pass@k": the unbiased estimator (tasks.pass_at_k) averaged over problems} for each k of `ks`, from each
+    problem's count of passing samples of `samples`."""
+    return {f"pass@{k}": sum(pass_at_k(samples, c, k) for c in passes) / len(passes) for k in ks}
 
 
 def _batches(problems: Sequence[Problem], ids: list[list[int]], size: int) -> list[list[int]]:
@@ -214,8 +225,7 @@ def summarize(records: Sequence[dict[str, Any]], settings: TaskEvalSettings) -> 
     if len(ran_under) > 1:  # mixed: the weakest, and how many programs ran under each
         box["isolation_counts"] = dict(sorted(ran_under.items()))
     return {"problems": n_problems, "samples": settings.samples,
-            **{f"pass@{k}": sum(pass_at_k(settings.samples, c, k) for c in per_problem.values()) / n_problems
-               for k in settings.ks()},
+            **mean_pass_at_k(list(per_problem.values()), settings.samples, settings.ks()),
             "passed_problems": sum(1 for c in per_problem.values() if c),
             "truncated": truncated_count(records),
             "format": "chat" if settings.chat else "completion",
