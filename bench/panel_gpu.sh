@@ -17,7 +17,12 @@
 #                                                 paired against the base's evals; GRPO_ROWS="FLAGS": the prompts made
 #                                                 by `data sft-from-bfcl FLAGS` instead of the SFT rows; GRPO_ARGS:
 #                                                 more finetune flags; GRPO_REWARD="SPEC ...": the rewards,
-#                                                 bfcl-graded by default)
+#                                                 bfcl-graded by default; PEFT_CHECK=N: the GRPO adapter's first N
+#                                                 questions a category in transformers + peft, bench/peft_check.py)
+#   bash bench/panel_gpu.sh passk NAME SECONDS    pass@1 and pass@K (PASSK, 8) of BFCL simple_python and multiple, K
+#                                                 samples at PASSK_TEMP (1.0), of each model of PASSK_OF ("base": the
+#                                                 base; a variant: its SFT run; "grpo": the GRPO run): how far a
+#                                                 sampled answer reaches, the ceiling GRPO sharpens towards
 #   bash bench/panel_gpu.sh code NAME SECONDS     GRPO (LoRA, --reward tests) from the base on `data tasks-from-code
 #                                                 stdlib` prompts (CODE_SOURCES: more source trees), HumanEval in
 #                                                 the loop; HumanEval, BFCL and chat after, paired with the base's
@@ -48,6 +53,8 @@ base=$root/base
 mkdir -p "$base"
 tpl=(--chat-template "${TEMPLATE:-chatml_tools}")  # TEMPLATE=own: the model's own chat template
 [ "${TEMPLATE:-}" = own ] && tpl=()
+tpl_file=()  # bench/peft_check.py takes the template's file
+[ "${TEMPLATE:-chatml_tools}" = own ] || tpl_file=(--chat-template "src/entrenar/templates/${TEMPLATE:-chatml_tools}.jinja")
 cats=simple_python,multiple,irrelevance
 
 collect() {  # $1: the stage; what it wrote, no weights, to $OUT
@@ -178,8 +185,31 @@ if [ "$stage" = grpo ]; then
       --retain-task bfcl:irrelevance --retain-task chat --keep-best task --seed 0 --out "$g/run" ${GRPO_ARGS:-}
     grep -E "^step [0-9]+/" "$g/finetune.log" | awk 'NR % 10 == 1' | head -20
     after_evals "$g" "$g/run" "$before"
+    if [ "${PEFT_CHECK:-0}" -gt 0 ]; then  # the adapter against its own base (the merged SFT model or the GGUF)
+      timeout "$(left)" python3 -m bench.peft_check --base "$start" --adapter "$g/run/final" "${tpl_file[@]}" \
+        --limit "$PEFT_CHECK" --ours "$g/after_bfcl.jsonl" --out "$g/peft_bfcl.jsonl" > "$g/peft_check.log" 2>&1
+      echo "peft_check: exit $?"; tail -n 4 "$g/peft_check.log"
+    fi
   } 2>&1 | tee "$OUT/grpo-summary.txt"
   collect grpo
+  exit 0
+fi
+
+if [ "$stage" = passk ]; then
+  k=$root/passk
+  mkdir -p "$k"
+  {
+    for m in ${PASSK_OF:-base}; do
+      src=$root/$m/run; own=()  # a run carries its chat template; the base is given the stage's
+      [ "$m" = base ] && { src=$model; own=("${tpl[@]}"); }
+      timed "$k/$m" python3 -m entrenar eval --task bfcl:simple_python,multiple --model "$src" "${own[@]}" "${limit[@]}" \
+        --device "$dev" --samples "${PASSK:-8}" --temperature "${PASSK_TEMP:-1.0}" --out "$k/$m.jsonl" --overwrite
+      python3 -c "import json, sys; r = json.load(open(sys.argv[1]))
+for n, c in r.get('categories', {}).items(): print(sys.argv[2], n, {k: v for k, v in c.items() if k != 'truncated'})" \
+        "$k/$m.json" "$m"
+    done
+  } 2>&1 | tee "$OUT/passk-summary.txt"
+  collect passk
   exit 0
 fi
 
@@ -203,4 +233,4 @@ if [ "$stage" = code ]; then
   collect code
   exit 0
 fi
-echo "unknown stage $stage (speed | ab | grpo | code)"; exit 2
+echo "unknown stage $stage (speed | ab | grpo | passk | code)"; exit 2

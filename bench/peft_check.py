@@ -27,7 +27,7 @@ from entrenar.tokenizer import load_tokenizer, use_chat_template_file
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
-    ap.add_argument("--base", required=True, help="the base model's GGUF file")
+    ap.add_argument("--base", required=True, help="the base model: a GGUF file, or an HF directory (`entrenar merge`'s)")
     ap.add_argument("--adapter", required=True, help="the run's final/ (a PEFT adapter directory)")
     ap.add_argument("--chat-template", default=None)
     ap.add_argument("--categories", default="simple_python,multiple,irrelevance")
@@ -46,7 +46,10 @@ def main() -> int:
     base = Path(args.base)
     tok = load_tokenizer(str(base))
     use_chat_template_file(tok, args.chat_template)
-    hf = AutoModelForCausalLM.from_pretrained(str(base.parent), gguf_file=base.name, dtype=dtype).to(device)
+    if base.is_dir():  # an adapter trained on a merged model (GRPO from an SFT adapter)
+        hf = AutoModelForCausalLM.from_pretrained(str(base), dtype=dtype).to(device)
+    else:
+        hf = AutoModelForCausalLM.from_pretrained(str(base.parent), gguf_file=base.name, dtype=dtype).to(device)
     hf = PeftModel.from_pretrained(hf, args.adapter).eval()
     questions = load_bfcl(parse_bfcl_spec(f"bfcl:{args.categories}"), args.limit)
     complete = transformers_completer(hf, tok, args.max_new_tokens, True, stop=no_early_stop)
