@@ -1,8 +1,9 @@
-"""`entrenar plot RUN` -> RUN/curves.png: train and eval loss, learning rate, grad norm, tokens/s vs step, and
-the --eval-task / --retain-task metrics when the run measured them (metrics.jsonl's rows with a "task" key), one
-line per task or BFCL category in one panel.
+"""`entrenar plot RUN` -> RUN/curves.png: train and eval loss, learning rate, grad norm, tokens/s vs step; a GRPO
+run's rewards and rollout signal, a DPO run's preference accuracy and margin (OBJECTIVE_PANELS); and the
+--eval-task / --retain-task metrics when the run measured them (metrics.jsonl's rows with a "task" key), one line per
+task or BFCL category in one panel.
 
-Uses matplotlib when importable; otherwise draws the same four panels (no text) with numpy and
+Uses matplotlib when importable; otherwise draws the same panels (no text) with numpy and
 zlib so the command never needs a plotting stack.
 """
 
@@ -49,6 +50,31 @@ def _task_lines(tasks: list[dict]) -> list[tuple[str, list[float], list[float]]]
     return lines
 
 
+# the objective's own per-step figures (metrics.jsonl keys), a panel each where the run logged them: a GRPO run's
+# rewards (the total, each --reward's, the spread within groups) and its rollouts' signal (train/grpo.py); DPO's
+# preference accuracy and margin (train/objective.py)
+OBJECTIVE_PANELS = (
+    ("rewards (GRPO)", ("reward", "reward/*", "reward_std")),
+    ("rollouts (GRPO): KL to the reference, entropy, shares",
+     ("kl", "entropy", "frac_reward_zero_std", "frac_groups_dropped", "truncated_share")),
+    ("preferences (DPO)", ("rewards/accuracies", "rewards/margins")),
+)
+
+
+def _objective_panels(metrics: list[dict]) -> list[tuple[str, list, bool]]:
+    """OBJECTIVE_PANELS whose keys the step rows hold; "reward/*": every reward's own key, in the order logged."""
+    logged = list(dict.fromkeys(k for r in metrics for k in r))
+    panels = []
+    for title, keys in OBJECTIVE_PANELS:
+        names = [k for key in keys for k in
+                 ([n for n in logged if n.startswith(key[:-1])] if key.endswith("*") else [key] if key in logged
+                  else [])]
+        lines = [(name, *_series(metrics, name)) for name in names]
+        if any(xs for _, xs, _ in lines):
+            panels.append((title, lines, False))
+    return panels
+
+
 def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
     metrics_path = run_dir / "metrics.jsonl"
     if not metrics_path.is_file():
@@ -68,6 +94,7 @@ def plot_run(run_dir: Path, out: Path | None = None) -> dict[str, Any]:
         ("grad norm (global L2, before clipping)", [("grad norm", *_series(metrics, "grad_norm"))], True),
         ("tokens / s", [("tok/s", *_series(metrics, "tok_s"))], False),
     ]
+    panels += _objective_panels(metrics)
     task_lines = _task_lines(tasks)
     if task_lines:
         title = "task metrics (step 0 = the start)" if len(task_lines) > 1 else task_lines[0][0]
