@@ -101,10 +101,11 @@ def cmd_tasks_from_code(args: argparse.Namespace) -> dict[str, Any]:
                             verify=not args.no_verify, limit=args.limit)
     if not args.json:
         named = ", ".join(f"{name} {n}" for name, n in list(stats["packages"].items())[:5])
-        print(f"wrote {stats['rows']} tasks to {stats['out']} from {stats['files']} files: "
-              f"{stats['functions_with_doctests']} functions with doctests, {stats['not_self_contained']} not "
-              f"self-contained, {stats['humaneval_overlap']} overlapping HumanEval, {stats['needs_packages']} "
-              f"importing modules outside the standard library, which the tests' sandbox does not have"
+        print(f"wrote {stats['rows']} tasks ({stats['with_context']} with their module's helpers in the prompt) to "
+              f"{stats['out']} from {stats['files']} files: {stats['functions_with_doctests']} functions with "
+              f"doctests, {stats['not_self_contained']} not self-contained, {stats['humaneval_overlap']} overlapping "
+              f"HumanEval, {stats['needs_packages']} importing modules outside the standard library, which the "
+              f"tests' sandbox does not have"
               f"{f' ({named})' if named else ''}, {stats['failed_verification']} failing their own tests (left out)")
     return stats
 

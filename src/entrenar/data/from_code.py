@@ -35,9 +35,10 @@ def _signature(node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
     return f"{prefix} {node.name}({ast.unparse(node.args)}){returns}:"
 
 
-def _source(lines: list[str], node: ast.FunctionDef | ast.AsyncFunctionDef) -> str:
-    """The function's lines (decorators included) with the def line's indentation removed."""
-    first = min([node.lineno] + [d.lineno for d in node.decorator_list])
+def _source(lines: list[str], node: ast.stmt) -> str:
+    """The function's lines (decorators included) with the def line's indentation removed (any statement: a class,
+    an assignment, the same way)."""
+    first = min([node.lineno] + [d.lineno for d in getattr(node, "decorator_list", [])])
     indent = node.col_offset
     out = []
     for line in lines[first - 1:node.end_lineno]:
@@ -85,10 +86,11 @@ def _module_imports(tree: ast.AST) -> set[str]:
     return names
 
 
-def free_names(node: ast.FunctionDef | ast.AsyncFunctionDef) -> set[str]:
+def free_names(node: ast.AST) -> set[str]:
     """Names the function reads that it does not bind itself (parameters, assignments, loop and
     comprehension targets, imports, nested definitions) and that are not builtins: what it needs from
-    the module around it."""
+    the module around it. Any other node (a class, an assignment) reads the same way: the names loaded
+    in it that it does not bind (an assignment's own targets are bound)."""
     bound: set[str] = set()
     loaded: set[str] = set()
     for sub in ast.walk(node):
