@@ -146,6 +146,7 @@ if [ "$stage" = ab ]; then
   {
     base_evals
     for v in ${ONLY:-${!VARIANTS[@]}}; do
+      rm -rf "$root/$v/run"  # a variant run again starts afresh (finetune refuses a stopped run's --out)
       # shellcheck disable=SC2086
       timeout "$(left)" python3 -m bench.task_proof toolcall "${common[@]}" --work "$root/$v" --base-from "$base" \
         ${VARIANTS[$v]} ${SFT_EXTRA:-} > "$root/$v.out" 2>&1
