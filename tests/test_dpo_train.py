@@ -141,6 +141,13 @@ def test_pack_is_refused_for_pairs(tmp_path, base_model, pref_data):  # noqa: F8
     assert code == 2 and "--pack" in result["error"]
 
 
+def test_mix_is_refused_for_pairs(tmp_path, base_model, pref_data):  # noqa: F811
+    """--mix adds SFT rows or GRPO prompts; preference pairs are refused, exit 2 naming it."""
+    code, result, _ = run_cli(dpo_args(base_model, pref_data, tmp_path / "run", extra=("--mix", f"{pref_data}:0.3")),
+                              capture=True)
+    assert code == 2 and "--mix and --kl-to-base apply to SFT rows" in result["error"], result
+
+
 def test_resume_from_step_3_equals_the_uninterrupted_run(tmp_path, lora_run, base_model, pref_data):  # noqa: F811
     resumed = tmp_path / "resumed"
     _rewind(lora_run, resumed, 3)

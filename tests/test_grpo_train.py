@@ -211,7 +211,8 @@ def test_bad_reward_return_exits_2_naming_file_line(tmp_path, base_model, prompt
     (("--val", "x.jsonl"), "--objective grpo has no eval set"),
     (("--objective", "sft"), "--reward python:"),
     (("--beta", "-1"), "--beta must be a finite number >= 0"),
-], ids=["unknown", "missing-file", "G1", "val", "reward-without-grpo", "negative-beta"])
+    (("--kl-to-base", "0.1"), "has its own reference term (--beta)"),
+], ids=["unknown", "missing-file", "G1", "val", "reward-without-grpo", "negative-beta", "kl-to-base"])
 def test_bad_flags_exit_2(tmp_path, base_model, prompts, change, needle):  # noqa: F811
     args = grpo_args(base_model, *prompts, tmp_path / "run", steps=1)
     flag, value = change
@@ -306,3 +307,19 @@ def test_progress_fields_leave_out_what_a_step_lacks():
                           "frac_groups_dropped": 0.455, "kl": True, "completion_length": 48.6}, PROGRESS_FIELDS)
     assert line == "reward 0.500 no-spread 25% dropped 46% len 49"
     assert format_fields({}, PROGRESS_FIELDS) == ""
+
+
+def test_mix_sets_the_share_of_another_prompt_file(tmp_path, base_model, prompts):  # noqa: F811
+    """--mix FILE:FRACTION with --objective grpo: FILE's prompts make FRACTION of the prompts (no-call prompts
+    among call prompts, so a reward that pays for calls does not teach calling on every question)."""
+    other = tmp_path / "other.jsonl"
+    other.write_text("".join(json.dumps({"prompt": f"Count to {i}."}) + "\n" for i in range(3)))
+    out = tmp_path / "run"
+    code, _, err = run_cli(grpo_args(base_model, *prompts, out, steps=2, extra=("--mix", f"{other}:0.5")),
+                           capture=True)
+    assert code == 0, err
+    report = json.loads((out / "data_report.json").read_text())
+    assert report["mix"] == [{"file": str(other), "fraction": 0.5, "rows_in_file": 3, "rows_added": 8}]
+    assert report["train_examples"] == 16  # 8 of --data's, 8 of the mixed file's (cycled)
+    assert len(records(out)) == 2
+

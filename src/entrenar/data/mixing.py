@@ -1,4 +1,5 @@
-"""`finetune --mix FILE:FRACTION`: rows of other SFT files mixed into the training rows, each making a stated
+"""`finetune --mix FILE:FRACTION`: rows of other SFT files (or, with --objective grpo, prompt files) mixed into the
+training rows, each making a stated
 fraction of the mixed training set (e.g. `data replay`'s rows at 0.3, so a narrow fine-tune keeps the base's
 general answers). FILE's rows are read and validated as --data's are; n_extra = round(FRACTION / (1 - sum of the
 fractions) x n_main) rows are taken from FILE in an order fixed by --seed, cycling through FILE again when it has
@@ -45,7 +46,8 @@ def mix_examples(examples: list, specs: list[str], load: Callable[[str], list], 
         want = round(fraction / (1.0 - total) * len(examples))
         order = list(range(len(rows)))
         rng.shuffle(order)
-        added = [replace(rows[order[i % len(rows)]], kl=mark_kl) for i in range(want)]
+        picked = [rows[order[i % len(rows)]] for i in range(want)]
+        added = [replace(row, kl=True) for row in picked] if mark_kl else picked  # GRPO's prompt rows have no kl
         out.extend(added)
         report.append({"file": path, "fraction": fraction, "rows_in_file": len(rows), "rows_added": len(added)})
     return out, report

@@ -711,8 +711,8 @@ def _mixed(examples: list, data: DataConfig, cfg: TrainConfig, kind: str, load: 
 
     from ..data.mixing import mix_examples
 
-    if kind != "sft":
-        raise InputError("--mix and --kl-to-base apply to SFT rows (--objective sft)")
+    if kind not in ("sft", "grpo-prompts"):  # grpo with --kl-to-base is refused earlier (its --beta is that pull)
+        raise InputError("--mix and --kl-to-base apply to SFT rows (--objective sft); --mix also to GRPO's prompts")
     if cfg.kl_to_base and cfg.kl_rows == "mix" and not data.mix:
         raise InputError("--kl-to-base with --kl-rows mix pulls the rows --mix adds: give --mix FILE:FRACTION "
                          "(e.g. `entrenar data replay`'s rows), or --kl-rows all")

@@ -590,8 +590,9 @@ class DataConfig:
                                        per_command={"eval": {"help": CHAT_TEMPLATE_HELP + ": for SFT .jsonl rows "
                                                              "(--task loss) and --task humaneval's chat prompts"}})
     mix: list[str] = option(  # noqa: RUF009 (a field with a default_factory)
-        help="FILE:FRACTION: rows of another SFT file (e.g. `data replay`'s) making FRACTION of "
-                                 "the training rows (data/mixing.py); several allowed", commands=("finetune",),
+        help="FILE:FRACTION: rows of another SFT file (e.g. `data replay`'s), or with --objective grpo "
+                                 "of another prompt file (e.g. no-call prompts), making FRACTION of the training rows "
+                                 "(data/mixing.py); several allowed", commands=("finetune",),
                             metavar="FILE:FRACTION", default_help="none", default_factory=list)
     columns: str | None = option(None, COLUMNS_HELP, commands=("finetune", "eval"), metavar="MAP",
                                  default_help="the rows' own keys")
