@@ -352,33 +352,21 @@ def _log(line: str) -> None:  # progress on stderr also with --json (stdout's la
 
 def _bfcl_answers(args: argparse.Namespace, questions: list, tok, complete, system: str | None, done: dict,
                   made: dict[str, Any]) -> list[dict[str, Any]]:
-    """bfcl_records of the questions x --samples; with --out each row appended as it is scored (an interrupted
-    eval keeps what it finished: Ctrl-C says how many), then the file rewritten whole in question order."""
+    """bfcl_records of the questions x --samples; with --out each row appended as it is scored
+    (harness.write_as_made: an interrupted eval keeps what it finished, Ctrl-C says how many)."""
     from ..evaluate.bfcl import bfcl_records
-    from ..evaluate.harness import prompts_per_call
-    from ..fileio import atomic_write
+    from ..evaluate.harness import prompts_per_call, write_as_made
 
     per_call = prompts_per_call(args.batch_size, args.device, len(questions))
     if args.out is None:
         return bfcl_records(questions, tok, complete, per_call, system, _log, samples=args.samples,
                             row_settings=made)
-    atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in done.values()))  # no cut last line
-    kept = [len(done)]
-    with open(args.out, "a", encoding="utf-8") as f:
-        def append(record: dict[str, Any]) -> None:
-            f.write(json.dumps(record) + "\n")
-            f.flush()
-            kept[0] += 1
-        try:
-            records = bfcl_records(questions, tok, complete, per_call, system, _log, samples=args.samples,
-                                   done_rows=done, on_record=append, row_settings=made)
-        except KeyboardInterrupt:
-            of = f"{len(questions)} questions" if args.samples == 1 else \
-                f"{len(questions) * args.samples} answers ({len(questions)} questions x {args.samples} samples)"
-            raise KeyboardInterrupt(f"the {kept[0]} of {of} done so far are in {args.out}; the same command with "
-                                    f"--resume continues it") from None
-    atomic_write(args.out, "".join(json.dumps(r) + "\n" for r in records))  # whole, in question order
-    return records
+    of = f"{len(questions)} questions" if args.samples == 1 else \
+        f"{len(questions) * args.samples} answers ({len(questions)} questions x {args.samples} samples)"
+    return write_as_made(args.out, done, lambda append: bfcl_records(
+        questions, tok, complete, per_call, system, _log, samples=args.samples, done_rows=done, on_record=append,
+        row_settings=made), lambda kept: f"the {kept} of {of} done so far are in {args.out}; the same command "
+                                          f"with --resume continues it")
 
 
 def _print_bfcl(summary: dict[str, Any], out: str | None) -> None:

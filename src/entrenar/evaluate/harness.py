@@ -233,6 +233,31 @@ def summarize(records: Sequence[dict[str, Any]], settings: TaskEvalSettings) -> 
                         "memory_mb": settings.limits.memory_mb, "nproc": settings.limits.nproc}}
 
 
+def write_as_made(out: str | Path, done: dict[Any, dict[str, Any]],
+                  make: Callable[[Callable[[dict[str, Any]], None]], list[dict[str, Any]]],
+                  interrupted: Callable[[int], str] | None = None) -> list[dict[str, Any]]:
+    """An eval's --out rows as they are made (humaneval's and bfcl's): `done`'s rows first (no cut last line to
+    append after), then each record `make(append)` scores appended and flushed (a run stopped by Ctrl-C or a crash
+    leaves the rows done so far, valid JSONL; `interrupted(rows kept)` is then Ctrl-C's message), then the file
+    rewritten whole, atomically, in `make`'s order."""
+    atomic_write(out, "".join(json.dumps(r) + "\n" for r in done.values()))
+    kept = [len(done)]
+    with os.fdopen(open_no_follow(out, os.O_WRONLY | os.O_APPEND), "a", encoding="utf-8") as f:
+        def append(record: dict[str, Any]) -> None:
+            f.write(json.dumps(record) + "\n")
+            f.flush()
+            kept[0] += 1
+
+        try:
+            records = make(append)
+        except KeyboardInterrupt:
+            if interrupted is None:
+                raise
+            raise KeyboardInterrupt(interrupted(kept[0])) from None
+    atomic_write(out, "".join(json.dumps(r) + "\n" for r in records))
+    return records
+
+
 def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, settings: TaskEvalSettings,
                   out: str | Path | None = None, log: Callable[[str], None] | None = None, *,
                   resume: bool = False, row_settings: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -245,19 +270,12 @@ def run_task_eval(problems: Sequence[Problem], tokenizer, complete: Complete, se
     if out is None:
         records = task_records(problems, tokenizer, complete, settings, log, row_settings=row_settings)
     else:
-        atomic_write(out, "".join(json.dumps(r) + "\n" for r in done.values()))  # no cut last line to append after
-        with os.fdopen(open_no_follow(out, os.O_WRONLY | os.O_APPEND), "a", encoding="utf-8") as f:
-            def append(record: dict[str, Any]) -> None:
-                f.write(json.dumps(record) + "\n")
-                f.flush()
-
-            records = task_records(problems, tokenizer, complete, settings, log, done=done, on_record=append,
-                                   row_settings=row_settings)
+        records = write_as_made(out, done, lambda append: task_records(
+            problems, tokenizer, complete, settings, log, done=done, on_record=append, row_settings=row_settings))
     summary = summarize(records, settings)
     summary["generate_seconds"] = round(sum(r["generate_seconds"] for r in records), 3)
     summary["seconds"] = round(time.perf_counter() - start, 3)
     if out is not None:
-        atomic_write(out, "".join(json.dumps(r) + "\n" for r in records))
         summary["out"] = str(out)
         if resume:
             summary["resumed"] = len(done)
